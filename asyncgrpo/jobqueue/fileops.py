@@ -1,0 +1,231 @@
+"""Every rename, link, fsync and directory scan of the run directory happens here.
+
+Why each operation looks the way it does:
+
+* A write goes to a temp file in ``queue/.tmp/``, is fsynced, then *linked* to its final
+  name (``link`` fails with EEXIST, so it never overwrites) and the temp name unlinked.
+  A reader never sees a partial file under a final name.
+* A transition inside one directory is ``renameat2(RENAME_NOREPLACE)``: atomic, exactly
+  one claimant wins, and an existing target is reported, never replaced. Where the
+  filesystem lacks it we fall back to ``link`` + ``unlink``, whose loser is whoever fails
+  the unlink; the loser removes its own link.
+* A move into another directory (queue/ -> done/) is ``link`` + ``unlink`` as well: a
+  cross-directory rename shows up in the watched ``queue/`` as an unpaired
+  IN_MOVED_FROM, which watchdog holds for 0.5 s while every later event waits behind it.
+* Payloads are loaded with ``torch.load(weights_only=True)`` from a descriptor opened with
+  O_NOFOLLOW and checked to be a regular file: a file cannot run code or redirect us.
+
+torch is imported lazily so that ``queue_tools ls`` answers without loading it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import io
+import json
+import os
+import stat
+import uuid
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+_WRITE_CHUNK = 1 << 20
+
+
+class QueueWriteError(OSError):
+    """A payload could not be written (disk full, permissions, ...). Nothing was published."""
+
+
+class PayloadLoadError(ValueError):
+    """A queue file is not a loadable, plain-data payload."""
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def scan(directory: str | os.PathLike) -> list[os.DirEntry]:
+    """The entries of one directory (no recursion, no stat calls beyond what scandir caches)."""
+    with os.scandir(directory) as it:
+        return list(it)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data[:_WRITE_CHUNK])
+        data = data[written:]
+
+
+def stage_bytes(tmp_dir: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = True) -> str:
+    """Writes ``data`` to a new temp file in ``tmp_dir`` and returns its path.
+
+    On any failure the temp file is removed and QueueWriteError names the problem.
+    """
+    path = os.path.join(tmp_dir, f"{uuid.uuid4().hex}.tmp")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as err:
+        raise QueueWriteError(err.errno, f"cannot create a temp file in {tmp_dir}: {err.strerror}") from err
+    try:
+        _write_all(fd, memoryview(data))
+        if fsync:
+            os.fsync(fd)
+    except OSError as err:
+        os.close(fd)
+        _unlink_quietly(path)
+        hint = " (disk full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise QueueWriteError(err.errno, f"cannot write {len(data)} bytes to {tmp_dir}{hint}: {err.strerror}") from err
+    os.close(fd)
+    return path
+
+
+def serialize(payload: dict) -> memoryview:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getbuffer()
+
+
+def publish(tmp_path: str, final_path: str | os.PathLike, *, fsync: bool = True) -> None:
+    """Gives a staged temp file its final name without ever overwriting.
+
+    Raises FileExistsError if the final name exists (the temp file is then left in
+    place for the caller to archive or drop).
+    """
+    os.link(tmp_path, final_path)
+    os.unlink(tmp_path)
+    if fsync:
+        fsync_dir(os.path.dirname(os.fspath(final_path)))
+
+
+def write_payload(tmp_dir: str | os.PathLike, final_path: str | os.PathLike, payload: dict, *, fsync: bool = True) -> None:
+    """Atomic, durable, no-clobber write of one payload (raises FileExistsError, QueueWriteError)."""
+    tmp_path = stage_bytes(tmp_dir, serialize(payload), fsync=fsync)
+    try:
+        publish(tmp_path, final_path, fsync=fsync)
+    except OSError:
+        _unlink_quietly(tmp_path)
+        raise
+
+
+def move(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Renames ``src`` to ``dst`` unless ``dst`` exists (FileExistsError) or ``src`` is gone
+    (FileNotFoundError: someone else moved it first)."""
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))
+    _link_then_unlink(src, dst)
+
+
+def move_to_other_dir(src: str | os.PathLike, dst: str | os.PathLike, *, fsync: bool = True) -> None:
+    """No-clobber move into another directory that emits no IN_MOVED_FROM in the source's."""
+    if stat.S_ISDIR(os.lstat(src).st_mode):  # only a hostile file is a directory; links can't take it
+        move(src, dst)
+    else:
+        _link_then_unlink(src, dst)
+    if fsync:
+        fsync_dir(os.path.dirname(os.fspath(dst)))
+
+
+def _link_then_unlink(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    os.link(src, dst, follow_symlinks=False)
+    try:
+        os.unlink(src)
+    except FileNotFoundError:
+        # Another process moved src between our link and unlink: it won, we undo.
+        os.unlink(dst)
+        raise
+
+
+def load_payload(path: str | os.PathLike) -> dict:
+    """Loads a plain-data payload; refuses symlinks, non-regular files and pickled code."""
+    import torch
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise PayloadLoadError(f"{os.fspath(path)} is a symlink") from err
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise PayloadLoadError(f"{os.fspath(path)} is not a regular file")
+        data = f.read()
+    try:
+        payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as err:  # torch raises several types for truncated/hostile input
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PayloadLoadError(f"{os.fspath(path)} is not a plain-data torch payload: {reason[:200]}") from err
+    if not isinstance(payload, dict):
+        raise PayloadLoadError(f"{os.fspath(path)} holds a {type(payload).__name__}, not a dict")
+    return payload
+
+
+def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> None:
+    """Atomically replaces a small JSON status file (heartbeats, versions, progress).
+
+    The temp name starts with a dot in the same directory, so scanners skip it.
+    """
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    data = json.dumps(obj, sort_keys=True).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)  # status files are meant to be replaced
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike) -> dict | None:
+    """A small JSON status file, or None when it is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def touch(path: str | os.PathLike) -> float:
+    """Creates or touches ``path``; returns its new mtime (the filesystem's clock)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.utime(fd)
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
+def set_mtime(path: str | os.PathLike, mtime: float) -> None:
+    os.utime(path, (mtime, mtime), follow_symlinks=False)
+
+
+def remove_temp(path: str | os.PathLike) -> None:
+    """Removes an abandoned temp file (the only deletion in the protocol)."""
+    os.unlink(path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+

@@ -1,0 +1,139 @@
+"""The file-name grammar of the job queue: a file's name is its state.
+
+Active files live in ``RUN/queue/``::
+
+    {job_id}_pending[_a{k}].pt                   written by the PS, waiting for a worker
+    {job_id}_processing_by_dev{N}[_a{k}].pt      claimed by worker N
+    {job_id}_committing_by_dev{N}[_a{k}].pt      worker N fenced it and is publishing its result
+    {job_id}_complete_from_dev{N}.pt             worker N's result, waiting for the PS
+    {job_id}_collected.pt                        claimed by the PS collector
+
+``job_id`` is ``{created_step:06d}_{job_index:03d}``. ``_a{k}`` is the attempt number
+and only appears from the second attempt on (a job requeued by recovery), so a
+first attempt has exactly the names of DESIGN.md. Archived files live in ``RUN/done/``
+as ``{job_id}_{reason}[_a{k}][.{n}].pt`` (``.{n}`` only when an earlier file of the
+same job and reason is already there).
+
+A name that does not match is never parsed further: ``parse_queue_name`` returns None.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+JOB_ID_RE = re.compile(r"^\d{6}_\d{3}$")
+
+
+class JobState(str, enum.Enum):
+    PENDING = "pending"
+    PROCESSING = "processing"
+    COMMITTING = "committing"
+    COMPLETE = "complete"
+    COLLECTED = "collected"
+
+
+class ArchiveReason(str, enum.Enum):
+    CONSUMED = "consumed"  # trained on, exactly once
+    PROCESSED = "processed"  # a worker's job file once its result is published
+    FAILED_LOAD = "failed_load"  # bad name, symlink, corrupt or hostile payload
+    DUPLICATE = "duplicate"  # a second result (or file) for a job id already handled
+    STALE = "stale"  # a result generated with weights too old to train on
+    ORPHANED = "orphaned"  # recovered max_attempts times without a result
+    FAILED = "failed"  # the worker raised while processing it
+
+
+# States whose files carry an owning device, and the word between state and device.
+_DEVICE_WORD = {JobState.PROCESSING: "by", JobState.COMMITTING: "by", JobState.COMPLETE: "from"}
+# States that recovery can requeue, so their names carry the attempt number.
+_HAS_ATTEMPT = {JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING}
+
+# Attempt 1 has no suffix and "_a0"/"_a1" are rejected, so each job state has one spelling.
+_ATTEMPT = r"[2-9]|[1-9]\d{1,2}"
+_DEVICE = r"0|[1-9]\d{0,2}"
+_QUEUE_NAME_RE = re.compile(
+    r"^(?P<job_id>\d{6}_\d{3})_(?:"
+    rf"pending(?:_a(?P<pending_attempt>{_ATTEMPT}))?"
+    rf"|(?P<owned>processing|committing)_by_dev(?P<owner>{_DEVICE})(?:_a(?P<owned_attempt>{_ATTEMPT}))?"
+    rf"|complete_from_dev(?P<producer>{_DEVICE})"
+    r"|(?P<collected>collected)"
+    r")\.pt$"
+)
+_DONE_NAME_RE = re.compile(
+    r"^(?:\d{6}_\d{3}|invalid_[A-Za-z0-9_.-]{1,80})_"
+    r"(?P<reason>" + "|".join(r.value for r in ArchiveReason) + r")"
+    r"(?:_a\d{1,3})?(?:\.\d{1,6})?\.pt$"
+)
+
+
+@dataclass(frozen=True, order=True)
+class QueueName:
+    """One parsed active-queue file name. Sorting orders by job id, then attempt (FIFO)."""
+
+    job_id: str
+    attempt: int = 1
+    state: JobState = JobState.PENDING
+    device: int | None = None
+
+    @property
+    def filename(self) -> str:
+        name = f"{self.job_id}_{self.state.value}"
+        if self.state in _DEVICE_WORD:
+            name += f"_{_DEVICE_WORD[self.state]}_dev{self.device}"
+        if self.state in _HAS_ATTEMPT and self.attempt > 1:
+            name += f"_a{self.attempt}"
+        return name + ".pt"
+
+    def moved_to(self, state: JobState, device: int | None = None, attempt: int | None = None) -> QueueName:
+        return QueueName(
+            job_id=self.job_id,
+            attempt=self.attempt if attempt is None else attempt,
+            state=state,
+            device=device if state in _DEVICE_WORD else None,
+        )
+
+
+def parse_queue_name(name: str) -> QueueName | None:
+    """The parsed name, or None for anything outside the grammar (dot-files included)."""
+    m = _QUEUE_NAME_RE.match(name)
+    if m is None:
+        return None
+    job_id = m["job_id"]
+    if m["owned"]:
+        return QueueName(job_id, int(m["owned_attempt"] or 1), JobState(m["owned"]), int(m["owner"]))
+    if m["producer"] is not None:
+        return QueueName(job_id, 1, JobState.COMPLETE, int(m["producer"]))
+    if m["collected"]:
+        return QueueName(job_id, 1, JobState.COLLECTED)
+    return QueueName(job_id, int(m["pending_attempt"] or 1), JobState.PENDING)
+
+
+def make_job_id(created_step: int, job_index: int) -> str:
+    if not (0 <= created_step < 1_000_000 and 0 <= job_index < 1000):
+        raise ValueError(f"job id out of range: created_step={created_step} job_index={job_index}")
+    return f"{created_step:06d}_{job_index:03d}"
+
+
+def is_job_id(value: object) -> bool:
+    return isinstance(value, str) and JOB_ID_RE.match(value) is not None
+
+
+def done_name(job_id: str, reason: ArchiveReason, attempt: int = 1, collision: int = 0) -> str:
+    name = f"{job_id}_{reason.value}"
+    if attempt > 1:
+        name += f"_a{attempt}"
+    if collision:
+        name += f".{collision}"
+    return name + ".pt"
+
+
+def done_reason(name: str) -> ArchiveReason | None:
+    """The archive reason encoded in a ``done/`` file name, or None for foreign files."""
+    m = _DONE_NAME_RE.match(name)
+    return ArchiveReason(m["reason"]) if m else None
+
+
+def invalid_name_stem(name: str) -> str:
+    """A safe stand-in for a job id when archiving a file whose name is outside the grammar."""
+    return "invalid_" + (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "x")[:80]

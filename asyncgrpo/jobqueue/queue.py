@@ -1,0 +1,404 @@
+"""The job queue protocol: write, claim, complete (fenced), collect, consume, archive, recover.
+
+One ``JobQueue`` per process over one run directory. Every state change is a single
+no-clobber move done by ``fileops``; every file that leaves ``queue/`` is archived in
+``done/`` with a reason, never deleted (temp files excepted). The protocol and why each
+step is safe are in DESIGN.md, "The protocol".
+
+The PS calls ``put_job``, ``collect``, ``consume``/``archive`` and ``recover``; a worker
+calls ``claim``, then ``complete``, ``fail`` or ``release``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.liveness import fs_now, worker_status
+from asyncgrpo.jobqueue.names import (ArchiveReason, JobState, QueueName, done_name, invalid_name_stem,
+                                      is_job_id, parse_queue_name)
+from asyncgrpo.jobqueue.rundir import RunDir
+
+SCHEMA_VERSION = 1
+DEFAULT_LEASE_S = 30.0  # a worker silent this long has its job recovered (30 heartbeats missed)
+DEFAULT_MAX_ATTEMPTS = 3  # a job recovered this many times is archived `orphaned`
+
+JOB_KEYS = ("schema", "kind", "job_id", "created_step", "created_at", "data")
+RESULT_KEYS = ("schema", "kind", "job_id", "attempt", "worker_device", "weights_version",
+               "claimed_at", "completed_at", "data")
+
+log = logging.getLogger("asyncgrpo.queue")
+
+
+class AlreadyConsumed(Exception):
+    """A job id that was consumed before; its result was archived as a duplicate."""
+
+
+def validate_payload(payload: dict, kind: str, job_id: str) -> None:
+    """Raises ValueError unless ``payload`` is a ``kind`` payload of schema SCHEMA_VERSION for ``job_id``."""
+    if payload.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"schema {payload.get('schema')!r} is not {SCHEMA_VERSION}")
+    if payload.get("kind") != kind:
+        raise ValueError(f"kind {payload.get('kind')!r} is not {kind!r}")
+    keys = JOB_KEYS if kind == "job" else RESULT_KEYS
+    missing = [k for k in keys if k not in payload]
+    if missing:
+        raise ValueError(f"missing keys {missing}")
+    if not is_job_id(payload["job_id"]) or payload["job_id"] != job_id:
+        raise ValueError(f"payload job_id {str(payload['job_id'])[:40]!r} does not match file name job id {job_id}")
+
+
+@dataclass
+class ClaimedJob:
+    name: QueueName  # its processing name
+    path: Path
+    payload: dict
+    claimed_at: float
+
+    @property
+    def job_id(self) -> str:
+        return self.name.job_id
+
+    @property
+    def attempt(self) -> int:
+        return self.name.attempt
+
+    @property
+    def data(self):
+        return self.payload["data"]
+
+
+@dataclass
+class CollectedResult:
+    job_id: str
+    path: Path  # its collected file, archived by consume() or archive()
+    payload: dict
+
+    @property
+    def attempt(self) -> int:
+        return self.payload["attempt"]
+
+    @property
+    def data(self):
+        return self.payload["data"]
+
+
+@dataclass
+class RecoveryAction:
+    what: str  # requeue | archive | reap
+    src: str
+    dst: str | None
+    why: str
+
+    def line(self) -> str:
+        return f"{self.what} {self.src} -> {self.dst or '(removed)'}: {self.why}"
+
+
+class JobQueue:
+    def __init__(self, run: RunDir, *, fsync: bool = True):
+        self.run = run
+        self.fsync = fsync
+        self._candidates: deque[QueueName] = deque()
+
+    # ---------------------------------------------------------------- scanning
+
+    def scan(self) -> tuple[list[QueueName], list[os.DirEntry]]:
+        """Active files by parsed name, and entries outside the grammar (``.tmp`` excluded)."""
+        names, junk = [], []
+        for entry in fileops.scan(self.run.queue):
+            name = parse_queue_name(entry.name)
+            if name is not None:
+                names.append(name)
+            elif entry.name != ".tmp":
+                junk.append(entry)
+        return names, junk
+
+    def counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in JobState}
+        for name in self.scan()[0]:
+            counts[name.state.value] += 1
+        return counts
+
+    def path(self, name: QueueName) -> Path:
+        return self.run.queue / name.filename
+
+    def was_consumed(self, job_id: str) -> bool:
+        return os.path.lexists(self.run.done / done_name(job_id, ArchiveReason.CONSUMED))
+
+    # ---------------------------------------------------------------- PS: produce
+
+    def put_job(self, job_id: str, data, *, created_step: int) -> Path:
+        """Writes ``{job_id}_pending.pt`` (FileExistsError if that job id is already queued)."""
+        if not is_job_id(job_id):
+            raise ValueError(f"bad job id {job_id!r}")
+        payload = {"schema": SCHEMA_VERSION, "kind": "job", "job_id": job_id,
+                   "created_step": created_step, "created_at": time.time(), "data": data}
+        path = self.path(QueueName(job_id))
+        fileops.write_payload(self.run.tmp, path, payload, fsync=self.fsync)
+        return path
+
+    # ---------------------------------------------------------------- worker
+
+    def claim(self, device: int) -> ClaimedJob | None:
+        """Claims the oldest pending job for worker ``device``, or returns None if there is none.
+
+        Candidates come from one sorted scan and are tried in order until that list is
+        used up, so many workers racing over a long queue don't each rescan it per claim.
+        """
+        while True:
+            if not self._candidates:
+                self._candidates = deque(sorted(n for n in self.scan()[0] if n.state is JobState.PENDING))
+                if not self._candidates:
+                    return None
+            pending = self._candidates.popleft()
+            name = pending.moved_to(JobState.PROCESSING, device)
+            try:
+                fileops.move(self.path(pending), self.path(name))
+            except FileNotFoundError:
+                continue  # another worker won this one
+            except FileExistsError:
+                log.warning("[queue] %s: %s already exists", pending.filename, name.filename)
+                self._archive_quietly(self.path(pending), pending.job_id, ArchiveReason.DUPLICATE, pending.attempt)
+                continue
+            claimed_at = time.time()
+            fileops.set_mtime(self.path(name), claimed_at)  # the lease counts from the claim
+            try:
+                payload = fileops.load_payload(self.path(name))
+                validate_payload(payload, "job", name.job_id)
+            except (fileops.PayloadLoadError, ValueError, OSError) as err:
+                log.error("[queue] job %s rejected: %s", name.filename, err)
+                self._archive_quietly(self.path(name), name.job_id, ArchiveReason.FAILED_LOAD, name.attempt)
+                continue
+            return ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at)
+
+    def complete(self, job: ClaimedJob, data, *, weights_version: int, **fields) -> bool:
+        """Publishes a worker's result. False if the job was recovered from this worker
+        meanwhile (the result is dropped: the job belongs to someone else now).
+
+        Order: stage the result in .tmp, fence (rename our processing file to
+        committing), link the result into place, archive the fenced file as processed.
+        """
+        device = job.name.device
+        payload = {"schema": SCHEMA_VERSION, "kind": "result", "job_id": job.job_id, "attempt": job.attempt,
+                   "worker_device": device, "weights_version": weights_version,
+                   "claimed_at": job.claimed_at, "completed_at": time.time(), "data": data, **fields}
+        tmp = fileops.stage_bytes(self.run.tmp, fileops.serialize(payload), fsync=self.fsync)
+        fence = job.name.moved_to(JobState.COMMITTING, device)
+        try:
+            fileops.move(job.path, self.path(fence))
+        except FileNotFoundError:
+            fileops.remove_temp(tmp)
+            log.warning("[queue] job %s was recovered from dev%s while it ran; dropping its result",
+                        job.name.filename, device)
+            return False
+        fileops.set_mtime(self.path(fence), time.time())
+        result = QueueName(job.job_id, state=JobState.COMPLETE, device=device)
+        try:
+            fileops.publish(tmp, self.path(result), fsync=self.fsync)
+        except FileExistsError:
+            log.warning("[queue] %s already exists; archiving this result as a duplicate", result.filename)
+            self._archive_quietly(tmp, job.job_id, ArchiveReason.DUPLICATE, job.attempt)
+        self._archive_quietly(self.path(fence), job.job_id, ArchiveReason.PROCESSED, job.attempt)
+        return True
+
+    def fail(self, job: ClaimedJob, error: str) -> None:
+        """Archives a job the worker could not process (its error goes to the log)."""
+        log.error("[queue] job %s failed on dev%s: %s", job.name.filename, job.name.device, error)
+        self._archive_quietly(job.path, job.job_id, ArchiveReason.FAILED, job.attempt)
+
+    def release(self, job: ClaimedJob) -> bool:
+        """Gives an unfinished job back (same attempt), e.g. on SIGTERM."""
+        try:
+            fileops.move(job.path, self.path(job.name.moved_to(JobState.PENDING)))
+        except (FileNotFoundError, FileExistsError):
+            return False
+        return True
+
+    # ---------------------------------------------------------------- PS: collect and consume
+
+    def collect(self, validate: Callable[[dict], None] | None = None, *,
+                readopt: bool = False) -> list[CollectedResult]:
+        """Claims every complete result, loads and validates it, and returns the good ones.
+
+        Bad files go to done/ as failed_load, second results as duplicate. ``validate``
+        may raise ValueError for payload contents (tensor shapes, ...). ``readopt=True``
+        also loads ``collected`` files a previous PS left behind.
+        """
+        results = []
+        names = sorted(self.scan()[0])
+        for name in names:
+            if name.state is JobState.COLLECTED and readopt:
+                collected = name
+            elif name.state is JobState.COMPLETE:
+                collected = QueueName(name.job_id, state=JobState.COLLECTED)
+                try:
+                    fileops.move(self.path(name), self.path(collected))
+                except FileNotFoundError:
+                    continue
+                except FileExistsError:
+                    log.warning("[queue] %s: a result for this job is already collected; duplicate", name.filename)
+                    self._archive_quietly(self.path(name), name.job_id, ArchiveReason.DUPLICATE)
+                    continue
+            else:
+                continue
+            try:
+                payload = fileops.load_payload(self.path(collected))
+                validate_payload(payload, "result", name.job_id)
+                if validate is not None:
+                    validate(payload)
+            except (fileops.PayloadLoadError, ValueError, OSError) as err:
+                log.error("[queue] result %s rejected: %s", name.filename, err)
+                self._archive_quietly(self.path(collected), name.job_id, ArchiveReason.FAILED_LOAD)
+                continue
+            if self.was_consumed(name.job_id):
+                log.warning("[queue] result %s: job already consumed; duplicate", name.filename)
+                self._archive_quietly(self.path(collected), name.job_id, ArchiveReason.DUPLICATE, payload["attempt"])
+                continue
+            results.append(CollectedResult(job_id=name.job_id, path=self.path(collected), payload=payload))
+        return results
+
+    def consume(self, result: CollectedResult) -> bool:
+        """Marks a result as trained on: archives it as ``{job_id}_consumed.pt``.
+
+        The no-clobber archive is the on-disk ledger: False (and the file archived as a
+        duplicate) if that job id was consumed before.
+        """
+        try:
+            self.archive(result.path, result.job_id, ArchiveReason.CONSUMED)
+        except AlreadyConsumed:
+            log.warning("[queue] job %s was consumed before; archived as duplicate", result.job_id)
+            self._archive_quietly(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+            return False
+        return True
+
+    def archive(self, path: str | os.PathLike, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path:
+        """Moves ``path`` into done/ under its reason, never overwriting an archived file.
+
+        Raises FileNotFoundError if ``path`` is gone and AlreadyConsumed if ``reason`` is
+        CONSUMED and that job id was consumed before.
+        """
+        for collision in range(1_000_000):
+            target = self.run.done / done_name(job_id, reason, attempt, collision)
+            try:
+                fileops.move_to_other_dir(path, target, fsync=self.fsync)
+                return target
+            except FileExistsError:
+                if reason is ArchiveReason.CONSUMED:
+                    raise AlreadyConsumed(job_id) from None
+        raise RuntimeError(f"done/ holds a million {reason.value} files for job {job_id}")
+
+    def _archive_quietly(self, path, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path | None:
+        """archive(), where the file having been moved already by someone else is fine."""
+        try:
+            return self.archive(path, job_id, reason, attempt)
+        except FileNotFoundError:
+            return None
+
+    # ---------------------------------------------------------------- recovery
+
+    def recover(self, *, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                dry_run: bool = False, own_device: int | None = None) -> list[RecoveryAction]:
+        """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk.
+
+        A processing or committing file is stale when its worker is dead (its lock is
+        free, or on another host its heartbeat is older than the lease), when the
+        worker's heartbeat is older than the lease (stopped, hung), or when the worker
+        has moved on to another job and the file is older than the lease. A stale job
+        whose result exists is archived ``processed`` (the result wins); else it goes
+        back to pending with attempt + 1, or to done/ as ``orphaned`` after
+        ``max_attempts``. ``own_device``: a worker starting up recovers every file left
+        under its device number, since the process that left them is gone.
+        Idempotent, and safe next to running workers: every move is no-clobber.
+        """
+        now = fs_now(self.run)
+        names, junk = self.scan()
+        with_result = {n.job_id for n in names if n.state in (JobState.COMPLETE, JobState.COLLECTED)}
+        statuses = {}
+        actions = []
+        for name in sorted(names):
+            if name.state not in (JobState.PROCESSING, JobState.COMMITTING):
+                continue
+            path = self.path(name)
+            if own_device is not None:
+                if name.device != own_device:
+                    continue
+                why = f"left by an earlier run of worker dev{own_device}"
+            else:
+                try:
+                    file_age = now - os.lstat(path).st_mtime
+                except FileNotFoundError:
+                    continue
+                if name.device not in statuses:
+                    statuses[name.device] = worker_status(self.run, name.device, now, lease_s)
+                why = _stale_reason(statuses[name.device], name, file_age, lease_s)
+                if why is None:
+                    continue
+            if name.job_id in with_result or self.was_consumed(name.job_id):
+                actions.append(self._recovery_move(path, name, ArchiveReason.PROCESSED, why + "; its result exists", dry_run))
+            elif name.attempt >= max_attempts:
+                actions.append(self._recovery_move(path, name, ArchiveReason.ORPHANED,
+                                                   why + f"; attempt {name.attempt} of {max_attempts}", dry_run))
+            else:
+                actions.append(self._recovery_move(path, name, None, why, dry_run))
+        actions += self._reap_temp_files(now, lease_s, dry_run)
+        for entry in junk:
+            actions.append(self._recovery_move(Path(entry.path), None, ArchiveReason.FAILED_LOAD,
+                                               "name outside the queue grammar", dry_run))
+        for action in actions:
+            log.warning("[queue] recover: %s%s", "(dry run) " if dry_run else "", action.line())
+        return [a for a in actions if a is not None]
+
+    def _recovery_move(self, path: Path, name: QueueName | None, reason: ArchiveReason | None,
+                       why: str, dry_run: bool) -> RecoveryAction:
+        if reason is None:  # requeue
+            target = self.path(name.moved_to(JobState.PENDING, attempt=name.attempt + 1))
+            action = RecoveryAction("requeue", path.name, target.name, why)
+            if not dry_run:
+                try:
+                    fileops.move(path, target)
+                except FileExistsError:
+                    action = self._recovery_move(path, name, ArchiveReason.DUPLICATE, why + "; already requeued", dry_run)
+                except FileNotFoundError:
+                    action.why += " (someone else moved it first)"
+            return action
+        job_id = name.job_id if name else invalid_name_stem(path.name)
+        attempt = name.attempt if name else 1
+        if dry_run:
+            return RecoveryAction("archive", path.name, "done/" + done_name(job_id, reason, attempt), why)
+        archived = self._archive_quietly(path, job_id, reason, attempt)
+        return RecoveryAction("archive", path.name, f"done/{archived.name}" if archived else None,
+                              why if archived else why + " (someone else moved it first)")
+
+    def _reap_temp_files(self, now: float, lease_s: float, dry_run: bool) -> list[RecoveryAction]:
+        actions = []
+        for entry in fileops.scan(self.run.tmp):
+            try:
+                age = now - entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue  # its writer just published it
+            if age <= lease_s:
+                continue  # possibly still being written: never reap a young temp file
+            if not dry_run:
+                try:
+                    fileops.remove_temp(entry.path)
+                except FileNotFoundError:
+                    continue
+            actions.append(RecoveryAction("reap", f".tmp/{entry.name}", None,
+                                          f"temp file {age:.0f}s old (lease {lease_s:g}s)"))
+        return actions
+
+
+def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> str | None:
+    if not status.alive:
+        return f"worker dev{name.device} is dead"
+    if status.heartbeat_age_s is not None and status.heartbeat_age_s > lease_s:
+        return f"worker dev{name.device} heartbeat is {status.heartbeat_age_s:.0f}s old (lease {lease_s:g}s)"
+    if status.job_id != name.job_id and file_age > lease_s:
+        return f"worker dev{name.device} moved on to {status.job_id} and this file is {file_age:.0f}s old"
+    return None

@@ -1,0 +1,79 @@
+"""The run directory: one folder holds everything a run writes (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
+# looks for the most recent one. Outside the source tree on purpose.
+DEFAULT_RUNS_DIR = Path(os.environ.get("ASYNCGRPO_RUNS", "~/asyncgrpo-runs")).expanduser()
+
+
+class RunDirError(Exception):
+    """The path is missing or is not an asyncgrpo run directory."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "queue"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "queue" / ".tmp"
+
+    @property
+    def done(self) -> Path:
+        return self.root / "done"
+
+    @property
+    def workers(self) -> Path:
+        return self.root / "workers"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @classmethod
+    def create(cls, root: str | os.PathLike) -> RunDir:
+        """Creates the layout (idempotent) and returns it."""
+        run = cls(Path(root).expanduser().resolve())
+        for d in (run.tmp, run.done, run.workers, run.weights, run.logs, run.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+        return run
+
+    @classmethod
+    def open(cls, root: str | os.PathLike) -> RunDir:
+        """An existing run directory; RunDirError with a one-line reason otherwise."""
+        path = Path(root).expanduser()
+        if not path.exists():
+            raise RunDirError(f"run directory {path} does not exist")
+        if not path.is_dir():
+            raise RunDirError(f"{path} is not a directory")
+        run = cls(path.resolve())
+        if not run.queue.is_dir() or not run.done.is_dir():
+            raise RunDirError(f"{path} is not an asyncgrpo run directory (no queue/ and done/ inside)")
+        return run
+
+
+def latest_run(runs_dir: Path = DEFAULT_RUNS_DIR) -> RunDir:
+    """The most recently modified run under ``runs_dir``."""
+    if not runs_dir.is_dir():
+        raise RunDirError(f"no run directory given and the default runs folder {runs_dir} does not exist")
+    runs = [p for p in runs_dir.iterdir() if (p / "queue").is_dir()]
+    if not runs:
+        raise RunDirError(f"no run directory given and {runs_dir} holds no runs")
+    return RunDir(max(runs, key=lambda p: p.stat().st_mtime).resolve())

@@ -1,0 +1,1 @@
+"""The operator CLI: `queue_tools ls | cleanup`."""

@@ -1,0 +1,1 @@
+"""The worker: claims jobs, generates and scores completions (issue 3)."""
