@@ -42,8 +42,12 @@ def heartbeat_path(run: RunDir, device: int):
 
 
 def fs_now(run: RunDir) -> float:
-    """The run filesystem's idea of now (mtime of a freshly touched probe)."""
-    return fileops.touch(run.workers / ".clock_probe")
+    """The run filesystem's idea of now (mtime of a freshly touched probe); the local
+    clock where the run directory is read-only."""
+    try:
+        return fileops.touch(run.workers / ".clock_probe")
+    except OSError:
+        return time.time()
 
 
 class WorkerPresence:
@@ -140,7 +144,7 @@ def worker_status(run: RunDir, device: int, now: float, lease_s: float) -> Worke
     hb_path = heartbeat_path(run, device)
     heartbeat = fileops.read_json(hb_path) or {}
     try:
-        age = max(0.0, now - os.stat(hb_path).st_mtime)
+        age = round(max(0.0, now - os.stat(hb_path).st_mtime), 3)
     except FileNotFoundError:
         age = None
     host = heartbeat.get("host")

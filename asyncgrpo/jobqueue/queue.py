@@ -95,6 +95,7 @@ class RecoveryAction:
     src: str
     dst: str | None
     why: str
+    job_id: str | None = None  # set when a job's file was recovered (not for temp files or junk)
 
     def line(self) -> str:
         return f"{self.what} {self.src} -> {self.dst or '(removed)'}: {self.why}"
@@ -350,15 +351,16 @@ class JobQueue:
         for entry in junk:
             actions.append(self._recovery_move(Path(entry.path), None, ArchiveReason.FAILED_LOAD,
                                                "name outside the queue grammar", dry_run))
-        for action in actions:
-            log.warning("[queue] recover: %s%s", "(dry run) " if dry_run else "", action.line())
-        return [a for a in actions if a is not None]
+        if not dry_run:
+            for action in actions:
+                log.warning("[queue] recover: %s", action.line())
+        return actions
 
     def _recovery_move(self, path: Path, name: QueueName | None, reason: ArchiveReason | None,
                        why: str, dry_run: bool) -> RecoveryAction:
         if reason is None:  # requeue
             target = self.path(name.moved_to(JobState.PENDING, attempt=name.attempt + 1))
-            action = RecoveryAction("requeue", path.name, target.name, why)
+            action = RecoveryAction("requeue", path.name, target.name, why, name.job_id)
             if not dry_run:
                 try:
                     fileops.move(path, target)
@@ -370,10 +372,11 @@ class JobQueue:
         job_id = name.job_id if name else invalid_name_stem(path.name)
         attempt = name.attempt if name else 1
         if dry_run:
-            return RecoveryAction("archive", path.name, "done/" + done_name(job_id, reason, attempt), why)
+            return RecoveryAction("archive", path.name, "done/" + done_name(job_id, reason, attempt), why,
+                                  name and name.job_id)
         archived = self._archive_quietly(path, job_id, reason, attempt)
         return RecoveryAction("archive", path.name, f"done/{archived.name}" if archived else None,
-                              why if archived else why + " (someone else moved it first)")
+                              why if archived else why + " (someone else moved it first)", name and name.job_id)
 
     def _reap_temp_files(self, now: float, lease_s: float, dry_run: bool) -> list[RecoveryAction]:
         actions = []

@@ -1,0 +1,199 @@
+"""queue_tools: look inside a run's job queue and recover stale jobs.
+
+    queue_tools ls      [RUN_DIR] [--json] [--watch] [--lease S]
+    queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--dry-run] [--json]
+
+With no RUN_DIR, the most recent run under $ASYNCGRPO_RUNS (default ~/asyncgrpo-runs).
+A missing or non-run directory, or a bad flag: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from asyncgrpo.jobqueue import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, RunDir,
+                                RunDirError, latest_run, list_workers)
+from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.liveness import fs_now
+from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
+
+WATCH_INTERVAL_S = 1.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print the usage too)
+        self.exit(2, f"queue_tools: error: {message}\n")
+
+
+def _nonnegative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="queue_tools", description="Inspect and repair an asyncgrpo run's job queue.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ls = sub.add_parser("ls", help="queue depth per state, workers, stale jobs, archive counts, health")
+    ls.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
+    ls.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ls.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl-C")
+    ls.add_argument("--lease", type=_nonnegative, default=DEFAULT_LEASE_S,
+                    help=f"seconds of silence after which a worker's job counts as stale (default {DEFAULT_LEASE_S:g})")
+    cleanup = sub.add_parser("cleanup", help="recover stale jobs, reap old temp files, archive junk")
+    cleanup.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
+    cleanup.add_argument("--stale-after", type=_nonnegative, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                         help=f"lease: silence after which a job is recovered (default {DEFAULT_LEASE_S:g})")
+    cleanup.add_argument("--max-attempts", type=_positive_int, default=DEFAULT_MAX_ATTEMPTS, metavar="K",
+                         help=f"archive a job as orphaned after K attempts (default {DEFAULT_MAX_ATTEMPTS})")
+    cleanup.add_argument("--dry-run", action="store_true", help="say what would be done, touch nothing")
+    cleanup.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
+    """Everything `ls` shows, as plain data. Scans queue/ and done/ names only (no payloads)."""
+    queue = JobQueue(run)
+    now = fs_now(run)
+    names, junk = queue.scan()
+    counts = {s.value: 0 for s in JobState}
+    oldest_pending = None
+    for name in names:
+        counts[name.state.value] += 1
+        if name.state is JobState.PENDING:
+            try:
+                age = now - os.lstat(queue.path(name)).st_mtime
+            except FileNotFoundError:
+                continue
+            oldest_pending = age if oldest_pending is None else max(oldest_pending, age)
+    done = {r.value: 0 for r in ArchiveReason}
+    done_other = 0
+    for entry in fileops.scan(run.done):
+        reason = done_reason(entry.name)
+        if reason is None:
+            done_other += 1
+        else:
+            done[reason.value] += 1
+    stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
+    workers = [w.as_dict() for w in list_workers(run, now, lease_s)]
+    global_step = None
+    try:
+        global_step = int((run.root / "global_step.txt").read_text().strip())
+    except (OSError, ValueError):
+        pass
+    report = {
+        "run_dir": str(run.root),
+        **counts,
+        "oldest_pending_age_s": None if oldest_pending is None else round(oldest_pending, 3),
+        "workers": workers,
+        "stale": [a.job_id for a in stale],
+        "stale_details": [a.line() for a in stale],
+        "junk": [e.name for e in junk],
+        "done": done,
+        "done_other": done_other,
+        "global_step": global_step,
+    }
+    report["health"] = _health(report)
+    return report
+
+
+def _health(report: dict) -> str:
+    problems = []
+    dead = [w for w in report["workers"] if not w["alive"] and w["state"] != "stopped"]
+    alive = [w for w in report["workers"] if w["alive"]]
+    if report["stale"]:
+        problems.append(f"{len(report['stale'])} stale job(s)")
+    if dead:
+        problems.append(f"{len(dead)} dead worker(s)")
+    if report["junk"]:
+        problems.append(f"{len(report['junk'])} file(s) outside the queue grammar")
+    if report["pending"] and not alive:
+        problems.append("jobs are pending but no worker is alive")
+    if problems:
+        hint = "; run `queue_tools cleanup`" if report["stale"] or report["junk"] else ""
+        return "WARN: " + ", ".join(problems) + hint
+    return f"OK: {len(alive)} worker(s) alive, no stale jobs"
+
+
+def _age(seconds) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def format_report(r: dict) -> str:
+    lines = [f"run: {r['run_dir']}" + (f"  (global step {r['global_step']})" if r["global_step"] is not None else "")]
+    lines.append(f"queue: pending {r['pending']} (oldest {_age(r['oldest_pending_age_s'])}) | "
+                 f"processing {r['processing']} | committing {r['committing']} | "
+                 f"complete {r['complete']} | collected {r['collected']}")
+    lines.append(f"workers: {len(r['workers'])}")
+    for w in r["workers"]:
+        lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
+                     f"{(w['state'] or '-'):<8} job {w['job_id'] or '-':<11} heartbeat {_age(w['heartbeat_age_s'])} ago"
+                     + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else ""))
+    lines.append(f"stale: {len(r['stale'])}")
+    lines += [f"  {detail}" for detail in r["stale_details"]]
+    if r["junk"]:
+        lines.append(f"outside the grammar: {', '.join(r['junk'][:10])}")
+    archived = [f"{reason} {n}" for reason, n in r["done"].items() if n]
+    if r["done_other"]:
+        archived.append(f"other {r['done_other']}")
+    lines.append("done: " + (" | ".join(archived) if archived else "empty"))
+    lines.append(f"health: {r['health']}")
+    return "\n".join(lines)
+
+
+def cmd_ls(run: RunDir, args) -> int:
+    if not args.watch:
+        report = inspect_run(run, args.lease)
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        return 0
+    try:
+        while True:
+            report = inspect_run(run, args.lease)
+            text = json.dumps(report) if args.json else format_report(report)
+            sys.stdout.write("\033[H\033[J" + text + f"\n\n(refreshing every {WATCH_INTERVAL_S:g}s; Ctrl-C to stop)\n")
+            sys.stdout.flush()
+            time.sleep(WATCH_INTERVAL_S)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_cleanup(run: RunDir, args) -> int:
+    actions = JobQueue(run).recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"run_dir": str(run.root), "dry_run": args.dry_run,
+                          "actions": [a.__dict__ for a in actions]}, indent=2))
+        return 0
+    for action in actions:
+        print(("would " if args.dry_run else "") + action.line())
+    summary = f"cleanup: {len(actions)} action(s)" if actions else "cleanup: nothing to do"
+    print(summary + (" (dry run: nothing changed)" if args.dry_run and actions else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The commands print what they do themselves; the library's own log lines would repeat it.
+    logging.getLogger("asyncgrpo.queue").setLevel(logging.ERROR)
+    try:
+        run = RunDir.open(args.run_dir) if args.run_dir else latest_run()
+    except RunDirError as err:
+        print(f"queue_tools: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return cmd_ls(run, args) if args.command == "ls" else cmd_cleanup(run, args)
+    except OSError as err:
+        print(f"queue_tools: error: {err}", file=sys.stderr)
+        return 1

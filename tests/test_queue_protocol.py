@@ -1,0 +1,267 @@
+"""The queue protocol in one process: claim order, fencing, no-clobber collect/consume/archive,
+and recovery. Leases expire by back-dating mtimes, never by sleeping."""
+
+import hashlib
+import os
+import socket
+
+import pytest
+
+from asyncgrpo.jobqueue import (ArchiveReason, CollectedResult, WorkerAlreadyRunning, WorkerPresence,
+                                make_job_id)
+from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
+
+LEASE_S = 30.0
+
+
+def queue_files(run):
+    return sorted(n for n in os.listdir(run.queue) if n != ".tmp")
+
+
+def done_files(run):
+    return sorted(os.listdir(run.done))
+
+
+def backdate(path, seconds):
+    st = os.lstat(path)
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
+
+
+def result_payload(job_id, device, attempt=1, marker=""):
+    return {"schema": SCHEMA_VERSION, "kind": "result", "job_id": job_id, "attempt": attempt,
+            "worker_device": device, "weights_version": 0, "claimed_at": 0.0, "completed_at": 0.0,
+            "data": {"marker": marker}}
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_claim_is_fifo_by_job_id(queue):
+    for step, index in [(3, 0), (1, 1), (2, 0), (1, 0)]:
+        queue.put_job(make_job_id(step, index), {"i": (step, index)}, created_step=step)
+    order = []
+    while (job := queue.claim(device=1)) is not None:
+        order.append(job.job_id)
+    assert order == ["000001_000", "000001_001", "000002_000", "000003_000"]
+
+
+def test_put_job_never_overwrites(queue):
+    queue.put_job("000001_000", {"first": True}, created_step=1)
+    with pytest.raises(FileExistsError):
+        queue.put_job("000001_000", {"first": False}, created_step=1)
+    assert queue.claim(1).data == {"first": True}
+    assert os.listdir(queue.run.tmp) == []
+
+
+def test_full_lifecycle_archives_every_file(queue, run):
+    queue.put_job("000001_000", {"prompt": "3:"}, created_step=1)
+    job = queue.claim(device=2)
+    assert queue_files(run) == ["000001_000_processing_by_dev2.pt"]
+    assert queue.complete(job, {"text": "333"}, weights_version=5)
+    assert queue_files(run) == ["000001_000_complete_from_dev2.pt"]
+    [result] = queue.collect()
+    assert result.payload["weights_version"] == 5 and result.data == {"text": "333"}
+    assert result.payload["worker_device"] == 2 and result.attempt == 1
+    assert queue_files(run) == ["000001_000_collected.pt"]
+    assert queue.consume(result)
+    assert queue_files(run) == []
+    assert done_files(run) == ["000001_000_consumed.pt", "000001_000_processed.pt"]
+
+
+def test_fenced_out_worker_drops_its_result(queue, run, caplog):
+    queue.put_job("000001_000", {}, created_step=1)
+    slow = queue.claim(device=1)
+    # Its job is recovered while it runs (as if its lease expired) and done by another worker.
+    assert [a.what for a in queue.recover(own_device=1)] == ["requeue"]
+    fast = queue.claim(device=2)
+    assert fast.attempt == 2
+    assert queue.complete(fast, {"by": 2}, weights_version=0)
+    assert not queue.complete(slow, {"by": 1}, weights_version=0)
+    assert "dropping its result" in caplog.text
+    assert queue_files(run) == ["000001_000_complete_from_dev2.pt"]
+    assert os.listdir(run.tmp) == []
+    [result] = queue.collect()
+    assert result.data == {"by": 2} and result.attempt == 2
+    assert done_files(run) == ["000001_000_processed_a2.pt"]
+
+
+def test_two_results_for_one_job_one_consumed_one_duplicate(queue, run):
+    job_id = "000004_002"
+    first, second = run.queue / f"{job_id}_complete_from_dev1.pt", run.queue / f"{job_id}_complete_from_dev2.pt"
+    fileops.write_payload(run.tmp, first, result_payload(job_id, 1, marker="one"))
+    fileops.write_payload(run.tmp, second, result_payload(job_id, 2, marker="two"))
+    digests = {sha(first), sha(second)}
+    results = queue.collect()
+    assert len(results) == 1
+    assert queue.consume(results[0])
+    assert queue_files(run) == []
+    reasons = sorted(done_reason(n).value for n in done_files(run))
+    assert reasons == ["consumed", "duplicate"]
+    assert {sha(run.done / n) for n in done_files(run)} == digests  # both kept, nothing overwritten
+
+
+def test_late_result_after_consumption_is_a_duplicate(queue, run):
+    job_id = "000004_002"
+    fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev1.pt", result_payload(job_id, 1))
+    [result] = queue.collect()
+    assert queue.consume(result)
+    fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev3.pt", result_payload(job_id, 3))
+    assert queue.collect() == []
+    assert sorted(done_reason(n).value for n in done_files(run)) == ["consumed", "duplicate"]
+
+
+def test_consume_is_at_most_once_per_job_id(queue, run):
+    job_id = "000001_000"
+    fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev1.pt", result_payload(job_id, 1))
+    [result] = queue.collect()
+    assert queue.consume(result)
+    # A second copy reaches consume() without going through collect()'s check (a PS that
+    # restarted and re-adopted a collected file): the done/ archive still refuses it.
+    copy = run.queue / f"{job_id}_collected.pt"
+    fileops.write_payload(run.tmp, copy, result_payload(job_id, 2))
+    assert not queue.consume(CollectedResult(job_id, copy, result_payload(job_id, 2)))
+    assert sorted(done_reason(n).value for n in done_files(run)) == ["consumed", "duplicate"]
+
+
+def test_archive_never_overwrites(queue, run):
+    for i in range(3):
+        path = run.queue / f"junk{i}"
+        path.write_text(str(i))
+        queue.archive(path, "000001_000", ArchiveReason.FAILED)
+    assert done_files(run) == ["000001_000_failed.1.pt", "000001_000_failed.2.pt", "000001_000_failed.pt"]
+    assert sorted((run.done / n).read_text() for n in done_files(run)) == ["0", "1", "2"]
+
+
+def test_live_worker_keeps_its_job_until_its_heartbeat_is_stale(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    presence = WorkerPresence(run, 1).start()
+    try:
+        job = queue.claim(1)
+        presence.update(job_id=job.job_id, state="busy")
+        assert queue.recover(lease_s=LEASE_S) == []
+        backdate(run.workers / "dev1.json", 2 * LEASE_S)
+        backdate(job.path, 2 * LEASE_S)
+        [action] = queue.recover(lease_s=LEASE_S)
+        assert action.what == "requeue" and "heartbeat" in action.why
+        assert queue_files(run) == ["000001_000_pending_a2.pt"]
+    finally:
+        presence.stop()
+
+
+def test_leftover_of_a_live_worker_that_moved_on_is_recovered(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.put_job("000001_001", {}, created_step=1)
+    presence = WorkerPresence(run, 1).start()
+    try:
+        old, new = queue.claim(1), queue.claim(1)
+        presence.update(job_id=new.job_id)
+        assert queue.recover(lease_s=LEASE_S) == []  # young file: the claim may just have happened
+        backdate(old.path, 2 * LEASE_S)
+        [action] = queue.recover(lease_s=LEASE_S)
+        assert action.job_id == old.job_id and "moved on" in action.why
+    finally:
+        presence.stop()
+
+
+def test_dead_worker_jobs_requeue_then_orphan_after_max_attempts(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    for attempt in (1, 2):
+        job = queue.claim(device=attempt)
+        assert job.attempt == attempt
+        [action] = queue.recover(lease_s=LEASE_S, max_attempts=3)  # no worker holds dev lock: dead
+        assert action.what == "requeue"
+    job = queue.claim(device=3)
+    [action] = queue.recover(lease_s=LEASE_S, max_attempts=3)
+    assert action.what == "archive" and "attempt 3 of 3" in action.why
+    assert queue_files(run) == []
+    assert done_files(run) == ["000001_000_orphaned_a3.pt"]
+
+
+def test_existing_result_wins_over_requeue(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(device=1)
+    fence = run.queue / "000001_000_committing_by_dev1.pt"
+    fileops.move(job.path, fence)  # the worker fenced, published, then died before archiving
+    fileops.write_payload(run.tmp, run.queue / "000001_000_complete_from_dev1.pt", result_payload(job.job_id, 1))
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "archive" and "result exists" in action.why
+    assert done_files(run) == ["000001_000_processed.pt"]
+    assert queue_files(run) == ["000001_000_complete_from_dev1.pt"]
+
+
+def test_recovery_is_idempotent(queue, run):
+    for i in range(3):
+        queue.put_job(make_job_id(1, i), {}, created_step=1)
+        queue.claim(device=i)
+    assert len(queue.recover(lease_s=LEASE_S)) == 3
+    assert queue.recover(lease_s=LEASE_S) == []
+    assert queue.counts()["pending"] == 3
+
+
+def test_dry_run_changes_nothing(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(device=1)
+    (run.tmp / "old.tmp").write_bytes(b"partial")
+    backdate(run.tmp / "old.tmp", 2 * LEASE_S)
+    before = (queue_files(run), os.listdir(run.tmp), done_files(run))
+    actions = queue.recover(lease_s=LEASE_S, dry_run=True)
+    assert sorted(a.what for a in actions) == ["reap", "requeue"]
+    assert (queue_files(run), os.listdir(run.tmp), done_files(run)) == before
+
+
+def test_only_old_temp_files_are_reaped(queue, run):
+    (run.tmp / "young.tmp").write_bytes(b"still being written")
+    (run.tmp / "old.tmp").write_bytes(b"abandoned")
+    backdate(run.tmp / "old.tmp", 2 * LEASE_S)
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "reap" and action.src == ".tmp/old.tmp"
+    assert os.listdir(run.tmp) == ["young.tmp"]
+
+
+def test_worker_on_another_host_is_judged_by_heartbeat_age(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(device=7)
+    fileops.write_json(run.workers / "dev7.json", {"device": 7, "pid": 1, "host": socket.gethostname() + "-other",
+                                                   "job_id": job.job_id, "state": "busy"})
+    assert queue.recover(lease_s=LEASE_S) == []  # no local lock, but a fresh remote heartbeat
+    backdate(run.workers / "dev7.json", 2 * LEASE_S)
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "requeue" and "dead" in action.why
+
+
+def test_one_worker_per_device(run):
+    first = WorkerPresence(run, 1).start()
+    try:
+        with pytest.raises(WorkerAlreadyRunning, match="dev1 is already running"):
+            WorkerPresence(run, 1).start()
+    finally:
+        first.stop()
+    WorkerPresence(run, 1).start().stop()  # the lock is free again
+
+
+def test_release_gives_the_job_back(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(device=1)
+    assert queue.release(job)
+    assert queue_files(run) == ["000001_000_pending.pt"]
+    assert queue.claim(device=2).job_id == "000001_000"
+
+
+def test_failed_job_is_archived_with_its_error_logged(queue, run, caplog):
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(device=1)
+    queue.fail(job, "ValueError: boom")
+    assert done_files(run) == ["000001_000_failed.pt"]
+    assert "boom" in caplog.text
+
+
+def test_requeued_old_job_is_claimed_before_newer_ones(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(device=1)
+    queue.recover(lease_s=LEASE_S)  # dev1 is dead: back to pending as attempt 2
+    queue.put_job("000002_000", {}, created_step=2)
+    assert (queue.claim(device=2).job_id, queue.claim(device=2).job_id) == ("000001_000", "000002_000")
+    assert queue.counts()["pending"] == 0
