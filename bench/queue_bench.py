@@ -104,7 +104,7 @@ def stop_children(stop) -> None:
 def worker_main(root, device, role, use_events, rescan_s, out, stop, seed):
     """role: 'claim' (report claim times), 'complete' (report publish times), 'full' (lifecycle)."""
     import torch  # noqa: F401  (loaded before the first job, not during it)
-    run = RunDir(root)
+    run = RunDir.open(root)
     q = JobQueue(run)
     rng = random.Random(seed)
     presence = WorkerPresence(run, device).start()
@@ -135,9 +135,14 @@ def worker_main(root, device, role, use_events, rescan_s, out, stop, seed):
 
 
 def await_ready(out, n: int) -> None:
-    for _ in range(n):
-        msg = out.get(timeout=60)
-        assert msg[0] == "ready", msg
+    deadline = time.monotonic() + 60
+    while n:
+        if any(not p.is_alive() for p in CHILDREN) or time.monotonic() > deadline:
+            raise RuntimeError("a worker process died or never started (see its traceback above)")
+        with contextlib.suppress(queue_mod.Empty):
+            msg = out.get(timeout=0.2)
+            assert msg[0] == "ready", msg
+            n -= 1
 
 
 # ------------------------------------------------------------------ measurements

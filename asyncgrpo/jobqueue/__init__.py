@@ -13,13 +13,13 @@ from asyncgrpo.jobqueue.liveness import WorkerAlreadyRunning, WorkerPresence, li
 from asyncgrpo.jobqueue.names import ArchiveReason, JobState, QueueName, make_job_id, parse_queue_name
 from asyncgrpo.jobqueue.queue import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, SCHEMA_VERSION, AlreadyConsumed,
                                       ClaimedJob, CollectedResult, JobQueue, RecoveryAction)
-from asyncgrpo.jobqueue.rundir import DEFAULT_RUNS_DIR, RunDir, RunDirError, latest_run
+from asyncgrpo.jobqueue.rundir import RunDir, RunDirError, latest_run, runs_dir
 from asyncgrpo.jobqueue.watcher import QueueWatcher
 
 __all__ = [
     "AlreadyConsumed", "ArchiveReason", "ClaimedJob", "CollectedResult", "DEFAULT_LEASE_S",
-    "DEFAULT_MAX_ATTEMPTS", "DEFAULT_RUNS_DIR", "JobQueue", "JobState", "PayloadLoadError",
+    "DEFAULT_MAX_ATTEMPTS", "JobQueue", "JobState", "PayloadLoadError",
     "QueueName", "QueueWatcher", "QueueWriteError", "RecoveryAction", "RunDir", "RunDirError",
     "SCHEMA_VERSION", "WorkerAlreadyRunning", "WorkerPresence", "latest_run", "list_workers",
-    "make_job_id", "parse_queue_name", "worker_status",
+    "make_job_id", "parse_queue_name", "runs_dir", "worker_status",
 ]

@@ -8,7 +8,12 @@ from pathlib import Path
 
 # Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
 # looks for the most recent one. Outside the source tree on purpose.
-DEFAULT_RUNS_DIR = Path(os.environ.get("ASYNCGRPO_RUNS", "~/asyncgrpo-runs")).expanduser()
+DEFAULT_RUNS_DIR = "~/asyncgrpo-runs"
+
+
+def runs_dir() -> Path:
+    """The runs folder: $ASYNCGRPO_RUNS, else DEFAULT_RUNS_DIR."""
+    return Path(os.environ.get("ASYNCGRPO_RUNS") or DEFAULT_RUNS_DIR).expanduser()
 
 
 class RunDirError(Exception):
@@ -69,11 +74,12 @@ class RunDir:
         return run
 
 
-def latest_run(runs_dir: Path = DEFAULT_RUNS_DIR) -> RunDir:
-    """The most recently modified run under ``runs_dir``."""
-    if not runs_dir.is_dir():
-        raise RunDirError(f"no run directory given and the default runs folder {runs_dir} does not exist")
-    runs = [p for p in runs_dir.iterdir() if (p / "queue").is_dir()]
+def latest_run() -> RunDir:
+    """The most recently modified run in the runs folder."""
+    folder = runs_dir()
+    if not folder.is_dir():
+        raise RunDirError(f"no run directory given and the runs folder {folder} does not exist")
+    runs = [p for p in folder.iterdir() if (p / "queue").is_dir()]
     if not runs:
-        raise RunDirError(f"no run directory given and {runs_dir} holds no runs")
+        raise RunDirError(f"no run directory given and the runs folder {folder} holds no runs")
     return RunDir(max(runs, key=lambda p: p.stat().st_mtime).resolve())

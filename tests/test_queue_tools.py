@@ -1,0 +1,161 @@
+"""queue_tools ls and cleanup: what they report and do, and their errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.jobqueue import RunDir, WorkerPresence, make_job_id
+from queue_tools.cli import main
+
+LEASE_S = 30.0
+
+
+def backdate(path, seconds):
+    st = os.lstat(path)
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
+
+
+def call_main(argv) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exited:  # argparse's errors
+        return exited.code
+
+
+def run_cli(capsys, *argv):
+    code = call_main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(root: Path):
+    return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+@pytest.fixture
+def busy_run(run, queue):
+    """Pending 000001_003 and 000001_004 (100 s old); live dev1 on 000001_000; 000001_001 held by
+    dev2, which never ran (stale); 000001_002's result waiting, its job file archived."""
+    for i in range(5):
+        queue.put_job(make_job_id(1, i), {}, created_step=1)
+    live = WorkerPresence(run, 1).start()
+    job = queue.claim(1)
+    live.update(job_id=job.job_id, state="busy", weights_version=3)
+    queue.claim(2)  # device 2 never ran a worker: its job is stale
+    done = queue.claim(1)
+    queue.complete(done, {}, weights_version=3)
+    backdate(run.queue / "000001_004_pending.pt", 100)
+    (run.root / "global_step.txt").write_text("17\n")
+    yield run
+    live.stop()
+
+
+def test_ls_json_reports_the_queue(busy_run, capsys):
+    code, out, err = run_cli(capsys, "ls", busy_run.root, "--json")
+    assert code == 0 and err == ""
+    report = json.loads(out)
+    assert (report["pending"], report["processing"], report["complete"], report["collected"]) == (2, 2, 1, 0)
+    assert report["done"]["processed"] == 1 and report["done"]["consumed"] == 0
+    assert report["stale"] == ["000001_001"]
+    assert 99 <= report["oldest_pending_age_s"] < 200
+    assert report["global_step"] == 17
+    [worker] = report["workers"]
+    assert (worker["device"], worker["alive"], worker["job_id"], worker["pid"]) == (1, True, "000001_000", os.getpid())
+    assert worker["heartbeat_age_s"] < LEASE_S
+    assert report["health"].startswith("WARN: 1 stale job(s)")
+
+
+def test_ls_text_has_a_health_verdict(busy_run, queue, capsys):
+    code, out, _ = run_cli(capsys, "ls", busy_run.root)
+    assert code == 0
+    assert "pending 2" in out and "dev1" in out and "000001_001" in out
+    assert out.strip().splitlines()[-1].startswith("health: WARN")
+    queue.recover(lease_s=LEASE_S)
+    _, out, _ = run_cli(capsys, "ls", busy_run.root)
+    assert out.strip().splitlines()[-1] == "health: OK: 1 worker(s) alive, no stale jobs"
+
+
+def test_ls_without_a_run_dir_takes_the_newest_run(tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "runs"
+    RunDir.create(runs / "old")
+    newest = RunDir.create(runs / "new")
+    os.utime(runs / "old", (1, 1))
+    monkeypatch.setenv("ASYNCGRPO_RUNS", str(runs))
+    code, out, _ = run_cli(capsys, "ls", "--json")
+    assert code == 0 and json.loads(out)["run_dir"] == str(newest.root)
+
+
+def test_cleanup_prints_each_file_it_touches_and_is_idempotent(busy_run, capsys):
+    (busy_run.tmp / "abandoned.tmp").write_bytes(b"x")
+    backdate(busy_run.tmp / "abandoned.tmp", 2 * LEASE_S)
+    (busy_run.tmp / "in-flight.tmp").write_bytes(b"x")
+    (busy_run.queue / "notes.txt").write_text("not a job")
+    code, out, _ = run_cli(capsys, "cleanup", busy_run.root, "--stale-after", LEASE_S)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[-1] == "cleanup: 3 action(s)"
+    assert "requeue 000001_001_processing_by_dev2.pt -> 000001_001_pending_a2.pt: worker dev2 is dead" in lines
+    assert any(line.startswith("reap .tmp/abandoned.tmp") for line in lines)
+    assert any(line.startswith("archive notes.txt -> done/invalid_notes.txt_failed_load.pt") for line in lines)
+    assert os.listdir(busy_run.tmp) == ["in-flight.tmp"]  # the live worker's job and young temp files stay
+    assert (busy_run.queue / "000001_000_processing_by_dev1.pt").exists()
+    code, out, _ = run_cli(capsys, "cleanup", busy_run.root)
+    assert (code, out.strip()) == (0, "cleanup: nothing to do")
+
+
+def test_cleanup_dry_run_and_json_touch_nothing(busy_run, capsys):
+    before = snapshot(busy_run.root / "queue"), snapshot(busy_run.done)
+    code, out, _ = run_cli(capsys, "cleanup", busy_run.root, "--dry-run", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["dry_run"] is True
+    assert [(a["what"], a["job_id"]) for a in report["actions"]] == [("requeue", "000001_001")]
+    assert (snapshot(busy_run.root / "queue"), snapshot(busy_run.done)) == before
+
+
+def test_cleanup_orphans_after_max_attempts(run, queue, capsys):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(4)
+    code, out, _ = run_cli(capsys, "cleanup", run.root, "--max-attempts", "1")
+    assert code == 0 and "done/000001_000_orphaned.pt" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ls", "{tmp}/missing"], "does not exist"),
+    (["cleanup", "{tmp}/plain"], "is not an asyncgrpo run directory"),
+    (["ls", "{tmp}/plain/file.txt"], "is not a directory"),
+    (["ls", "{run}", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["cleanup", "{run}", "--stale-after", "-5"], "must be >= 0"),
+    (["cleanup", "{run}", "--max-attempts", "0"], "must be >= 1"),
+    (["cleanup", "{run}", "--stale-after", "soon"], "invalid _nonnegative value"),
+    (["explode"], "invalid choice: 'explode'"),
+])
+def test_errors_are_one_line_exit_2_and_touch_nothing(tmp_path, run, capsys, argv, message):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "file.txt").write_text("x")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path, run=run.root) for a in argv])
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and err.startswith("queue_tools: error:")
+    assert snapshot(tmp_path) == before
+
+
+def test_console_script_is_installed(busy_run):
+    script = Path(sys.executable).with_name("queue_tools")
+    result = subprocess.run([script, "ls", busy_run.root, "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["pending"] == 2
+
+
+def test_ls_does_not_import_torch(busy_run):
+    """ls scans names only: it must answer without importing torch (fast on big runs)."""
+    code = ("import sys; from queue_tools.cli import main; main(['ls', sys.argv[1], '--json']); "
+            "assert 'torch' not in sys.modules, 'ls imported torch'")
+    result = subprocess.run([sys.executable, "-c", code, str(busy_run.root)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr

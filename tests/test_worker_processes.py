@@ -1,0 +1,158 @@
+"""Real worker processes race, get SIGKILLed at each protocol step, and get SIGSTOPped past
+their lease. After recovery every job is consumed exactly once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.jobqueue import JobQueue, make_job_id
+from asyncgrpo.jobqueue.names import done_reason
+
+WORKER = Path(__file__).with_name("queue_worker.py")
+LEASE_S = 30.0
+PROCESS_TIMEOUT_S = 180
+
+
+def start_worker(run, device, *args, **popen):
+    return subprocess.Popen([sys.executable, str(WORKER), str(run.root), "--device", str(device), *args],
+                            stdout=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc) -> list:
+    out, _ = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+    return [json.loads(line) for line in out.splitlines() if line.strip() and line != "ready"]
+
+
+def wait_until_stopped(proc, timeout=PROCESS_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return
+        assert proc.poll() is None, f"worker exited ({proc.returncode}) instead of stopping"
+        time.sleep(0.01)
+    raise AssertionError("worker did not stop")
+
+
+def backdate(path, seconds):
+    st = os.lstat(path)
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
+
+
+def queue_files(run):
+    return sorted(n for n in os.listdir(run.queue) if n != ".tmp")
+
+
+def consume_all(queue) -> list[str]:
+    return [r.job_id for r in queue.collect() if queue.consume(r)]
+
+
+def done_reasons(run) -> Counter:
+    return Counter(done_reason(n).value for n in os.listdir(run.done))
+
+
+def test_eight_processes_race_for_ten_thousand_jobs_each_claimed_once(run):
+    queue = JobQueue(run, fsync=False)  # this test is about exclusivity, not durability
+    job_ids = [make_job_id(i // 1000, i % 1000) for i in range(10_000)]
+    for job_id in job_ids:
+        queue.put_job(job_id, {"n": job_id}, created_step=0)
+    racers = [start_worker(run, device, "--claim-only", "--wait-for-go", stdin=subprocess.PIPE)
+              for device in range(8)]
+    for proc in racers:
+        assert proc.stdout.readline().strip() == "ready"
+    for proc in racers:  # all are loaded and waiting: start them together
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    claims = {}
+    for device, proc in enumerate(racers):
+        claims[device] = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=PROCESS_TIMEOUT_S) == 0
+    everything = [job_id for ids in claims.values() for job_id in ids]
+    assert len(everything) == len(job_ids)
+    assert set(everything) == set(job_ids)
+    assert sum(1 for ids in claims.values() if ids) >= 2, "no race happened"
+    owners = {n.split("_processing_by_dev")[0]: int(n.split("_by_dev")[1][:-3]) for n in queue_files(run)}
+    assert all(owners[job_id] == device for device, ids in claims.items() for job_id in ids)
+
+
+@pytest.mark.parametrize("crash_at", ["after_claim", "mid_result_write", "after_fence", "before_archive"])
+def test_worker_killed_at_each_protocol_step_loses_and_repeats_nothing(run, crash_at):
+    queue = JobQueue(run)
+    job_ids = [make_job_id(1, i) for i in range(4)]
+    for job_id in job_ids:
+        queue.put_job(job_id, {"n": job_id}, created_step=1)
+
+    crashed = start_worker(run, 1, "--crash-at", crash_at)
+    assert crashed.wait(timeout=PROCESS_TIMEOUT_S) == -signal.SIGKILL
+    crashed.communicate()
+    first = job_ids[0]
+    left = queue_files(run)
+    temp_files = os.listdir(run.tmp)
+    if crash_at in ("after_claim", "mid_result_write"):
+        assert f"{first}_processing_by_dev1.pt" in left
+    else:
+        assert f"{first}_committing_by_dev1.pt" in left
+    if crash_at == "mid_result_write":
+        [partial] = temp_files  # half a result, and nothing under a final name
+        assert 0 < os.path.getsize(run.tmp / partial)
+        assert not any("complete" in n for n in left)
+    if crash_at == "before_archive":
+        assert f"{first}_complete_from_dev1.pt" in left
+
+    actions = queue.recover(lease_s=LEASE_S)  # the dead worker's lock is free: no waiting for the lease
+    expected = "archive" if crash_at == "before_archive" else "requeue"
+    assert [(a.what, a.job_id) for a in actions] == [(expected, first)]
+    for name in os.listdir(run.tmp):  # temp files are only reaped once older than the lease
+        backdate(run.tmp / name, 2 * LEASE_S)
+    queue.recover(lease_s=LEASE_S)
+    assert os.listdir(run.tmp) == []
+
+    rescuer = start_worker(run, 2, "--until-empty")
+    finish(rescuer)
+    assert rescuer.returncode == 0
+    consumed = consume_all(queue)
+    assert sorted(consumed) == job_ids
+    assert queue_files(run) == []
+    reasons = done_reasons(run)
+    assert reasons["consumed"] == len(job_ids)
+    assert reasons["processed"] == len(job_ids)
+    assert set(reasons) == {"consumed", "processed"}
+
+
+@pytest.mark.parametrize("stop_at", ["after_claim", "after_fence"])
+def test_worker_paused_past_its_lease_is_never_consumed_twice(run, stop_at):
+    queue = JobQueue(run)
+    job_id = make_job_id(2, 0)
+    queue.put_job(job_id, {"n": 1}, created_step=2)
+    paused = start_worker(run, 1, "--stop-at", stop_at, "--max-jobs", "1")
+    try:
+        wait_until_stopped(paused)
+        [held] = queue_files(run)
+        assert queue.recover(lease_s=LEASE_S) == []  # alive and within its lease: left alone
+        backdate(run.workers / "dev1.json", 2 * LEASE_S)
+        backdate(run.queue / held, 2 * LEASE_S)
+        [action] = queue.recover(lease_s=LEASE_S)
+        assert (action.what, action.dst) == ("requeue", f"{job_id}_pending_a2.pt")
+
+        rescuer = start_worker(run, 2, "--until-empty")
+        assert finish(rescuer) == [{"job_id": job_id, "attempt": 2, "published": True}]
+        assert consume_all(queue) == [job_id]
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    late = finish(paused)
+    assert paused.returncode == 0
+    # Before its fence the late worker finds its job gone and drops the result; after its
+    # fence it publishes, and the collector archives that result as a duplicate.
+    assert late == [{"job_id": job_id, "attempt": 1, "published": stop_at == "after_fence"}]
+    assert consume_all(queue) == []
+    assert queue_files(run) == []
+    reasons = done_reasons(run)
+    assert reasons["consumed"] == 1
+    assert reasons["duplicate"] == (1 if stop_at == "after_fence" else 0)
