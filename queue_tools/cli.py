@@ -16,9 +16,17 @@ import os
 import sys
 import time
 
-from asyncgrpo.jobqueue import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, RunDir,
-                                RunDirError, latest_run, list_workers)
-from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_ATTEMPTS,
+    JobQueue,
+    JobState,
+    RunDir,
+    RunDirError,
+    fileops,
+    latest_run,
+    list_workers,
+)
 from asyncgrpo.jobqueue.liveness import fs_now
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 

@@ -16,8 +16,7 @@ import signal
 import sys
 import threading
 
-from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher, RunDir, WorkerPresence
-from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher, RunDir, WorkerPresence, fileops
 
 
 def signal_self(sig):

@@ -2,8 +2,16 @@
 
 import pytest
 
-from asyncgrpo.jobqueue.names import (ArchiveReason, JobState, QueueName, done_name, done_reason,
-                                      invalid_name_stem, make_job_id, parse_queue_name)
+from asyncgrpo.jobqueue.names import (
+    ArchiveReason,
+    JobState,
+    QueueName,
+    done_name,
+    done_reason,
+    invalid_name_stem,
+    make_job_id,
+    parse_queue_name,
+)
 
 
 @pytest.mark.parametrize("name", [

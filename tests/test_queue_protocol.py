@@ -7,9 +7,14 @@ import socket
 
 import pytest
 
-from asyncgrpo.jobqueue import (ArchiveReason, CollectedResult, WorkerAlreadyRunning, WorkerPresence,
-                                make_job_id)
-from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue import (
+    ArchiveReason,
+    CollectedResult,
+    WorkerAlreadyRunning,
+    WorkerPresence,
+    fileops,
+    make_job_id,
+)
 from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
 

@@ -11,8 +11,16 @@
 from asyncgrpo.jobqueue.fileops import PayloadLoadError, QueueWriteError
 from asyncgrpo.jobqueue.liveness import WorkerAlreadyRunning, WorkerPresence, list_workers, worker_status
 from asyncgrpo.jobqueue.names import ArchiveReason, JobState, QueueName, make_job_id, parse_queue_name
-from asyncgrpo.jobqueue.queue import (DEFAULT_LEASE_S, DEFAULT_MAX_ATTEMPTS, SCHEMA_VERSION, AlreadyConsumed,
-                                      ClaimedJob, CollectedResult, JobQueue, RecoveryAction)
+from asyncgrpo.jobqueue.queue import (
+                                      DEFAULT_LEASE_S,
+                                      DEFAULT_MAX_ATTEMPTS,
+                                      SCHEMA_VERSION,
+                                      AlreadyConsumed,
+                                      ClaimedJob,
+                                      CollectedResult,
+                                      JobQueue,
+                                      RecoveryAction,
+)
 from asyncgrpo.jobqueue.rundir import RunDir, RunDirError, latest_run, runs_dir
 from asyncgrpo.jobqueue.watcher import QueueWatcher
 

@@ -106,7 +106,8 @@ def publish(tmp_path: str, final_path: str | os.PathLike, *, fsync: bool = True)
         fsync_dir(os.path.dirname(os.fspath(final_path)))
 
 
-def write_payload(tmp_dir: str | os.PathLike, final_path: str | os.PathLike, payload: dict, *, fsync: bool = True) -> None:
+def write_payload(tmp_dir: str | os.PathLike, final_path: str | os.PathLike, payload: dict, *,
+                  fsync: bool = True) -> None:
     """Atomic, durable, no-clobber write of one payload (raises FileExistsError, QueueWriteError)."""
     tmp_path = stage_bytes(tmp_dir, serialize(payload), fsync=fsync)
     try:

@@ -21,8 +21,15 @@ from pathlib import Path
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.liveness import fs_now, worker_status
-from asyncgrpo.jobqueue.names import (ArchiveReason, JobState, QueueName, done_name, invalid_name_stem,
-                                      is_job_id, parse_queue_name)
+from asyncgrpo.jobqueue.names import (
+    ArchiveReason,
+    JobState,
+    QueueName,
+    done_name,
+    invalid_name_stem,
+    is_job_id,
+    parse_queue_name,
+)
 from asyncgrpo.jobqueue.rundir import RunDir
 
 SCHEMA_VERSION = 1
@@ -340,13 +347,12 @@ class JobQueue:
                 why = _stale_reason(statuses[name.device], name, file_age, lease_s)
                 if why is None:
                     continue
+            reason = None  # requeue
             if name.job_id in with_result or self.was_consumed(name.job_id):
-                actions.append(self._recovery_move(path, name, ArchiveReason.PROCESSED, why + "; its result exists", dry_run))
+                reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
             elif name.attempt >= max_attempts:
-                actions.append(self._recovery_move(path, name, ArchiveReason.ORPHANED,
-                                                   why + f"; attempt {name.attempt} of {max_attempts}", dry_run))
-            else:
-                actions.append(self._recovery_move(path, name, None, why, dry_run))
+                reason, why = ArchiveReason.ORPHANED, why + f"; attempt {name.attempt} of {max_attempts}"
+            actions.append(self._recovery_move(path, name, reason, why, dry_run))
         actions += self._reap_temp_files(now, lease_s, dry_run)
         for entry in junk:
             actions.append(self._recovery_move(Path(entry.path), None, ArchiveReason.FAILED_LOAD,
@@ -365,7 +371,8 @@ class JobQueue:
                 try:
                     fileops.move(path, target)
                 except FileExistsError:
-                    action = self._recovery_move(path, name, ArchiveReason.DUPLICATE, why + "; already requeued", dry_run)
+                    why += "; already requeued"
+                    action = self._recovery_move(path, name, ArchiveReason.DUPLICATE, why, dry_run)
                 except FileNotFoundError:
                     action.why += " (someone else moved it first)"
             return action
