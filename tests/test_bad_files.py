@@ -1,19 +1,16 @@
-"""Bad files and full disks (DESIGN.md, "The protocol").
+"""Bad files (DESIGN.md, "The protocol").
 
 * Loaders reject files that are not plain, well-formed payloads under a grammar name
   (truncated, wrong schema or job id, symlinks, path tricks, pickled code, non-regular
   files): each goes to done/ as failed_load with a log line, nothing crashes, nothing is
   overwritten, and good files next to it still go through.
-* A write that hits a full disk leaves no partial file under a final name and raises
-  QueueWriteError; a worker's failed complete() leaves its job recoverable.
-* The heartbeat thread outlives an OSError.
+
+Full disks are in tests/test_full_disk.py.
 
 No sleeps: bounded waits only (Event.wait / Thread.join with a timeout).
 """
 
 import collections
-import ctypes
-import errno
 import io
 import logging
 import os
@@ -26,8 +23,14 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.jobqueue import (ArchiveReason, JobQueue, JobState, QueueName, QueueWriteError, RunDir,
-                                WorkerPresence, fileops, make_job_id)
+from asyncgrpo.jobqueue import (
+    ArchiveReason,
+    JobQueue,
+    JobState,
+    QueueName,
+    RunDir,
+    make_job_id,
+)
 from asyncgrpo.jobqueue.names import done_reason
 
 BAD = make_job_id(1, 0)  # "000001_000": the job id every bad file claims
@@ -563,194 +566,3 @@ def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_pa
     assert [(r.job_id, r.data) for r in results] == [(GOOD, {"text": "good"})]
     assert q.consume(results[0])
     assert os.listdir(queue) == [".tmp"]
-
-
-# --------------------------------------------------------------------------- full disk
-
-
-def _fd_in(fd, directory) -> bool:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory) + os.sep)
-    except OSError:
-        return False
-
-
-def inject_disk_full(m, run, where):
-    """Makes writes of temp files in ``run.tmp`` fail like a full disk (other fds untouched).
-
-    write:  a short write of half the first chunk, then ENOSPC (what a filling disk does)
-    quota:  the same with EDQUOT
-    fsync:  all data written, then fsync fails with ENOSPC (delayed allocation, NFS)
-    """
-    real_write, real_fsync = os.write, os.fsync
-    code = errno.EDQUOT if where == "quota" else errno.ENOSPC
-    state = {"writes": 0, "failed": 0}
-
-    def write(fd, data):
-        if where in ("write", "quota") and _fd_in(fd, run.tmp):
-            state["writes"] += 1
-            if state["writes"] == 1 and len(data) > 1:
-                return real_write(fd, memoryview(data)[: len(data) // 2])
-            state["failed"] += 1
-            raise OSError(code, os.strerror(code))
-        return real_write(fd, data)
-
-    def fsync(fd):
-        if where == "fsync" and _fd_in(fd, run.tmp):
-            state["failed"] += 1
-            raise OSError(code, os.strerror(code))
-        return real_fsync(fd)
-
-    m.setattr(fileops.os, "write", write)
-    m.setattr(fileops.os, "fsync", fsync)
-    return state
-
-
-def assert_disk_full_error(err, code=errno.ENOSPC):
-    assert isinstance(err, QueueWriteError)
-    assert err.errno == code
-    assert "disk full" in str(err) and os.strerror(code) in str(err), str(err)
-
-
-@pytest.mark.parametrize("where", ["write", "quota", "fsync"])
-def test_put_job_on_a_full_disk_publishes_nothing(where, tmp_path, monkeypatch):
-    q = JobQueue(RunDir.create(tmp_path / "run"))
-    big = torch.arange(50_000, dtype=torch.float32)  # 200 KB
-    with monkeypatch.context() as m:
-        state = inject_disk_full(m, q.run, where)
-        with pytest.raises(QueueWriteError) as info:
-            q.put_job(BAD, {"tensor": big}, created_step=1)
-    assert state["failed"] == 1
-    assert_disk_full_error(info.value, errno.EDQUOT if where == "quota" else errno.ENOSPC)
-    assert entries(q.run.queue) == set(), "a file appeared under a final name"
-    assert os.listdir(q.run.tmp) == [], "the partial temp file was left behind"
-    assert q.claim(1) is None
-
-    # The disk has room again: the same job id is free and goes through whole.
-    q.put_job(BAD, {"tensor": big}, created_step=1)
-    job = q.claim(1)
-    assert job.job_id == BAD and torch.equal(job.data["tensor"], big)
-
-
-@pytest.mark.parametrize("where", ["write", "fsync"])
-def test_complete_on_a_full_disk_keeps_the_job_recoverable(where, tmp_path, monkeypatch, caplog):
-    run = RunDir.create(tmp_path / "run")
-    ps, worker = JobQueue(run), JobQueue(run)
-    ps.put_job(BAD, {"prompt": "1:"}, created_step=1)
-    presence = WorkerPresence(run, 1, interval_s=3600).start()
-    try:
-        job = worker.claim(1)
-        presence.update(job_id=job.job_id, state="busy")
-        with monkeypatch.context() as m:
-            state = inject_disk_full(m, run, where)
-            with pytest.raises(QueueWriteError) as info:
-                worker.complete(job, {"text": "x" * 100_000}, weights_version=0)
-        assert state["failed"] == 1
-        assert_disk_full_error(info.value)
-        assert entries(run.queue) == {job.path.name}, "the processing file must stay for recovery"
-        assert job.path.name == f"{BAD}_processing_by_dev1.pt"
-        assert os.listdir(run.tmp) == []
-        assert os.listdir(run.done) == []
-        assert ps.collect() == []
-        assert ps.recover() == [], "a live worker's job must not be recovered"
-    finally:
-        presence.stop()
-
-    actions = ps.recover()
-    assert [(a.what, a.src, a.dst) for a in actions] == [("requeue", job.path.name, f"{BAD}_pending_a2.pt")]
-    assert entries(run.queue) == {f"{BAD}_pending_a2.pt"}
-
-    job2 = worker.claim(2)
-    assert (job2.job_id, job2.attempt) == (BAD, 2)
-    assert worker.complete(job2, {"text": "done"}, weights_version=0)
-    results = ps.collect()
-    assert [(r.job_id, r.attempt, r.data) for r in results] == [(BAD, 2, {"text": "done"})]
-
-
-# A real full filesystem: a 64 KiB tmpfs.
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_MNT_DETACH = 2
-
-
-def _mount_tmpfs(path, size):
-    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
-        code = ctypes.get_errno()
-        if code in (errno.EPERM, errno.EACCES):
-            pytest.skip(f"cannot mount a tmpfs here: {os.strerror(code)} (needs root / CAP_SYS_ADMIN)")
-        raise OSError(code, f"mount tmpfs at {path}: {os.strerror(code)}")
-
-
-def _umount(path):
-    if _libc.umount2(os.fsencode(path), 0) != 0:
-        _libc.umount2(os.fsencode(path), _MNT_DETACH)
-
-
-def _free_bytes(path):
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def test_put_job_on_a_really_full_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    _mount_tmpfs(mnt, "64k")
-    try:
-        q = JobQueue(RunDir.create(mnt / "run"))
-        filler = mnt / "filler"
-        with open(filler, "wb") as f:
-            f.write(b"\0" * (_free_bytes(mnt) - 8192))  # leaves two pages
-        left = _free_bytes(mnt)
-        assert 0 < left <= 8192
-
-        for job_id, tensor in [(BAD, torch.arange(50_000, dtype=torch.float32)),  # 200 KB: never fits
-                               (GOOD, torch.arange(10_000, dtype=torch.float32))]:  # 40 KB: fits once freed
-            with pytest.raises(QueueWriteError) as info:
-                q.put_job(job_id, {"tensor": tensor}, created_step=int(job_id[:6]))
-            assert_disk_full_error(info.value)
-            assert entries(q.run.queue) == set(), "a file appeared under a final name"
-            assert os.listdir(q.run.tmp) == [], "the partial temp file was left behind"
-            assert _free_bytes(mnt) == left, "the partial temp file's space was not given back"
-
-        filler.unlink()
-        small = torch.arange(10_000, dtype=torch.float32)
-        q.put_job(GOOD, {"tensor": small}, created_step=2)
-        assert entries(q.run.queue) == {pending_name(GOOD)}
-        job = q.claim(1)
-        assert job.job_id == GOOD and torch.equal(job.data["tensor"], small)
-    finally:
-        _umount(mnt)
-
-
-# --------------------------------------------------------------------------- heartbeat
-
-
-def test_heartbeat_thread_survives_oserror(tmp_path, monkeypatch, caplog):
-    run = RunDir.create(tmp_path / "run")
-    presence = WorkerPresence(run, 3, interval_s=0.01).start()
-    heartbeat = run.workers / "dev3.json"
-    real_write_json = fileops.write_json
-    state = {"calls": 0}
-    recovered = threading.Event()
-
-    def flaky(path, obj, **kw):
-        state["calls"] += 1
-        if state["calls"] <= 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_write_json(path, obj, **kw)
-        recovered.set()
-
-    try:
-        first = fileops.read_json(heartbeat)["last_beat"]
-        monkeypatch.setattr(fileops, "write_json", flaky)
-        assert recovered.wait(WAIT_S), "the heartbeat never beat again after the OSError"
-        assert any(t.name == "heartbeat-dev3" and t.is_alive() for t in threading.enumerate())
-        assert fileops.read_json(heartbeat)["last_beat"] > first
-        failures = [m for m in queue_logs(caplog) if "heartbeat failed" in m]
-        assert len(failures) == 3 and all("[queue]" in m and "dev3" in m for m in failures)
-    finally:
-        presence.stop()
-    assert not any(t.name == "heartbeat-dev3" for t in threading.enumerate())
-    assert fileops.read_json(heartbeat)["state"] == "stopped"

@@ -154,7 +154,8 @@ def load_payload(path: str | os.PathLike) -> dict:
     import torch
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise PayloadLoadError(f"{os.fspath(path)} is a symlink") from err
