@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,20 @@ def test_ls_does_not_import_torch(busy_run):
     result = subprocess.run([sys.executable, "-c", code, str(busy_run.root)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_ls_watch_refreshes_until_ctrl_c(busy_run):
+    proc = subprocess.Popen([sys.executable, "-m", "queue_tools", "ls", str(busy_run.root), "--watch"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        frames = 0
+        for line in proc.stdout:  # each frame ends with the refresh hint
+            frames += "Ctrl-C to stop" in line
+            if frames == 2:
+                break
+        assert frames == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert proc.stderr.read() == ""
