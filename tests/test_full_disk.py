@@ -111,6 +111,7 @@ def test_complete_on_a_full_disk_keeps_the_job_recoverable(where, tmp_path, monk
     try:
         job = worker.claim(1)
         presence.update(job_id=job.job_id, state="busy")
+        presence.beat()  # what the next heartbeat tick writes
         with monkeypatch.context() as m:
             state = inject_disk_full(m, run, where)
             with pytest.raises(QueueWriteError) as info:

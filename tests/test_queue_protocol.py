@@ -146,6 +146,7 @@ def test_live_worker_keeps_its_job_until_its_heartbeat_is_stale(queue, run):
     try:
         job = queue.claim(1)
         presence.update(job_id=job.job_id, state="busy")
+        presence.beat()  # what the next heartbeat tick writes
         assert queue.recover(lease_s=LEASE_S) == []
         backdate(run.workers / "dev1.json", 2 * LEASE_S)
         backdate(job.path, 2 * LEASE_S)
@@ -163,6 +164,7 @@ def test_leftover_of_a_live_worker_that_moved_on_is_recovered(queue, run):
     try:
         old, new = queue.claim(1), queue.claim(1)
         presence.update(job_id=new.job_id)
+        presence.beat()  # what the next heartbeat tick writes
         assert queue.recover(lease_s=LEASE_S) == []  # young file: the claim may just have happened
         backdate(old.path, 2 * LEASE_S)
         [action] = queue.recover(lease_s=LEASE_S)

@@ -46,6 +46,7 @@ def busy_run(run, queue):
     live = WorkerPresence(run, 1).start()
     job = queue.claim(1)
     live.update(job_id=job.job_id, state="busy", weights_version=3)
+    live.beat()  # what the next heartbeat tick writes
     queue.claim(2)  # device 2 never ran a worker: its job is stale
     done = queue.claim(1)
     queue.complete(done, {}, weights_version=3)

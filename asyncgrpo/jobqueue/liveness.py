@@ -53,8 +53,10 @@ def fs_now(run: RunDir) -> float:
 class WorkerPresence:
     """Held by a worker process: the liveness lock and a heartbeat thread.
 
-    ``update(job_id=..., weights_version=...)`` records what the worker is doing and
-    beats at once, so recovery never sees a heartbeat that names an older job for long.
+    ``update(job_id=..., weights_version=...)`` records what the worker is doing; the
+    next beat (within ``interval_s``) writes it. Writing on every update would cost a
+    file replace per job state change on the hot path, and recovery only needs the job
+    id to be right within the lease, which is many intervals long.
     """
 
     def __init__(self, run: RunDir, device: int, interval_s: float = HEARTBEAT_INTERVAL_S):
@@ -84,6 +86,7 @@ class WorkerPresence:
                 time.sleep(0.01)
         self._lock_fd = fd
         self.update(state="idle")
+        self.beat()
         self._thread = threading.Thread(target=self._beat_forever, name=f"heartbeat-dev{self.device}", daemon=True)
         self._thread.start()
         return self
@@ -91,13 +94,17 @@ class WorkerPresence:
     def update(self, **fields) -> None:
         with self._mutex:
             self._fields.update(fields)
+
+    def beat(self) -> None:
+        """Writes the heartbeat now."""
+        with self._mutex:
             self._fields["last_beat"] = time.time()
             fileops.write_json(heartbeat_path(self.run, self.device), self._fields)
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.update()
+                self.beat()
             except OSError as err:  # a full disk must not kill the worker; the lease will tell
                 log.warning("[queue] dev%d heartbeat failed: %s", self.device, err)
 
@@ -107,6 +114,7 @@ class WorkerPresence:
             self._thread.join()
         if self._lock_fd is not None:
             self.update(state="stopped", job_id=None)
+            self.beat()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
