@@ -46,14 +46,14 @@ def arm(point: str | None, sig) -> None:
 
         fileops.publish = signal_then_publish
     elif point == "before_archive":
-        archive = JobQueue._archive_quietly
+        archive = JobQueue.archive_if_present
 
         def signal_before_processed(self, path, job_id, reason, attempt=1):
             if reason is ArchiveReason.PROCESSED:
                 signal_self(sig)
             return archive(self, path, job_id, reason, attempt)
 
-        JobQueue._archive_quietly = signal_before_processed
+        JobQueue.archive_if_present = signal_before_processed
 
 
 def main() -> int:

@@ -174,14 +174,13 @@ def load_payload(path: str | os.PathLike) -> dict:
     return payload
 
 
-def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> None:
-    """Atomically replaces a small JSON status file (heartbeats, versions, progress).
+def replace_file(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> None:
+    """Atomically replaces a small status file (heartbeats, versions, progress).
 
     The temp name starts with a dot in the same directory, so scanners skip it.
     """
     path = os.fspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    data = json.dumps(obj, sort_keys=True).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, memoryview(data))
@@ -194,6 +193,10 @@ def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> 
     except OSError:
         _unlink_quietly(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> None:
+    replace_file(path, json.dumps(obj, sort_keys=True).encode(), fsync=fsync)
 
 
 def read_json(path: str | os.PathLike) -> dict | None:

@@ -42,6 +42,7 @@ class ArchiveReason(str, enum.Enum):
     STALE = "stale"  # a result generated with weights too old to train on
     ORPHANED = "orphaned"  # recovered max_attempts times without a result
     FAILED = "failed"  # the worker raised while processing it
+    UNUSED = "unused"  # thrown, or even generated, but training ended before it was needed
 
 
 # States whose files carry an owning device, and the word between state and device.

@@ -172,7 +172,7 @@ class JobQueue:
                 continue  # another worker won this one
             except FileExistsError:
                 log.warning("[queue] %s: %s already exists", pending.filename, name.filename)
-                self._archive_quietly(self.path(pending), pending.job_id, ArchiveReason.DUPLICATE, pending.attempt)
+                self.archive_if_present(self.path(pending), pending.job_id, ArchiveReason.DUPLICATE, pending.attempt)
                 continue
             claimed_at = time.time()
             fileops.set_mtime(self.path(name), claimed_at)  # the lease counts from the claim
@@ -181,7 +181,7 @@ class JobQueue:
                 validate_payload(payload, "job", name.job_id)
             except (fileops.PayloadLoadError, ValueError, OSError) as err:
                 log.error("[queue] job %s rejected: %s", name.filename, err)
-                self._archive_quietly(self.path(name), name.job_id, ArchiveReason.FAILED_LOAD, name.attempt)
+                self.archive_if_present(self.path(name), name.job_id, ArchiveReason.FAILED_LOAD, name.attempt)
                 continue
             return ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at)
 
@@ -211,14 +211,14 @@ class JobQueue:
             fileops.publish(tmp, self.path(result), fsync=self.fsync)
         except FileExistsError:
             log.warning("[queue] %s already exists; archiving this result as a duplicate", result.filename)
-            self._archive_quietly(tmp, job.job_id, ArchiveReason.DUPLICATE, job.attempt)
-        self._archive_quietly(self.path(fence), job.job_id, ArchiveReason.PROCESSED, job.attempt)
+            self.archive_if_present(tmp, job.job_id, ArchiveReason.DUPLICATE, job.attempt)
+        self.archive_if_present(self.path(fence), job.job_id, ArchiveReason.PROCESSED, job.attempt)
         return True
 
     def fail(self, job: ClaimedJob, error: str) -> None:
         """Archives a job the worker could not process (its error goes to the log)."""
         log.error("[queue] job %s failed on dev%s: %s", job.name.filename, job.name.device, error)
-        self._archive_quietly(job.path, job.job_id, ArchiveReason.FAILED, job.attempt)
+        self.archive_if_present(job.path, job.job_id, ArchiveReason.FAILED, job.attempt)
 
     def release(self, job: ClaimedJob) -> bool:
         """Gives an unfinished job back (same attempt), e.g. on SIGTERM."""
@@ -251,7 +251,7 @@ class JobQueue:
                     continue
                 except FileExistsError:
                     log.warning("[queue] %s: a result for this job is already collected; duplicate", name.filename)
-                    self._archive_quietly(self.path(name), name.job_id, ArchiveReason.DUPLICATE)
+                    self.archive_if_present(self.path(name), name.job_id, ArchiveReason.DUPLICATE)
                     continue
             else:
                 continue
@@ -262,11 +262,11 @@ class JobQueue:
                     validate(payload)
             except (fileops.PayloadLoadError, ValueError, OSError) as err:
                 log.error("[queue] result %s rejected: %s", name.filename, err)
-                self._archive_quietly(self.path(collected), name.job_id, ArchiveReason.FAILED_LOAD)
+                self.archive_if_present(self.path(collected), name.job_id, ArchiveReason.FAILED_LOAD)
                 continue
             if self.was_consumed(name.job_id):
                 log.warning("[queue] result %s: job already consumed; duplicate", name.filename)
-                self._archive_quietly(self.path(collected), name.job_id, ArchiveReason.DUPLICATE, payload["attempt"])
+                self.archive_if_present(self.path(collected), name.job_id, ArchiveReason.DUPLICATE, payload["attempt"])
                 continue
             results.append(CollectedResult(job_id=name.job_id, path=self.path(collected), payload=payload))
         return results
@@ -281,7 +281,7 @@ class JobQueue:
             self.archive(result.path, result.job_id, ArchiveReason.CONSUMED)
         except AlreadyConsumed:
             log.warning("[queue] job %s was consumed before; archived as duplicate", result.job_id)
-            self._archive_quietly(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+            self.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
             return False
         return True
 
@@ -301,8 +301,8 @@ class JobQueue:
                     raise AlreadyConsumed(job_id) from None
         raise RuntimeError(f"done/ holds a million {reason.value} files for job {job_id}")
 
-    def _archive_quietly(self, path, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path | None:
-        """archive(), where the file having been moved already by someone else is fine."""
+    def archive_if_present(self, path, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path | None:
+        """archive(), where the file having been moved already by someone else is fine (returns None)."""
         try:
             return self.archive(path, job_id, reason, attempt)
         except FileNotFoundError:
@@ -381,7 +381,7 @@ class JobQueue:
         if dry_run:
             return RecoveryAction("archive", path.name, "done/" + done_name(job_id, reason, attempt), why,
                                   name and name.job_id)
-        archived = self._archive_quietly(path, job_id, reason, attempt)
+        archived = self.archive_if_present(path, job_id, reason, attempt)
         return RecoveryAction("archive", path.name, f"done/{archived.name}" if archived else None,
                               why if archived else why + " (someone else moved it first)", name and name.job_id)
 
