@@ -1,0 +1,133 @@
+"""One config for every process: TRL's GRPOConfig plus the queue, transport and staleness fields.
+
+Parsed with TRL's ``TrlParser``, so ``--config run.yaml`` and flags both work and every
+GRPOConfig field (loss_type, beta, epsilon, num_generations, temperature, ...) means
+what it means in TRL. The PS and the workers parse the same arguments.
+
+    cfg = parse_config(["--max_steps", "200", "--reward_funcs", "mypkg.rewards:fn"])
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+from trl import GRPOConfig, TrlParser
+
+
+class ConfigError(ValueError):
+    """A bad option or input; its message is one line for the operator."""
+
+
+@dataclass
+class AsyncGRPOConfig(GRPOConfig):
+    # What to train. None means the built-in demo task (asyncgrpo.tasks.demo).
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Local folder or hub id of a causal LM (default: the built-in demo model, a tiny Llama made offline)."})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "Dataset with a 'prompt' column: a .jsonl or .parquet file, a folder saved with "
+                "datasets.save_to_disk, or a hub id (default: the demo task's prompts)."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on when the dataset has several."})
+    reward_funcs: list[str] | None = field(default=None, metadata={
+        "help": "Reward functions by import path 'module:function', f(prompts, completions, **kwargs) -> list[float]; "
+                "several allowed, weighted by reward_weights (default: the demo task's reward)."})
+    # Where and on what.
+    run_dir: str | None = field(default=None, metadata={
+        "help": "Run directory: queue, archive, weights, logs, checkpoints, metrics (default: a new folder "
+                "under $ASYNCGRPO_RUNS or ~/asyncgrpo-runs)."})
+    device_type: str = field(default="auto", metadata={
+        "help": "'cpu', 'cuda' or 'auto' (cuda when available). On cpu, bf16 is turned off. (TrainingArguments "
+                "already has a 'device'.)"})
+    # Flow control and staleness.
+    max_pending: int = field(default=8, metadata={"help": "At most this many jobs wait in queue/ as pending."})
+    max_outstanding: int = field(default=16, metadata={
+        "help": "At most this many jobs thrown and not yet consumed (also capped at max_staleness + 1, so a result "
+                "is rarely too stale to use)."})
+    max_staleness: int = field(default=4, metadata={
+        "help": "Train on a result only if trainer_step - its weights_version <= this; staler ones are archived "
+                "'stale' and their prompts thrown again. 0 is synchronous mode."})
+    consume_order: str = field(default="ready", metadata={
+        "help": "'ready': train on any result within the staleness bound (no head-of-line blocking); "
+                "'fifo': in job order."})
+    # Recovery.
+    lease_s: float = field(default=30.0, metadata={
+        "help": "A worker silent this long (no heartbeat) has its job recovered."})
+    max_attempts: int = field(default=3, metadata={"help": "A job recovered this many times is archived 'orphaned'."})
+    # Transport and events.
+    weight_transport: str = field(default="auto", metadata={
+        "help": "'auto' (cuda_ipc on GPU, mmap on CPU), 'cuda_ipc', 'mmap', or 'safetensors' "
+                "(workers on other hosts)."})
+    poll_only: bool = field(default=False, metadata={
+        "help": "Poll queue/ instead of waiting for inotify events (NFS and other filesystems without events)."})
+
+    def __post_init__(self):
+        if self.device_type == "auto":
+            import torch
+
+            self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device_type == "cpu":
+            self.use_cpu, self.bf16, self.fp16 = True, False, False  # GRPOConfig's bf16 default needs a GPU
+        checks = {
+            "device_type": (self.device_type in ("cpu", "cuda"), "must be cpu, cuda or auto"),
+            "consume_order": (self.consume_order in ("ready", "fifo"), "must be ready or fifo"),
+            "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
+                                 "must be auto, cuda_ipc, mmap or safetensors"),
+            "max_pending": (self.max_pending >= 1, "must be >= 1"),
+            "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),
+            "max_staleness": (self.max_staleness >= 0, "must be >= 0"),
+            "lease_s": (self.lease_s > 0, "must be > 0"),
+            "max_attempts": (self.max_attempts >= 1, "must be >= 1"),
+        }
+        for name, (ok, why) in checks.items():
+            if not ok:
+                raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
+        super().__post_init__()
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model_name_or_path is None and self.dataset_name is None and not self.reward_funcs
+
+    @property
+    def outstanding_limit(self) -> int:
+        # One job feeds one optimizer step; with at most s + 1 jobs in flight, the last one
+        # thrown is trained on about s steps later, so staleness stays within the bound.
+        return min(self.max_outstanding, self.max_staleness + 1)
+
+
+def _flag_names(argv: list[str]) -> set[str]:
+    return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def parse_config(argv: list[str] | None = None) -> AsyncGRPOConfig:
+    """Flags and ``--config`` YAML into an AsyncGRPOConfig; ConfigError with one line on bad input.
+
+    Without a model, dataset or reward function, the demo task's defaults fill every field
+    the user did not set (on the command line or in the YAML file).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = _flag_names(argv)
+    if "--config" in argv:
+        try:
+            with open(argv[argv.index("--config") + 1]) as f:
+                given |= set((yaml.safe_load(f) or {}).keys())
+        except (IndexError, OSError, yaml.YAMLError, AttributeError) as err:
+            raise ConfigError(f"--config: cannot read a YAML mapping: {err}") from None
+    if not given & {"model_name_or_path", "dataset_name", "reward_funcs"}:
+        from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+
+        demo = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k not in given]
+        argv = demo + argv
+    parser = TrlParser((AsyncGRPOConfig,))
+
+    def one_line_error(message: str):  # argparse would print its whole usage block and exit
+        raise ConfigError(message)
+
+    parser.error = one_line_error
+    try:
+        (cfg,) = parser.parse_args_and_config(argv)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err).strip().splitlines()[0]) from None
+    return cfg

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Start a parameter server and N workers on one run directory, supervise them, stop them cleanly.
+#
+#   bash launch.sh --workers 3 [--run-dir DIR] [--max-steps N] [--device cpu|cuda] [config flags...]
+#
+# With no other argument: the built-in demo task (a tiny Llama made offline learns to
+# repeat a digit), on GPU if there is one, else CPU. Any other flag (--learning_rate,
+# --num_generations, --config run.yaml, --model_name_or_path, --reward_funcs mod:fn, ...)
+# goes to the PS and the workers unchanged. Relaunching with the same --run-dir resumes.
+#
+# Placement: PS on GPU 0, worker i on GPU i (wrapping around, sharing GPU 0 when there is
+# only one); each worker also sees the PS's GPU, for CUDA IPC. Logs: RUN/logs/.
+set -uo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+say() { echo "[launch] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch.txt"; return 0; }
+
+# ---- 1. arguments ------------------------------------------------------------------------
+WORKERS=3 RUN_DIR="" DEVICE=auto PASS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
+        --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
+        --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
+        --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
+        -h|--help)   sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *)           PASS+=("$1"); shift ;;
+    esac
+done
+[[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || die "--workers needs a positive integer, got '$WORKERS'"
+[[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
+
+# ---- 2. environment (created on first use) and input checks, before any process starts -----
+source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
+cd "$REPO_ROOT"
+if [ "$DEVICE" = auto ]; then
+    DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+fi
+NGPU=0
+[ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
+[ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+[ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
+ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" "${PASS[@]}")
+RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit 2  # it printed the one-line reason
+ARGS[1]="$RUN_DIR"
+LOGS="$RUN_DIR/logs"
+mkdir -p "$LOGS" || die "cannot create $LOGS"
+
+# On CPU the processes share the cores: one thread each avoids oversubscription.
+if [ "$DEVICE" = cpu ]; then
+    THREADS=$(( $(nproc) / (WORKERS + 1) )); [ "$THREADS" -ge 1 ] || THREADS=1
+    export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# ---- 3. start the PS and the workers -------------------------------------------------------
+gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
+    if [ "$NGPU" -eq 0 ]; then echo ""; return; fi
+    local gpu=$(( $1 % NGPU ))
+    if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
+}
+declare -A WORKER_PID
+start_worker() {
+    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" \
+        >> "$LOGS/log_worker_$1.txt" 2>&1 &
+    WORKER_PID[$1]=$!
+}
+say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s)); logs in $LOGS"
+CUDA_VISIBLE_DEVICES=$(gpu_env 0) "$VENV_PY" -m ps "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
+PS_PID=$!
+for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
+# Progress on the terminal: the PS's [train] lines.
+tail -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|error' &
+TAIL_PID=$!
+
+stop_workers() {
+    local pids=("${WORKER_PID[@]}")
+    kill -TERM "${pids[@]}" 2>/dev/null
+    for _ in $(seq 1 300); do  # they finish or release the job in hand
+        kill -0 "${pids[@]}" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}" 2>/dev/null
+}
+on_interrupt() {
+    say "interrupted: stopping the parameter server and the workers"
+    kill -INT "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
+    stop_workers; kill "$TAIL_PID" 2>/dev/null
+    exit 130
+}
+trap on_interrupt INT TERM
+
+# ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
+while kill -0 "$PS_PID" 2>/dev/null; do
+    for i in "${!WORKER_PID[@]}"; do
+        if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
+            wait "${WORKER_PID[$i]}"; status=$?
+            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status: restarting it (its job returns through recovery)"
+            start_worker "$i"
+        fi
+    done
+    sleep 1
+done
+wait "$PS_PID"; PS_STATUS=$?
+
+# ---- 5. stop the workers; report ------------------------------------------------------------
+stop_workers
+kill "$TAIL_PID" 2>/dev/null
+if [ "$PS_STATUS" -ne 0 ]; then
+    say "the parameter server exited with status $PS_STATUS; workers stopped. See $LOGS/log_parameter_server.txt"
+    tail -n 5 "$LOGS/log_parameter_server.txt" >&2
+    exit "$PS_STATUS"
+fi
+say "training finished. Metrics: $RUN_DIR/metrics.jsonl"
+"$VENV_PY" -m queue_tools ls "$RUN_DIR"
+exit 0

@@ -1,0 +1,98 @@
+"""Run the parameter server:
+
+    python -m ps --run_dir RUN [--max_steps N] [--config run.yaml] [any GRPOConfig / asyncgrpo flag]
+    python -m ps --check_only ...     # validate the inputs, print the run directory, start nothing
+
+launch.sh starts it together with the workers. With the same --run_dir it resumes from
+the newest checkpoint. Exit status: 0 trained, 2 bad input, 3 another PS holds the run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import sys
+import time
+
+from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.inputs import (
+    check_inputs,
+    load_model_and_tokenizer,
+    load_reward_funcs,
+    load_train_dataset,
+    model_path,
+    write_demo_model_once,
+)
+from asyncgrpo.jobqueue import RunDir, fileops, runs_dir
+
+log = logging.getLogger("asyncgrpo.ps")
+
+
+class PSAlreadyRunning(RuntimeError):
+    pass
+
+
+def hold_ps_lock(run: RunDir) -> int:
+    """One PS per run directory: an exclusive flock, held until this process exits."""
+    fd = os.open(run.root / "ps.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = fileops.read_json(run.root / "ps.json") or {}
+        raise PSAlreadyRunning(f"another parameter server is running on {run.root} "
+                               f"(pid {other.get('pid', '?')} on {other.get('host', '?')})") from None
+    return fd
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_only = "--check_only" in argv
+    argv = [a for a in argv if a != "--check_only"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
+    try:
+        cfg = parse_config(argv)
+        run_root = cfg.run_dir or str(runs_dir() / time.strftime("%Y%m%d-%H%M%S"))
+        check_inputs(cfg, run_root)
+        if check_only:
+            print(os.path.abspath(os.path.expanduser(run_root)))
+            return 0
+        run = RunDir.create(run_root)
+        lock = hold_ps_lock(run)
+    except ConfigError as err:
+        print(f"ps: error: {err}", file=sys.stderr)
+        return 2
+    except PSAlreadyRunning as err:
+        print(f"ps: error: {err}", file=sys.stderr)
+        return 3
+    try:
+        return train(cfg, run)
+    finally:
+        os.close(lock)
+
+
+def train(cfg, run: RunDir) -> int:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from ps.trainer import AsyncGRPOTrainer
+
+    cfg.output_dir = str(run.checkpoints)  # checkpoints live in the run, whatever --output_dir said
+    path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
+    model, tokenizer = load_model_and_tokenizer(path)
+    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
+    resume = get_last_checkpoint(str(run.checkpoints)) if any(run.checkpoints.iterdir()) else None
+    fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
+                                              "started_at": time.time(), "state": "training", "resumed_from": resume})
+    log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
+             f", resuming from {resume}" if resume else "")
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.finish()
+    fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
+                                              "finished_at": time.time(), "state": "finished",
+                                              "global_step": trainer.state.global_step})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

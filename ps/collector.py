@@ -1,0 +1,110 @@
+"""The result collector: a thread that claims complete results, validates them and caches them.
+
+It wakes on queue events for complete files, keeps a thread-safe cache the trainer takes
+from, and runs queue recovery every ``lease_s / 4`` (dead workers' jobs go back to pending).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
+
+log = logging.getLogger("asyncgrpo.ps")
+
+# The contract between worker and PS: TRL's result dict, plus behaviour log-probs.
+PER_SEQUENCE = ("advantages",)
+PER_PROMPT_TOKEN = ("prompt_ids", "prompt_mask")
+PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps")
+
+
+def validate_result(payload: dict, rows_per_job: int) -> None:
+    """Raises ValueError unless the result's batch has the keys and shapes the trainer needs."""
+    data = payload["data"]
+    if not isinstance(data, dict) or not isinstance(data.get("batch"), dict) or "rows" not in data:
+        raise ValueError("result data must hold 'batch', 'metrics' and 'rows'")
+    batch = data["batch"]
+    for key in PER_SEQUENCE + PER_PROMPT_TOKEN + PER_COMPLETION_TOKEN:
+        if not isinstance(batch.get(key), torch.Tensor):
+            raise ValueError(f"batch[{key!r}] is missing or not a tensor")
+    n = batch["advantages"].shape[0]
+    if n != rows_per_job or batch["advantages"].dim() != 1:
+        raise ValueError(f"advantages has shape {tuple(batch['advantages'].shape)}, expected ({rows_per_job},)")
+    for group in (PER_PROMPT_TOKEN, PER_COMPLETION_TOKEN):
+        shapes = {tuple(batch[key].shape) for key in group}
+        if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
+            raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
+
+
+class ResultCache:
+    """Collected results waiting for the trainer, by job id."""
+
+    def __init__(self):
+        self._results: dict[str, CollectedResult] = {}
+        self._changed = threading.Condition()
+
+    def add(self, result: CollectedResult) -> None:
+        with self._changed:
+            self._results[result.job_id] = result
+            self._changed.notify_all()
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._results)
+
+    def take(self, pick, timeout: float) -> CollectedResult | None:
+        """Removes and returns ``pick(cached results)`` once it is not None; None after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                job_id = pick(self._results)
+                if job_id is not None:
+                    return self._results.pop(job_id)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(min(remaining, 1.0))  # re-evaluate pick: the queue changes without us
+
+    def drain(self) -> list[CollectedResult]:
+        with self._changed:
+            results, self._results = list(self._results.values()), {}
+            return results
+
+
+class ResultCollector:
+    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache):
+        self.cfg, self.queue, self.cache = cfg, queue, cache
+        self.watcher = QueueWatcher(queue.run.queue, {JobState.COMPLETE}, use_events=not cfg.poll_only)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="result-collector", daemon=True)
+
+    def start(self) -> ResultCollector:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.watcher.wake()
+        self.thread.join()
+        self.watcher.close()
+
+    def collect_now(self, readopt: bool = False) -> int:
+        rows = self.cfg.generation_batch_size
+        results = self.queue.collect(lambda payload: validate_result(payload, rows), readopt=readopt)
+        for result in results:
+            self.cache.add(result)
+        return len(results)
+
+    def _run(self) -> None:
+        next_recovery = 0.0
+        while not self.stop_event.is_set():
+            self.collect_now()
+            if time.monotonic() >= next_recovery:
+                self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts)
+                next_recovery = time.monotonic() + self.cfg.lease_s / 4
+            self.watcher.wait()

@@ -1,0 +1,217 @@
+"""The parameter server's trainer: TRL's GRPOTrainer, fed from the job queue instead of generating.
+
+The only TRL internal replaced is ``_generate_and_score_completions`` in training mode:
+instead of generating, it takes the next result a worker produced with TRL's own code
+(worker/generate.py), checks its staleness, marks it consumed and returns it. TRL's
+``_prepare_inputs`` (splitting, buffering) and loss (clipped ratio against the worker's
+``old_per_token_logps``) run unchanged. After each optimizer step the weights are
+published, ``global_step.txt`` is written, and each logged step appends one line to
+``RUN/metrics.jsonl``. Checkpoints carry the consumed-job ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, RunDir, fileops
+from asyncgrpo.jobqueue.names import done_name
+from asyncgrpo.weights import make_publisher
+from ps.collector import ResultCache, ResultCollector
+from ps.producer import JobProducer
+
+log = logging.getLogger("asyncgrpo.ps")
+LEDGER_FILE = "asyncgrpo_state.json"  # inside each checkpoint folder
+WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+ACTIVE = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE)
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset):
+        super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
+                         processing_class=tokenizer)
+        self.cfg, self.run = cfg, run
+        self.queue = JobQueue(run)
+        self.consumed: set[str] = set()
+        self.cache = ResultCache()
+        self.collector = ResultCollector(cfg, self.queue, self.cache)
+        self.producer = JobProducer(cfg, self.queue, dataset, lambda: len(self.consumed),
+                                    lambda: self.state.global_step)
+        self.publisher = make_publisher(run, self.model, cfg.weight_transport)
+        self._resume_checkpoint: str | None = None
+        self._step_record = {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}
+        self._last_step_end = time.monotonic()
+        self.add_callback(_PipelineCallback(self))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def train(self, resume_from_checkpoint: str | None = None, **kwargs):
+        self._resume_checkpoint = resume_from_checkpoint
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._stop_pipeline()
+
+    def _start_pipeline(self) -> None:
+        """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
+        if self._resume_checkpoint:
+            with open(os.path.join(self._resume_checkpoint, LEDGER_FILE)) as f:
+                self.consumed = set(json.load(f)["consumed"])
+        self._readopt_rolled_back_results()
+        self.publisher.publish(version=self.state.global_step, step=self.state.global_step)
+        readopted = self.collector.collect_now(readopt=True)
+        if readopted:
+            log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
+        self.collector.start()
+        self.producer.start()
+
+    def _stop_pipeline(self) -> None:
+        for part in (self.producer, self.collector):
+            if part.thread.is_alive():
+                part.stop()
+
+    def _readopt_rolled_back_results(self) -> None:
+        """Results consumed after the checkpoint we resume from were trained into weights that
+        were lost with the old PS: put them back in the queue to be trained on again."""
+        for entry in fileops.scan(self.run.done):
+            if not entry.name.endswith("_consumed.pt"):
+                continue
+            job_id = entry.name[: -len("_consumed.pt")]
+            if job_id in self.consumed or entry.name != done_name(job_id, ArchiveReason.CONSUMED):
+                continue
+            try:
+                fileops.move_to_other_dir(entry.path, self.run.queue / f"{job_id}_collected.pt")
+                log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
+            except FileExistsError:
+                log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
+
+    def finish(self) -> None:
+        """End of training: nothing stays pending or processing; leftovers are archived 'unused'."""
+        self._stop_pipeline()
+        self._archive_pending_as_unused()
+        deadline = time.monotonic() + self.cfg.lease_s
+        while self._in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
+        self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts)
+        self._archive_pending_as_unused()  # released or recovered jobs
+        for result in self.queue.collect(readopt=True) + self.cache.drain():
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
+        self.publisher.close()
+        log.info("[queue] finished: %s", self.queue.counts())
+
+    def _in_flight(self) -> bool:
+        return any(n.state in (JobState.PROCESSING, JobState.COMMITTING) for n in self.queue.scan()[0])
+
+    def _archive_pending_as_unused(self) -> None:
+        for name in self.queue.scan()[0]:
+            if name.state is JobState.PENDING:
+                self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED, name.attempt)
+
+    # ------------------------------------------------------------------ the replaced TRL internal
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:  # evaluation generates here, as TRL does
+            return super()._generate_and_score_completions(inputs)
+        started = time.perf_counter()
+        while True:
+            result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
+            if result is None:
+                log.warning("[train] step=%d has waited %.0fs for a result; queue %s", self.state.global_step,
+                            time.perf_counter() - started, self.queue.counts())
+                continue
+            staleness = self.state.global_step - result.payload["weights_version"]
+            if staleness > self.cfg.max_staleness:
+                log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
+                         result.job_id, staleness, self.cfg.max_staleness)
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
+                self.producer.rethrow(result.data["rows"])
+                continue
+            if result.job_id in self.consumed or not self.queue.consume(result):
+                continue  # a duplicate: consume() archived it as such
+            break
+        self.consumed.add(result.job_id)
+        self.producer.wake()
+        self._step_record["trainer_wait_s"] += time.perf_counter() - started
+        self._step_record["staleness"].append(staleness)
+        self._step_record["weights_versions"].append(result.payload["weights_version"])
+        for name, value in result.data["metrics"].items():  # the worker's TRL metrics for this job
+            self._metrics["train"][name].append(value)
+        device = self.accelerator.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in result.data["batch"].items()}
+
+    def _pick(self, cached: dict) -> str | None:
+        if not cached:
+            return None
+        oldest = min(cached)
+        if self.cfg.consume_order == "fifo":
+            active = [n.job_id for n in self.queue.scan()[0] if n.state in ACTIVE]
+            if active and min(active) < oldest:
+                return None  # an older job is still on its way
+        return oldest
+
+    # ------------------------------------------------------------------ after each step
+
+    def on_optimizer_step_end(self) -> None:
+        step = self.state.global_step
+        started = time.perf_counter()
+        self.publisher.publish(version=step, step=step)
+        publish_ms = (time.perf_counter() - started) * 1e3
+        fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
+        log.debug("[weights] published version=%d publish_ms=%.1f", step, publish_ms)
+        self.producer.wake()
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
+        if "reward" not in logs or not self.model.training:
+            return
+        now = time.monotonic()
+        record = self._step_record
+        staleness = record["staleness"] or [0]
+        line = {
+            "step": self.state.global_step,
+            "reward": logs.get("reward"),
+            "reward_std": logs.get("reward_std"),
+            "loss": logs.get("loss"),
+            "staleness_mean": statistics.fmean(staleness),
+            "staleness_max": max(staleness),
+            "weights_version": max(record["weights_versions"], default=None),
+            "trainer_wait_s": round(record["trainer_wait_s"], 4),
+            "step_time_s": round(now - self._last_step_end, 4),
+            "queue_depth": self.queue.counts(),
+            "time": time.time(),
+        }
+        self._last_step_end = now
+        self._step_record = {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}
+        with open(self.run.root / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        depth = line["queue_depth"]
+        log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s queue=pending:%d processing:%d "
+                 "complete:%d", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
+                 f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
+                 depth["processing"] + depth["committing"], depth["complete"] + depth["collected"])
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        fileops.write_json(os.path.join(folder, LEDGER_FILE),
+                           {"consumed": sorted(self.consumed), "global_step": self.state.global_step}, fsync=True)
+
+
+class _PipelineCallback(TrainerCallback):
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._start_pipeline()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.on_optimizer_step_end()
+

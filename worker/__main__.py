@@ -1,0 +1,35 @@
+"""Run one worker:
+
+    python -m worker --device N --run_dir RUN [config flags, the same as the PS's]
+
+launch.sh starts one per GPU (or CPU slot) and restarts it if it dies.
+"""
+
+import argparse
+import logging
+import sys
+
+from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
+from worker.loop import run_worker
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--device", type=int, required=True, help="this worker's device number (dev N in file names)")
+    args, rest = own.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.device} %(levelname)s %(message)s")
+    try:
+        cfg = parse_config(rest)
+        if cfg.run_dir is None:
+            raise ConfigError("--run_dir is required for a worker")
+        run = RunDir.open(cfg.run_dir)
+        return run_worker(cfg, run, args.device)
+    except (ConfigError, RunDirError, WorkerAlreadyRunning) as err:
+        print(f"worker: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
