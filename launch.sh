@@ -40,7 +40,7 @@ NGPU=0
 [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
 [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
-ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" "${PASS[@]}")
+ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")  # progress: [train] lines
 RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit 2  # it printed the one-line reason
 ARGS[1]="$RUN_DIR"
 LOGS="$RUN_DIR/logs"
@@ -69,8 +69,8 @@ say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s)); logs in $LOGS"
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) "$VENV_PY" -m ps "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
-# Progress on the terminal: the PS's [train] lines.
-tail -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|error' &
+# Progress on the terminal: the PS's [train] lines (tail ends when the PS does).
+tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|error' &
 TAIL_PID=$!
 
 stop_workers() {
@@ -86,7 +86,7 @@ stop_workers() {
 on_interrupt() {
     say "interrupted: stopping the parameter server and the workers"
     kill -INT "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
-    stop_workers; kill "$TAIL_PID" 2>/dev/null
+    stop_workers; wait "$TAIL_PID" 2>/dev/null
     exit 130
 }
 trap on_interrupt INT TERM
@@ -106,7 +106,7 @@ wait "$PS_PID"; PS_STATUS=$?
 
 # ---- 5. stop the workers; report ------------------------------------------------------------
 stop_workers
-kill "$TAIL_PID" 2>/dev/null
+wait "$TAIL_PID" 2>/dev/null
 if [ "$PS_STATUS" -ne 0 ]; then
     say "the parameter server exited with status $PS_STATUS; workers stopped. See $LOGS/log_parameter_server.txt"
     tail -n 5 "$LOGS/log_parameter_server.txt" >&2

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # Creates (once) the project's virtual environment and installs asyncgrpo into it.
 # Sourced by scripts/test.sh and launch.sh; afterwards $VENV_PY is the interpreter.
+# Returns non-zero on failure and leaves the caller's shell options alone.
 #
 # torch is installed first and pinned (torch==2.13.0 resolves to a local CPU build on
 # the project's machines); installed later without a pin, pip would fetch the newest
 # release with several GB of CUDA packages.
-set -euo pipefail
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${ASYNCGRPO_VENV:-$REPO_ROOT/.venv}"
-TORCH_SPEC="${ASYNCGRPO_TORCH_SPEC:-torch==2.13.0}"
-VENV_PY="$VENV/bin/python"
-stamp="$VENV/.asyncgrpo-installed"
-want="$(cat "$REPO_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $TORCH_SPEC"
+_bootstrap() {
+    local repo_root venv torch_spec stamp want
+    repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    venv="${ASYNCGRPO_VENV:-$repo_root/.venv}"
+    torch_spec="${ASYNCGRPO_TORCH_SPEC:-torch==2.13.0}"
+    VENV_PY="$venv/bin/python"
+    stamp="$venv/.asyncgrpo-installed"
+    want="$(sha256sum < "$repo_root/pyproject.toml" | cut -c1-16) $torch_spec"
 
-if [ ! -x "$VENV_PY" ]; then
-    echo "[bootstrap] creating virtual environment $VENV" >&2
-    python3 -m venv "$VENV"
-fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[bootstrap] installing $TORCH_SPEC and asyncgrpo[dev] into $VENV (first run takes a minute or two)" >&2
-    "$VENV_PY" -m pip install --quiet --upgrade pip >&2
-    "$VENV_PY" -m pip install --quiet "$TORCH_SPEC" >&2
-    "$VENV_PY" -m pip install --quiet -e "$REPO_ROOT[dev]" >&2
-    echo "$want" > "$stamp"
-fi
-export VENV_PY
+    if [ ! -x "$VENV_PY" ]; then
+        echo "[bootstrap] creating virtual environment $venv" >&2
+        python3 -m venv "$venv" || return 1
+    fi
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "[bootstrap] installing $torch_spec and asyncgrpo[dev] into $venv (first run takes a minute or two)" >&2
+        _pip_install --upgrade pip && _pip_install "$torch_spec" && _pip_install -e "$repo_root[dev]" || return 1
+        echo "$want" > "$stamp"
+    fi
+    export VENV_PY
+}
+_pip_install() {  # pip, minus the warnings about index folders this machine's pip.conf names but lacks
+    "$VENV_PY" -m pip install --quiet "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; } >&2
+    return "${PIPESTATUS[0]}"
+}
+_bootstrap

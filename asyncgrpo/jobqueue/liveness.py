@@ -161,7 +161,7 @@ def worker_status(run: RunDir, device: int, now: float, lease_s: float) -> Worke
     else:
         alive = age is not None and age <= lease_s and heartbeat.get("state") != "stopped"
     return WorkerStatus(device=device, alive=alive, pid=heartbeat.get("pid"), host=host,
-                        state=heartbeat.get("state") if alive else "dead",
+                        state=heartbeat.get("state") if alive or heartbeat.get("state") == "stopped" else "dead",
                         job_id=heartbeat.get("job_id") if alive else None,
                         weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age)
 

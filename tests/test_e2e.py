@@ -1,0 +1,144 @@
+"""The parameter server and workers as real processes on the demo task (CPU, tiny model).
+
+Every job is consumed exactly once, weights versions advance, staleness stays within
+its bound, a SIGKILLed worker's job comes back, a SIGKILLed PS resumes from its
+checkpoint, and launch.sh rejects bad input before starting anything.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.jobqueue import JobQueue, RunDir
+from asyncgrpo.jobqueue.names import done_reason
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3", "--seed", "0"]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def start(run_root, log_name, module, *args):
+    log = open(Path(run_root).parent / log_name, "ab")
+    return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
+                            cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(procs):
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    return [proc.wait(timeout=120) for proc in procs]
+
+
+def metrics(run_root):
+    path = Path(run_root) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_steps(run_root, n, proc):
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(metrics(run_root)) < n:
+        assert proc.poll() is None, f"the PS exited ({proc.returncode}) before step {n}"
+        assert time.monotonic() < deadline, f"no step {n} within {TIMEOUT_S}s"
+        time.sleep(0.1)
+
+
+def consumed_ids(run_root):
+    return [n[: -len("_consumed.pt")] for n in os.listdir(Path(run_root) / "done") if n.endswith("_consumed.pt")]
+
+
+def assert_queue_drained(run_root):
+    counts = JobQueue(RunDir.open(run_root)).counts()
+    assert counts == {"pending": 0, "processing": 0, "committing": 0, "complete": 0, "collected": 0}, counts
+    assert all(done_reason(n) is not None for n in os.listdir(Path(run_root) / "done"))
+
+
+def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
+    run_root = tmp_path / "run"
+    ps = start(run_root, "ps.log", "ps", "--max_steps", "8", *FAST)
+    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), "--max_steps", "8", *FAST) for i in (1, 2)]
+    try:
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        assert stop(workers) == [0, 0]
+    lines = metrics(run_root)
+    assert [m["step"] for m in lines] == list(range(1, 9))
+    assert all(m["staleness_max"] <= 4 for m in lines)  # the default max_staleness
+    versions = [m["weights_version"] for m in lines]
+    assert versions == sorted(versions) and versions[-1] > 0
+    ids = consumed_ids(run_root)
+    assert len(ids) == len(set(ids)) == 8
+    ledger = json.loads((run_root / "checkpoints" / "checkpoint-8" / "asyncgrpo_state.json").read_text())
+    assert sorted(ledger["consumed"]) == sorted(ids)
+    assert_queue_drained(run_root)
+    assert (run_root / "global_step.txt").read_text().strip() == "8"
+
+
+def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):
+    run_root = tmp_path / "run"
+    ps = start(run_root, "ps.log", "ps", "--max_steps", "14", *FAST)
+    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *FAST) for i in (1, 2)]
+    try:
+        wait_for_steps(run_root, 4, ps)
+        workers[0].send_signal(signal.SIGKILL)
+        assert workers[0].wait(timeout=60) == -signal.SIGKILL
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        stop(workers[1:])
+    ids = consumed_ids(run_root)
+    assert len(ids) == len(set(ids)) == 14
+    assert_queue_drained(run_root)
+
+
+def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
+    run_root = tmp_path / "run"
+    args = ["--max_steps", "12", *FAST]
+    ps = start(run_root, "ps.log", "ps", *args)
+    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *args) for i in (1, 2)]
+    try:
+        wait_for_steps(run_root, 7, ps)
+        ps.send_signal(signal.SIGKILL)
+        assert ps.wait(timeout=60) == -signal.SIGKILL
+        before = len(metrics(run_root))
+        ps = start(run_root, "ps.log", "ps", *args)  # same run directory: resume
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        stop(workers)
+    steps = [m["step"] for m in metrics(run_root)]
+    resumed_at = steps[before] - 1
+    assert resumed_at in (3, 6) or resumed_at >= 6  # a checkpoint step (save_steps 3) at or before the kill
+    assert steps[before:] == list(range(resumed_at + 1, 13))
+    ledger = json.loads((run_root / "checkpoints" / "checkpoint-12" / "asyncgrpo_state.json").read_text())
+    ids = consumed_ids(run_root)
+    assert len(ledger["consumed"]) == len(set(ledger["consumed"])) == 12
+    assert sorted(ledger["consumed"]) == sorted(ids)  # every archived consumption is in the final model's ledger
+    assert_queue_drained(run_root)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frobnicate", "1"], "not used by the HfArgumentParser"),
+    (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path /nonexistent/model: no such folder"),
+    (["--reward_funcs", "no_such_module:fn"], "cannot import no_such_module"),
+    (["--run-dir", "{tmp}/a_file/run"], "not writable"),
+    (["--workers", "zero"], "--workers needs a positive integer"),
+])
+def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, message):
+    (tmp_path / "a_file").write_text("x")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--run-dir" not in args:
+        args += ["--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--workers", "2", *args], cwd=REPO, env=env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not (tmp_path / "run" / "queue").exists()  # nothing started
