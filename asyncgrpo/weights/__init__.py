@@ -1,0 +1,86 @@
+"""Weight transports: the PS publishes its parameters, workers sync them into their model.
+
+    base         version file, locks, the two-slot protocol (why no read is ever torn), the PS side
+    layout       where each tensor lives in a flat buffer: grouped per dtype, aligned, ties stored once
+    memcopy      copying hundreds of CPU tensors at memory bandwidth
+    subscriber   the worker side, for every transport
+    mmap_file    CPU: two files in /dev/shm mapped by every process (torch.from_file, shared)
+    cuda_ipc     GPU: two buffers on the PS's GPU, IPC handles exported once as JSON
+    snapshot     multi-node: one safetensors file per version on the shared filesystem
+
+On the PS, after each optimizer step::
+
+    publisher = make_publisher(run, model)          # once; "auto": cuda_ipc on GPU, else mmap
+    publisher.publish(version=step, step=step)      # versions must increase
+    publisher.close()                               # at exit
+
+On a worker, before each job::
+
+    subscriber = make_subscriber(run)
+    version = subscriber.sync(model)                # None: nothing newer (or no PS), weights kept
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.base import VERSION_FILE, Layout, TransportUnavailable, read_version_file
+from asyncgrpo.weights.subscriber import Subscriber
+
+
+class WeightPublisher(Protocol):
+    publisher_id: str
+    transport: str
+
+    def publish(self, version: int, step: int) -> None:
+        """Copies the model's current parameters into the transport, then atomically
+        rewrites RUN/weights/ps_ipc_handle_version.json to name them."""
+
+    def close(self) -> None: ...
+
+
+class WeightSubscriber(Protocol):
+    def latest_version(self) -> int | None:
+        """The published version (None: nothing published, no PS yet, or the PS closed)."""
+
+    def sync(self, model: torch.nn.Module) -> int | None:
+        """Copies a version newer than the last synced one into ``model`` in place and
+        returns it; None when there is none (or it cannot be read now: weights kept)."""
+
+    def close(self) -> None: ...
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    from asyncgrpo.weights.cuda_ipc import model_device
+
+    return model_device(model).type == "cuda"
+
+
+def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto") -> WeightPublisher:
+    if transport == "auto":
+        transport = "cuda_ipc" if _on_cuda(model) else "mmap"
+    if transport == "mmap":
+        from asyncgrpo.weights.mmap_file import MmapPublisher
+
+        return MmapPublisher(run, model)
+    if transport == "cuda_ipc":
+        from asyncgrpo.weights.cuda_ipc import CudaIpcPublisher
+
+        return CudaIpcPublisher(run, model)
+    if transport == "safetensors":
+        from asyncgrpo.weights.snapshot import SnapshotPublisher
+
+        return SnapshotPublisher(run, model)
+    raise ValueError(f"unknown weights transport {transport!r} (auto, mmap, cuda_ipc, safetensors)")
+
+
+def make_subscriber(run: RunDir) -> WeightSubscriber:
+    """The transport and layout come from the version file, re-read when the PS restarts."""
+    return Subscriber(run)
+
+
+__all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher",
+           "WeightSubscriber", "make_publisher", "make_subscriber", "read_version_file"]

@@ -1,0 +1,75 @@
+"""Copying many tensors at memory bandwidth.
+
+``torch._foreach_copy_`` on CPU is one ATen op per tensor, and each op over a few MB
+opens an OpenMP parallel region. On a small VM (2 vCPUs, measured here) waking the
+idle OpenMP threads costs milliseconds per op: copying a 0.5B model (291 tensors, 2 GB)
+took 1.4 s that way against 0.3 s for one flat copy of the same bytes. So contiguous,
+same-dtype CPU pairs are copied with plain memmoves instead, spread over
+``torch.get_num_threads()`` threads (ctypes releases the GIL during the call; the calling
+thread takes a share). Large tensors are cut into chunks so one embedding matrix doesn't
+leave the other threads idle. Anything else (GPU, strided, dtype-converting) goes
+through ``torch._foreach_copy_``.
+
+A memmove does not bump autograd's version counters: fine for weights that workers
+only run inference with and for the PS's read-only side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_CHUNK = 16 << 20
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_pool_lock = threading.Lock()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] != workers:  # after a fork: new threads
+            _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="weights-copy"))
+        return _pool[2]
+
+
+def _memmoves(jobs: list[tuple[int, int, int]]) -> None:
+    for dst, src, n in jobs:
+        ctypes.memmove(dst, src, n)
+
+
+def _plain(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return (d.device.type == "cpu" and s.device.type == "cpu" and d.dtype == s.dtype and d.shape == s.shape
+            and d.is_contiguous() and s.is_contiguous())
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair."""
+    jobs: list[tuple[int, int, int]] = []
+    other_d, other_s = [], []
+    for d, s in zip(dsts, srcs, strict=True):
+        if not _plain(d, s):
+            other_d.append(d)
+            other_s.append(s)
+            continue
+        n = d.numel() * d.element_size()
+        jobs += [(d.data_ptr() + o, s.data_ptr() + o, min(_CHUNK, n - o)) for o in range(0, n, _CHUNK)]
+    if other_d:
+        torch._foreach_copy_(other_d, other_s)
+    threads = min(max(1, torch.get_num_threads()), len(jobs))
+    if threads <= 1:
+        _memmoves(jobs)
+        return
+    groups: list[list] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for job in sorted(jobs, key=lambda j: -j[2]):  # biggest first onto the least loaded thread
+        i = loads.index(min(loads))
+        groups[i].append(job)
+        loads[i] += job[2]
+    futures = [_executor(threads - 1).submit(_memmoves, g) for g in groups[1:]]
+    _memmoves(groups[0])
+    for f in futures:
+        f.result()

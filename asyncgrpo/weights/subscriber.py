@@ -1,0 +1,133 @@
+"""The worker side: one Subscriber for every transport (the version file says which).
+
+A Subscriber keeps one open reader per PS run (publisher_id): mmap files mapped once,
+CUDA IPC handles opened once. A new publisher_id (the PS restarted) drops it and opens
+the new one. When a reader cannot be opened (the PS died, its buffers are gone, the GPU
+is not visible) ``sync`` returns None, the model keeps its weights, and the same
+publisher is retried at most every RETRY_S seconds; a new publisher is tried at once.
+See base.py for why a copy is never torn.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import os
+import time
+
+import torch
+
+from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.base import (
+    Layout,
+    TransportUnavailable,
+    flocked,
+    key,
+    log,
+    open_lock,
+    read_version_file,
+)
+
+MAX_ATTEMPTS = 8  # re-reads when the PS moves on between our read and our lock; each costs microseconds
+RETRY_S = 5.0
+_READERS = {"mmap": "asyncgrpo.weights.mmap_file:MmapReader",
+            "safetensors": "asyncgrpo.weights.snapshot:SnapshotReader",
+            "cuda_ipc": "asyncgrpo.weights.cuda_ipc:CudaIpcReader"}
+
+
+class Subscriber:
+    def __init__(self, run: RunDir):
+        self.run = run
+        self._lock_fds: dict[int, int] = {}
+        self._reader = None
+        self._reader_id: str | None = None
+        self._synced: tuple[str, int] | None = None  # (publisher_id, version) now in the model
+        self._failed: tuple[str, float] | None = None  # (publisher_id, retry after)
+
+    def latest_version(self) -> int | None:
+        info = read_version_file(self.run)
+        return None if info is None or info.get("closed") else info["version"]
+
+    def sync(self, model: torch.nn.Module) -> int | None:
+        t0 = time.perf_counter()
+        for _ in range(MAX_ATTEMPTS):
+            info = read_version_file(self.run)
+            if info is not None and info.get("closed") and self._reader_id == info["publisher_id"]:
+                self._drop_reader()  # unmap a closed PS's buffers (GPU memory stays held while mapped)
+            if info is None or info.get("closed") or not self._is_new(info):
+                return None
+            reader = self._reader_for(info)
+            if reader is None:
+                return None
+            dsts, idx = reader.layout.destinations(model.state_dict())  # ValueError: wrong model
+            try:
+                with torch.no_grad():
+                    if reader.uses_slots:
+                        with flocked(self._lock(info["buffer"]), fcntl.LOCK_SH):
+                            if key(read_version_file(self.run)) != key(info):
+                                continue  # the PS moved on (or closed): read the file again
+                            reader.copy_out(info, dsts, idx)
+                    else:
+                        reader.copy_out(info, dsts, idx)
+            except FileNotFoundError:
+                continue  # a snapshot was pruned under us: a newer one is named now
+            except TransportUnavailable as err:
+                self._give_up(info, f"cannot read v{info['version']}: {err}")
+                return None
+            self._synced = (info["publisher_id"], info["version"])
+            log.debug("[weights] synced v%d %s sync_ms=%.2f", info["version"], info["transport"],
+                      (time.perf_counter() - t0) * 1e3)
+            return info["version"]
+        return None
+
+    def _is_new(self, info: dict) -> bool:
+        if self._synced is None or self._synced[0] != info["publisher_id"]:
+            return True  # a restarted PS may count from a lower version: its weights are new all the same
+        return info["version"] > self._synced[1]
+
+    def _reader_for(self, info: dict):
+        pid = info["publisher_id"]
+        if self._reader is not None and self._reader_id == pid:
+            if self._reader.usable(info):
+                return self._reader
+            self._give_up(info, "the publisher is gone")
+            return None
+        if self._failed is not None and self._failed[0] == pid and time.monotonic() < self._failed[1]:
+            return None
+        self._drop_reader()
+        module, _, cls = _READERS[info["transport"]].partition(":")
+        try:
+            layout = Layout.load(self.run, pid)
+            reader = getattr(importlib.import_module(module), cls)(self.run, info, layout)
+            if not reader.usable(info):
+                raise TransportUnavailable("the publisher is gone")
+        except (TransportUnavailable, OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+            self._give_up(info, f"cannot open: {err}")
+            return None
+        self._reader, self._reader_id, self._failed = reader, pid, None
+        log.info("[weights] opened %s weights of publisher %s (pid %s, %d tensors, %.1f MB)", info["transport"],
+                 pid[:8], info.get("pid"), len(layout.entries), layout.total_bytes / 1e6)
+        return reader
+
+    def _give_up(self, info: dict, why: str) -> None:
+        if self._failed is None or self._failed[0] != info["publisher_id"]:
+            log.warning("[weights] %s publisher %s: %s; keeping the current weights",
+                        info["transport"], info["publisher_id"][:8], why)
+        self._drop_reader()
+        self._failed = (info["publisher_id"], time.monotonic() + RETRY_S)
+
+    def _drop_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader, self._reader_id = None, None
+
+    def _lock(self, slot: int) -> int:
+        if slot not in self._lock_fds:
+            self._lock_fds[slot] = open_lock(self.run, slot)
+        return self._lock_fds[slot]
+
+    def close(self) -> None:
+        self._drop_reader()
+        for fd in self._lock_fds.values():
+            os.close(fd)
+        self._lock_fds.clear()

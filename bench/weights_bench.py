@@ -1,0 +1,221 @@
+"""Benchmark of the weight transports (asyncgrpo.weights). Prints ONE JSON object on stdout.
+
+CPU (default): a Qwen2.5-0.5B-shaped model (494M parameters, 290 tensors, tied embeddings;
+built from a transformers config, no download), fp32 (2 GB) unless --dtype bf16. The PS
+model publishes through the mmap transport (/dev/shm) and a subscriber syncs into a
+second model; both sides map the files, as in separate processes (the copy costs the
+same; the lock and version-file traffic is real). All figures from the same run, median
+of --iters after one warm-up, next to plain copies of the same bytes:
+  * memcpy_flat:        one ``dst.copy_(src)`` of the same total bytes (two plain tensors)
+  * memcpy_per_tensor:  ``torch._foreach_copy_`` PS model -> worker model, tensor by tensor
+  * publish / memcpy_flat and sync / memcpy_flat: the goal is within 2x each.
+
+GPU (--gpu): a Qwen2.5-1.5B-shaped model (1.54B parameters, bf16, 3.1 GB) on cuda:0
+publishes through cuda_ipc; a worker process (spawned) on --reader-device syncs after
+each publish; its sync time (lock + version file + batched device-to-device copy +
+synchronize) is reported next to a device memcpy of the same bytes. Goal: sync <= 10 ms
+on one H200.
+
+Run:  /tmp/venvtest/bin/python bench/weights_bench.py [--dtype fp32|bf16] [--iters N] [--layers N] [--threads N]
+      python bench/weights_bench.py --gpu [--reader-device cuda:0] [--iters N]
+(temp run dirs under /tmp, removed at the end)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.weights import make_publisher, make_subscriber
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPES = {  # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads)
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+}
+
+
+def build(size: str, dtype: torch.dtype, device: str, layers: int | None, value: float) -> torch.nn.Module:
+    """The real module tree, allocated without random init (slow for 0.5B), then touched."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(SHAPES[size], vocab_size=151936, tie_word_embeddings=True)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg)).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each name its own tensor
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.fill_(value)
+    return model
+
+
+def nbytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+
+
+def timed(fn, iters: int, sync=lambda: None) -> list[float]:
+    out = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(ms: list[float]) -> dict:
+    return {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2)}
+
+
+def _flat_copy_ms(total: int, iters: int) -> list[float]:
+    src, dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+    dst.copy_(src)  # both touched: no page faults in the timed copies
+    return timed(lambda: dst.copy_(src), iters)
+
+
+def cpu_bench(args) -> dict:
+    dtype = DTYPES[args.dtype]
+    root = Path(tempfile.mkdtemp(prefix="weights-bench-"))
+    try:
+        run = RunDir.create(root / "run")
+        ps, worker = build("0.5b", dtype, "cpu", args.layers, 1.0), build("0.5b", dtype, "cpu", args.layers, 0.0)
+        total = nbytes(ps)
+        t0 = time.perf_counter()
+        publisher, subscriber = make_publisher(run, ps, "mmap"), make_subscriber(run)
+        create_ms = (time.perf_counter() - t0) * 1e3
+        version = [0]
+
+        def publish():
+            version[0] += 1
+            publisher.publish(version[0], version[0])
+
+        def sync():
+            assert subscriber.sync(worker) == version[0]
+
+        publish()
+        t0 = time.perf_counter()
+        sync()  # warm-up: maps the files, first touch of the worker's mapping
+        first_sync_ms = (time.perf_counter() - t0) * 1e3
+        publish_ms, sync_ms = [], []
+        for _ in range(args.iters):
+            publish_ms += timed(publish, 1)
+            sync_ms += timed(sync, 1)
+        ok = all(torch.equal(a, b) for a, b in zip(ps.state_dict().values(), worker.state_dict().values(),
+                                                   strict=True))
+        publisher.close()
+        subscriber.close()
+
+        flat_ms = _flat_copy_ms(total, args.iters)
+        names = list(publisher.layout.entries)
+        srcs = [ps.state_dict()[e.name] for e in names]
+        dsts = [worker.state_dict()[e.name] for e in names]
+        per_tensor_ms = timed(lambda: torch._foreach_copy_(dsts, srcs), args.iters)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    pub, syn, flat = summary(publish_ms), summary(sync_ms), summary(flat_ms)
+    return {
+        "mode": "cpu", "transport": "mmap", "dtype": args.dtype, "params": total // dtype.itemsize,
+        "bytes": total, "tensors": len(names), "iters": args.iters, "torch_threads": torch.get_num_threads(),
+        "publisher_create_ms": round(create_ms, 1), "first_sync_ms": round(first_sync_ms, 1),
+        "publish": pub, "sync": syn, "memcpy_flat": flat, "memcpy_per_tensor": summary(per_tensor_ms),
+        "publish_GBps": round(total / pub["median_ms"] / 1e6, 2), "sync_GBps": round(total / syn["median_ms"] / 1e6, 2),
+        "memcpy_GBps": round(total / flat["median_ms"] / 1e6, 2),
+        "publish_over_memcpy": round(pub["median_ms"] / flat["median_ms"], 2),
+        "sync_over_memcpy": round(syn["median_ms"] / flat["median_ms"], 2),
+        "goal": "publish and sync each within 2x of memcpy_flat (medians)",
+        "goal_met": pub["median_ms"] <= 2 * flat["median_ms"] and syn["median_ms"] <= 2 * flat["median_ms"],
+        "synced_state_equal": ok,
+    }
+
+
+def _gpu_reader(root: str, device: str, layers, conn) -> None:
+    run = RunDir.open(root)
+    model = build("1.5b", torch.bfloat16, device, layers, 0.0)
+    subscriber = make_subscriber(run)
+    while conn.recv() is not None:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        got = subscriber.sync(model)  # returns after its copy has finished (synchronize inside)
+        conn.send(((time.perf_counter() - t0) * 1e3, got, float(next(model.parameters()).view(-1)[0])))
+    subscriber.close()
+
+
+def gpu_bench(args) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu needs CUDA")
+    root = Path(tempfile.mkdtemp(prefix="weights-bench-"))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    reader = ctx.Process(target=_gpu_reader, args=(str(root / "run"), args.reader_device, args.layers, child))
+    try:
+        run = RunDir.create(root / "run")
+        ps = build("1.5b", torch.bfloat16, "cuda:0", args.layers, 1.0)
+        total = nbytes(ps)
+        publisher = make_publisher(run, ps)
+        reader.start()
+        publish_ms, sync_ms, results = [], [], []
+        for v in range(1, args.iters + 2):  # the first sync opens the handles: reported apart
+            with torch.no_grad():
+                for p in ps.parameters():
+                    p.fill_(float(v))
+            publish_ms += timed(lambda v=v: publisher.publish(v, v), 1, lambda: torch.cuda.synchronize(0))
+            parent.send(v)
+            ms, got, value = parent.recv()
+            sync_ms.append(ms)
+            results.append(got == v and value == float(v))
+        parent.send(None)
+        reader.join(60)
+        publisher.close()
+        src = torch.ones(total, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(total, dtype=torch.uint8, device=args.reader_device)
+        both = lambda: [torch.cuda.synchronize(d) for d in ("cuda:0", args.reader_device)]  # noqa: E731
+        flat_ms = timed(lambda: dst.copy_(src), args.iters, both)
+    finally:
+        if reader.is_alive():
+            reader.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    syn = summary(sync_ms[1:])
+    return {
+        "mode": "gpu", "transport": "cuda_ipc", "dtype": "bf16", "params": total // 2, "bytes": total,
+        "device": torch.cuda.get_device_name(0), "reader_device": args.reader_device, "iters": args.iters,
+        "first_sync_ms (opens handles)": round(sync_ms[0], 2), "publish": summary(publish_ms[1:]), "sync": syn,
+        "memcpy_d2d": summary(flat_ms), "sync_over_memcpy": round(syn["median_ms"] / statistics.median(flat_ms), 2),
+        "goal": "sync <= 10 ms (median)", "goal_met": syn["median_ms"] <= 10.0, "all_syncs_correct": all(results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="CPU mode only (GPU: bf16)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
+    parser.add_argument("--reader-device", default="cuda:0")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU mode)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = gpu_bench(args) if args.gpu else cpu_bench(args)
+    result.update(python=sys.version.split()[0], torch=torch.__version__, machine=platform.machine())
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
