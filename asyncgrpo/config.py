@@ -116,8 +116,9 @@ def parse_config(argv: list[str] | None = None) -> AsyncGRPOConfig:
     if not given & {"model_name_or_path", "dataset_name", "reward_funcs"}:
         from asyncgrpo.tasks.demo import DEMO_DEFAULTS
 
-        demo = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k not in given]
-        argv = demo + argv
+        # Checkpoints, so that relaunching the demo on its run directory resumes.
+        defaults = {**DEMO_DEFAULTS, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
+        argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
     parser = TrlParser((AsyncGRPOConfig,))
 
     def one_line_error(message: str):  # argparse would print its whole usage block and exit

@@ -142,3 +142,19 @@ def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, messa
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert not (tmp_path / "run" / "queue").exists()  # nothing started
+
+
+@pytest.mark.slow
+def test_demo_task_learns_with_two_workers(tmp_path):
+    """Mean reward rises from about 0.1 to >= 0.8 (a typical run passes 0.9 by step ~200)."""
+    run_root = tmp_path / "run"
+    ps = start(run_root, "ps.log", "ps", "--max_steps", "350", "--seed", "0")
+    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), "--max_steps", "350") for i in (1, 2)]
+    try:
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        stop(workers)
+    rewards = [m["reward"] for m in metrics(run_root)]
+    first, best = sum(rewards[:10]) / 10, max(sum(rewards[i:i + 20]) / 20 for i in range(len(rewards) - 19))
+    assert first < 0.3, f"the untrained model already scores {first:.2f}"
+    assert best >= 0.8, f"the best 20-step mean reward is {best:.2f}"

@@ -1,0 +1,159 @@
+"""The built-in demo task: "N:" -> repeat the digit N.
+
+Prompts are the strings "0:" .. "9:"; the reward of a completion is the fraction of its characters equal
+to N (an empty completion scores 0.0). A random policy scores about 1/16 (the vocabulary has 16 tokens);
+a trained one scores 1.0.
+
+Everything is built in-process, offline: a character-level tokenizer (one token per character, made
+with the `tokenizers` library) and a tiny Llama from a `LlamaConfig` (a Llama config, because with a
+Qwen2 config `AutoTokenizer` swaps a custom tokenizer for its own). `write_demo_model` saves both so
+that `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load them back.
+
+`DEMO_DEFAULTS` holds the `GRPOConfig` keyword arguments that learn the task; calibrated against plain
+TRL 1.16 on 2 CPU cores by bench/demo_trl_baseline.py. On CPU the caller also passes `use_cpu=True`
+and `bf16=False` (GRPOConfig turns bf16 on by default and fails without a GPU); see `cpu_overrides()`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARS = tuple("0123456789:") + (" ",)
+DIGITS = "0123456789"
+MAX_POSITIONS = 64
+
+# GRPOConfig keyword arguments that learn the demo task (see bench/demo_trl_baseline.py for the calibration).
+# Device handling is the caller's job: on CPU add cpu_overrides() (use_cpu=True, bf16=False).
+DEMO_DEFAULTS: dict[str, Any] = {
+    # TRL's default (1e-6) learns nothing on a tiny model in any reasonable number of steps.
+    "learning_rate": 1e-3,
+    # Constant lr: the linear decay to 0 of the default schedule only slows the end of training.
+    "lr_scheduler_type": "constant",
+    # 32 completions per step = 4 prompts x 8 generations.
+    "per_device_train_batch_size": 32,
+    "num_generations": 8,
+    # 8 characters: enough to make the reward graded (fraction correct), short enough to be cheap.
+    "max_completion_length": 8,
+    "temperature": 1.0,
+    # No KL term: no reference model to hold or run.
+    "beta": 0.0,
+    "max_steps": 1000,
+    "logging_steps": 1,
+    # GRPOConfig turns gradient checkpointing on by default; it only costs time on a model this small.
+    "gradient_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+}
+
+
+def cpu_overrides() -> dict[str, Any]:
+    """The GRPOConfig keyword arguments needed on a machine without a GPU (TRL 1.16 defaults bf16 to True)."""
+    return {"use_cpu": True, "bf16": False}
+
+
+def repeat_digit_reward(prompts, completions, **kwargs) -> list[float]:
+    """Fraction of each completion's characters equal to the prompt's digit N ("N:"); empty completion: 0.0.
+
+    TRL's reward-function signature; completions are plain strings for this (non-conversational) dataset.
+    A conversational completion (a list of messages) is scored on its last message's content.
+    """
+    rewards = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        digit = _prompt_digit(prompt)
+        text = _as_text(completion)
+        rewards.append(sum(ch == digit for ch in text) / len(text) if text else 0.0)
+    return rewards
+
+
+def _as_text(x) -> str:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        return str(x[-1].get("content", ""))
+    return str(x)
+
+
+def _prompt_digit(prompt) -> str:
+    text = _as_text(prompt).strip()
+    head = text.split(":", 1)[0]
+    return head[-1] if head else ""
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character of "0123456789: ", plus <pad>/<bos>/<eos>/<unk>.
+
+    No special tokens are added on encoding ("7:" -> 2 ids), decoding joins characters without spaces,
+    padding is on the left (as TRL pads prompts).
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    backend = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+def build_model(
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 96,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> LlamaForCausalLM:
+    """A tiny Llama (about 71k parameters by default) over the demo tokenizer, deterministic given `seed`."""
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    # Seeds the CPU generator only for the construction, and puts the caller's RNG state back afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def write_demo_model(path: str | os.PathLike, seed: int = 0, **model_kwargs) -> str:
+    """Save `build_model(seed, **model_kwargs)` (safetensors) and `build_tokenizer()` to folder `path`; return it."""
+    path = os.fspath(path)
+    tok = build_tokenizer()
+    model = build_model(seed=seed, tokenizer=tok, **model_kwargs)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def build_dataset(n: int = 1000, seed: int = 0):
+    """A `datasets.Dataset` of `n` rows: "prompt" ("N:") and "digit" (N, int), balanced over digits, shuffled."""
+    from datasets import Dataset
+
+    digits = [i % 10 for i in range(n)]
+    random.Random(seed).shuffle(digits)
+    return Dataset.from_dict({"prompt": [f"{d}:" for d in digits], "digit": digits})

@@ -1,0 +1,151 @@
+"""The built-in demo task (asyncgrpo.tasks.demo): reward, offline tokenizer and model, dataset, TRL wiring."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from asyncgrpo.tasks.demo import (
+    DEMO_DEFAULTS,
+    build_dataset,
+    build_model,
+    build_tokenizer,
+    cpu_overrides,
+    repeat_digit_reward,
+    write_demo_model,
+)
+
+
+class _RewardLogs(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.logs.append(dict(logs))
+
+
+def _state_dicts_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_reward_values():
+    prompts = ["7:", "7:", "7:", "7:", "3:", "0:", "9:"]
+    completions = ["7777", "7a7b", "", "1111", "3", "0000:000", "99 9"]
+    assert repeat_digit_reward(prompts, completions) == [1.0, 0.5, 0.0, 0.0, 1.0, 0.875, 0.75]
+
+
+def test_reward_accepts_trl_kwargs_and_conversational_completions():
+    out = repeat_digit_reward(
+        prompts=["4:"], completions=[[{"role": "assistant", "content": "44"}]], completion_ids=[[8, 8]], digit=[4]
+    )
+    assert out == [1.0]
+
+
+def test_tokenizer_char_level_round_trip():
+    tok = build_tokenizer()
+    ids = tok("7:7777")["input_ids"]
+    assert len(ids) == 6
+    assert tok.convert_ids_to_tokens(ids) == list("7:7777")
+    assert tok.decode(ids) == "7:7777"
+    assert tok("7:")["input_ids"] == ids[:2]
+    assert tok.eos_token is not None and tok.pad_token is not None and tok.bos_token is not None
+    assert len({tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, tok.unk_token_id}) == 4
+    assert tok.padding_side == "left"
+    # A generated completion (eos then padding) decodes to the bare characters.
+    completion = tok("777")["input_ids"] + [tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(completion, skip_special_tokens=True) == "777"
+    batch = tok(["7:", "7:77"], padding=True)
+    assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2
+    assert batch["attention_mask"][0] == [0, 0, 1, 1]
+
+
+def test_model_deterministic_per_seed():
+    a, b, c = build_model(seed=0), build_model(seed=0), build_model(seed=1)
+    assert _state_dicts_equal(a, b)
+    assert not _state_dicts_equal(a, c)
+    tok = build_tokenizer()
+    assert a.config.vocab_size == len(tok)
+    assert a.config.eos_token_id == tok.eos_token_id and a.config.pad_token_id == tok.pad_token_id
+    n_params = sum(p.numel() for p in a.parameters())
+    assert 50_000 < n_params < 120_000
+
+
+def test_build_model_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model(seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_write_demo_model_round_trip(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_demo_model(tmp_path / "demo", seed=3)
+    assert (tmp_path / "demo" / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert _state_dicts_equal(model, build_model(seed=3))
+
+    tok, ref = AutoTokenizer.from_pretrained(path), build_tokenizer()
+    assert type(tok) is type(ref)
+    for text in ("7:7777", "0:", "9: 12", "x7"):
+        assert tok(text)["input_ids"] == ref(text)["input_ids"]
+    assert tok.decode(tok("3:333")["input_ids"]) == "3:333"
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (ref.eos_token_id, ref.pad_token_id,
+                                                                      ref.bos_token_id)
+    assert tok.padding_side == "left"
+    assert len(tok) == len(ref)
+
+
+def test_dataset_balanced_and_shuffled():
+    ds = build_dataset(n=200, seed=0)
+    assert len(ds) == 200
+    assert all(re.fullmatch(r"[0-9]:", p) for p in ds["prompt"])
+    assert all(p == f"{d}:" for p, d in zip(ds["prompt"], ds["digit"], strict=True))
+    assert collections.Counter(ds["digit"]) == {d: 20 for d in range(10)}
+    assert ds["prompt"] == build_dataset(n=200, seed=0)["prompt"]
+    assert ds["prompt"] != build_dataset(n=200, seed=1)["prompt"]
+    assert ds["prompt"][:10] != [f"{d}:" for d in range(10)]
+    counts = collections.Counter(build_dataset(n=25, seed=0)["digit"])
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_demo_defaults_are_grpo_config_kwargs():
+    from trl import GRPOConfig
+
+    assert DEMO_DEFAULTS["learning_rate"] > 1e-5  # TRL's default 1e-6 learns nothing on the tiny model
+    assert "max_prompt_length" not in DEMO_DEFAULTS  # gone from GRPOConfig in TRL 1.16
+    fields = GRPOConfig.__dataclass_fields__
+    assert set(DEMO_DEFAULTS) | set(cpu_overrides()) <= set(fields)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_grpo_trainer_runs_on_cpu(tmp_path):
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "max_steps": 2,
+                         "seed": 0, "disable_tqdm": True})
+    tok = build_tokenizer()
+    recorder = _RewardLogs()
+    trainer = GRPOTrainer(
+        model=build_model(seed=0, tokenizer=tok),
+        reward_funcs=repeat_digit_reward,
+        args=args,
+        train_dataset=build_dataset(n=40, seed=0),
+        processing_class=tok,
+        callbacks=[recorder],
+    )
+    assert trainer.args.bf16 is False
+    assert trainer.model.device.type == "cpu"
+    trainer.train()
+    logs = recorder.logs
+    assert len(logs) == 2
+    assert all(0.0 <= entry["reward"] <= 1.0 for entry in logs)
+    assert all(entry["completions/max_length"] <= DEMO_DEFAULTS["max_completion_length"] for entry in logs)
