@@ -85,7 +85,7 @@ stop_workers() {
 }
 on_interrupt() {
     say "interrupted: stopping the parameter server and the workers"
-    kill -INT "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
+    kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
     stop_workers; wait "$TAIL_PID" 2>/dev/null
     exit 130
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -66,10 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     except PSAlreadyRunning as err:
         print(f"ps: error: {err}", file=sys.stderr)
         return 3
+    # Explicit handlers: a process that bash starts in the background inherits SIGINT ignored,
+    # and Python keeps it that way. Either signal unwinds training (threads stopped, lock freed).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         return train(cfg, run)
+    except KeyboardInterrupt:
+        log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
+        return 130
     finally:
         os.close(lock)
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def train(cfg, run: RunDir) -> int:

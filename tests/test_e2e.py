@@ -158,3 +158,65 @@ def test_demo_task_learns_with_two_workers(tmp_path):
     first, best = sum(rewards[:10]) / 10, max(sum(rewards[i:i + 20]) / 20 for i in range(len(rewards) - 19))
     assert first < 0.3, f"the untrained model already scores {first:.2f}"
     assert best >= 0.8, f"the best 20-step mean reward is {best:.2f}"
+
+
+def launch(run_root, *args):
+    return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def heartbeat_pid(run_root, device):
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        path = Path(run_root) / "workers" / f"dev{device}.json"
+        if path.exists() and (pid := json.loads(path.read_text() or "{}").get("pid")):
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"worker {device} never beat")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
+    run_root = tmp_path / "run"
+    proc = launch(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
+    try:
+        first = heartbeat_pid(run_root, 1)
+        wait_for_steps(run_root, 3, proc)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while heartbeat_pid(run_root, 1) == first:  # the restarted worker beats with its own pid
+            assert time.monotonic() < deadline, "worker 1 was not restarted"
+            time.sleep(0.1)
+        second = heartbeat_pid(run_root, 1)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    out = proc.stdout.read()
+    assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out
+    assert "interrupted: stopping" in out
+    workers = [second, heartbeat_pid(run_root, 2)]
+    ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
+    assert not any(alive(pid) for pid in [ps_pid, *workers])
+
+
+def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
+    run_root = tmp_path / "run"
+    proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
+    try:
+        workers = [heartbeat_pid(run_root, 1), heartbeat_pid(run_root, 2)]
+        wait_for_steps(run_root, 3, proc)
+        os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGKILL)
+        status = proc.wait(timeout=180)
+    finally:
+        proc.kill()
+    assert status != 0
+    assert "the parameter server exited with status 137" in proc.stdout.read()
+    assert not any(alive(pid) for pid in workers)
