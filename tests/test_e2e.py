@@ -175,6 +175,15 @@ def heartbeat_pid(run_root, device):
     raise AssertionError(f"worker {device} never beat")
 
 
+def kill_run(run_root, launcher):
+    """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
+    launcher.kill()
+    for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
+        pid = json.loads(path.read_text() or "{}").get("pid") if path.exists() else None
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -198,7 +207,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=120) == 130
     finally:
-        proc.kill()
+        kill_run(run_root, proc)
     out = proc.stdout.read()
     assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out
     assert "interrupted: stopping" in out
@@ -216,7 +225,7 @@ def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
         os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGKILL)
         status = proc.wait(timeout=180)
     finally:
-        proc.kill()
+        kill_run(run_root, proc)
     assert status != 0
     assert "the parameter server exited with status 137" in proc.stdout.read()
     assert not any(alive(pid) for pid in workers)
