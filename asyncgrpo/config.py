@@ -116,11 +116,8 @@ def parse_config(argv: list[str] | None = None) -> AsyncGRPOConfig:
     if not given & {"model_name_or_path", "dataset_name", "reward_funcs"}:
         from asyncgrpo.tasks.demo import DEMO_DEFAULTS
 
-        # Checkpoints, so that relaunching the demo on its run directory resumes. Linear decay:
-        # with a constant lr 1e-3 and results up to 4 steps stale, a 3-worker run peaked at
-        # 0.996 around step 550 and drifted to 0.88 by step 1000; with decay it ended at 0.998.
-        defaults = {**DEMO_DEFAULTS, "lr_scheduler_type": "linear",
-                    "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
+        # Checkpoints, so that relaunching the demo on its run directory resumes.
+        defaults = {**DEMO_DEFAULTS, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
         argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
     parser = TrlParser((AsyncGRPOConfig,))
 

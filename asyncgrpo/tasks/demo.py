@@ -33,22 +33,30 @@ MAX_POSITIONS = 64
 
 # GRPOConfig keyword arguments that learn the demo task (see bench/demo_trl_baseline.py for the calibration).
 # Device handling is the caller's job: on CPU add cpu_overrides() (use_cpu=True, bf16=False).
+# Plain TRL 1.16 on CPU with these, seeds 0-9: rolling-10 reward >= 0.9 after 190-225 steps, >= 0.99 after
+# 300-365, and it stays there (~45-55 ms a step on 2 cores).
 DEMO_DEFAULTS: dict[str, Any] = {
     # TRL's default (1e-6) learns nothing on a tiny model in any reasonable number of steps.
     "learning_rate": 1e-3,
-    # Constant lr: the linear decay to 0 of the default schedule only slows the end of training.
-    "lr_scheduler_type": "constant",
+    # Linear decay to 0 at max_steps (the Trainer's default, spelled out). With a constant lr (1e-3, 7e-4,
+    # even 5e-4 over 2000 steps) some seeds reach ~1.0, then lose a whole digit later: the policy is so sharp
+    # that all 8 completions for that prompt are the same wrong digit, the group's reward std is 0, so GRPO
+    # gets no signal to recover (the rolling reward sits at ~0.75-0.9 for hundreds of steps). The decay
+    # prevented that in every seed tried, with max_steps 1000 and 2000. Keep max_steps (it sets the decay);
+    # stop early with a callback rather than shortening it, or the lr falls too soon.
+    "lr_scheduler_type": "linear",
+    "max_steps": 1000,
     # 32 completions per step = 4 prompts x 8 generations.
     "per_device_train_batch_size": 32,
     "num_generations": 8,
-    # 8 characters: enough to make the reward graded (fraction correct), short enough to be cheap.
+    # 8 characters: a graded reward (eighths) at a low cost; 4 learns in about as many steps (~20% cheaper
+    # steps), 16 needs ~15% more steps and costs more per step.
     "max_completion_length": 8,
     "temperature": 1.0,
     # No KL term: no reference model to hold or run.
     "beta": 0.0,
-    "max_steps": 1000,
     "logging_steps": 1,
-    # GRPOConfig turns gradient checkpointing on by default; it only costs time on a model this small.
+    # GRPOConfig turns gradient checkpointing on by default; on this model it makes a step ~60% slower, same result.
     "gradient_checkpointing": False,
     "report_to": "none",
     "save_strategy": "no",
