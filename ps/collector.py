@@ -14,6 +14,7 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
+from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
 
@@ -76,22 +77,11 @@ class ResultCache:
             return results
 
 
-class ResultCollector:
+class ResultCollector(WatchedThread):
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache):
+        super().__init__("result-collector", QueueWatcher(queue.run.queue, {JobState.COMPLETE},
+                                                          use_events=not cfg.poll_only))
         self.cfg, self.queue, self.cache = cfg, queue, cache
-        self.watcher = QueueWatcher(queue.run.queue, {JobState.COMPLETE}, use_events=not cfg.poll_only)
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="result-collector", daemon=True)
-
-    def start(self) -> ResultCollector:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.watcher.wake()
-        self.thread.join()
-        self.watcher.close()
 
     def collect_now(self, readopt: bool = False) -> int:
         rows = self.cfg.generation_batch_size

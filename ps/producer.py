@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 
 from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, fileops
+from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
 
 
-class JobProducer:
+class JobProducer(WatchedThread):
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, consumed_count, current_step):
+        super().__init__("job-producer", QueueWatcher(queue.run.queue, {JobState.PROCESSING},
+                                                      use_events=not cfg.poll_only))
         self.cfg, self.queue, self.dataset = cfg, queue, dataset
         self.consumed_count, self.current_step = consumed_count, current_step  # callables into the trainer
         self.state_path = queue.run.root / "producer.json"
@@ -33,26 +35,9 @@ class JobProducer:
         self.batches_drawn = int(saved.get("batches_drawn", 0))
         self.last_job_id = saved.get("last_job_id")
         self.rethrow_rows: collections.deque[list] = collections.deque()
-        self.watcher = QueueWatcher(queue.run.queue, {JobState.PROCESSING}, use_events=not cfg.poll_only)
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="job-producer", daemon=True)
         self._batches = self._generation_batches()
         for _ in range(self.batches_drawn):  # resume: skip what an earlier PS already threw
             next(self._batches)
-
-    def start(self) -> JobProducer:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.watcher.wake()
-        self.thread.join()
-        self.watcher.close()
-
-    def wake(self) -> None:
-        """Something freed room (a result was consumed): look again now."""
-        self.watcher.wake()
 
     def rethrow(self, rows: list) -> None:
         self.rethrow_rows.append(rows)
