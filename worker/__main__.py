@@ -10,7 +10,7 @@ import logging
 import sys
 
 from asyncgrpo.config import ConfigError, parse_config
-from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
+from asyncgrpo.jobqueue import RunDir, WorkerAlreadyRunning
 from worker.loop import run_worker
 
 
@@ -24,9 +24,11 @@ def main(argv=None) -> int:
         cfg = parse_config(rest)
         if cfg.run_dir is None:
             raise ConfigError("--run_dir is required for a worker")
-        run = RunDir.open(cfg.run_dir)
+        # create, not open: a worker may start before its PS has made the layout (both are
+        # idempotent); it then waits for the PS's ps.json and first weights.
+        run = RunDir.create(cfg.run_dir)
         return run_worker(cfg, run, args.device)
-    except (ConfigError, RunDirError, WorkerAlreadyRunning) as err:
+    except (ConfigError, OSError, WorkerAlreadyRunning) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 
