@@ -74,7 +74,9 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
     assert [m["step"] for m in lines] == list(range(1, 9))
     assert all(m["staleness_max"] <= 4 for m in lines)  # the default max_staleness
     versions = [m["weights_version"] for m in lines]
-    assert versions == sorted(versions) and versions[-1] > 0
+    # Versions advance; per step they need not be monotonic ('ready' may take an older result
+    # after a newer one), which is what the staleness bound above is for.
+    assert versions[-1] > versions[0] and max(versions) >= len(lines) - 1 - 4
     ids = consumed_ids(run_root)
     assert len(ids) == len(set(ids)) == 8
     ledger = json.loads((run_root / "checkpoints" / "checkpoint-8" / "asyncgrpo_state.json").read_text())
