@@ -134,7 +134,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
                 self.producer.rethrow(result.data["rows"])
                 continue
-            if result.job_id in self.consumed or not self.queue.consume(result):
+            if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+                continue
+            if not self.queue.consume(result):
                 continue  # a duplicate: consume() archived it as such
             break
         self.consumed.add(result.job_id)
