@@ -85,15 +85,13 @@ def _interrupt(signum, _frame):
 
 
 def train(cfg, run: RunDir) -> int:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from ps.trainer import AsyncGRPOTrainer
+    from ps.trainer import AsyncGRPOTrainer, last_complete_checkpoint
 
     cfg.output_dir = str(run.checkpoints)  # checkpoints live in the run, whatever --output_dir said
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
     model, tokenizer = load_model_and_tokenizer(path)
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
-    resume = get_last_checkpoint(str(run.checkpoints)) if any(run.checkpoints.iterdir()) else None
+    resume = last_complete_checkpoint(run.checkpoints)
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                               "started_at": time.time(), "state": "training", "resumed_from": resume})
     log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,

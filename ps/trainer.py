@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -32,6 +35,20 @@ log = logging.getLogger("asyncgrpo.ps")
 LEDGER_FILE = "asyncgrpo_state.json"  # inside each checkpoint folder
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
 ACTIVE = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE)
+
+
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The newest checkpoint whose ledger was written. The ledger is written last, so a folder
+    without one is a save the old PS was killed in: it is removed, never resumed from."""
+    complete = None
+    steps = {int(m.group(1)): p for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))}
+    for step in sorted(steps, reverse=True):
+        if (steps[step] / LEDGER_FILE).is_file():
+            complete = complete or str(steps[step])
+        elif complete is None:
+            log.warning("[train] %s is incomplete (the PS died while saving it): removed", steps[step])
+            shutil.rmtree(steps[step])
+    return complete
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -202,6 +219,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"])
 
     def _save_checkpoint(self, model, trial):
+        # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint).
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         fileops.write_json(os.path.join(folder, LEDGER_FILE),

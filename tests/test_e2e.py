@@ -111,13 +111,20 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
         ps.send_signal(signal.SIGKILL)
         assert ps.wait(timeout=60) == -signal.SIGKILL
         before = len(metrics(run_root))
+        # A save the PS was killed in: a folder without the ledger that marks a checkpoint complete.
+        folders = {int(p.name.split("-")[1]): p for p in (run_root / "checkpoints").glob("checkpoint-*")}
+        saved = [step for step, p in folders.items() if (p / "asyncgrpo_state.json").is_file()]
+        partial = run_root / "checkpoints" / f"checkpoint-{max(folders) + 1}"
+        partial.mkdir()
+        (partial / "trainer_state.json").write_text("{}")
         ps = start(run_root, "ps.log", "ps", *args)  # same run directory: resume
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
         stop(workers)
     steps = [m["step"] for m in metrics(run_root)]
     resumed_at = steps[before] - 1
-    assert resumed_at in (3, 6) or resumed_at >= 6  # a checkpoint step (save_steps 3) at or before the kill
+    assert resumed_at == max(saved)  # the newest complete checkpoint, not the partial one
+    assert not partial.exists()
     assert steps[before:] == list(range(resumed_at + 1, 13))
     ledger = json.loads((run_root / "checkpoints" / "checkpoint-12" / "asyncgrpo_state.json").read_text())
     ids = consumed_ids(run_root)
