@@ -2,6 +2,7 @@
 
     queue_tools ls      [RUN_DIR] [--json] [--watch] [--lease S]
     queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--dry-run] [--json]
+    queue_tools report  [RUN_DIR] [--json]
 
 With no RUN_DIR, the most recent run under $ASYNCGRPO_RUNS (default ~/asyncgrpo-runs).
 A missing or non-run directory, or a bad flag: one line on stderr, exit status 2.
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"archive a job as orphaned after K attempts (default {DEFAULT_MAX_ATTEMPTS})")
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be done, touch nothing")
     cleanup.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    report = sub.add_parser("report", help="timings, throughput, utilisation, bottleneck; trace.json and plots")
+    report.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
+    report.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
 
@@ -201,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"queue_tools: error: {err}", file=sys.stderr)
         return 2
     try:
+        if args.command == "report":
+            from queue_tools.report import cmd_report
+            return cmd_report(run, args)
         return cmd_ls(run, args) if args.command == "ls" else cmd_cleanup(run, args)
     except OSError as err:
         print(f"queue_tools: error: {err}", file=sys.stderr)

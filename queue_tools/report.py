@@ -1,0 +1,471 @@
+"""queue_tools report: where a run's time went, from its timeline events.
+
+Reads every ``RUN/logs/events-*.jsonl`` (schema: asyncgrpo/events.py) and ``RUN/metrics.jsonl``,
+prints a summary, writes ``RUN/report/trace.json`` (Chrome trace event format, for Perfetto)
+and, with matplotlib, PNG plots in ``RUN/report/``.
+
+Definitions (README, "queue_tools report"):
+- Percentiles are nearest-rank: p-th percentile of n sorted values = the ceil(p/100 * n)-th
+  smallest (so p50 of 1..4 is 2, p99 of 100 values is the 99th, max is p100).
+- Training span: first ``train_step_start`` to last ``train_step_end`` (monotonic clock; one
+  host). samples/s and tokens/s: sums over ``result_consumed`` divided by it.
+- Trainer idle fraction: sum of ``train_step_end.wait_ms`` divided by the training span.
+  ``steady`` leaves out the first step (its wait includes the workers' start-up): the waits
+  of the other steps over the time from the first step's end to the last step's end.
+- Worker utilisation, per worker process (pid), over its life (earliest event or span start
+  to last event): syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy =
+  union of job spans (claimed -> ``result_written``, ``job_failed`` or ``job_released``)
+  minus syncing; idle = the rest.
+- A line that is not a JSON object with a string ``event`` and a numeric ``mono`` (a process
+  killed mid-write) is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# (key, label, event, field): the summary table, in order.
+STATS = [
+    ("queue_wait_ms", "queue wait (ms)", "job_claimed", "queue_wait_ms"),
+    ("processing_ms", "processing (ms)", "result_written", "dur_ms"),
+    ("generation_ms", "generation (ms)", "generate_end", "dur_ms"),
+    ("scoring_ms", "scoring (ms)", "score_end", "dur_ms"),
+    ("weight_sync_ms", "weight sync (ms)", "weights_synced", "dur_ms"),
+    ("weight_publish_ms", "weight publish (ms)", "weights_published", "dur_ms"),
+    ("collect_latency_ms", "collect latency (ms)", "result_collected", "latency_ms"),
+    ("trainer_wait_ms", "trainer wait (ms)", "train_step_end", "wait_ms"),
+    ("train_step_ms", "train step (ms)", "train_step_end", "dur_ms"),
+    ("staleness", "staleness (steps)", "result_consumed", "staleness"),
+]
+# Diagnosis thresholds (fractions of time).
+IDLE_LOW = 0.10   # trainer idle below this: training is the bottleneck
+IDLE_HIGH = 0.25  # trainer idle at or above this: the workers do not keep up
+SYNC_HIGH = 0.20  # workers syncing / waiting for weights this much: weight sync is the bottleneck
+BUSY_HIGH = 0.60  # workers busy this much while the trainer waits: generation is the bottleneck
+COMMON = ("event", "t", "mono", "pid", "process", "role", "device")  # fields every event has
+PLOTS_HINT = "plots: matplotlib is not installed; pip install 'asyncgrpo[plots]' to get them"
+
+
+@dataclass
+class Track:
+    """One process's events (a relaunched process, new pid, is a new track)."""
+    process: str
+    pid: object
+    role: str
+    device: str
+    events: list = field(default_factory=list)
+
+
+def num(event: dict, key: str) -> float | None:
+    value = event.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def load_events(run_root: Path) -> tuple[list[Track], int, int]:
+    """(tracks sorted PS first, number of events files, corrupt lines skipped)."""
+    files = sorted((run_root / "logs").glob("events-*.jsonl"))
+    tracks: dict[tuple, Track] = {}
+    corrupt = 0
+    for path in files:
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    ev = None
+                if not isinstance(ev, dict) or not isinstance(ev.get("event"), str) or num(ev, "mono") is None:
+                    corrupt += 1
+                    continue
+                process = str(ev.get("process") or path.stem.removeprefix("events-"))
+                key = (process, ev.get("pid"))
+                if key not in tracks:
+                    tracks[key] = Track(process, ev.get("pid"), str(ev.get("role", "")), str(ev.get("device", "")))
+                tracks[key].events.append(ev)
+    for track in tracks.values():
+        track.events.sort(key=lambda e: e["mono"])
+    ordered = sorted(tracks.values(), key=lambda t: (t.role != "ps", t.process, t.events[0]["mono"]))
+    return ordered, len(files), corrupt
+
+
+def percentile(sorted_values: list, p: float):
+    """Nearest rank: the ceil(p/100 * n)-th smallest value (1-based)."""
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def summarize(values: list) -> dict:
+    if not values:
+        return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
+    s = sorted(values)
+    return {"count": len(s), "mean": sum(s) / len(s), "p50": percentile(s, 50), "p99": percentile(s, 99), "max": s[-1]}
+
+
+def span_of(ev: dict) -> tuple[float, float] | None:
+    """(start, end) in seconds of an event that closes a span, else None."""
+    dur = num(ev, "dur_ms")
+    return None if dur is None else (ev["mono"] - dur / 1e3, ev["mono"])
+
+
+def union(intervals) -> list:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def overlap(a, b) -> float:
+    """Overlap of two unions (sorted, disjoint)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def worker_intervals(track: Track) -> dict:
+    """A worker's life (start, end), its job spans and its weight sync/wait spans."""
+    claimed: dict = {}
+    jobs, sync = [], []
+    start = end = track.events[0]["mono"]
+    for ev in track.events:
+        name, mono = ev["event"], ev["mono"]
+        span = span_of(ev)
+        if name == "job_claimed":
+            claimed[ev.get("job_id")] = mono
+        elif name == "result_written":
+            began = claimed.pop(ev.get("job_id"), mono)
+            jobs.append(span or (began, mono))
+        elif name in ("job_failed", "job_released") and ev.get("job_id") in claimed:
+            jobs.append((claimed.pop(ev.get("job_id")), mono))
+        elif name in ("weights_synced", "weights_wait") and span:
+            sync.append(span)
+        start = min(start, span[0] if span else mono)
+        end = max(end, mono)
+    jobs += [(began, end) for began in claimed.values()]  # still running at its last event
+    return {"start": start, "end": end, "jobs": jobs, "sync": sync}
+
+
+def utilisation(track: Track) -> dict:
+    iv = worker_intervals(track)
+    life = iv["end"] - iv["start"]
+    sync, jobs = union(iv["sync"]), union(iv["jobs"])
+    syncing = length(sync)
+    busy = length(jobs) - overlap(jobs, sync)
+    idle = max(0.0, life - busy - syncing)
+
+    def frac(x):
+        return x / life if life > 0 else None
+    return {"process": track.process, "pid": track.pid, "device": track.device, "life_s": life,
+            "busy_s": busy, "syncing_s": syncing, "idle_s": idle, "busy_fraction": frac(busy),
+            "syncing_fraction": frac(syncing), "idle_fraction": frac(idle),
+            "jobs": sum(1 for e in track.events if e["event"] == "result_written")}
+
+
+def training_numbers(events: list) -> dict:
+    starts = [e["mono"] for e in events if e["event"] == "train_step_start"]
+    ends = sorted((e for e in events if e["event"] == "train_step_end"), key=lambda e: e["mono"])
+    consumed = [e for e in events if e["event"] == "result_consumed"]
+    samples = sum(num(e, "samples") or 0 for e in consumed)
+    tokens = sum(num(e, "tokens") or 0 for e in consumed)
+    waits = [num(e, "wait_ms") or 0.0 for e in ends]
+    out = {"steps": len(ends), "span_s": None, "samples": samples, "tokens": tokens, "samples_per_s": None,
+           "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3, "trainer_idle_fraction": None,
+           "trainer_idle_fraction_steady": None}
+    if starts and ends and ends[-1]["mono"] > min(starts):
+        span = ends[-1]["mono"] - min(starts)
+        out.update(span_s=span, samples_per_s=samples / span, tokens_per_s=tokens / span,
+                   trainer_idle_fraction=sum(waits) / span / 1e3)
+    if len(ends) >= 2 and ends[-1]["mono"] > ends[0]["mono"]:
+        out["trainer_idle_fraction_steady"] = sum(waits[1:]) / 1e3 / (ends[-1]["mono"] - ends[0]["mono"])
+    return out
+
+
+def pct(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def diagnose(training: dict, workers: dict | None) -> str:
+    """One line naming the bottleneck; thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH."""
+    idle = training["trainer_idle_fraction_steady"]
+    if idle is None:
+        idle = training["trainer_idle_fraction"]
+    if idle is None:
+        return "no completed train steps: nothing to diagnose yet"
+    if not workers:
+        return f"trainer idle {pct(idle)}: no worker events recorded; are the workers running?"
+    w_busy, w_sync, w_idle = workers["busy_fraction"], workers["syncing_fraction"], workers["idle_fraction"]
+    if idle < IDLE_LOW:
+        return f"trainer busy {pct(1 - idle)}: training is the bottleneck; workers idle {pct(w_idle)}"
+    if idle >= IDLE_HIGH:
+        if w_sync >= SYNC_HIGH:
+            return (f"trainer idle {pct(idle)}: workers wait for weights {pct(w_sync)} of the time; weight sync is "
+                    "the bottleneck (raise max_staleness or use a faster weight transport)")
+        if w_busy >= BUSY_HIGH:
+            return (f"trainer idle {pct(idle)}: generation is the bottleneck (workers busy {pct(w_busy)}); "
+                    "add workers or lower num_generations")
+        return (f"trainer idle {pct(idle)} while workers idle {pct(w_idle)}: jobs reach the workers too slowly; "
+                "raise max_pending / max_outstanding / max_staleness")
+    extra = f"; workers wait for weights {pct(w_sync)} of the time" if w_sync >= SYNC_HIGH else ""
+    return (f"balanced: trainer idle {pct(idle)}, workers busy {pct(w_busy)}, syncing {pct(w_sync)}, "
+            f"idle {pct(w_idle)}{extra}")
+
+
+def analyse(tracks: list[Track]) -> dict:
+    every = [e for t in tracks for e in t.events]
+    stats = {}
+    for key, _label, event, fld in STATS:
+        stats[key] = summarize([v for e in every if e["event"] == event and (v := num(e, fld)) is not None])
+    ps_events = sorted((e for t in tracks if t.role == "ps" for e in t.events), key=lambda e: e["mono"])
+    training = training_numbers(ps_events)
+    workers = [utilisation(t) for t in tracks if t.role == "worker"]
+    total = None
+    life = sum(w["life_s"] for w in workers)
+    if life > 0:
+        total = {f"{k}_fraction": sum(w[f"{k}_s"] for w in workers) / life for k in ("busy", "syncing", "idle")}
+    return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
+            "diagnosis": diagnose(training, total)}
+
+
+# ---------------------------------------------------------------------------------------- trace
+
+def build_trace(tracks: list[Track]) -> dict:
+    """Chrome trace: one process per track, lanes (threads) per kind of span, flows per job."""
+    starts = [s[0] for t in tracks for e in t.events if (s := span_of(e))] + [e["mono"] for t in tracks
+                                                                              for e in t.events]
+    origin = min(starts)
+
+    def us(seconds: float) -> int:
+        return int(round((seconds - origin) * 1e6))
+
+    slices = []  # [pid, group, start_us, end_us, name, cat, args, tid]
+    instants, flows = [], defaultdict(list)  # job_id -> [(kind, slice)]
+
+    def add(pid, group, start, end, name, cat, args=None, flow=None):
+        s = [pid, group, us(start), max(us(end), us(start) + 2), name, cat, args or {}, None]
+        slices.append(s)
+        if flow:
+            flows[flow[1]].append((flow[0], s))
+
+    for pid, track in enumerate(tracks, start=1):
+        claimed = {}
+        for ev in track.events:
+            name, mono, job = ev["event"], ev["mono"], ev.get("job_id")
+            span = span_of(ev)
+            fields = {k: v for k, v in ev.items() if k not in COMMON}
+            if name == "train_step_end" and span:
+                add(pid, "trainer", *span, f"step {ev.get('step')}", "train", fields)
+            elif name == "wait_result" and span:
+                add(pid, "trainer", *span, "wait for result", "wait", fields)
+            elif name == "weights_published" and span:
+                add(pid, "publish", *span, f"publish v{ev.get('weights_version')}", "weights", fields)
+            elif name == "job_created":
+                add(pid, "producer", mono, mono, f"create {job}", "job", fields, ("s", job))
+            elif name == "result_collected":
+                lat = num(ev, "latency_ms") or 0.0
+                add(pid, "collector", mono - lat / 1e3, mono, f"result {job} waits", "queue", fields, ("t", job))
+            elif name == "result_consumed":
+                add(pid, "consume", mono, mono, f"consume {job}", "job", fields, ("f", job))
+            elif name == "job_claimed":
+                claimed[job] = mono
+                if (qw := num(ev, "queue_wait_ms")) is not None:
+                    add(pid, "queue wait", mono - qw / 1e3, mono, f"queued {job}", "queue", fields)
+            elif name in ("result_written", "job_failed", "job_released") and (job in claimed or span):
+                began = span[0] if name == "result_written" and span else claimed.get(job, mono)
+                claimed.pop(job, None)
+                add(pid, "jobs", began, mono, f"job {job}", "job", fields, ("t", job))
+            elif name in ("generate_end", "score_end") and span:
+                add(pid, "jobs", *span, name[: -len("_end")], "job", fields)
+            elif name in ("weights_synced", "weights_wait") and span:
+                add(pid, "weights", *span, "sync weights" if name == "weights_synced" else "wait for weights",
+                    "weights", fields)
+            if name in ("job_failed", "job_released") or (name == "result_archived" and ev.get("reason") != "consumed"):
+                instants.append({"name": f"{name} {job}", "ph": "i", "s": "t", "ts": us(mono), "pid": pid,
+                                 "cat": "job", "args": fields})
+        for job, began in claimed.items():  # the process stopped (was killed) with the job in hand
+            add(pid, "jobs", began, track.events[-1]["mono"], f"job {job} (unfinished)", "job", {}, ("t", job))
+
+    # Lanes: within one thread, slices must nest or be disjoint; a slice that would cross another goes
+    # to the group's next lane.
+    lanes: dict = {}  # (pid, group) -> list of stacks of open end times
+    tids: dict = {}   # (pid, group, lane) -> tid
+    for s in sorted(slices, key=lambda s: (s[2], -s[3])):
+        stacks = lanes.setdefault((s[0], s[1]), [])
+        for lane, stack in enumerate(stacks + [[]]):
+            while stack and stack[-1] <= s[2]:
+                stack.pop()
+            if not stack or s[3] <= stack[-1]:
+                if lane == len(stacks):
+                    stacks.append(stack)
+                stack.append(s[3])
+                s[7] = tids.setdefault((s[0], s[1], lane), len(tids) + 1)
+                break
+
+    for instant in instants:
+        instant["tid"] = tids.setdefault((instant["pid"], "events", 0), len(tids) + 1)
+    out = []
+    for pid, track in enumerate(tracks, start=1):
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
+                    "args": {"name": f"{track.process} (pid {track.pid}, {track.device})"}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
+                    "args": {"sort_index": pid}})
+    for (pid, group, lane), tid in tids.items():
+        out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "ts": 0,
+                    "args": {"name": group + (f" {lane + 1}" if lane else "")}})
+        out.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "ts": 0,
+                    "args": {"sort_index": tid}})
+    timed = [{"name": s[4], "cat": s[5], "ph": "X", "ts": s[2], "dur": s[3] - s[2], "pid": s[0], "tid": s[7],
+              "args": s[6]} for s in slices] + instants
+    flow_id = 0
+    for job, points in flows.items():
+        ends = {k: [s for kind, s in points if kind == k] for k in "stf"}
+        if len(ends["s"]) != 1 or len(ends["f"]) != 1 or ends["f"][0][2] < ends["s"][0][2]:
+            continue  # not created and consumed (in order) in these events: no arrow
+        # Each point 1 us inside its slice (Perfetto binds a flow event to the slice open there), in
+        # time order: a step outside [start, finish] or out of order is left out.
+        kept = [("s", ends["s"][0])]
+        for s in sorted(ends["t"], key=lambda s: s[2]):
+            if kept[-1][1][2] <= s[2] <= ends["f"][0][2]:
+                kept.append(("t", s))
+        kept.append(("f", ends["f"][0]))
+        flow_id += 1
+        for kind, s in kept:
+            point = {"name": "job", "cat": "job", "ph": kind, "id": flow_id, "ts": s[2] + 1, "pid": s[0],
+                     "tid": s[7], "args": {"job_id": job}}
+            if kind == "f":
+                point["bp"] = "e"
+            timed.append(point)
+    timed.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+    return {"traceEvents": out + timed, "displayTimeUnit": "ms",
+            "otherData": {"origin_mono_s": origin, "source": "queue_tools report"}}
+
+
+# ---------------------------------------------------------------------------------------- output
+
+def load_metrics(run_root: Path) -> list[dict]:
+    """metrics.jsonl's lines; corrupt ones are skipped."""
+    rows = []
+    try:
+        lines = (run_root / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def timeline_rows(tracks: list[Track], origin: float) -> list[tuple[str, dict]]:
+    """Per process, its spans by kind in seconds from origin (for the timeline plot)."""
+    rows = []
+    for t in tracks:
+        if t.role == "ps":
+            kinds = {"train step": [span_of(e) for e in t.events if e["event"] == "train_step_end"],
+                     "trainer waits": [span_of(e) for e in t.events if e["event"] == "wait_result"]}
+        elif t.role == "worker":
+            iv = worker_intervals(t)
+            kinds = {"busy": iv["jobs"], "syncing": iv["sync"], "life": [(iv["start"], iv["end"])]}
+        else:
+            continue
+        rows.append((f"{t.process}\npid {t.pid}",
+                     {k: [(a - origin, b - a) for a, b in spans if a is not None] for k, spans in kinds.items()}))
+    return [(label, {k: v for k, v in kinds.items()}) for label, kinds in rows]
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def format_text(r: dict) -> str:
+    lines = [f"run: {r['run_dir']}",
+             f"events: {r['events']} from {len(r['processes'])} process(es) in {r['events_files']} file(s)"
+             + (f"; {r['corrupt_lines']} corrupt line(s) skipped" if r["corrupt_lines"] else "")]
+    lines.append(f"{'':<22}{'count':>7}{'mean':>9}{'p50':>9}{'p99':>9}{'max':>9}")
+    for key, label, _event, _field in STATS:
+        s = r["stats"][key]
+        lines.append(f"{label:<22}{s['count']:>7}" + "".join(f"{_fmt(s[k]):>9}" for k in ("mean", "p50", "p99", "max")))
+    t = r["training"]
+    if t["span_s"] is None:
+        lines.append(f"training: {t['steps']} step(s) completed; no training span to measure")
+    else:
+        lines.append(f"throughput: {t['steps']} steps in {t['span_s']:.1f} s: {t['samples_per_s']:.1f} samples/s, "
+                     f"{t['tokens_per_s']:.0f} tokens/s ({t['samples']:.0f} samples, {t['tokens']:.0f} tokens)")
+        steady = t["trainer_idle_fraction_steady"]
+        lines.append(f"trainer idle: {pct(t['trainer_idle_fraction'])} (waited {t['trainer_wait_s']:.1f} s of "
+                     f"{t['span_s']:.1f} s)" + (f"; {pct(steady)} after the first step" if steady is not None else ""))
+    lines.append(f"workers: {len(r['workers'])} (time busy on a job / syncing or waiting for weights / idle)")
+    for w in r["workers"]:
+        lines.append(f"  {w['process']:<14} pid {w['pid']!s:<8} {w['device']:<7} life {w['life_s']:6.1f} s  "
+                     f"jobs {w['jobs']:<5} busy {pct(w['busy_fraction'] or 0):>4}  "
+                     f"syncing {pct(w['syncing_fraction'] or 0):>4}  idle {pct(w['idle_fraction'] or 0):>4}")
+    if r["workers_total"]:
+        w = r["workers_total"]
+        lines.append(f"  all workers: busy {pct(w['busy_fraction'])}, syncing {pct(w['syncing_fraction'])}, "
+                     f"idle {pct(w['idle_fraction'])}")
+    lines.append(f"diagnosis: {r['diagnosis']}")
+    lines.append(f"trace: {r['trace']} (ui.perfetto.dev -> Open trace file, or chrome://tracing)")
+    lines.append(f"plots: {', '.join(r['plots'])}" if r["plots"] else r["plots_note"])
+    return "\n".join(lines)
+
+
+def make_report(run_root: Path) -> dict | None:
+    """Analyses the run, writes RUN/report/trace.json and the plots; None when there are no events."""
+    tracks, n_files, corrupt = load_events(run_root)
+    if not tracks:
+        return None
+    report = {"run_dir": str(run_root), "events_files": n_files, "events": sum(len(t.events) for t in tracks),
+              "corrupt_lines": corrupt,
+              "processes": [{"process": t.process, "pid": t.pid, "role": t.role, "device": t.device,
+                             "events": len(t.events)} for t in tracks],
+              **analyse(tracks)}
+    out_dir = run_root / "report"
+    out_dir.mkdir(exist_ok=True)
+    trace = build_trace(tracks)
+    tmp = out_dir / ".trace.json.tmp"
+    tmp.write_text(json.dumps(trace, separators=(",", ":")))
+    tmp.replace(out_dir / "trace.json")
+    report["trace"] = str(out_dir / "trace.json")
+    report["plots"], report["plots_note"] = [], None
+    try:
+        from queue_tools import plots
+        staleness = [v for t in tracks for e in t.events
+                     if e["event"] == "result_consumed" and (v := num(e, "staleness")) is not None]
+        rows = timeline_rows(tracks, trace["otherData"]["origin_mono_s"])
+        report["plots"] = [str(p) for p in plots.make_plots(out_dir, load_metrics(run_root), staleness, rows)]
+    except ImportError:
+        report["plots_note"] = PLOTS_HINT
+    return report
+
+
+def cmd_report(run, args) -> int:
+    report = make_report(run.root)
+    if report is None:
+        print(f"queue_tools: error: {run.root} has no timeline events (logs/events-*.jsonl): nothing to report",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_text(report))
+    return 0

@@ -1,0 +1,363 @@
+"""queue_tools report: its numbers against an independent computation, its Chrome trace, its plots,
+its behaviour without matplotlib and on bad input; and once on a real PS + 2 workers run."""
+
+import json
+import math
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncgrpo.jobqueue import RunDir
+from queue_tools.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+T0 = 5000.0  # monotonic seconds of the synthetic run's start
+WALL = 1.7e9 - T0  # wall clock = mono + WALL
+
+
+def call_main(argv) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exited:  # argparse's errors
+        return exited.code
+
+
+class Process:
+    """Writes one process's events the way asyncgrpo.events.EventLog does, at chosen times."""
+
+    def __init__(self, logs: Path, process: str, pid: int, role: str):
+        self.path, self.common = logs / f"events-{process}.jsonl", {"pid": pid, "process": process, "role": role,
+                                                                    "device": "cpu"}
+        self.lines = []
+
+    def emit(self, mono: float, event: str, **fields):
+        self.lines.append((mono, {"event": event, "t": mono + WALL, "mono": mono, **self.common, **fields}))
+
+    def flush(self, extra_lines=()):
+        with open(self.path, "a") as f:
+            for _, record in sorted(self.lines, key=lambda x: x[0]):
+                f.write(json.dumps(record) + "\n")
+            f.writelines(extra_lines)
+
+
+def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
+    """A PS and workers dev1, dev2 (dev2 is killed mid-job and relaunched with a new pid), on a
+    schedule chosen here. Returns what the report must find, computed from the schedule itself."""
+    rng = random.Random(seed)
+    run = RunDir.create(root)
+    ps = Process(run.logs, "ps", 100, "ps")
+    workers = {201: Process(run.logs, "worker-dev1", 201, "worker"),
+               202: Process(run.logs, "worker-dev2", 202, "worker"),
+               203: Process(run.logs, "worker-dev2", 203, "worker")}
+    free = {201: T0 + 0.020, 202: T0 + 0.025}  # pid 203 replaces 202 after the kill
+    life = {pid: [math.inf, -math.inf] for pid in workers}
+    busy, syncing = defaultdict(float), defaultdict(float)
+    want = defaultdict(list)
+    written, jobs_done = {}, defaultdict(int)
+    kill_at_job = 12
+    job_ids = [f"000000_{j:03d}" for j in range(n_jobs)]
+    for j, job in enumerate(job_ids):
+        created = T0 + 0.004 * j
+        ps.emit(created, "job_created", job_id=job, weights_version=0, rows=4, created_step=0)
+        pid = min(free, key=free.get)
+        w, t = workers[pid], free[pid]
+        if rng.random() < 0.4:
+            dur = rng.uniform(0.005, 0.02)
+            w.emit(t + dur, "weights_synced", weights_version=j, dur_ms=dur * 1e3, bytes=1000)
+            life[pid][0] = min(life[pid][0], t)
+            syncing[pid] += dur
+            want["weight_sync_ms"].append(dur * 1e3)
+            t += dur
+        claim = max(t, created + 0.001)
+        life[pid][0] = min(life[pid][0], claim)
+        wait_ms = (claim - created) * 1e3
+        want["queue_wait_ms"].append(wait_ms)
+        w.emit(claim, "job_claimed", job_id=job, attempt=1, queue_wait_ms=wait_ms)
+        gen, score = rng.uniform(0.02, 0.05), rng.uniform(0.002, 0.01)
+        w.emit(claim + 0.0005, "generate_start", job_id=job, weights_version=j)
+        if j == kill_at_job:  # SIGKILL during generation: a relaunched process takes over
+            busy[pid] += 0.0005  # claimed -> its last event
+            life[pid][1] = claim + 0.0005
+            del free[pid]
+            free[203] = claim + 0.2
+            created = claim  # the job comes back through recovery
+            pid, w = 203, workers[203]
+            claim = free[pid]
+            life[pid][0] = claim
+            want["queue_wait_ms"].append((claim - created) * 1e3)
+            w.emit(claim, "job_claimed", job_id=job, attempt=2, queue_wait_ms=(claim - created) * 1e3)
+            w.emit(claim + 0.0005, "generate_start", job_id=job, weights_version=j)
+        w.emit(claim + 0.0005 + gen, "generate_end", job_id=job, weights_version=j, dur_ms=gen * 1e3, tokens=64)
+        w.emit(claim + 0.0006 + gen, "score_start", job_id=job)
+        w.emit(claim + 0.0006 + gen + score, "score_end", job_id=job, dur_ms=score * 1e3)
+        done = claim + 0.001 + gen + score
+        w.emit(done, "result_written", job_id=job, weights_version=j, dur_ms=(done - claim) * 1e3, published=True)
+        want["generation_ms"].append(gen * 1e3)
+        want["scoring_ms"].append(score * 1e3)
+        want["processing_ms"].append((done - claim) * 1e3)
+        busy[pid] += done - claim
+        life[pid][1] = max(life[pid][1], done)
+        free[pid] = done + rng.uniform(0, 0.01)
+        written[job] = done
+        jobs_done[pid] += 1
+    # The PS: step i consumes job i-1 once it is collected.
+    t = T0 + 0.01
+    first_start, samples, tokens, waits = t, 0, 0, []
+    for i, job in enumerate(job_ids, start=1):
+        latency = rng.uniform(0.001, 0.004)
+        collected = written[job] + latency
+        ps.emit(collected, "result_collected", job_id=job, weights_version=i, worker_device=1, latency_ms=latency * 1e3)
+        want["collect_latency_ms"].append(latency * 1e3)
+        ps.emit(t, "train_step_start", step=i)
+        consumed = max(t, collected) + 0.0002
+        wait = consumed - t
+        ps.emit(consumed, "wait_result", step=i - 1, dur_ms=wait * 1e3)
+        staleness, n_tokens = rng.randint(0, 4), rng.randint(100, 256)
+        ps.emit(consumed, "result_consumed", job_id=job, weights_version=i - staleness, step=i - 1,
+                staleness=staleness, samples=32, tokens=n_tokens)
+        ps.emit(consumed + 0.0001, "result_archived", job_id=job, reason="consumed")
+        want["staleness"].append(staleness)
+        samples, tokens = samples + 32, tokens + n_tokens
+        end = consumed + rng.uniform(0.01, 0.03)
+        ps.emit(end, "train_step_end", step=i, dur_ms=(end - t) * 1e3, wait_ms=wait * 1e3, reward=0.5, loss=0.1)
+        want["train_step_ms"].append((end - t) * 1e3)
+        want["trainer_wait_ms"].append(wait * 1e3)
+        waits.append(wait)
+        if i == 1:
+            first_end = end
+        publish = rng.uniform(0.001, 0.003)
+        ps.emit(end + publish, "weights_published", weights_version=i, dur_ms=publish * 1e3, bytes=1000)
+        want["weight_publish_ms"].append(publish * 1e3)
+        t = end + publish
+    corrupt = ["not json\n", '{"event": "job_claimed", "t": 1.0, "mo\n', "[1, 2]\n", '{"event": "x", "mono": "soon"}\n']
+    ps.flush(corrupt[:1])
+    for pid, w in workers.items():
+        w.flush(corrupt[1:] if pid == 202 else ())
+    metrics = [{"step": i, "reward": 0.1 + 0.02 * i, "reward_std": 0.1, "loss": 0.5 / i, "staleness_mean": 1.0,
+                "staleness_max": 2, "weights_version": i - 1, "trainer_wait_s": 0.01, "step_time_s": 0.02,
+                "queue_depth": {"pending": i % 3, "processing": 2, "committing": 0, "complete": i % 2, "collected": 0},
+                "time": WALL + T0 + 0.03 * i} for i in range(1, n_jobs + 1)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 4')
+    span = t - publish - first_start  # last train_step_end - first train_step_start
+    return {"run": run, "want": want, "corrupt": len(corrupt), "span": span, "samples": samples, "tokens": tokens,
+            "idle": sum(waits) / span, "idle_steady": sum(waits[1:]) / (t - publish - first_end),
+            "workers": {pid: {"life": life[pid][1] - life[pid][0], "busy": busy[pid], "syncing": syncing[pid],
+                              "jobs": jobs_done[pid]} for pid in workers},
+            "consumed": len(job_ids)}
+
+
+def nearest_rank(values, p):
+    return float(np.percentile(np.array(values, dtype=float), p, method="inverted_cdf"))
+
+
+def report_json(capsys, run_root) -> dict:
+    assert call_main(["report", run_root, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def assert_stats_equal(got: dict, values: list):
+    assert got["count"] == len(values)
+    assert got["mean"] == pytest.approx(sum(values) / len(values), rel=1e-9)
+    assert got["p50"] == pytest.approx(nearest_rank(values, 50), rel=1e-9)
+    assert got["p99"] == pytest.approx(nearest_rank(values, 99), rel=1e-9)
+    assert got["max"] == pytest.approx(max(values), rel=1e-9)
+
+
+def test_numbers_match_the_schedule_the_events_were_written_from(tmp_path, capsys):
+    syn = synthetic_run(tmp_path / "run")
+    r = report_json(capsys, syn["run"].root)
+    assert r["corrupt_lines"] == syn["corrupt"]
+    assert len(r["processes"]) == 4  # ps, dev1, dev2 and dev2 relaunched: one track per pid
+    for key, values in syn["want"].items():
+        assert_stats_equal(r["stats"][key], values)
+    assert set(r["stats"]) == set(syn["want"])  # every statistic was checked
+    t = r["training"]
+    assert t["steps"] == syn["consumed"]
+    assert t["span_s"] == pytest.approx(syn["span"], rel=1e-9)
+    assert t["samples_per_s"] == pytest.approx(syn["samples"] / syn["span"], rel=1e-9)
+    assert t["tokens_per_s"] == pytest.approx(syn["tokens"] / syn["span"], rel=1e-9)
+    assert t["trainer_idle_fraction"] == pytest.approx(syn["idle"], rel=1e-9)
+    assert t["trainer_idle_fraction_steady"] == pytest.approx(syn["idle_steady"], rel=1e-9)
+    by_pid = {w["pid"]: w for w in r["workers"]}
+    assert set(by_pid) == set(syn["workers"])
+    for pid, want in syn["workers"].items():
+        got = by_pid[pid]
+        assert got["jobs"] == want["jobs"]
+        assert got["life_s"] == pytest.approx(want["life"], abs=1e-9)
+        assert got["busy_s"] == pytest.approx(want["busy"], abs=1e-9)
+        assert got["syncing_s"] == pytest.approx(want["syncing"], abs=1e-9)
+        assert got["idle_s"] == pytest.approx(want["life"] - want["busy"] - want["syncing"], abs=1e-9)
+        assert got["busy_fraction"] == pytest.approx(want["busy"] / want["life"], abs=1e-9)
+    total_life = sum(w["life"] for w in syn["workers"].values())
+    assert r["workers_total"]["busy_fraction"] == pytest.approx(
+        sum(w["busy"] for w in syn["workers"].values()) / total_life, abs=1e-9)
+    # 19% idle after the first step: between the thresholds, so neither side is named the bottleneck.
+    assert r["diagnosis"].startswith(f"balanced: trainer idle {syn['idle_steady'] * 100:.0f}%")
+
+
+def test_text_report_says_what_the_json_says(tmp_path, capsys):
+    syn = synthetic_run(tmp_path / "run")
+    assert call_main(["report", syn["run"].root]) == 0
+    out = capsys.readouterr().out
+    r = report_json(capsys, syn["run"].root)
+    assert f"{syn['corrupt']} corrupt line(s) skipped" in out
+    assert f"diagnosis: {r['diagnosis']}\n" in out
+    assert f"{r['training']['samples_per_s']:.1f} samples/s" in out
+    assert f"trainer idle: {r['training']['trainer_idle_fraction'] * 100:.0f}%" in out
+    line = next(x for x in out.splitlines() if x.startswith("queue wait (ms)"))
+    assert line.split()[3] == str(r["stats"]["queue_wait_ms"]["count"])
+
+
+def make_track_events(role, spans, pid=1, process=None):
+    """(event, mono, fields) triples -> event dicts of one process."""
+    process = process or ("ps" if role == "ps" else f"worker-dev{pid}")
+    return [{"event": e, "t": m + WALL, "mono": m, "pid": pid, "process": process, "role": role, "device": "cpu", **f}
+            for e, m, f in spans]
+
+
+def test_a_sync_inside_a_job_counts_as_syncing_not_busy(tmp_path):
+    from queue_tools.report import Track, utilisation
+    events = make_track_events("worker", [
+        ("job_claimed", 10.0, {"job_id": "000000_000", "queue_wait_ms": 1.0}),
+        ("weights_synced", 10.5, {"dur_ms": 300.0}),           # 10.2 .. 10.5, inside the job
+        ("result_written", 11.0, {"job_id": "000000_000", "dur_ms": 1000.0}),
+        ("weights_wait", 12.0, {"job_id": "000000_001", "dur_ms": 500.0}),  # 11.5 .. 12.0
+        ("job_claimed", 12.0, {"job_id": "000000_001", "queue_wait_ms": 2.0}),
+        ("job_released", 12.5, {"job_id": "000000_001"}),
+        ("weights_synced", 13.0, {"dur_ms": 100.0}),           # 12.9 .. 13.0
+    ])
+    u = utilisation(Track("worker-dev1", 1, "worker", "cpu", events))
+    assert u["life_s"] == pytest.approx(3.0)
+    assert u["syncing_s"] == pytest.approx(0.3 + 0.5 + 0.1)
+    assert u["busy_s"] == pytest.approx(1.0 - 0.3 + 0.5)
+    assert u["idle_s"] == pytest.approx(3.0 - 0.9 - 1.2)
+
+
+@pytest.mark.parametrize("idle, workers, expected", [
+    (0.03, {"busy_fraction": 0.4, "syncing_fraction": 0.0, "idle_fraction": 0.6},
+     "trainer busy 97%: training is the bottleneck; workers idle 60%"),
+    (0.41, {"busy_fraction": 0.9, "syncing_fraction": 0.05, "idle_fraction": 0.05},
+     "trainer idle 41%: generation is the bottleneck (workers busy 90%); add workers or lower num_generations"),
+    (0.30, {"busy_fraction": 0.5, "syncing_fraction": 0.3, "idle_fraction": 0.2},
+     "trainer idle 30%: workers wait for weights 30% of the time"),
+    (0.50, {"busy_fraction": 0.3, "syncing_fraction": 0.05, "idle_fraction": 0.65},
+     "trainer idle 50% while workers idle 65%"),
+    (0.15, {"busy_fraction": 0.7, "syncing_fraction": 0.1, "idle_fraction": 0.2},
+     "balanced: trainer idle 15%, workers busy 70%, syncing 10%, idle 20%"),
+])
+def test_diagnosis_names_the_bottleneck_from_the_numbers(idle, workers, expected):
+    from queue_tools.report import diagnose
+    line = diagnose({"trainer_idle_fraction": idle + 0.1, "trainer_idle_fraction_steady": idle}, workers)
+    assert line.startswith(expected), line
+
+
+def validate_chrome_trace(trace: dict) -> dict:
+    """Checks the Chrome trace event format as Perfetto reads it; returns counts."""
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    events = trace["traceEvents"]
+    named = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = defaultdict(list)
+    flows = defaultdict(list)
+    for e in events:
+        for key in ("name", "ph", "pid", "tid", "ts"):
+            assert key in e, (key, e)
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        assert e["ph"] in ("M", "X", "i", "s", "t", "f"), e
+        if e["ph"] == "M":
+            assert e["name"] in ("process_name", "process_sort_index", "thread_name", "thread_sort_index")
+            assert isinstance(e["args"], dict)
+            continue
+        assert e["pid"] in named, f"pid {e['pid']} has no process_name"
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+            spans[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+        elif e["ph"] in "stf":
+            assert "id" in e and "cat" in e, e
+            flows[(e["cat"], e["name"], e["id"])].append(e)
+            if e["ph"] == "f":
+                assert e.get("bp") == "e", e
+    for track, items in spans.items():  # one thread: slices in time order in the file, nested or disjoint
+        assert [start for start, _ in items] == sorted(start for start, _ in items), f"{track}: ts goes back"
+        items.sort(key=lambda x: (x[0], -x[1]))
+        open_ends = []
+        for start, end in items:
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], f"{track}: [{start}, {end}] crosses a slice"
+            open_ends.append(end)
+    for key, points in flows.items():
+        phases = [p["ph"] for p in sorted(points, key=lambda p: p["ts"])]
+        assert phases.count("s") == 1 and phases.count("f") == 1, (key, phases)
+        assert phases[0] == "s" and phases[-1] == "f", (key, phases)
+        for p in points:  # bound to a slice open at that moment on its thread
+            assert any(start <= p["ts"] <= end for start, end in spans[(p["pid"], p["tid"])]), p
+    return {"flows": len(flows), "pids": len(named), "slices": sum(len(v) for v in spans.values())}
+
+
+def test_trace_is_a_valid_chrome_trace_with_one_flow_per_consumed_job(tmp_path, capsys):
+    syn = synthetic_run(tmp_path / "run")
+    r = report_json(capsys, syn["run"].root)
+    trace = json.loads(Path(r["trace"]).read_text())
+    counts = validate_chrome_trace(trace)
+    assert counts["pids"] == 4
+    assert counts["flows"] == syn["consumed"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"ps (pid 100, cpu)", "worker-dev1 (pid 201, cpu)", "worker-dev2 (pid 202, cpu)",
+                     "worker-dev2 (pid 203, cpu)"}
+    # The recovered job's flow goes through both workers' attempts.
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "t" and e["args"]["job_id"] == "000000_012"]
+    assert len({e["pid"] for e in steps}) == 3  # dev2 (killed), dev2 relaunched, then the PS collector
+
+
+def test_plots_are_pngs(tmp_path, capsys):
+    syn = synthetic_run(tmp_path / "run")
+    r = report_json(capsys, syn["run"].root)
+    assert [Path(p).name for p in r["plots"]] == ["reward_loss.png", "staleness.png", "queue_depth.png",
+                                                  "workers_timeline.png"]
+    for p in r["plots"]:
+        assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_without_matplotlib_the_report_still_runs_and_says_how_to_get_plots(tmp_path):
+    syn = synthetic_run(tmp_path / "run")
+    code = ("import sys; sys.modules['matplotlib'] = None; from queue_tools.cli import main; "
+            f"sys.exit(main(['report', {str(syn['run'].root)!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'asyncgrpo[plots]'" in result.stdout
+    assert "diagnosis: " in result.stdout
+    assert not list((syn["run"].root / "report").glob("*.png"))
+    validate_chrome_trace(json.loads((syn["run"].root / "report" / "trace.json").read_text()))
+
+
+@pytest.mark.parametrize("make", ["missing", "not_a_run", "file"])
+def test_bad_run_dir_is_one_line_and_exit_2(tmp_path, capsys, make):
+    target = tmp_path / "x"
+    if make == "not_a_run":
+        target.mkdir()
+    elif make == "file":
+        target.write_text("x")
+    assert call_main(["report", target]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("queue_tools: error: ")
+
+
+def test_run_without_events_is_one_line_and_exit_2(run, capsys):
+    (run.logs / "events-ps.jsonl").write_text("garbage\n")
+    assert call_main(["report", run.root]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no timeline events" in err
+
+
+def test_report_defaults_to_the_latest_run(tmp_path, capsys, monkeypatch):
+    syn = synthetic_run(tmp_path / "runs" / "a")
+    monkeypatch.setenv("ASYNCGRPO_RUNS", str(tmp_path / "runs"))
+    assert call_main(["report", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_dir"] == str(syn["run"].root)
