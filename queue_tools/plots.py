@@ -3,6 +3,7 @@ matplotlib raises ImportError, which the report turns into a one-line install hi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -11,8 +12,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from queue_tools.report import num, span_of, worker_intervals  # noqa: E402
+
 STATES = ["pending", "processing", "committing", "complete", "collected"]
-COLORS = {"busy": "tab:green", "syncing": "tab:orange", "train step": "tab:blue", "trainer waits": "tab:red"}
+COLORS = {"busy": "tab:green", "syncing": "tab:orange", "train step": "tab:blue", "trainer waits": "tab:red",
+          "weights publish": "tab:purple"}
 
 
 def _save(fig, path: Path) -> Path:
@@ -92,7 +96,7 @@ def timeline(rows: list[tuple[str, dict]], path: Path) -> Path:
     labelled = set()
     for i, (_label, kinds) in enumerate(rows):
         y = (len(rows) - 1 - i) * 10
-        for kind in ("life", "busy", "train step", "syncing", "trainer waits"):  # later ones drawn on top
+        for kind in ("life", "busy", "train step", "weights publish", "syncing", "trainer waits"):  # last on top
             spans = kinds.get(kind)
             if not spans:
                 continue
@@ -109,7 +113,45 @@ def timeline(rows: list[tuple[str, dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def make_plots(out_dir: Path, metrics: list[dict], staleness: list[float], rows: list) -> list[Path]:
+def load_metrics(run_root: Path) -> list[dict]:
+    """metrics.jsonl's lines; corrupt ones are skipped."""
+    rows = []
+    try:
+        lines = (run_root / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def timeline_rows(tracks: list, origin: float) -> list[tuple[str, dict]]:
+    """Per process, its spans by kind as (start, width) in seconds from origin."""
+    rows = []
+    for t in tracks:
+        if t.role == "ps":
+            kinds = {kind: [s for e in t.events if e["event"] == event and (s := span_of(e))]
+                     for kind, event in (("train step", "train_step_end"), ("trainer waits", "wait_result"),
+                                         ("weights publish", "weights_published"))}
+        elif t.role == "worker":
+            iv = worker_intervals(t)
+            kinds = {"busy": iv["jobs"], "syncing": iv["sync"], "life": [(iv["start"], iv["end"])]}
+        else:
+            continue
+        rows.append((f"{t.process}\npid {t.pid}", {k: [(a - origin, b - a) for a, b in v] for k, v in kinds.items()}))
+    return rows
+
+
+def make_plots(out_dir: Path, run_root: Path, tracks: list, origin: float) -> list[Path]:
+    metrics = load_metrics(run_root)
+    staleness = [v for t in tracks for e in t.events
+                 if e["event"] == "result_consumed" and (v := num(e, "staleness")) is not None]
+    rows = timeline_rows(tracks, origin)
     return [reward_loss(metrics, out_dir / "reward_loss.png"),
             staleness_hist(staleness, out_dir / "staleness.png"),
             queue_depth(metrics, out_dir / "queue_depth.png"),

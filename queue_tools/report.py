@@ -47,6 +47,7 @@ IDLE_LOW = 0.10   # trainer idle below this: training is the bottleneck
 IDLE_HIGH = 0.25  # trainer idle at or above this: the workers do not keep up
 SYNC_HIGH = 0.20  # workers syncing / waiting for weights this much: weight sync is the bottleneck
 BUSY_HIGH = 0.60  # workers busy this much while the trainer waits: generation is the bottleneck
+LANES = ["trainer", "publish", "producer", "collector", "consume", "jobs", "weights", "queue wait", "events"]
 COMMON = ("event", "t", "mono", "pid", "process", "role", "device")  # fields every event has
 PLOTS_HINT = "plots: matplotlib is not installed; pip install 'asyncgrpo[plots]' to get them"
 
@@ -306,7 +307,6 @@ def build_trace(tracks: list[Track]) -> dict:
     # Lanes: within one thread, slices must nest or be disjoint; a slice that would cross another goes
     # to the group's next lane.
     lanes: dict = {}  # (pid, group) -> list of stacks of open end times
-    tids: dict = {}   # (pid, group, lane) -> tid
     for s in sorted(slices, key=lambda s: (s[2], -s[3])):
         stacks = lanes.setdefault((s[0], s[1]), [])
         for lane, stack in enumerate(stacks + [[]]):
@@ -316,11 +316,17 @@ def build_trace(tracks: list[Track]) -> dict:
                 if lane == len(stacks):
                     stacks.append(stack)
                 stack.append(s[3])
-                s[7] = tids.setdefault((s[0], s[1], lane), len(tids) + 1)
+                s[7] = (s[0], s[1], lane)
                 break
-
     for instant in instants:
-        instant["tid"] = tids.setdefault((instant["pid"], "events", 0), len(tids) + 1)
+        instant["tid"] = (instant["pid"], "events", 0)
+    # Thread ids in display order: by process, then LANES, then lane number.
+    keys = {s[7] for s in slices} | {i["tid"] for i in instants}
+    tids = {k: n for n, k in enumerate(sorted(keys, key=lambda k: (k[0], LANES.index(k[1]), k[2])), start=1)}
+    for s in slices:
+        s[7] = tids[s[7]]
+    for instant in instants:
+        instant["tid"] = tids[instant["tid"]]
     out = []
     for pid, track in enumerate(tracks, start=1):
         out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
@@ -359,40 +365,6 @@ def build_trace(tracks: list[Track]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- output
-
-def load_metrics(run_root: Path) -> list[dict]:
-    """metrics.jsonl's lines; corrupt ones are skipped."""
-    rows = []
-    try:
-        lines = (run_root / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def timeline_rows(tracks: list[Track], origin: float) -> list[tuple[str, dict]]:
-    """Per process, its spans by kind in seconds from origin (for the timeline plot)."""
-    rows = []
-    for t in tracks:
-        if t.role == "ps":
-            kinds = {"train step": [span_of(e) for e in t.events if e["event"] == "train_step_end"],
-                     "trainer waits": [span_of(e) for e in t.events if e["event"] == "wait_result"]}
-        elif t.role == "worker":
-            iv = worker_intervals(t)
-            kinds = {"busy": iv["jobs"], "syncing": iv["sync"], "life": [(iv["start"], iv["end"])]}
-        else:
-            continue
-        rows.append((f"{t.process}\npid {t.pid}",
-                     {k: [(a - origin, b - a) for a, b in spans if a is not None] for k, spans in kinds.items()}))
-    return [(label, {k: v for k, v in kinds.items()}) for label, kinds in rows]
-
 
 def _fmt(value) -> str:
     if value is None:
@@ -452,10 +424,8 @@ def make_report(run_root: Path) -> dict | None:
     report["plots"], report["plots_note"] = [], None
     try:
         from queue_tools import plots
-        staleness = [v for t in tracks for e in t.events
-                     if e["event"] == "result_consumed" and (v := num(e, "staleness")) is not None]
-        rows = timeline_rows(tracks, trace["otherData"]["origin_mono_s"])
-        report["plots"] = [str(p) for p in plots.make_plots(out_dir, load_metrics(run_root), staleness, rows)]
+        report["plots"] = [str(p) for p in plots.make_plots(out_dir, run_root, tracks,
+                                                            trace["otherData"]["origin_mono_s"])]
     except ImportError:
         report["plots_note"] = PLOTS_HINT
     return report

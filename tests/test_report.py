@@ -361,3 +361,4 @@ def test_report_defaults_to_the_latest_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ASYNCGRPO_RUNS", str(tmp_path / "runs"))
     assert call_main(["report", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run_dir"] == str(syn["run"].root)
+
