@@ -82,11 +82,17 @@ class ResultCollector(WatchedThread):
         super().__init__("result-collector", QueueWatcher(queue.run.queue, {JobState.COMPLETE},
                                                           use_events=not cfg.poll_only))
         self.cfg, self.queue, self.cache = cfg, queue, cache
+        self.retention = ArchiveRetention(queue.run, cfg.archive_keep_files, cfg.archive_keep_mb)
 
     def collect_now(self, readopt: bool = False) -> int:
         rows = self.cfg.generation_batch_size
         results = self.queue.collect(lambda payload: validate_result(payload, rows), readopt=readopt)
+        now = time.time()
         for result in results:
+            self.queue.events.emit("result_collected", job_id=result.job_id,
+                                   weights_version=result.payload["weights_version"],
+                                   worker_device=result.payload["worker_device"],
+                                   latency_ms=(now - result.payload["completed_at"]) * 1e3)
             self.cache.add(result)
         return len(results)
 

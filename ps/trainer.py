@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from trl import GRPOTrainer
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, RunDir, fileops
 from asyncgrpo.jobqueue.names import done_name
 from asyncgrpo.weights import make_publisher
@@ -56,7 +58,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
                          processing_class=tokenizer)
         self.cfg, self.run = cfg, run
-        self.queue = JobQueue(run)
+        self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
+        self.queue = JobQueue(run, events=self.events)
         self.consumed: set[str] = set()
         self.cache = ResultCache()
         self.collector = ResultCollector(cfg, self.queue, self.cache)
@@ -64,8 +67,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                     lambda: self.state.global_step)
         self.publisher = make_publisher(run, self.model, cfg.weight_transport)
         self._resume_checkpoint: str | None = None
-        self._step_record = {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}
-        self._last_step_end = time.monotonic()
+        self._step_record = _new_step_record()  # since the last logged step
+        self._step_started = self._last_step_end = time.monotonic()
+        self._step_wait_s = 0.0  # this optimizer step's wait for results
         self.add_callback(_PipelineCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -83,7 +87,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             with open(os.path.join(self._resume_checkpoint, LEDGER_FILE)) as f:
                 self.consumed = set(json.load(f)["consumed"])
         self._readopt_rolled_back_results()
-        self.publisher.publish(version=self.state.global_step, step=self.state.global_step)
+        self._publish_weights()
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
             log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
@@ -123,6 +127,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
         self.publisher.close()
         log.info("[queue] finished: %s", self.queue.counts())
+        self.events.close()
 
     def _in_flight(self) -> bool:
         return any(n.state in (JobState.PROCESSING, JobState.COMMITTING) for n in self.queue.scan()[0])
@@ -137,12 +142,33 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:  # evaluation generates here, as TRL does
             return super()._generate_and_score_completions(inputs)
-        started = time.perf_counter()
+        started = time.monotonic()
+        result, staleness = self._take_result()
+        waited = time.monotonic() - started
+        self.events.emit("wait_result", step=self.state.global_step, dur_ms=waited * 1e3)
+        self.consumed.add(result.job_id)
+        self.producer.wake()
+        batch = result.data["batch"]
+        self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
+                         step=self.state.global_step, staleness=staleness, samples=int(batch["advantages"].numel()),
+                         tokens=int(batch["completion_mask"].sum()))
+        self._step_wait_s += waited
+        self._step_record["trainer_wait_s"] += waited
+        self._step_record["staleness"].append(staleness)
+        self._step_record["weights_versions"].append(result.payload["weights_version"])
+        for name, value in result.data["metrics"].items():  # the worker's TRL metrics for this job
+            self._metrics["train"][name].append(value)
+        device = self.accelerator.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _take_result(self):
+        """The next usable result and its staleness; stale and duplicate ones are archived on the way."""
+        started = time.monotonic()
         while True:
             result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
             if result is None:
                 log.warning("[train] step=%d has waited %.0fs for a result; queue %s", self.state.global_step,
-                            time.perf_counter() - started, self.queue.counts())
+                            time.monotonic() - started, self.queue.counts())
                 continue
             staleness = self.state.global_step - result.payload["weights_version"]
             if staleness > self.cfg.max_staleness:
@@ -154,18 +180,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
                 self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
                 continue
-            if not self.queue.consume(result):
-                continue  # a duplicate: consume() archived it as such
-            break
-        self.consumed.add(result.job_id)
-        self.producer.wake()
-        self._step_record["trainer_wait_s"] += time.perf_counter() - started
-        self._step_record["staleness"].append(staleness)
-        self._step_record["weights_versions"].append(result.payload["weights_version"])
-        for name, value in result.data["metrics"].items():  # the worker's TRL metrics for this job
-            self._metrics["train"][name].append(value)
-        device = self.accelerator.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in result.data["batch"].items()}
+            if self.queue.consume(result):  # False: a duplicate, archived as such
+                return result, staleness
 
     def _pick(self, cached: dict) -> str | None:
         if not cached:
@@ -179,44 +195,69 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ after each step
 
+    def on_optimizer_step_begin(self) -> None:
+        self._step_started, self._step_wait_s = time.monotonic(), 0.0
+        self.events.emit("train_step_start", step=self.state.global_step + 1)
+
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        started = time.perf_counter()
-        self.publisher.publish(version=step, step=step)
-        publish_ms = (time.perf_counter() - started) * 1e3
+        self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
+                         wait_ms=self._step_wait_s * 1e3)
+        self._publish_weights()
         fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
-        log.debug("[weights] published version=%d publish_ms=%.1f", step, publish_ms)
         self.producer.wake()
 
+    def _publish_weights(self) -> None:
+        step = self.state.global_step
+        started = time.monotonic()
+        self.publisher.publish(version=step, step=step)
+        publish_ms = (time.monotonic() - started) * 1e3
+        self.events.emit("weights_published", weights_version=step, dur_ms=publish_ms,
+                         bytes=self.publisher.layout.total_bytes)
+        log.debug("[weights] published version=%d publish_ms=%.1f", step, publish_ms)
+
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        record = self._step_record
+        is_step_log = self.model.training and "loss" in logs and record["staleness"]
+        if is_step_log:  # asyncgrpo's own metrics go to report_to integrations with TRL's
+            logs.update({"staleness/mean": statistics.fmean(record["staleness"]),
+                         "staleness/max": max(record["staleness"]),
+                         "weights_version": max(record["weights_versions"]),
+                         "trainer_wait_s": round(record["trainer_wait_s"], 4)})
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
-        if "reward" not in logs or not self.model.training:
+        if not is_step_log:
             return
         now = time.monotonic()
-        record = self._step_record
-        staleness = record["staleness"] or [0]
         line = {
             "step": self.state.global_step,
             "reward": logs.get("reward"),
             "reward_std": logs.get("reward_std"),
             "loss": logs.get("loss"),
-            "staleness_mean": statistics.fmean(staleness),
-            "staleness_max": max(staleness),
-            "weights_version": max(record["weights_versions"], default=None),
-            "trainer_wait_s": round(record["trainer_wait_s"], 4),
+            "staleness_mean": logs["staleness/mean"],
+            "staleness_max": logs["staleness/max"],
+            "weights_version": logs["weights_version"],
+            "trainer_wait_s": logs["trainer_wait_s"],
             "step_time_s": round(now - self._last_step_end, 4),
             "queue_depth": self.queue.counts(),
             "time": time.time(),
         }
         self._last_step_end = now
-        self._step_record = {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}
+        self._step_record = _new_step_record()
         with open(self.run.root / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        self._show_progress(line)
+
+    def _show_progress(self, line: dict) -> None:
         depth = line["queue_depth"]
         log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s queue=pending:%d processing:%d "
                  "complete:%d", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
                  f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"])
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",
+                                                  staleness=f"{line['staleness_mean']:.1f}",
+                                                  wait_ms=f"{line['trainer_wait_s'] * 1e3:.0f}", refresh=False)
 
     def _save_checkpoint(self, model, trial):
         # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint).
@@ -233,6 +274,13 @@ class _PipelineCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._start_pipeline()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.on_optimizer_step_begin()
+
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
 
+
+
+def _new_step_record() -> dict:
+    return {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}

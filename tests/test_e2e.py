@@ -83,6 +83,28 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
     assert sorted(ledger["consumed"]) == sorted(ids)
     assert_queue_drained(run_root)
     assert (run_root / "global_step.txt").read_text().strip() == "8"
+    assert_events_trace_every_job(run_root, ids)
+
+
+def assert_events_trace_every_job(run_root, consumed):
+    """Each consumed job's life is in the timeline events, in order, across the processes."""
+    records = [json.loads(line) for path in sorted((Path(run_root) / "logs").glob("events-*.jsonl"))
+               for line in path.read_text().splitlines()]
+    by_job = {}
+    for r in sorted(records, key=lambda r: r["mono"]):
+        assert {"event", "t", "mono", "pid", "process", "role", "device"} <= r.keys(), r
+        by_job.setdefault(r.get("job_id"), []).append((r["role"], r["event"]))
+    life = [("ps", "job_created"), ("worker", "job_claimed"), ("worker", "generate_start"), ("worker", "generate_end"),
+            ("worker", "score_start"), ("worker", "score_end"),
+            ("ps", "result_collected"), ("ps", "result_archived"), ("ps", "result_consumed")]
+    for job_id in consumed:
+        seen = by_job[job_id]
+        # result_written is logged once complete() returns, which may be after the PS collected it
+        assert all(e in seen for e in life) and ("worker", "result_written") in seen, (job_id, seen)
+        firsts = [seen.index(e) for e in life]
+        assert firsts == sorted(firsts), (job_id, seen)
+    steps = [r for r in records if r["event"] == "train_step_end"]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and all(r["dur_ms"] >= r["wait_ms"] >= 0 for r in steps)
 
 
 def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):

@@ -8,7 +8,7 @@ from packaging.version import Version
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from worker.generate import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE
+from worker.generate import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE
 
 
 def params(func) -> list[str]:
@@ -34,6 +34,12 @@ def test_prepare_inputs_generates_through_the_overridden_method():
     source = inspect.getsource(GRPOTrainer._prepare_inputs)
     assert f"self.{GENERATE_AND_SCORE}(" in source, (
         f"GRPOTrainer._prepare_inputs no longer calls {GENERATE_AND_SCORE}: the PS override would be bypassed")
+
+
+def test_generation_is_one_call_inside_generate_and_score():
+    source = inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
+    assert f"self.{GENERATE}(" in source, (
+        f"GRPOTrainer.{GENERATE_AND_SCORE} no longer calls {GENERATE}: workers time generation and scoring by it")
 
 
 def test_behaviour_logps_helper_signature():

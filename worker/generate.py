@@ -8,21 +8,26 @@ by newer weights, so the worker always computes them with the weights it generat
 with, using TRL's ``_get_per_token_logps_and_entropies``. The PS's loss then clips the
 ratio current/behaviour as TRL's loss does: stale samples are corrected, not ignored.
 
-These two methods are TRL internals (trl 1.16): tests/test_trl_contract.py fails loudly,
+Generation and scoring are timed apart by wrapping TRL's ``_generate`` for the call.
+
+These three methods are TRL internals (trl 1.16): tests/test_trl_contract.py fails loudly,
 naming the method, when they change.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 from trl import GRPOTrainer
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.events import EventLog
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
+GENERATE = "_generate"
 
 
 def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset) -> GRPOTrainer:
@@ -32,18 +37,36 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     return trainer
 
 
-def generate_and_score(trainer: GRPOTrainer, rows: list[dict]) -> tuple[dict, dict]:
-    """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics)."""
+def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, **job_fields) -> tuple[dict, dict]:
+    """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics).
+
+    Emits generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...)."""
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
-    with torch.no_grad():
-        batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
-        if "old_per_token_logps" not in batch:
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            logps, _, _ = getattr(trainer, BEHAVIOUR_LOGPS)(
-                trainer.model, ids, mask, batch["completion_ids"].size(1),
-                batch_size=trainer.args.per_device_train_batch_size)
-            batch["old_per_token_logps"] = logps
+    generate = getattr(trainer, GENERATE)
+    generated_at = []
+
+    def timed_generate(*args, **kwargs):
+        with events.span("generate", **job_fields):
+            out = generate(*args, **kwargs)
+        generated_at.append(time.monotonic())
+        events.emit("score_start", **job_fields)
+        return out
+
+    setattr(trainer, GENERATE, timed_generate)
+    try:
+        with torch.no_grad():
+            batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
+            if "old_per_token_logps" not in batch:
+                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                logps, _, _ = getattr(trainer, BEHAVIOUR_LOGPS)(
+                    trainer.model, ids, mask, batch["completion_ids"].size(1),
+                    batch_size=trainer.args.per_device_train_batch_size)
+                batch["old_per_token_logps"] = logps
+    finally:
+        delattr(trainer, GENERATE)  # back to the class's method
+    if generated_at:
+        events.emit("score_end", dur_ms=(time.monotonic() - generated_at[0]) * 1e3, **job_fields)
     metrics = {name: statistics.fmean(values) for name, values in trainer._metrics["train"].items() if values}
     trainer._metrics["train"].clear()
     on_cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -11,11 +11,13 @@ exits 0. When the PS goes away it keeps its weights and waits for a new one.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.weights import make_subscriber
@@ -37,7 +39,8 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    queue = JobQueue(run)
+    events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
+    queue = JobQueue(run, events=events)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
         log.info("[queue] dev%d recovered its own leftover: %s", device, action.line())
 
@@ -47,7 +50,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
     try:
         while not stop.is_set():
             if version is None:  # never claim a job before holding the PS's weights
-                version = _sync(subscriber, trainer.model, device)
+                version = _sync(subscriber, trainer.model, device, events)
                 if version is None:
                     watcher.wait(IDLE_WAIT_S)
                 continue
@@ -57,19 +60,29 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
                 watcher.wait()
                 continue
             presence.update(state="busy", job_id=job.job_id)
-            version = _sync(subscriber, trainer.model, device) or version
-            while version < job.data["min_weights_version"] and not stop.is_set():
-                time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
-                version = _sync(subscriber, trainer.model, device) or version
+            queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3
+            events.emit("job_claimed", job_id=job.job_id, attempt=job.attempt, queue_wait_ms=queue_wait_ms)
+            log.info("[queue] dev%d claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
+                     queue_wait_ms)
+            version = _sync(subscriber, trainer.model, device, events) or version
+            if version < job.data["min_weights_version"]:
+                waited_from = time.monotonic()
+                while version < job.data["min_weights_version"] and not stop.is_set():
+                    time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
+                    version = _sync(subscriber, trainer.model, device, events) or version
+                events.emit("weights_wait", job_id=job.job_id, weights_version=version,
+                            dur_ms=(time.monotonic() - waited_from) * 1e3)
             if stop.is_set() and version < job.data["min_weights_version"]:
                 queue.release(job)
+                events.emit("job_released", job_id=job.job_id)
                 break
             presence.update(weights_version=version)
-            _process(queue, job, trainer, version, device)
+            _process(queue, job, trainer, version, device, events)
     finally:
         watcher.close()
         subscriber.close()
         presence.stop()
+        events.close()
     log.info("[worker] dev%d stopped", device)
     return 0
 
@@ -83,20 +96,30 @@ def _wait_and_build_trainer(cfg, run, stop, watcher):
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
 
 
-def _sync(subscriber, model, device) -> int | None:
-    start = time.perf_counter()
+def _device_label(cfg: AsyncGRPOConfig) -> str:
+    if cfg.device_type == "cpu":
+        return "cpu"
+    return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}"  # the physical GPU launch.sh chose
+
+
+def _sync(subscriber, model, device: int, events: EventLog) -> int | None:
+    start = time.monotonic()
     version = subscriber.sync(model)
     if version is not None:
-        log.info("[weights] dev%d synced version=%d sync_ms=%.1f", device, version, (time.perf_counter() - start) * 1e3)
+        sync_ms = (time.monotonic() - start) * 1e3
+        events.emit("weights_synced", weights_version=version, dur_ms=sync_ms, bytes=subscriber.synced_bytes)
+        log.info("[weights] dev%d synced version=%d sync_ms=%.1f", device, version, sync_ms)
     return version
 
 
-def _process(queue: JobQueue, job, trainer, version: int, device: int) -> None:
+def _process(queue: JobQueue, job, trainer, version: int, device: int, events: EventLog) -> None:
     started = time.time()
     try:
-        batch, metrics = generate_and_score(trainer, job.data["rows"])
+        batch, metrics = generate_and_score(trainer, job.data["rows"], events, job_id=job.job_id,
+                                            weights_version=version)
     except Exception as err:  # a bad prompt or reward function must not kill the worker
         log.exception("[gen] dev%d job %s failed", device, job.job_id)
+        events.emit("job_failed", job_id=job.job_id, error=f"{type(err).__name__}: {err}"[:500])
         queue.fail(job, f"{type(err).__name__}: {err}")
         return
     done = time.time()
@@ -108,6 +131,10 @@ def _process(queue: JobQueue, job, trainer, version: int, device: int) -> None:
     except QueueWriteError as err:
         log.error("[queue] dev%d cannot write the result of %s: %s; giving the job back", device, job.job_id, err)
         queue.release(job)
+        events.emit("job_released", job_id=job.job_id)
         return
+    events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
+                dur_ms=(time.time() - job.claimed_at) * 1e3, samples=int(batch["advantages"].numel()),
+                tokens=int(batch["completion_mask"].sum()))
     log.info("[gen] dev%d job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
              version, (done - started) * 1e3, metrics.get("reward", float("nan")), published)

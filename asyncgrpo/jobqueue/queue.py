@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.liveness import fs_now, worker_status
 from asyncgrpo.jobqueue.names import (
@@ -109,9 +110,10 @@ class RecoveryAction:
 
 
 class JobQueue:
-    def __init__(self, run: RunDir, *, fsync: bool = True):
+    def __init__(self, run: RunDir, *, fsync: bool = True, events: EventLog | None = None):
         self.run = run
         self.fsync = fsync
+        self.events = events or EventLog.off()  # every archive is a timeline event
         self._candidates: deque[QueueName] = deque()
 
     # ---------------------------------------------------------------- scanning
@@ -295,6 +297,7 @@ class JobQueue:
             target = self.run.done / done_name(job_id, reason, attempt, collision)
             try:
                 fileops.move_to_other_dir(path, target, fsync=self.fsync)
+                self.events.emit("result_archived", job_id=job_id, reason=reason.value, attempt=attempt)
                 return target
             except FileExistsError:
                 if reason is ArchiveReason.CONSUMED:

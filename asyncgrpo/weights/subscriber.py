@@ -42,6 +42,7 @@ class Subscriber:
         self._reader = None
         self._reader_id: str | None = None
         self._synced: tuple[str, int] | None = None  # (publisher_id, version) now in the model
+        self.synced_bytes = 0  # size of the last sync
         self._failed: tuple[str, float] | None = None  # (publisher_id, retry after)
 
     def latest_version(self) -> int | None:
@@ -75,6 +76,7 @@ class Subscriber:
                 self._give_up(info, f"cannot read v{info['version']}: {err}")
                 return None
             self._synced = (info["publisher_id"], info["version"])
+            self.synced_bytes = reader.layout.total_bytes
             log.debug("[weights] synced v%d %s sync_ms=%.2f", info["version"], info["transport"],
                       (time.perf_counter() - t0) * 1e3)
             return info["version"]

@@ -1,0 +1,94 @@
+"""Timeline events: what each process did and when, one JSON line per event.
+
+Every process appends to its own ``RUN/logs/events-{process}.jsonl`` (``ps``,
+``worker-dev1``, ...; a relaunched process appends to the same file with a new pid).
+``queue_tools report`` reads them back. Each line holds:
+
+    event    the name (table below)
+    t        wall clock, seconds since the epoch (time.time())
+    mono     monotonic clock, seconds (time.monotonic(): one clock for all processes of a host)
+    pid, process, role ("ps" | "worker"), device ("cpu", "cuda:1", ...)
+    job_id, weights_version   where they apply
+
+An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``.
+
+    role    event              fields
+    ps      job_created        job_id, weights_version (the job's minimum), rows, created_step
+    ps      result_collected   job_id, weights_version, worker_device, latency_ms (result written -> collected)
+    ps      wait_result        step, dur_ms: the trainer waited for a result
+    ps      result_consumed    job_id, weights_version, step, staleness, samples, tokens
+    any     result_archived    job_id, reason, attempt: any job or result file moved to done/
+    ps      train_step_start   step
+    ps      train_step_end     step, dur_ms, wait_ms (reward and loss per step: RUN/metrics.jsonl)
+    ps      weights_published  weights_version, dur_ms, bytes
+    worker  job_claimed        job_id, attempt, queue_wait_ms (created -> claimed)
+    worker  weights_synced     weights_version, dur_ms, bytes
+    worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)
+    worker  generate_start     job_id, weights_version
+    worker  generate_end       job_id, weights_version, dur_ms
+    worker  score_start        job_id, weights_version
+    worker  score_end          job_id, weights_version, dur_ms (rewards, advantages, behaviour log-probs)
+    worker  result_written     job_id, weights_version, dur_ms (claimed -> written), published, samples, tokens
+    worker  job_failed         job_id, error
+    worker  job_released       job_id
+
+Appending never blocks the hot path for long: one ``write`` of one line to a file opened
+with O_APPEND (atomic per line, so threads share the descriptor). A failed write (full
+disk) drops events with one warning; it never stops training or generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("asyncgrpo.events")
+
+
+class EventLog:
+    def __init__(self, logs_dir: str | os.PathLike | None, process: str, role: str, device: str):
+        self.path = Path(logs_dir) / f"events-{process}.jsonl" if logs_dir is not None else None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if self.path else None
+        self._common = {"pid": os.getpid(), "process": process, "role": role, "device": device}
+        self._write_failed = False
+
+    @classmethod
+    def off(cls) -> EventLog:
+        """An event log that records nothing (tests and tools that are not part of a run)."""
+        return cls(None, "none", "none", "none")
+
+    def emit(self, event: str, **fields) -> None:
+        if self._fd is None:
+            return
+        record = {"event": event, "t": time.time(), "mono": time.monotonic(), **self._common, **fields}
+        try:
+            os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        except OSError as err:
+            if not self._write_failed:
+                self._write_failed = True
+                log.warning("[events] cannot append to %s (%s); events are dropped until it works again",
+                            self.path, err)
+        else:
+            self._write_failed = False
+
+    @contextlib.contextmanager
+    def span(self, name: str, **fields):
+        """Emits ``{name}_start``, runs the block, emits ``{name}_end`` with ``dur_ms``.
+
+        The block may add fields to the end event through the dict it receives."""
+        self.emit(f"{name}_start", **fields)
+        end_fields = dict(fields)
+        started = time.monotonic()
+        try:
+            yield end_fields
+        finally:
+            self.emit(f"{name}_end", dur_ms=(time.monotonic() - started) * 1e3, **end_fields)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,56 @@
+"""EventLog: one JSON line per event with the common fields; spans carry dur_ms; a failed
+write (full disk) drops events with one warning and never raises into the hot path."""
+
+import errno
+import json
+import logging
+import os
+
+from asyncgrpo.events import EventLog
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_events_are_json_lines_with_common_fields(tmp_path):
+    events = EventLog(tmp_path, "worker-dev1", "worker", "cpu")
+    events.emit("job_claimed", job_id="000001_000", queue_wait_ms=3.5)
+    with events.span("generate", job_id="000001_000") as end:
+        end["tokens"] = 7
+    events.close()
+    claimed, start, stop = read(tmp_path / "events-worker-dev1.jsonl")
+    for record in (claimed, start, stop):
+        assert record["pid"] == os.getpid() and record["process"] == "worker-dev1"
+        assert record["role"] == "worker" and record["device"] == "cpu" and record["job_id"] == "000001_000"
+    assert claimed["event"] == "job_claimed" and claimed["queue_wait_ms"] == 3.5
+    assert (start["event"], stop["event"]) == ("generate_start", "generate_end")
+    assert stop["tokens"] == 7 and "tokens" not in start
+    assert 0 <= stop["dur_ms"] <= (stop["mono"] - start["mono"]) * 1e3 + 1e-3
+
+
+def test_a_failed_write_warns_once_and_never_raises(tmp_path, monkeypatch, caplog):
+    events = EventLog(tmp_path, "ps", "ps", "cpu")
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", full_disk)
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.events"):
+            for step in range(3):
+                events.emit("train_step_end", step=step)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "asyncgrpo.events"]
+    assert len(warnings) == 1 and "No space left" in warnings[0]
+    events.emit("train_step_end", step=3)  # the disk has room again
+    events.close()
+    assert [r["step"] for r in read(tmp_path / "events-ps.jsonl")] == [3]
+
+
+def test_an_event_log_that_is_off_writes_nothing():
+    events = EventLog.off()
+    events.emit("job_created", job_id="000001_000")
+    with events.span("generate"):
+        pass
+    events.close()
+    assert events.path is None and events._fd is None
