@@ -117,9 +117,29 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "done": done,
         "done_other": done_other,
         "global_step": global_step,
+        "last_step": last_logged_step(run),
     }
     report["health"] = _health(report)
     return report
+
+
+def last_logged_step(run: RunDir) -> dict | None:
+    """The newest line of RUN/metrics.jsonl (step, reward, staleness, ...), read from its tail."""
+    try:
+        with open(run.root / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the first, cut line of the tail, or a line being written
+        if isinstance(record, dict) and "step" in record:
+            return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max",
+                                               "trainer_wait_s", "time")}
+    return None
 
 
 def _health(report: dict) -> str:
@@ -140,6 +160,10 @@ def _health(report: dict) -> str:
     return f"OK: {len(alive)} worker(s) alive, no stale jobs"
 
 
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _age(seconds) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -149,6 +173,11 @@ def format_report(r: dict) -> str:
     lines.append(f"queue: pending {r['pending']} (oldest {_age(r['oldest_pending_age_s'])}) | "
                  f"processing {r['processing']} | committing {r['committing']} | "
                  f"complete {r['complete']} | collected {r['collected']}")
+    last = r["last_step"]
+    if last is not None:
+        lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "
+                     f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']}) "
+                     f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms")
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "

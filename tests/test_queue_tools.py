@@ -163,16 +163,30 @@ def test_ls_does_not_import_torch(busy_run):
     assert result.returncode == 0, result.stderr
 
 
-def test_ls_watch_refreshes_until_ctrl_c(busy_run):
+def metrics_line(step, reward, staleness):
+    return json.dumps({"step": step, "reward": reward, "loss": 0.1, "staleness_mean": staleness,
+                       "staleness_max": staleness, "trainer_wait_s": 0.012, "time": 0.0}) + "\n"
+
+
+def test_ls_watch_refreshes_until_ctrl_c_with_the_last_step(busy_run):
+    metrics = busy_run.root / "metrics.jsonl"
+    metrics.write_text(metrics_line(16, 0.5, 1.0))
     proc = subprocess.Popen([sys.executable, "-m", "queue_tools", "ls", str(busy_run.root), "--watch"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        frames = 0
+        frames, shown = 0, []
         for line in proc.stdout:  # each frame ends with the refresh hint
-            frames += "Ctrl-C to stop" in line
-            if frames == 2:
-                break
-        assert frames == 2
+            if line.startswith("training:"):
+                shown.append(line.strip())
+            if "Ctrl-C to stop" in line:
+                frames += 1
+                if frames == 1:  # training goes on between two frames
+                    with open(metrics, "a") as f:
+                        f.write(metrics_line(17, 0.75, 2.0))
+                if "step 17" in shown[-1] or frames == 5:
+                    break
+        assert shown[0] == "training: step 16 reward 0.500 staleness 1.0 (max 1.0) trainer wait 12 ms"
+        assert shown[-1] == "training: step 17 reward 0.750 staleness 2.0 (max 2.0) trainer wait 12 ms"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
