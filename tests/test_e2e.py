@@ -84,6 +84,9 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
     assert_queue_drained(run_root)
     assert (run_root / "global_step.txt").read_text().strip() == "8"
     assert_events_trace_every_job(run_root, ids)
+    # The logs dict every TrainerCallback (and so each report_to integration) gets carries asyncgrpo's metrics.
+    logged = (tmp_path / "ps.log").read_text()
+    assert all(f"'{key}'" in logged for key in ("staleness/mean", "staleness/max", "trainer_wait_s", "reward"))
 
 
 def assert_events_trace_every_job(run_root, consumed):
