@@ -108,7 +108,7 @@ def timeline(rows: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_yticks([(len(rows) - 1 - i) * 10 + 4 for i in range(len(rows))], [label for label, _ in rows])
     ax.set(title="Timeline per process: workers busy / syncing weights / idle; trainer steps and waits",
            xlabel="seconds since the first event")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) < 4 else -0.12), ncol=5, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) < 4 else -0.12), ncol=6, frameon=False)
     ax.grid(alpha=0.3, axis="x")
     return _save(fig, path)
 

@@ -11,7 +11,9 @@ Definitions (README, "queue_tools report"):
   host). samples/s and tokens/s: sums over ``result_consumed`` divided by it.
 - Trainer idle fraction: sum of ``train_step_end.wait_ms`` divided by the training span.
   ``steady`` leaves out the first step (its wait includes the workers' start-up): the waits
-  of the other steps over the time from the first step's end to the last step's end.
+  of the other steps over the time from the first step's end to the last step's end. (A step's
+  span, ``train_step_end.dur_ms``, includes its wait; the time between steps is publishing,
+  logging and checkpoints: ``between_steps_fraction``.)
 - Worker utilisation, per worker process (pid), over its life (earliest event or span start
   to last event): syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy =
   union of job spans (claimed -> ``result_written``, ``job_failed`` or ``job_released``)
@@ -47,6 +49,7 @@ IDLE_LOW = 0.10   # trainer idle below this: training is the bottleneck
 IDLE_HIGH = 0.25  # trainer idle at or above this: the workers do not keep up
 SYNC_HIGH = 0.20  # workers syncing / waiting for weights this much: weight sync is the bottleneck
 BUSY_HIGH = 0.60  # workers busy this much while the trainer waits: generation is the bottleneck
+STALE_HIGH = 0.10  # results archived stale / results collected: said in the diagnosis from here on
 LANES = ["trainer", "publish", "producer", "collector", "consume", "jobs", "weights", "queue wait", "events"]
 COMMON = ("event", "t", "mono", "pid", "process", "role", "device")  # fields every event has
 PLOTS_HINT = "plots: matplotlib is not installed; pip install 'asyncgrpo[plots]' to get them"
@@ -190,11 +193,12 @@ def training_numbers(events: list) -> dict:
     waits = [num(e, "wait_ms") or 0.0 for e in ends]
     out = {"steps": len(ends), "span_s": None, "samples": samples, "tokens": tokens, "samples_per_s": None,
            "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3, "trainer_idle_fraction": None,
-           "trainer_idle_fraction_steady": None}
+           "trainer_idle_fraction_steady": None, "between_steps_fraction": None}
     if starts and ends and ends[-1]["mono"] > min(starts):
         span = ends[-1]["mono"] - min(starts)
+        step_s = sum(num(e, "dur_ms") or 0.0 for e in ends) / 1e3
         out.update(span_s=span, samples_per_s=samples / span, tokens_per_s=tokens / span,
-                   trainer_idle_fraction=sum(waits) / span / 1e3)
+                   trainer_idle_fraction=sum(waits) / span / 1e3, between_steps_fraction=(span - step_s) / span)
     if len(ends) >= 2 and ends[-1]["mono"] > ends[0]["mono"]:
         out["trainer_idle_fraction_steady"] = sum(waits[1:]) / 1e3 / (ends[-1]["mono"] - ends[0]["mono"])
     return out
@@ -204,8 +208,17 @@ def pct(fraction: float) -> str:
     return f"{fraction * 100:.0f}%"
 
 
-def diagnose(training: dict, workers: dict | None) -> str:
-    """One line naming the bottleneck; thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH."""
+def diagnose(training: dict, workers: dict | None, stale_fraction: float | None = None) -> str:
+    """One line naming the bottleneck (thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH), and
+    the share of results thrown away as stale when it reaches STALE_HIGH."""
+    line = _bottleneck(training, workers)
+    if stale_fraction is not None and stale_fraction >= STALE_HIGH:
+        line += (f"; {pct(stale_fraction)} of the results were too stale to train on and were generated again "
+                 "(raise max_staleness)")
+    return line
+
+
+def _bottleneck(training: dict, workers: dict | None) -> str:
     idle = training["trainer_idle_fraction_steady"]
     if idle is None:
         idle = training["trainer_idle_fraction"]
@@ -242,8 +255,15 @@ def analyse(tracks: list[Track]) -> dict:
     life = sum(w["life_s"] for w in workers)
     if life > 0:
         total = {f"{k}_fraction": sum(w[f"{k}_s"] for w in workers) / life for k in ("busy", "syncing", "idle")}
+    archived: dict = defaultdict(int)
+    for e in every:
+        if e["event"] == "result_archived":
+            archived[str(e.get("reason"))] += 1
+    collected = stats["collect_latency_ms"]["count"]
+    stale = archived.get("stale", 0) / collected if collected else None
     return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
-            "diagnosis": diagnose(training, total)}
+            "archived": dict(sorted(archived.items(), key=lambda kv: -kv[1])), "stale_fraction": stale,
+            "diagnosis": diagnose(training, total, stale)}
 
 
 # ---------------------------------------------------------------------------------------- trace
@@ -388,7 +408,8 @@ def format_text(r: dict) -> str:
                      f"{t['tokens_per_s']:.0f} tokens/s ({t['samples']:.0f} samples, {t['tokens']:.0f} tokens)")
         steady = t["trainer_idle_fraction_steady"]
         lines.append(f"trainer idle: {pct(t['trainer_idle_fraction'])} (waited {t['trainer_wait_s']:.1f} s of "
-                     f"{t['span_s']:.1f} s)" + (f"; {pct(steady)} after the first step" if steady is not None else ""))
+                     f"{t['span_s']:.1f} s)" + (f"; {pct(steady)} after the first step" if steady is not None else "")
+                     + f"; outside train steps (publish, logging, checkpoints): {pct(t['between_steps_fraction'])}")
     lines.append(f"workers: {len(r['workers'])} (time busy on a job / syncing or waiting for weights / idle)")
     for w in r["workers"]:
         lines.append(f"  {w['process']:<14} pid {w['pid']!s:<8} {w['device']:<7} life {w['life_s']:6.1f} s  "
@@ -398,6 +419,9 @@ def format_text(r: dict) -> str:
         w = r["workers_total"]
         lines.append(f"  all workers: busy {pct(w['busy_fraction'])}, syncing {pct(w['syncing_fraction'])}, "
                      f"idle {pct(w['idle_fraction'])}")
+    if r["archived"]:
+        lines.append("archived: " + ", ".join(f"{reason} {n}" for reason, n in r["archived"].items())
+                     + (f" (stale: {pct(r['stale_fraction'])} of collected results)" if r["stale_fraction"] else ""))
     lines.append(f"diagnosis: {r['diagnosis']}")
     lines.append(f"trace: {r['trace']} (ui.perfetto.dev -> Open trace file, or chrome://tracing)")
     lines.append(f"plots: {', '.join(r['plots'])}" if r["plots"] else r["plots_note"])

@@ -108,7 +108,7 @@ def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
         jobs_done[pid] += 1
     # The PS: step i consumes job i-1 once it is collected.
     t = T0 + 0.01
-    first_start, samples, tokens, waits = t, 0, 0, []
+    first_start, samples, tokens, waits, step_s = t, 0, 0, [], 0.0
     for i, job in enumerate(job_ids, start=1):
         latency = rng.uniform(0.001, 0.004)
         collected = written[job] + latency
@@ -129,6 +129,7 @@ def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
         want["train_step_ms"].append((end - t) * 1e3)
         want["trainer_wait_ms"].append(wait * 1e3)
         waits.append(wait)
+        step_s += end - t
         if i == 1:
             first_end = end
         publish = rng.uniform(0.001, 0.003)
@@ -146,7 +147,8 @@ def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
     (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 4')
     span = t - publish - first_start  # last train_step_end - first train_step_start
     return {"run": run, "want": want, "corrupt": len(corrupt), "span": span, "samples": samples, "tokens": tokens,
-            "idle": sum(waits) / span, "idle_steady": sum(waits[1:]) / (t - publish - first_end),
+            "idle": sum(waits) / span, "between": (span - step_s) / span,
+            "idle_steady": sum(waits[1:]) / (t - publish - first_end),
             "workers": {pid: {"life": life[pid][1] - life[pid][0], "busy": busy[pid], "syncing": syncing[pid],
                               "jobs": jobs_done[pid]} for pid in workers},
             "consumed": len(job_ids)}
@@ -184,6 +186,7 @@ def test_numbers_match_the_schedule_the_events_were_written_from(tmp_path, capsy
     assert t["tokens_per_s"] == pytest.approx(syn["tokens"] / syn["span"], rel=1e-9)
     assert t["trainer_idle_fraction"] == pytest.approx(syn["idle"], rel=1e-9)
     assert t["trainer_idle_fraction_steady"] == pytest.approx(syn["idle_steady"], rel=1e-9)
+    assert t["between_steps_fraction"] == pytest.approx(syn["between"], rel=1e-6)
     by_pid = {w["pid"]: w for w in r["workers"]}
     assert set(by_pid) == set(syn["workers"])
     for pid, want in syn["workers"].items():
@@ -197,6 +200,7 @@ def test_numbers_match_the_schedule_the_events_were_written_from(tmp_path, capsy
     total_life = sum(w["life"] for w in syn["workers"].values())
     assert r["workers_total"]["busy_fraction"] == pytest.approx(
         sum(w["busy"] for w in syn["workers"].values()) / total_life, abs=1e-9)
+    assert r["archived"] == {"consumed": syn["consumed"]} and r["stale_fraction"] == 0
     # 19% idle after the first step: between the thresholds, so neither side is named the bottleneck.
     assert r["diagnosis"].startswith(f"balanced: trainer idle {syn['idle_steady'] * 100:.0f}%")
 
@@ -255,6 +259,15 @@ def test_diagnosis_names_the_bottleneck_from_the_numbers(idle, workers, expected
     from queue_tools.report import diagnose
     line = diagnose({"trainer_idle_fraction": idle + 0.1, "trainer_idle_fraction_steady": idle}, workers)
     assert line.startswith(expected), line
+
+
+def test_diagnosis_says_when_many_results_were_too_stale():
+    from queue_tools.report import diagnose
+    training = {"trainer_idle_fraction": 0.2, "trainer_idle_fraction_steady": 0.03}
+    workers = {"busy_fraction": 0.8, "syncing_fraction": 0.0, "idle_fraction": 0.2}
+    assert diagnose(training, workers, 0.05) == "trainer busy 97%: training is the bottleneck; workers idle 20%"
+    assert diagnose(training, workers, 0.16).endswith(
+        "; 16% of the results were too stale to train on and were generated again (raise max_staleness)")
 
 
 def validate_chrome_trace(trace: dict) -> dict:
