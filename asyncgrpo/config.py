@@ -54,6 +54,13 @@ class AsyncGRPOConfig(GRPOConfig):
     lease_s: float = field(default=30.0, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
     max_attempts: int = field(default=3, metadata={"help": "A job recovered this many times is archived 'orphaned'."})
+    # Archive retention (asyncgrpo/jobqueue/retention.py): names in done/ are the ledger and always stay.
+    archive_keep_files: int = field(default=0, metadata={
+        "help": "Keep the payloads of the newest this many files in done/; older ones are emptied to 0 bytes, their "
+                "names kept (never those archived since the newest complete checkpoint). 0 keeps all."})
+    archive_keep_mb: float = field(default=0.0, metadata={
+        "help": "Keep at most this many MB (10^6 bytes) of payloads in done/, newest first; older files are emptied "
+                "as with archive_keep_files (whichever limit is reached first). 0 keeps all."})
     # Transport and events.
     weight_transport: str = field(default="auto", metadata={
         "help": "'auto' (cuda_ipc on GPU, mmap on CPU), 'cuda_ipc', 'mmap', or 'safetensors' "
@@ -78,6 +85,8 @@ class AsyncGRPOConfig(GRPOConfig):
             "max_staleness": (self.max_staleness >= 0, "must be >= 0"),
             "lease_s": (self.lease_s > 0, "must be > 0"),
             "max_attempts": (self.max_attempts >= 1, "must be >= 1"),
+            "archive_keep_files": (self.archive_keep_files >= 0, "must be >= 0 (0 keeps all)"),
+            "archive_keep_mb": (self.archive_keep_mb >= 0, "must be >= 0 (0 keeps all)"),
         }
         for name, (ok, why) in checks.items():
             if not ok:

@@ -1,7 +1,8 @@
 """The result collector: a thread that claims complete results, validates them and caches them.
 
 It wakes on queue events for complete files, keeps a thread-safe cache the trainer takes
-from, and runs queue recovery every ``lease_s / 4`` (dead workers' jobs go back to pending).
+from, and runs queue recovery every ``lease_s / 4`` (dead workers' jobs go back to pending),
+and with it archive retention (``archive_keep_files`` / ``archive_keep_mb``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue.retention import ArchiveRetention
 from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -102,5 +104,6 @@ class ResultCollector(WatchedThread):
             self.collect_now()
             if time.monotonic() >= next_recovery:
                 self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts)
+                self.retention.maybe_compact()  # done/'s bytes: one pass per new checkpoint, when enabled
                 next_recovery = time.monotonic() + self.cfg.lease_s / 4
             self.watcher.wait()

@@ -1,7 +1,8 @@
 """queue_tools: look inside a run's job queue and recover stale jobs.
 
     queue_tools ls      [RUN_DIR] [--json] [--watch] [--lease S]
-    queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--dry-run] [--json]
+    queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--keep-files K] [--keep-mb M]
+                        [--dry-run] [--json]
     queue_tools report  [RUN_DIR] [--json]
 
 With no RUN_DIR, the most recent run under $ASYNCGRPO_RUNS (default ~/asyncgrpo-runs).
@@ -30,6 +31,7 @@ from asyncgrpo.jobqueue import (
 )
 from asyncgrpo.jobqueue.liveness import fs_now
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
+from asyncgrpo.jobqueue.retention import compact_archive
 
 WATCH_INTERVAL_S = 1.0
 
@@ -41,6 +43,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _nonnegative(text: str) -> float:
     value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -68,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"lease: silence after which a job is recovered (default {DEFAULT_LEASE_S:g})")
     cleanup.add_argument("--max-attempts", type=_positive_int, default=DEFAULT_MAX_ATTEMPTS, metavar="K",
                          help=f"archive a job as orphaned after K attempts (default {DEFAULT_MAX_ATTEMPTS})")
+    cleanup.add_argument("--keep-files", type=_nonnegative_int, default=0, metavar="K",
+                         help="archive retention: empty done/ files beyond the newest K, names kept (default 0: all)")
+    cleanup.add_argument("--keep-mb", type=_nonnegative, default=0.0, metavar="M",
+                         help="archive retention: empty done/ files beyond the newest M MB (default 0: all)")
     cleanup.add_argument("--dry-run", action="store_true", help="say what would be done, touch nothing")
     cleanup.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     report = sub.add_parser("report", help="timings, throughput, utilisation, bottleneck; trace.json and plots")
@@ -213,12 +226,18 @@ def cmd_ls(run: RunDir, args) -> int:
 
 def cmd_cleanup(run: RunDir, args) -> int:
     actions = JobQueue(run).recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run)
+    retention = None
+    if args.keep_files or args.keep_mb:
+        retention = compact_archive(run, args.keep_files, args.keep_mb, dry_run=args.dry_run)
     if args.json:
         print(json.dumps({"run_dir": str(run.root), "dry_run": args.dry_run,
-                          "actions": [a.__dict__ for a in actions]}, indent=2))
+                          "actions": [a.__dict__ for a in actions],
+                          "retention": retention and retention.as_dict()}, indent=2))
         return 0
     for action in actions:
         print(("would " if args.dry_run else "") + action.line())
+    if retention is not None:
+        print(retention.line())
     summary = f"cleanup: {len(actions)} action(s)" if actions else "cleanup: nothing to do"
     print(summary + (" (dry run: nothing changed)" if args.dry_run and actions else ""))
     return 0

@@ -6,6 +6,7 @@
     liveness  a worker's lock and heartbeat; is a worker alive
     queue     JobQueue: put, claim, complete, collect, consume, archive, recover
     watcher   wake on inotify events, with a rescan safety net
+    retention archive retention: bounds done/'s bytes, names (the ledger) kept
 """
 
 from asyncgrpo.jobqueue.fileops import PayloadLoadError, QueueWriteError

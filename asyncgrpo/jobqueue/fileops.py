@@ -223,6 +223,37 @@ def set_mtime(path: str | os.PathLike, mtime: float) -> None:
     os.utime(path, (mtime, mtime), follow_symlinks=False)
 
 
+def truncate_archived(path: str | os.PathLike, expected: os.stat_result) -> int:
+    """Empties one archived file in place, keeping its name; returns the bytes freed.
+
+    Only when ``path`` is still the regular, single-link file ``expected`` (an lstat from a
+    scan) describes: never a symlink's target, never a file hard-linked from elsewhere (a
+    hostile queue file may be a link to anything), never a file in the middle of a move (a
+    move links before it unlinks, so it has two links then). Otherwise, or if the file is
+    gone, returns 0 and changes nothing. Idempotent; not fsynced (after a crash a file is
+    either emptied or still whole, and the next pass empties it again).
+    """
+    if not stat.S_ISREG(expected.st_mode) or expected.st_nlink != 1:
+        return 0
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except (FileNotFoundError, IsADirectoryError):
+        return 0
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO):  # now a symlink, or a FIFO: not ours to empty
+            return 0
+        raise
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino) or not stat.S_ISREG(st.st_mode) \
+                or st.st_nlink != 1:
+            return 0
+        os.ftruncate(fd, 0)
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
 def remove_temp(path: str | os.PathLike) -> None:
     """Removes an abandoned temp file (the only deletion in the protocol)."""
     os.unlink(path)
