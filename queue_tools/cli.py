@@ -246,7 +246,16 @@ def cmd_cleanup(run: RunDir, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The commands print what they do themselves; the library's own log lines would repeat it.
-    logging.getLogger("asyncgrpo.queue").setLevel(logging.ERROR)
+    queue_log = logging.getLogger("asyncgrpo.queue")
+    level = queue_log.level
+    queue_log.setLevel(logging.ERROR)
+    try:
+        return _run_command(args)
+    finally:
+        queue_log.setLevel(level)  # main() is also called in-process (tests, other tools)
+
+
+def _run_command(args) -> int:
     try:
         run = RunDir.open(args.run_dir) if args.run_dir else latest_run()
     except RunDirError as err:
