@@ -450,7 +450,9 @@ def make_report(run_root: Path) -> dict | None:
         from queue_tools import plots
         report["plots"] = [str(p) for p in plots.make_plots(out_dir, run_root, tracks,
                                                             trace["otherData"]["origin_mono_s"])]
-    except ImportError:
+    except ImportError as err:
+        if not (err.name or "").startswith("matplotlib"):
+            raise
         report["plots_note"] = PLOTS_HINT
     return report
 

@@ -369,6 +369,22 @@ def test_run_without_events_is_one_line_and_exit_2(run, capsys):
     assert out == "" and err.count("\n") == 1 and "no timeline events" in err
 
 
+def test_a_run_before_its_first_step_reports_what_there_is(run, capsys):
+    w = Process(run.logs, "worker-dev1", 7, "worker")
+    w.emit(T0, "weights_synced", weights_version=0, dur_ms=4.0, bytes=10)
+    w.emit(T0 + 0.01, "job_claimed", job_id="000000_000", attempt=1, queue_wait_ms=3.0)
+    w.flush()
+    assert call_main(["report", run.root]) == 0
+    out = capsys.readouterr().out
+    assert "training: 0 step(s) completed" in out
+    assert "diagnosis: no completed train steps: nothing to diagnose yet" in out
+    r = report_json(capsys, run.root)
+    assert r["stats"]["queue_wait_ms"]["p99"] == 3.0 and r["stats"]["train_step_ms"]["count"] == 0
+    assert r["workers"][0]["syncing_s"] == pytest.approx(0.004)
+    assert r["workers"][0]["busy_s"] == 0  # the job in hand started at its last event
+    validate_chrome_trace(json.loads(Path(r["trace"]).read_text()))
+
+
 def test_report_defaults_to_the_latest_run(tmp_path, capsys, monkeypatch):
     syn = synthetic_run(tmp_path / "runs" / "a")
     monkeypatch.setenv("ASYNCGRPO_RUNS", str(tmp_path / "runs"))
