@@ -3,6 +3,7 @@ its behaviour without matplotlib and on bad input; and once on a real PS + 2 wor
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -391,3 +392,94 @@ def test_report_defaults_to_the_latest_run(tmp_path, capsys, monkeypatch):
     assert call_main(["report", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run_dir"] == str(syn["run"].root)
 
+
+# ------------------------------------------------------------------------------------ a real run
+
+def read_events(run_root: Path) -> list[dict]:
+    """The run's events, parsed here independently of queue_tools.report."""
+    events = []
+    for path in (run_root / "logs").glob("events-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass
+    return events
+
+
+def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
+    """One worker process's busy / syncing / idle seconds, by sampling its life on a grid."""
+    def spans(names, dur_key="dur_ms"):
+        return [(e["mono"] - e[dur_key] / 1e3, e["mono"]) for e in events if e["event"] in names]
+    claims = {}
+    jobs = spans({"result_written"})
+    for e in sorted(events, key=lambda e: e["mono"]):
+        if e["event"] == "job_claimed":
+            claims[e["job_id"]] = e["mono"]
+        elif e["event"] in ("job_failed", "job_released") and e["job_id"] in claims:
+            jobs.append((claims[e["job_id"]], e["mono"]))
+    sync = spans({"weights_synced", "weights_wait"})
+    start = min([e["mono"] for e in events] + [s for s, _ in sync + jobs])
+    end = max(e["mono"] for e in events)
+    grid = np.arange(start, end, resolution_s) + resolution_s / 2
+    in_sync, in_job = np.zeros(len(grid), bool), np.zeros(len(grid), bool)
+    for s, e in sync:
+        in_sync |= (grid >= s) & (grid < e)
+    for s, e in jobs:
+        in_job |= (grid >= s) & (grid < e)
+    busy = (in_job & ~in_sync).sum() * resolution_s
+    syncing = in_sync.sum() * resolution_s
+    return {"life_s": end - start, "busy_s": busy, "syncing_s": syncing, "idle_s": (end - start) - busy - syncing}
+
+
+def test_report_on_a_real_run(tmp_path, capsys):
+    run_root = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    fast = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "no", "--seed", "0"]
+
+    def start(name, module, *args):
+        with open(tmp_path / f"{name}.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args, *fast],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    ps = start("ps", "ps")
+    workers = [start(f"w{i}", "worker", "--device", str(i)) for i in (1, 2)]
+    try:
+        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        for w in workers:
+            w.terminate()
+        assert [w.wait(timeout=120) for w in workers] == [0, 0]
+    events = read_events(run_root)
+    r = report_json(capsys, run_root)
+    assert r["corrupt_lines"] == 0 and r["events"] == len(events)
+    from queue_tools.report import STATS
+    for key, _label, event, fld in STATS:
+        values = [e[fld] for e in events if e["event"] == event and fld in e]
+        assert values, key
+        assert_stats_equal(r["stats"][key], values)
+    assert r["stats"]["train_step_ms"]["count"] == 8
+    starts = [e["mono"] for e in events if e["event"] == "train_step_start"]
+    ends = sorted(e["mono"] for e in events if e["event"] == "train_step_end")
+    span = ends[-1] - min(starts)
+    consumed = [e for e in events if e["event"] == "result_consumed"]
+    assert len(consumed) == 8
+    t = r["training"]
+    assert t["span_s"] == pytest.approx(span, rel=1e-9)
+    assert t["samples_per_s"] == pytest.approx(sum(e["samples"] for e in consumed) / span, rel=1e-9)
+    assert t["tokens_per_s"] == pytest.approx(sum(e["tokens"] for e in consumed) / span, rel=1e-9)
+    waits = sum(e["wait_ms"] for e in events if e["event"] == "train_step_end") / 1e3
+    assert t["trainer_idle_fraction"] == pytest.approx(waits / span, rel=1e-9)
+    pids = {e["pid"] for e in events if e["role"] == "worker"}
+    assert {w["pid"] for w in r["workers"]} == pids and len(pids) == 2
+    for w in r["workers"]:
+        want = sampled_utilisation([e for e in events if e["pid"] == w["pid"]])
+        assert w["life_s"] == pytest.approx(want["life_s"], abs=1e-6)
+        for k in ("busy_s", "syncing_s", "idle_s"):  # grid sampling: off by at most a step per boundary
+            assert w[k] == pytest.approx(want[k], abs=0.01), k
+    trace = json.loads((run_root / "report" / "trace.json").read_text())
+    counts = validate_chrome_trace(trace)
+    created = {e["job_id"] for e in events if e["event"] == "job_created"}
+    assert counts["flows"] == len(created & {e["job_id"] for e in consumed}) == 8
+    assert counts["pids"] == 3
+    for p in r["plots"]:
+        assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
