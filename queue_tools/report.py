@@ -146,26 +146,29 @@ def overlap(a, b) -> float:
 
 
 def worker_intervals(track: Track) -> dict:
-    """A worker's life (start, end), its job spans and its weight sync/wait spans."""
-    claimed: dict = {}
-    jobs, sync = [], []
+    """A worker's life (start, end), its jobs and its weight sync/wait spans. A job runs from its
+    claim (as ``result_written.dur_ms`` measures it, else the ``job_claimed`` event) to its
+    ``result_written`` / ``job_failed`` / ``job_released``, or to the process's last event."""
+    claimed: dict = {}  # job_id -> job_claimed event
+    records, sync = [], []
     start = end = track.events[0]["mono"]
     for ev in track.events:
-        name, mono = ev["event"], ev["mono"]
+        name, mono, job = ev["event"], ev["mono"], ev.get("job_id")
         span = span_of(ev)
         if name == "job_claimed":
-            claimed[ev.get("job_id")] = mono
-        elif name == "result_written":
-            began = claimed.pop(ev.get("job_id"), mono)
-            jobs.append(span or (began, mono))
-        elif name in ("job_failed", "job_released") and ev.get("job_id") in claimed:
-            jobs.append((claimed.pop(ev.get("job_id")), mono))
+            claimed[job] = ev
+        elif name in ("result_written", "job_failed", "job_released") and (job in claimed or span):
+            claim = claimed.pop(job, None)
+            began = span[0] if name == "result_written" and span else claim["mono"] if claim else mono
+            records.append({"job_id": job, "start": began, "end": mono, "claim": claim, "close": ev})
         elif name in ("weights_synced", "weights_wait") and span:
             sync.append(span)
         start = min(start, span[0] if span else mono)
         end = max(end, mono)
-    jobs += [(began, end) for began in claimed.values()]  # still running at its last event
-    return {"start": start, "end": end, "jobs": jobs, "sync": sync}
+    records += [{"job_id": job, "start": claim["mono"], "end": end, "claim": claim, "close": None}
+                for job, claim in claimed.items()]  # still running at its last event (killed?)
+    return {"start": start, "end": end, "jobs": [(r["start"], r["end"]) for r in records], "records": records,
+            "sync": sync}
 
 
 def utilisation(track: Track) -> dict:
@@ -286,8 +289,21 @@ def build_trace(tracks: list[Track]) -> dict:
         if flow:
             flows[flow[1]].append((flow[0], s))
 
+    # A job is claimable once its file is linked, before put returns and job_created is emitted:
+    # its creation starts at the earliest of that event and (claimed - queue wait).
+    jobs = {id(t): worker_intervals(t)["records"] for t in tracks if t.role == "worker"}
+    born: dict = {}
+    for r in (r for records in jobs.values() for r in records):
+        if r["claim"] and (qw := num(r["claim"], "queue_wait_ms")) is not None:
+            born[r["job_id"]] = min(born.get(r["job_id"], math.inf), r["start"] - qw / 1e3)
     for pid, track in enumerate(tracks, start=1):
-        claimed = {}
+        for r in jobs.get(id(track), []):
+            job, fields = r["job_id"], {k: v for k, v in (r["close"] or {}).items() if k not in COMMON}
+            if r["claim"] and (qw := num(r["claim"], "queue_wait_ms")) is not None:
+                add(pid, "queue wait", r["start"] - qw / 1e3, r["start"], f"queued {job}", "queue",
+                    {k: v for k, v in r["claim"].items() if k not in COMMON})
+            add(pid, "jobs", r["start"], r["end"], f"job {job}" + ("" if r["close"] else " (unfinished)"), "job",
+                fields, ("t", job))
         for ev in track.events:
             name, mono, job = ev["event"], ev["mono"], ev.get("job_id")
             span = span_of(ev)
@@ -299,20 +315,13 @@ def build_trace(tracks: list[Track]) -> dict:
             elif name == "weights_published" and span:
                 add(pid, "publish", *span, f"publish v{ev.get('weights_version')}", "weights", fields)
             elif name == "job_created":
-                add(pid, "producer", mono, mono, f"create {job}", "job", fields, ("s", job))
+                began = min(span[0] if span else mono, born.get(job, mono))
+                add(pid, "producer", began, mono, f"create {job}", "job", fields, ("s", job))
             elif name == "result_collected":
                 lat = num(ev, "latency_ms") or 0.0
                 add(pid, "collector", mono - lat / 1e3, mono, f"result {job} waits", "queue", fields, ("t", job))
             elif name == "result_consumed":
                 add(pid, "consume", mono, mono, f"consume {job}", "job", fields, ("f", job))
-            elif name == "job_claimed":
-                claimed[job] = mono
-                if (qw := num(ev, "queue_wait_ms")) is not None:
-                    add(pid, "queue wait", mono - qw / 1e3, mono, f"queued {job}", "queue", fields)
-            elif name in ("result_written", "job_failed", "job_released") and (job in claimed or span):
-                began = span[0] if name == "result_written" and span else claimed.get(job, mono)
-                claimed.pop(job, None)
-                add(pid, "jobs", began, mono, f"job {job}", "job", fields, ("t", job))
             elif name in ("generate_end", "score_end") and span:
                 add(pid, "jobs", *span, name[: -len("_end")], "job", fields)
             elif name in ("weights_synced", "weights_wait") and span:
@@ -321,8 +330,6 @@ def build_trace(tracks: list[Track]) -> dict:
             if name in ("job_failed", "job_released") or (name == "result_archived" and ev.get("reason") != "consumed"):
                 instants.append({"name": f"{name} {job}", "ph": "i", "s": "t", "ts": us(mono), "pid": pid,
                                  "cat": "job", "args": fields})
-        for job, began in claimed.items():  # the process stopped (was killed) with the job in hand
-            add(pid, "jobs", began, track.events[-1]["mono"], f"job {job} (unfinished)", "job", {}, ("t", job))
 
     # Lanes: within one thread, slices must nest or be disjoint; a slice that would cross another goes
     # to the group's next lane.
