@@ -16,8 +16,9 @@ Definitions (README, "queue_tools report"):
   logging and checkpoints: ``between_steps_fraction``.)
 - Worker utilisation, per worker process (pid), over its life (earliest event or span start
   to last event): syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy =
-  union of job spans (claimed -> ``result_written``, ``job_failed`` or ``job_released``)
-  minus syncing; idle = the rest.
+  union of job spans (claimed -> ``result_written``, ``job_failed`` or ``job_released``; the
+  claim is the earlier of the ``job_claimed`` event and ``result_written``'s span start) minus
+  syncing; idle = the rest.
 - A line that is not a JSON object with a string ``event`` and a numeric ``mono`` (a process
   killed mid-write) is skipped and counted.
 """
@@ -147,8 +148,9 @@ def overlap(a, b) -> float:
 
 def worker_intervals(track: Track) -> dict:
     """A worker's life (start, end), its jobs and its weight sync/wait spans. A job runs from its
-    claim (as ``result_written.dur_ms`` measures it, else the ``job_claimed`` event) to its
-    ``result_written`` / ``job_failed`` / ``job_released``, or to the process's last event."""
+    claim (the earlier of ``result_written``'s span start and the ``job_claimed`` event: a process
+    descheduled between taking a time and emitting shifts one of them) to its ``result_written``
+    / ``job_failed`` / ``job_released``, or to the process's last event."""
     claimed: dict = {}  # job_id -> job_claimed event
     records, sync = [], []
     start = end = track.events[0]["mono"]
@@ -159,7 +161,7 @@ def worker_intervals(track: Track) -> dict:
             claimed[job] = ev
         elif name in ("result_written", "job_failed", "job_released") and (job in claimed or span):
             claim = claimed.pop(job, None)
-            began = span[0] if name == "result_written" and span else claim["mono"] if claim else mono
+            began = min(span[0] if name == "result_written" and span else mono, claim["mono"] if claim else mono)
             records.append({"job_id": job, "start": began, "end": mono, "claim": claim, "close": ev})
         elif name in ("weights_synced", "weights_wait") and span:
             sync.append(span)
@@ -271,23 +273,25 @@ def analyse(tracks: list[Track]) -> dict:
 
 # ---------------------------------------------------------------------------------------- trace
 
+# event closing a span -> (thread group, category, slice name)
+TRACE_SPANS = {"train_step_end": ("trainer", "train", "step {step}"),
+               "wait_result": ("trainer", "wait", "wait for result"),
+               "weights_published": ("publish", "weights", "publish v{weights_version}"),
+               "generate_end": ("jobs", "job", "generate"), "score_end": ("jobs", "job", "score"),
+               "weights_synced": ("weights", "weights", "sync weights"),
+               "weights_wait": ("weights", "weights", "wait for weights v{weights_version}")}
+
+
 def build_trace(tracks: list[Track]) -> dict:
-    """Chrome trace: one process per track, lanes (threads) per kind of span, flows per job."""
-    starts = [s[0] for t in tracks for e in t.events if (s := span_of(e))] + [e["mono"] for t in tracks
-                                                                              for e in t.events]
-    origin = min(starts)
+    """Chrome trace: one process per track, threads per kind of span (more lanes where spans
+    overlap), a flow per consumed job from its creation through the workers to its consumption."""
+    slices, instants, flows = [], [], defaultdict(list)  # flows: job_id -> [(phase, slice)]
 
-    def us(seconds: float) -> int:
-        return int(round((seconds - origin) * 1e6))
-
-    slices = []  # [pid, group, start_us, end_us, name, cat, args, tid]
-    instants, flows = [], defaultdict(list)  # job_id -> [(kind, slice)]
-
-    def add(pid, group, start, end, name, cat, args=None, flow=None):
-        s = [pid, group, us(start), max(us(end), us(start) + 2), name, cat, args or {}, None]
-        slices.append(s)
+    def add(pid, group, start, end, name, cat, args, flow=None):
+        slices.append(sl := {"pid": pid, "group": group, "start": start, "end": end, "name": name, "cat": cat,
+                             "args": {k: v for k, v in args.items() if k not in COMMON}})
         if flow:
-            flows[flow[1]].append((flow[0], s))
+            flows[flow[1]].append((flow[0], sl))
 
     # A job is claimable once its file is linked, before put returns and job_created is emitted:
     # its creation starts at the earliest of that event and (claimed - queue wait).
@@ -298,96 +302,77 @@ def build_trace(tracks: list[Track]) -> dict:
             born[r["job_id"]] = min(born.get(r["job_id"], math.inf), r["start"] - qw / 1e3)
     for pid, track in enumerate(tracks, start=1):
         for r in jobs.get(id(track), []):
-            job, fields = r["job_id"], {k: v for k, v in (r["close"] or {}).items() if k not in COMMON}
+            job = r["job_id"]
             if r["claim"] and (qw := num(r["claim"], "queue_wait_ms")) is not None:
-                add(pid, "queue wait", r["start"] - qw / 1e3, r["start"], f"queued {job}", "queue",
-                    {k: v for k, v in r["claim"].items() if k not in COMMON})
+                add(pid, "queue wait", r["start"] - qw / 1e3, r["start"], f"queued {job}", "queue", r["claim"])
             add(pid, "jobs", r["start"], r["end"], f"job {job}" + ("" if r["close"] else " (unfinished)"), "job",
-                fields, ("t", job))
+                r["close"] or {}, ("t", job))
         for ev in track.events:
             name, mono, job = ev["event"], ev["mono"], ev.get("job_id")
             span = span_of(ev)
-            fields = {k: v for k, v in ev.items() if k not in COMMON}
-            if name == "train_step_end" and span:
-                add(pid, "trainer", *span, f"step {ev.get('step')}", "train", fields)
-            elif name == "wait_result" and span:
-                add(pid, "trainer", *span, "wait for result", "wait", fields)
-            elif name == "weights_published" and span:
-                add(pid, "publish", *span, f"publish v{ev.get('weights_version')}", "weights", fields)
+            if name in TRACE_SPANS and span:
+                group, cat, label = TRACE_SPANS[name]
+                add(pid, group, *span, label.format_map(defaultdict(str, ev)), cat, ev)
             elif name == "job_created":
-                began = min(span[0] if span else mono, born.get(job, mono))
-                add(pid, "producer", began, mono, f"create {job}", "job", fields, ("s", job))
+                add(pid, "producer", min(span[0] if span else mono, born.get(job, mono)), mono, f"create {job}", "job",
+                    ev, ("s", job))
             elif name == "result_collected":
-                lat = num(ev, "latency_ms") or 0.0
-                add(pid, "collector", mono - lat / 1e3, mono, f"result {job} waits", "queue", fields, ("t", job))
+                add(pid, "collector", mono - (num(ev, "latency_ms") or 0) / 1e3, mono, f"result {job} waits", "queue",
+                    ev, ("t", job))
             elif name == "result_consumed":
-                add(pid, "consume", mono, mono, f"consume {job}", "job", fields, ("f", job))
-            elif name in ("generate_end", "score_end") and span:
-                add(pid, "jobs", *span, name[: -len("_end")], "job", fields)
-            elif name in ("weights_synced", "weights_wait") and span:
-                add(pid, "weights", *span, "sync weights" if name == "weights_synced" else "wait for weights",
-                    "weights", fields)
+                add(pid, "consume", mono, mono, f"consume {job}", "job", ev, ("f", job))
             if name in ("job_failed", "job_released") or (name == "result_archived" and ev.get("reason") != "consumed"):
-                instants.append({"name": f"{name} {job}", "ph": "i", "s": "t", "ts": us(mono), "pid": pid,
-                                 "cat": "job", "args": fields})
-
-    # Lanes: within one thread, slices must nest or be disjoint; a slice that would cross another goes
-    # to the group's next lane.
-    lanes: dict = {}  # (pid, group) -> list of stacks of open end times
-    for s in sorted(slices, key=lambda s: (s[2], -s[3])):
-        stacks = lanes.setdefault((s[0], s[1]), [])
+                instants.append({"name": f"{name} {job}", "ph": "i", "s": "t", "mono": mono, "pid": pid, "cat": "job",
+                                 "args": {k: v for k, v in ev.items() if k not in COMMON}})
+    origin = min([sl["start"] for sl in slices] + [i["mono"] for i in instants])
+    for sl in slices:  # whole microseconds (exact nesting); at least 2 so a flow can bind inside
+        sl["ts"] = round((sl["start"] - origin) * 1e6)
+        sl["te"] = max(round((sl["end"] - origin) * 1e6), sl["ts"] + 2)
+    # Within one thread slices must nest or be disjoint: one that would cross another goes to the
+    # group's next lane. Thread ids in display order: process, LANES, lane.
+    lanes: dict = {}  # (pid, group) -> per lane, a stack of open end times
+    for sl in sorted(slices, key=lambda sl: (sl["ts"], -sl["te"])):
+        stacks = lanes.setdefault((sl["pid"], sl["group"]), [])
         for lane, stack in enumerate(stacks + [[]]):
-            while stack and stack[-1] <= s[2]:
+            while stack and stack[-1] <= sl["ts"]:
                 stack.pop()
-            if not stack or s[3] <= stack[-1]:
+            if not stack or sl["te"] <= stack[-1]:
                 if lane == len(stacks):
                     stacks.append(stack)
-                stack.append(s[3])
-                s[7] = (s[0], s[1], lane)
+                stack.append(sl["te"])
+                sl["lane"] = (sl["pid"], sl["group"], lane)
                 break
-    for instant in instants:
-        instant["tid"] = (instant["pid"], "events", 0)
-    # Thread ids in display order: by process, then LANES, then lane number.
-    keys = {s[7] for s in slices} | {i["tid"] for i in instants}
-    tids = {k: n for n, k in enumerate(sorted(keys, key=lambda k: (k[0], LANES.index(k[1]), k[2])), start=1)}
-    for s in slices:
-        s[7] = tids[s[7]]
-    for instant in instants:
-        instant["tid"] = tids[instant["tid"]]
-    out = []
-    for pid, track in enumerate(tracks, start=1):
-        out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
-                    "args": {"name": f"{track.process} (pid {track.pid}, {track.device})"}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
-                    "args": {"sort_index": pid}})
-    for (pid, group, lane), tid in tids.items():
-        out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "ts": 0,
-                    "args": {"name": group + (f" {lane + 1}" if lane else "")}})
-        out.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "ts": 0,
-                    "args": {"sort_index": tid}})
-    timed = [{"name": s[4], "cat": s[5], "ph": "X", "ts": s[2], "dur": s[3] - s[2], "pid": s[0], "tid": s[7],
-              "args": s[6]} for s in slices] + instants
+    for i in instants:
+        i["lane"] = (i["pid"], "events", 0)
+    keys = sorted({x["lane"] for x in slices + instants}, key=lambda k: (k[0], LANES.index(k[1]), k[2]))
+    tids = {k: n for n, k in enumerate(keys, start=1)}
+    meta = [{"name": n, "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": a} for pid, t in enumerate(tracks, start=1)
+            for n, a in (("process_name", {"name": f"{t.process} (pid {t.pid}, {t.device})"}),
+                         ("process_sort_index", {"sort_index": pid}))]
+    meta += [{"name": n, "ph": "M", "pid": k[0], "tid": tid, "ts": 0, "args": a} for k, tid in tids.items()
+             for n, a in (("thread_name", {"name": k[1] + (f" {k[2] + 1}" if k[2] else "")}),
+                          ("thread_sort_index", {"sort_index": tid}))]
+    timed = [{"name": sl["name"], "cat": sl["cat"], "ph": "X", "ts": sl["ts"], "dur": sl["te"] - sl["ts"],
+              "pid": sl["pid"], "tid": tids[sl["lane"]], "args": sl["args"]} for sl in slices]
+    timed += [{**{k: v for k, v in i.items() if k not in ("mono", "lane")}, "ts": round((i["mono"] - origin) * 1e6),
+               "tid": tids[i["lane"]]} for i in instants]
     flow_id = 0
     for job, points in flows.items():
-        ends = {k: [s for kind, s in points if kind == k] for k in "stf"}
-        if len(ends["s"]) != 1 or len(ends["f"]) != 1 or ends["f"][0][2] < ends["s"][0][2]:
+        starts, ends = ([sl for ph, sl in points if ph == kind] for kind in "sf")
+        if len(starts) != 1 or len(ends) != 1 or ends[0]["ts"] < starts[0]["ts"]:
             continue  # not created and consumed (in order) in these events: no arrow
         # Each point 1 us inside its slice (Perfetto binds a flow event to the slice open there), in
         # time order: a step outside [start, finish] or out of order is left out.
-        kept = [("s", ends["s"][0])]
-        for s in sorted(ends["t"], key=lambda s: s[2]):
-            if kept[-1][1][2] <= s[2] <= ends["f"][0][2]:
-                kept.append(("t", s))
-        kept.append(("f", ends["f"][0]))
+        kept = [("s", starts[0])]
+        for sl in sorted((sl for ph, sl in points if ph == "t"), key=lambda sl: sl["ts"]):
+            if kept[-1][1]["ts"] <= sl["ts"] <= ends[0]["ts"]:
+                kept.append(("t", sl))
         flow_id += 1
-        for kind, s in kept:
-            point = {"name": "job", "cat": "job", "ph": kind, "id": flow_id, "ts": s[2] + 1, "pid": s[0],
-                     "tid": s[7], "args": {"job_id": job}}
-            if kind == "f":
-                point["bp"] = "e"
-            timed.append(point)
+        for ph, sl in kept + [("f", ends[0])]:
+            timed.append({"name": "job", "cat": "job", "ph": ph, "id": flow_id, "ts": sl["ts"] + 1, "pid": sl["pid"],
+                          "tid": tids[sl["lane"]], "args": {"job_id": job}, **({"bp": "e"} if ph == "f" else {})})
     timed.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    return {"traceEvents": out + timed, "displayTimeUnit": "ms",
+    return {"traceEvents": meta + timed, "displayTimeUnit": "ms",
             "otherData": {"origin_mono_s": origin, "source": "queue_tools report"}}
 
 

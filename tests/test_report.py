@@ -411,13 +411,14 @@ def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
     """One worker process's busy / syncing / idle seconds, by sampling its life on a grid."""
     def spans(names, dur_key="dur_ms"):
         return [(e["mono"] - e[dur_key] / 1e3, e["mono"]) for e in events if e["event"] in names]
-    claims = {}
-    jobs = spans({"result_written"})
+    claims, jobs = {}, []
     for e in sorted(events, key=lambda e: e["mono"]):
         if e["event"] == "job_claimed":
             claims[e["job_id"]] = e["mono"]
+        elif e["event"] == "result_written":  # claimed -> written, claimed = the earlier measure of it
+            jobs.append((min(claims.pop(e["job_id"]), e["mono"] - e["dur_ms"] / 1e3), e["mono"]))
         elif e["event"] in ("job_failed", "job_released") and e["job_id"] in claims:
-            jobs.append((claims[e["job_id"]], e["mono"]))
+            jobs.append((claims.pop(e["job_id"]), e["mono"]))
     sync = spans({"weights_synced", "weights_wait"})
     start = min([e["mono"] for e in events] + [s for s, _ in sync + jobs])
     end = max(e["mono"] for e in events)
