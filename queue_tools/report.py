@@ -4,21 +4,14 @@ Reads every ``RUN/logs/events-*.jsonl`` (schema: asyncgrpo/events.py) and ``RUN/
 prints a summary, writes ``RUN/report/trace.json`` (Chrome trace event format, for Perfetto)
 and, with matplotlib, PNG plots in ``RUN/report/``.
 
-Definitions (README, "queue_tools report"):
-- Percentiles are nearest-rank: p-th percentile of n sorted values = the ceil(p/100 * n)-th
-  smallest (so p50 of 1..4 is 2, p99 of 100 values is the 99th, max is p100).
-- Training span: first ``train_step_start`` to last ``train_step_end`` (monotonic clock; one
-  host). samples/s and tokens/s: sums over ``result_consumed`` divided by it.
-- Trainer idle fraction: sum of ``train_step_end.wait_ms`` divided by the training span.
-  ``steady`` leaves out the first step (its wait includes the workers' start-up): the waits
-  of the other steps over the time from the first step's end to the last step's end. (A step's
-  span, ``train_step_end.dur_ms``, includes its wait; the time between steps is publishing,
-  logging and checkpoints: ``between_steps_fraction``.)
-- Worker utilisation, per worker process (pid), over its life (earliest event or span start
-  to last event): syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy =
-  union of job spans (claimed -> ``result_written``, ``job_failed`` or ``job_released``; the
-  claim is the earlier of the ``job_claimed`` event and ``result_written``'s span start) minus
-  syncing; idle = the rest.
+Definitions (README, "queue_tools report" has them all):
+- Percentiles are nearest-rank: the p-th of n sorted values is the ceil(p/100 * n)-th smallest.
+- Training span: first ``train_step_start`` to last ``train_step_end`` (monotonic clock: one
+  host). Trainer idle fraction: the sum of ``train_step_end.wait_ms`` over that span; "steady"
+  leaves out the first step (the workers' start-up): from the first step's end to the last's.
+- Worker utilisation, per process, over its life (first event or span start to last event):
+  syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy = union of job spans
+  (claimed -> written, failed or released) minus syncing; idle = the rest.
 - A line that is not a JSON object with a string ``event`` and a numeric ``mono`` (a process
   killed mid-write) is skipped and counted.
 """
