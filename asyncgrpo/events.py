@@ -13,10 +13,11 @@ Every process appends to its own ``RUN/logs/events-{process}.jsonl`` (``ps``,
 An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``.
 
     role    event              fields
-    ps      job_created        job_id, weights_version (the job's minimum), rows, created_step
+    ps      job_created        job_id, weights_version (the job's minimum), rows, created_step (just before
+                               its file appears in queue/)
     ps      result_collected   job_id, weights_version, worker_device, latency_ms (result written -> collected)
-    ps      wait_result        step, dur_ms: the trainer waited for a result
-    ps      result_consumed    job_id, weights_version, step, staleness, samples, tokens
+    ps      wait_result        step, dur_ms: the trainer waited for a result for this step
+    ps      result_consumed    job_id, weights_version, step (the one it trains), staleness, samples, tokens
     any     result_archived    job_id, reason, attempt: any job or result file moved to done/
     ps      train_step_start   step
     ps      train_step_end     step, dur_ms, wait_ms (reward and loss per step: RUN/metrics.jsonl)

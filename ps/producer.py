@@ -83,10 +83,11 @@ class JobProducer(WatchedThread):
         # Synchronous mode (max_staleness 0) needs the newest weights; otherwise any are fine,
         # since a worker syncs before each job anyway.
         min_version = max(0, self.consumed_count() - self.cfg.max_staleness)
+        # Before the put: a worker may claim the job the moment its file appears.
+        self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
+                               created_step=self.current_step())
         self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version},
                            created_step=self.current_step())
         self.last_job_id = job_id
-        self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
-                               created_step=self.current_step())
         fileops.write_json(self.state_path, {"batches_drawn": self.batches_drawn, "last_job_id": job_id})
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)

@@ -145,12 +145,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         started = time.monotonic()
         result, staleness = self._take_result()
         waited = time.monotonic() - started
-        self.events.emit("wait_result", step=self.state.global_step, dur_ms=waited * 1e3)
+        step = self.state.global_step + 1  # the step this result trains
+        self.events.emit("wait_result", step=step, dur_ms=waited * 1e3)
         self.consumed.add(result.job_id)
         self.producer.wake()
         batch = result.data["batch"]
         self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
-                         step=self.state.global_step, staleness=staleness, samples=int(batch["advantages"].numel()),
+                         step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
                          tokens=int(batch["completion_mask"].sum()))
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited

@@ -59,6 +59,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
                 presence.update(state="idle", job_id=None)
                 watcher.wait()
                 continue
+            claimed = time.monotonic()
             presence.update(state="busy", job_id=job.job_id)
             queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3
             events.emit("job_claimed", job_id=job.job_id, attempt=job.attempt, queue_wait_ms=queue_wait_ms)
@@ -77,7 +78,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
                 events.emit("job_released", job_id=job.job_id)
                 break
             presence.update(weights_version=version)
-            _process(queue, job, trainer, version, device, events)
+            _process(queue, job, trainer, version, device, events, claimed)
     finally:
         watcher.close()
         subscriber.close()
@@ -112,7 +113,7 @@ def _sync(subscriber, model, device: int, events: EventLog) -> int | None:
     return version
 
 
-def _process(queue: JobQueue, job, trainer, version: int, device: int, events: EventLog) -> None:
+def _process(queue: JobQueue, job, trainer, version: int, device: int, events: EventLog, claimed: float) -> None:
     started = time.time()
     try:
         batch, metrics = generate_and_score(trainer, job.data["rows"], events, job_id=job.job_id,
@@ -134,7 +135,7 @@ def _process(queue: JobQueue, job, trainer, version: int, device: int, events: E
         events.emit("job_released", job_id=job.job_id)
         return
     events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
-                dur_ms=(time.time() - job.claimed_at) * 1e3, samples=int(batch["advantages"].numel()),
+                dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
                 tokens=int(batch["completion_mask"].sum()))
     log.info("[gen] dev%d job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
              version, (done - started) * 1e3, metrics.get("reward", float("nan")), published)
