@@ -62,14 +62,8 @@ def assert_queue_drained(run_root):
     assert all(done_reason(n) is not None for n in os.listdir(Path(run_root) / "done"))
 
 
-def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
-    run_root = tmp_path / "run"
-    ps = start(run_root, "ps.log", "ps", "--max_steps", "8", *FAST)
-    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), "--max_steps", "8", *FAST) for i in (1, 2)]
-    try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        assert stop(workers) == [0, 0]
+def test_ps_and_two_workers_train_on_every_job_exactly_once(finished_demo_run):
+    run_root = finished_demo_run  # --max_steps 8, FAST flags (tests/conftest.py)
     lines = metrics(run_root)
     assert [m["step"] for m in lines] == list(range(1, 9))
     assert all(m["staleness_max"] <= 4 for m in lines)  # the default max_staleness
@@ -85,7 +79,7 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(tmp_path):
     assert (run_root / "global_step.txt").read_text().strip() == "8"
     assert_events_trace_every_job(run_root, ids)
     # The logs dict every TrainerCallback (and so each report_to integration) gets carries asyncgrpo's metrics.
-    logged = (tmp_path / "ps.log").read_text()
+    logged = (run_root.parent / "ps.log").read_text()
     assert all(f"'{key}'" in logged for key in ("staleness/mean", "staleness/max", "trainer_wait_s", "reward"))
 
 

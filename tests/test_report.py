@@ -3,7 +3,6 @@ its behaviour without matplotlib and on bad input; and once on a real PS + 2 wor
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -433,23 +432,8 @@ def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
     return {"life_s": end - start, "busy_s": busy, "syncing_s": syncing, "idle_s": (end - start) - busy - syncing}
 
 
-def test_report_on_a_real_run(tmp_path, capsys):
-    run_root = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    fast = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "no", "--seed", "0"]
-
-    def start(name, module, *args):
-        with open(tmp_path / f"{name}.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args, *fast],
-                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    ps = start("ps", "ps")
-    workers = [start(f"w{i}", "worker", "--device", str(i)) for i in (1, 2)]
-    try:
-        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        for w in workers:
-            w.terminate()
-        assert [w.wait(timeout=120) for w in workers] == [0, 0]
+def test_report_on_a_real_run(finished_demo_run, capsys):
+    run_root = finished_demo_run  # a PS and two workers, 8 steps (tests/conftest.py)
     events = read_events(run_root)
     r = report_json(capsys, run_root)
     assert r["corrupt_lines"] == 0 and r["events"] == len(events)
