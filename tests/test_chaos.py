@@ -1,0 +1,420 @@
+"""Chaos: a demo run with 3 workers while the test SIGKILLs a random worker at random moments
+(11 times, each relaunched with the same --device) and the PS twice (relaunched on the same
+run directory, it resumes from its newest complete checkpoint).
+
+Kill moments follow the run's progress (the step in global_step.txt, a worker holding a job
+in queue/, a checkpoint being saved), plus a small random delay. The schedule comes from
+random.Random(seed): the seed is printed and attached to any failure; set
+ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
+
+At the end: training reached max_steps, every job in the final ledger was consumed exactly
+once, every file in done/ is accounted for, the queue is drained, and no process of the run
+is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.jobqueue import JobQueue, JobState, RunDir, parse_queue_name
+from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 200
+SAVE_STEPS = 5  # small, so that a killed PS loses few steps
+LEASE_S = 4
+MAX_ATTEMPTS = 3  # the default
+DEVICES = (1, 2, 3)
+WORKER_KILLS = 11  # at least 10 must happen (the last one, in the final steps, may come too late)
+PS_KILLS = 2
+LEDGER = "asyncgrpo_state.json"  # in each checkpoint folder; written last, it marks the checkpoint complete
+ARGS = ["--max_steps", str(MAX_STEPS), "--lease_s", str(LEASE_S), "--save_strategy", "steps",
+        "--save_steps", str(SAVE_STEPS), "--seed", "0"]
+# Any single wait for progress; generous. A run costs about 160 s of CPU, most of it in the 18
+# process starts (about 8 s each, importing torch and TRL): 1.5 minutes on 2 idle cores, 5-6 on a
+# machine busy with other runs.
+WAIT_S = 240
+POLL_S = 0.01
+_DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<attempt>\d+))?(?:\.(?P<n>\d+))?\.pt$")
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def alive(pid) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+class Chaos:
+    """The run's processes, the kills, and a log of what the test did (printed on failure)."""
+
+    def __init__(self, tmp_path: Path, seed: int):
+        self.tmp, self.run_root = tmp_path, tmp_path / "run"
+        self.rng = random.Random(seed)
+        self.t0 = time.monotonic()
+        self.ps: subprocess.Popen | None = None
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.launched_at: dict[int, float] = {}
+        self.procs: list[subprocess.Popen] = []  # every process ever started, to wait for them all
+        self.events: list[str] = []
+        self.worker_kills = self.ps_kills = 0
+        self.resumes: list[tuple[int, int]] = []  # (metrics lines when the PS was killed, its resume step)
+
+    # ------------------------------------------------------------------ processes
+
+    def note(self, message: str) -> None:
+        line = f"{time.monotonic() - self.t0:7.2f}s step={self.step():3d} {message}"
+        self.events.append(line)
+        print(line, flush=True)
+
+    def _start(self, log_name: str, module: str, *args: str) -> subprocess.Popen:
+        with open(self.tmp / log_name, "ab") as log:
+            log.write(f"\n===== chaos test: starting {module} {' '.join(args)} =====\n".encode())
+            log.flush()
+            proc = subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(self.run_root), *args, *ARGS],
+                                    cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def launch_ps(self) -> None:
+        self.ps = self._start("ps.log", "ps")
+        self.note(f"launched PS pid {self.ps.pid}")
+
+    def launch_worker(self, device: int) -> None:
+        self.launched_at[device] = time.time()
+        self.workers[device] = self._start(f"w{device}.log", "worker", "--device", str(device))
+        self.note(f"launched worker dev{device} pid {self.workers[device].pid}")
+
+    def _sigkill(self, proc: subprocess.Popen) -> int | None:
+        """SIGKILLs proc; None if it had already exited on its own (checked by check_health)."""
+        if proc.poll() is not None:
+            return None
+        proc.send_signal(signal.SIGKILL)
+        return proc.wait(timeout=60)
+
+    def kill_worker(self, device: int, why: str) -> None:
+        self.check_health()
+        proc = self.workers[device]
+        job = self.held_jobs().get(device)
+        self.note(f"SIGKILL worker dev{device} pid {proc.pid} ({why}; holds {job or 'no job'})")
+        assert self._sigkill(proc) == -signal.SIGKILL
+        self.worker_kills += 1
+        self.launch_worker(device)
+
+    def _kill_ps(self, why: str) -> None:
+        self.check_health()
+        self.note(f"SIGKILL PS pid {self.ps.pid} ({why}; checkpoints: {self.checkpoints()})")
+        assert self._sigkill(self.ps) == -signal.SIGKILL
+        self.ps_kills += 1
+        # What the relaunched PS must do: resume from the newest complete checkpoint (one with its
+        # ledger), so that its first metrics line follows the ones written so far with that step + 1.
+        complete = [int(p.name.split("-")[1]) for p in (self.run_root / "checkpoints").glob("checkpoint-*")
+                    if (p / LEDGER).is_file()]
+        self.resumes.append((len(metrics_steps(self.run_root)), max(complete, default=0)))
+        self.note(f"the PS must resume from checkpoint-{self.resumes[-1][1]}")
+        self.launch_ps()
+
+    def stop_all(self) -> None:
+        """Cleanup: SIGKILL whatever still runs (only reached by a failing test) and wait for everything."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # ------------------------------------------------------------------ progress
+
+    def step(self) -> int:
+        try:
+            return int((self.run_root / "global_step.txt").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def checkpoints(self) -> list[str]:
+        folder = self.run_root / "checkpoints"
+        return sorted((p.name + ("" if (p / LEDGER).is_file() else "(partial)")
+                       for p in folder.glob("checkpoint-*")), key=lambda n: int(re.sub(r"\D", "", n)))
+
+    def held_jobs(self) -> dict[int, str]:
+        """device -> the job file its current process holds in queue/ (processing or committing)."""
+        held = {}
+        try:
+            entries = list(os.scandir(self.run_root / "queue"))
+        except FileNotFoundError:
+            return held
+        for entry in entries:
+            name = parse_queue_name(entry.name)
+            if name is None or name.device not in self.workers or name.state not in (JobState.PROCESSING,
+                                                                                       JobState.COMMITTING):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime >= self.launched_at[name.device] - 0.01:
+                    held[name.device] = entry.name  # not one an earlier, killed process of this device left
+            except FileNotFoundError:
+                continue
+        return held
+
+    def worker_running(self, device: int) -> bool:
+        """Its second heartbeat: past start-up, its SIGTERM handler is installed."""
+        beat = read_json(self.run_root / "workers" / f"dev{device}.json")
+        return (beat.get("pid") == self.workers[device].pid
+                and beat.get("last_beat", 0) - beat.get("started_at", float("inf")) >= 1.0)
+
+    def saving(self) -> bool:
+        return any("partial" in c for c in self.checkpoints())
+
+    def check_health(self) -> None:
+        """Fails on a process that exited without the test killing it (the PS may finish with 0)."""
+        rc = self.ps.poll()
+        assert rc in (None, 0), f"the PS exited with {rc}:\n{self.tail('ps.log')}"
+        for device, proc in self.workers.items():
+            rc = proc.poll()
+            assert rc is None, f"worker dev{device} exited on its own with {rc}:\n{self.tail(f'w{device}.log')}"
+
+    def ps_finished(self) -> bool:
+        return self.ps.poll() == 0
+
+    def wait_until(self, predicate, what: str, timeout: float = WAIT_S, *, unless_finished: bool = True) -> bool:
+        """True once predicate() holds; False if the PS finished first (``unless_finished``);
+        fails after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.check_health()
+            if unless_finished and self.ps_finished():
+                return False
+            assert time.monotonic() < deadline, f"waited {timeout}s for {what}"
+            time.sleep(POLL_S)
+        return True
+
+    def tail(self, log_name: str, chars: int = 4000) -> str:
+        path = self.tmp / log_name
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+    # ------------------------------------------------------------------ the schedule
+
+    def plan(self) -> list[tuple[int, str]]:
+        """(trigger step, what): worker kills all through training, the last one in its final steps
+        (finishing is a moment too: the PS must drain the queue while workers die), and the PS
+        twice: once at a random moment, once while it saves a checkpoint."""
+        steps = self.rng.sample(range(3, int(MAX_STEPS * 0.9)), WORKER_KILLS - 1)
+        plan = [(s, "worker") for s in steps] + [(self.rng.randrange(MAX_STEPS - 4, MAX_STEPS), "worker")]
+        plan += [(self.rng.randrange(int(MAX_STEPS * 0.15), int(MAX_STEPS * 0.3)), "ps-any"),
+                 (self.rng.randrange(int(MAX_STEPS * 0.45), int(MAX_STEPS * 0.6)), "ps-saving")]
+        return sorted(plan)
+
+    def run_plan(self) -> None:
+        for trigger, what in self.plan():
+            if not self.wait_until(lambda t=trigger: self.step() >= t, f"step {trigger}"):
+                return  # the PS finished
+            if what == "worker":
+                self.worker_event()
+            elif what == "ps-any":
+                time.sleep(self.rng.uniform(0, 0.3))
+                self.kill_ps("random moment")
+            else:  # while it saves a checkpoint: a folder without its ledger (the save takes ~0.1 s)
+                if not self.wait_until(self.saving, "a checkpoint save"):
+                    return
+                time.sleep(self.rng.uniform(0, 0.05))
+                self.kill_ps("while saving a checkpoint")
+
+    def worker_event(self) -> None:
+        """Kills a worker that holds a job (generating, fencing, publishing or archiving), or
+        any worker wherever it is (starting, recovering its leftovers, idle, busy).
+
+        Waiting for a job in hand paces the schedule: when every worker is restarting, the PS
+        cannot train either, so it cannot run away from the kills."""
+        if self.rng.random() < 0.7:
+            if not self.wait_until(self.held_jobs, "a worker holding a job"):
+                return
+            device = self.rng.choice(sorted(self.held_jobs()) or list(DEVICES))
+            time.sleep(self.rng.uniform(0, 0.15))  # a job takes about 0.1 s
+            why = "busy"
+        else:
+            device = self.rng.choice(DEVICES)
+            time.sleep(self.rng.uniform(0, 0.5))
+            why = "any moment"
+        if not self.ps_finished():
+            self.kill_worker(device, why)
+
+    def kill_ps(self, why: str) -> None:
+        if self.ps.poll() is None and self.step() < MAX_STEPS:  # a kill during training, not after it
+            self._kill_ps(why)
+
+
+# ---------------------------------------------------------------------- final checks
+
+
+def metrics_steps(run_root: Path) -> list[int]:
+    path = run_root / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def check_training(run_root: Path, resumes: list[tuple[int, int]]) -> None:
+    assert (run_root / "global_step.txt").read_text().strip() == str(MAX_STEPS)
+    steps = metrics_steps(run_root)  # a torn line would fail here
+    assert steps[-1] == MAX_STEPS
+    assert set(steps) == set(range(1, MAX_STEPS + 1))
+    # Each relaunched PS resumed from the newest complete checkpoint when its predecessor died...
+    for lines, step in resumes:
+        assert steps[lines] == step + 1, f"the PS killed after {lines} metrics lines resumed at {steps[lines]}, " \
+                                         f"not right after checkpoint-{step}"
+    # ...and otherwise the steps are consecutive.
+    restarts = {lines for lines, _ in resumes}
+    for i in range(1, len(steps)):
+        assert steps[i] == steps[i - 1] + 1 or i in restarts, f"step {steps[i]} after {steps[i - 1]}"
+    # A save a PS was killed in was removed, not kept next to complete checkpoints.
+    partial = [p.name for p in (run_root / "checkpoints").glob("checkpoint-*") if not (p / LEDGER).is_file()]
+    assert not partial, partial
+    ps = read_json(run_root / "ps.json")
+    assert ps.get("state") == "finished" and ps.get("global_step") == MAX_STEPS, ps
+
+
+def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
+    """job id -> [(reason, attempt, file name)] over done/, after checking that every name parses."""
+    per_job = defaultdict(list)
+    for name in os.listdir(run_root / "done"):
+        reason = done_reason(name)
+        assert reason is not None, f"done/{name}: not an archive name"
+        m = _DONE_RE.match(name)
+        assert m and JOB_ID_RE.match(m["job_id"]) and m["reason"] == reason.value, f"done/{name}: not a job's archive"
+        per_job[m["job_id"]].append((reason.value, int(m["attempt"] or 1), name))
+    return per_job
+
+
+def check_exactly_once_and_archive(run_root: Path, worker_kills: int) -> dict:
+    ledger = json.loads((run_root / "checkpoints" / f"checkpoint-{MAX_STEPS}" / LEDGER).read_text())
+    consumed_ledger = ledger["consumed"]
+    assert len(consumed_ledger) == len(set(consumed_ledger)) == MAX_STEPS, "ledger: duplicates or wrong length"
+
+    per_job = done_files(run_root)
+    reasons = defaultdict(set)
+    for job_id, files in per_job.items():
+        for reason, _, _ in files:
+            reasons[reason].add(job_id)
+    consumed_files = [n for files in per_job.values() for r, _, n in files if r == "consumed"]
+    # One spelling per consumed job: no attempt suffix, no collision suffix.
+    assert all(re.fullmatch(r"\d{6}_\d{3}_consumed\.pt", n) for n in consumed_files), consumed_files
+    assert sorted(reasons["consumed"]) == sorted(consumed_ledger), (
+        f"ledger and done/ disagree: only in ledger {sorted(set(consumed_ledger) - reasons['consumed'])}, "
+        f"only in done/ {sorted(reasons['consumed'] - set(consumed_ledger))}")
+
+    # Nothing failed: no worker raised, no file was corrupt or outside the grammar.
+    assert not reasons["failed"] and not reasons["failed_load"], {r: reasons[r] for r in ("failed", "failed_load")}
+    # Every trained-on result was published by a worker, whose fenced job file was archived
+    # 'processed' (by the worker itself, or by recovery once the worker had died).
+    missing = (reasons["consumed"] | reasons["stale"]) - reasons["processed"]
+    assert not missing, f"a result without a processed job file: {sorted(missing)}"
+    # A result generated with weights too old is not trained on; an orphaned job never had a result.
+    assert not reasons["consumed"] & reasons["stale"], sorted(reasons["consumed"] & reasons["stale"])
+    assert not reasons["consumed"] & reasons["orphaned"], sorted(reasons["consumed"] & reasons["orphaned"])
+    assert not reasons["processed"] & reasons["orphaned"], sorted(reasons["processed"] & reasons["orphaned"])
+    # Orphaned only after max_attempts attempts.
+    for job_id in reasons["orphaned"]:
+        assert all(a == MAX_ATTEMPTS for r, a, _ in per_job[job_id] if r == "orphaned"), per_job[job_id]
+    # Recovery (attempt + 1) takes the job of a dead worker, or of a live one silent past its lease
+    # (the log says which); a worker holds one job at a time, so there are at most as many
+    # recoveries as worker kills plus lease expiries. More would mean a live worker's job was taken.
+    recoveries = sum(max(a for _, a, _ in files) - 1 for files in per_job.values())
+    lease_expiries = lease_recoveries(run_root.parent)
+    assert recoveries <= worker_kills + len(lease_expiries), (
+        f"{recoveries} recoveries for {worker_kills} worker kills and lease expiries {lease_expiries}")
+    # Job ids come from the producer, which never reuses one.
+    last_job = read_json(run_root / "producer.json").get("last_job_id")
+    assert all(job_id <= last_job for job_id in per_job), last_job
+    return {r: len(ids) for r, ids in reasons.items()} | {"recoveries": recoveries,
+                                                           "lease_expiries": len(lease_expiries)}
+
+
+def lease_recoveries(logs: Path) -> list[str]:
+    """Recoveries of a live worker's job, which only an overloaded machine causes (heartbeat late)."""
+    return [line for log in logs.glob("*.log") for line in log.read_text(errors="replace").splitlines()
+            if "recover:" in line and ("heartbeat is" in line or "moved on to" in line)]
+
+
+def check_queue_drained(run_root: Path) -> None:
+    queue = JobQueue(RunDir.open(run_root))
+    names, junk = queue.scan()
+    assert not names and not junk, f"left in queue/: {sorted(n.filename for n in names)} {[e.name for e in junk]}"
+    assert not os.listdir(run_root / "queue" / ".tmp"), os.listdir(run_root / "queue" / ".tmp")
+
+
+def check_nothing_alive(chaos: Chaos) -> None:
+    assert all(proc.returncode is not None for proc in chaos.procs)
+    pids = [read_json(p).get("pid") for p in [chaos.run_root / "ps.json", *chaos.run_root.glob("workers/dev*.json")]]
+    assert not [pid for pid in pids if pid and alive(pid)], pids
+    # The CPU weight transport's buffers: the final PS removes its own at the end and those of
+    # the PSs killed before it when it starts (asyncgrpo/weights/mmap_file.py).
+    root = str(chaos.run_root.resolve())
+    left = [d for d in Path("/dev/shm").glob("asyncgrpo-weights-*") if read_json(d / "owner.json").get("run") == root]
+    left += list((chaos.run_root / "weights").glob("asyncgrpo-weights-*"))
+    assert not left, f"weight buffers left behind: {left}"
+
+
+@pytest.mark.slow
+def test_chaos_random_kills_of_workers_and_ps(tmp_path):
+    seed = int(os.environ.get("ASYNCGRPO_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"chaos seed: {seed} (replay with ASYNCGRPO_CHAOS_SEED={seed})", flush=True)
+    chaos = Chaos(tmp_path, seed)
+    try:
+        chaos.launch_ps()
+        for device in DEVICES:
+            chaos.launch_worker(device)
+        chaos.run_plan()
+        assert chaos.worker_kills >= 10 and chaos.ps_kills == PS_KILLS, (
+            f"the schedule did not complete: {chaos.worker_kills} worker kills, {chaos.ps_kills} PS kills")
+        assert chaos.ps.wait(timeout=WAIT_S) == 0, chaos.tail("ps.log")
+        chaos.note("the PS finished")
+        # Workers stop on SIGTERM once past start-up: they finish or release the job in hand, exit 0.
+        for device in DEVICES:
+            chaos.wait_until(lambda d=device: chaos.worker_running(d), f"dev{device} to run", unless_finished=False)
+        for proc in chaos.workers.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = {device: proc.wait(timeout=120) for device, proc in chaos.workers.items()}
+        assert codes == {d: 0 for d in DEVICES}, {d: (c, chaos.tail(f"w{d}.log", 1500)) for d, c in codes.items()}
+        chaos.note("workers stopped")
+
+        check_training(chaos.run_root, chaos.resumes)
+        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills)
+        check_queue_drained(chaos.run_root)
+        check_nothing_alive(chaos)
+        cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        chaos.note(f"all checks passed; done/: {summary}; CPU of the run's processes "
+                   f"{cpu.ru_utime + cpu.ru_stime:.0f}s")
+    except BaseException as err:
+        if hasattr(err, "add_note"):
+            err.add_note(f"chaos seed {seed} (ASYNCGRPO_CHAOS_SEED={seed}); what the test did:\n"
+                         + "\n".join(chaos.events))
+        raise
+    finally:
+        chaos.stop_all()
+        (tmp_path / "chaos_events.txt").write_text("\n".join(chaos.events) + "\n")
