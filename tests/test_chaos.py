@@ -280,10 +280,12 @@ def metrics_steps(run_root: Path) -> list[int]:
 
 
 def check_training(run_root: Path, resumes: list[tuple[int, int]]) -> None:
-    assert (run_root / "global_step.txt").read_text().strip() == str(MAX_STEPS)
+    global_step = (run_root / "global_step.txt").read_text().strip()
+    assert global_step == str(MAX_STEPS), f"global_step.txt says {global_step}, max_steps is {MAX_STEPS}"
     steps = metrics_steps(run_root)  # a torn line would fail here
-    assert steps[-1] == MAX_STEPS
-    assert set(steps) == set(range(1, MAX_STEPS + 1))
+    assert steps[-1] == MAX_STEPS and set(steps) == set(range(1, MAX_STEPS + 1)), (
+        f"metrics.jsonl: last step {steps[-1]}, missing {sorted(set(range(1, MAX_STEPS + 1)) - set(steps))}, "
+        f"beyond max_steps {sorted(s for s in set(steps) if s > MAX_STEPS)}")
     # Each relaunched PS resumed from the newest complete checkpoint when its predecessor died...
     for lines, step in resumes:
         assert steps[lines] == step + 1, f"the PS killed after {lines} metrics lines resumed at {steps[lines]}, " \
