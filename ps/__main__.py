@@ -85,7 +85,7 @@ def _interrupt(signum, _frame):
 
 
 def train(cfg, run: RunDir) -> int:
-    from ps.trainer import AsyncGRPOTrainer, last_complete_checkpoint
+    from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
 
     cfg.output_dir = str(run.checkpoints)  # checkpoints live in the run, whatever --output_dir said
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
@@ -96,7 +96,12 @@ def train(cfg, run: RunDir) -> int:
                                               "started_at": time.time(), "state": "training", "resumed_from": resume})
     log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
              f", resuming from {resume}" if resume else "")
-    trainer.train(resume_from_checkpoint=resume)
+    if resume and checkpoint_step(resume) >= cfg.max_steps:
+        # transformers checks max_steps only after a step: resuming there would train one more
+        log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
+        trainer.state.global_step = checkpoint_step(resume)
+    else:
+        trainer.train(resume_from_checkpoint=resume)
     trainer.finish()
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                               "finished_at": time.time(), "state": "finished",

@@ -53,6 +53,11 @@ def last_complete_checkpoint(folder: Path) -> str | None:
     return complete
 
 
+def checkpoint_step(folder: str) -> int:
+    with open(os.path.join(folder, LEDGER_FILE)) as f:
+        return int(json.load(f)["global_step"])
+
+
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset):
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
@@ -108,29 +113,40 @@ class AsyncGRPOTrainer(GRPOTrainer):
             job_id = entry.name[: -len("_consumed.pt")]
             if job_id in self.consumed or entry.name != done_name(job_id, ArchiveReason.CONSUMED):
                 continue
+            collected = self.run.queue / f"{job_id}_collected.pt"
             try:
-                fileops.move_to_other_dir(entry.path, self.run.queue / f"{job_id}_collected.pt")
+                fileops.move_to_other_dir(entry.path, collected)
                 log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
             except FileExistsError:
-                log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
+                if os.path.samefile(entry.path, collected):  # the old PS died inside consume()'s link + unlink
+                    fileops.unlink_second_name(entry.path)
+                    log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
+                else:
+                    log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
 
     def finish(self) -> None:
-        """End of training: nothing stays pending or processing; leftovers are archived 'unused'."""
+        """End of training: every job and result left in queue/ is archived 'unused'.
+
+        Jobs in workers' hands are waited for (at most a lease) and their results archived.
+        Nothing goes back to pending (a worker would take it with no one left to collect), and
+        the loop repeats until queue/ is empty: a worker relaunched now may release a job."""
         self._stop_pipeline()
-        self._archive_pending_as_unused()
         deadline = time.monotonic() + self.cfg.lease_s
-        while self._in_flight() and time.monotonic() < deadline:
+        while True:
+            self._archive_pending_as_unused()
+            self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
+            for result in self.queue.collect(readopt=True) + self.cache.drain():
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
+            if not self.queue.scan()[0]:
+                break
+            if time.monotonic() > deadline:
+                log.warning("[queue] finishing with files still in queue/ after %gs: %s", self.cfg.lease_s,
+                            self.queue.counts())
+                break
             time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
-        self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts)
-        self._archive_pending_as_unused()  # released or recovered jobs
-        for result in self.queue.collect(readopt=True) + self.cache.drain():
-            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
         self.publisher.close()
         log.info("[queue] finished: %s", self.queue.counts())
         self.events.close()
-
-    def _in_flight(self) -> bool:
-        return any(n.state in (JobState.PROCESSING, JobState.COMMITTING) for n in self.queue.scan()[0])
 
     def _archive_pending_as_unused(self) -> None:
         for name in self.queue.scan()[0]:

@@ -4,6 +4,8 @@ and recovery. Leases expire by back-dating mtimes, never by sleeping."""
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -226,6 +228,27 @@ def test_only_old_temp_files_are_reaped(queue, run):
     [action] = queue.recover(lease_s=LEASE_S)
     assert action.what == "reap" and action.src == ".tmp/old.tmp"
     assert os.listdir(run.tmp) == ["young.tmp"]
+
+
+def test_a_young_temp_file_of_a_dead_writer_is_reaped_at_once(queue, run):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # that process has exited
+    orphan = f"{fileops.HOST_ID}-{dead_pid}-{'a' * 32}.tmp"
+    other_host = f"0badc0de-{dead_pid}-{'b' * 32}.tmp"  # another host's writer: only age decides
+    (run.tmp / orphan).write_bytes(b"its writer was killed")
+    (run.tmp / other_host).write_bytes(b"partial")
+    live = os.path.basename(fileops.stage_bytes(run.tmp, b"being written by this live process"))
+    actions = queue.recover(lease_s=LEASE_S)
+    assert [(a.what, a.src, a.why) for a in actions] == [("reap", f".tmp/{orphan}", "temp file of a dead process")]
+    assert sorted(os.listdir(run.tmp)) == sorted([other_host, live])
+
+
+def test_end_of_training_recovery_archives_instead_of_requeueing(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(device=1)  # no process holds dev1's lock: its worker is dead
+    [action] = queue.recover(lease_s=LEASE_S, requeue=False)
+    assert action.what == "archive" and "training is over" in action.why
+    assert queue_files(run) == [] and done_files(run) == ["000001_000_unused.pt"]
 
 
 def test_worker_on_another_host_is_judged_by_heartbeat_age(queue, run):

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import io
 import json
 import os
+import socket
 import stat
 import uuid
 
@@ -68,7 +70,7 @@ def stage_bytes(tmp_dir: str | os.PathLike, data: bytes | memoryview, *, fsync: 
 
     On any failure the temp file is removed and QueueWriteError names the problem.
     """
-    path = os.path.join(tmp_dir, f"{uuid.uuid4().hex}.tmp")
+    path = os.path.join(tmp_dir, f"{HOST_ID}-{os.getpid()}-{uuid.uuid4().hex}.tmp")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as err:
@@ -147,6 +149,15 @@ def _link_then_unlink(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         # Another process moved src between our link and unlink: it won, we undo.
         os.unlink(dst)
         raise
+
+
+def unlink_second_name(path: str | os.PathLike) -> None:
+    """Removes ``path``, one of two names of a file a move was cut short between (link done,
+    unlink not): the file itself stays under its other name."""
+    if os.lstat(path).st_nlink < 2:
+        raise FileExistsError(f"{os.fspath(path)} is the file's only name")
+    os.unlink(path)
+    fsync_dir(os.path.dirname(os.fspath(path)))
 
 
 def load_payload(path: str | os.PathLike) -> dict:
@@ -252,6 +263,24 @@ def truncate_archived(path: str | os.PathLike, expected: os.stat_result) -> int:
         return st.st_size
     finally:
         os.close(fd)
+
+
+HOST_ID = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]  # temp names say who writes them
+
+
+def temp_writer_is_dead(name: str) -> bool:
+    """True only for a temp file named by a process of this host that no longer exists; such
+    a file can never be finished, whatever its age."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != HOST_ID or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
 
 
 def remove_temp(path: str | os.PathLike) -> None:

@@ -314,7 +314,8 @@ class JobQueue:
     # ---------------------------------------------------------------- recovery
 
     def recover(self, *, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                dry_run: bool = False, own_device: int | None = None) -> list[RecoveryAction]:
+                dry_run: bool = False, own_device: int | None = None,
+                requeue: bool = True) -> list[RecoveryAction]:
         """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk.
 
         A processing or committing file is stale when its worker is dead (its lock is
@@ -325,6 +326,10 @@ class JobQueue:
         back to pending with attempt + 1, or to done/ as ``orphaned`` after
         ``max_attempts``. ``own_device``: a worker starting up recovers every file left
         under its device number, since the process that left them is gone.
+        ``requeue=False`` (the PS's end of training): a stale job without a result is
+        archived ``unused`` instead of going back to pending, where a worker would take it.
+        Temp files are reaped when older than the lease, or at once when their writer (a
+        process of this host) is dead.
         Idempotent, and safe next to running workers: every move is no-clobber.
         """
         now = fs_now(self.run)
@@ -355,6 +360,8 @@ class JobQueue:
                 reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
             elif name.attempt >= max_attempts:
                 reason, why = ArchiveReason.ORPHANED, why + f"; attempt {name.attempt} of {max_attempts}"
+            elif not requeue:
+                reason, why = ArchiveReason.UNUSED, why + "; training is over"
             actions.append(self._recovery_move(path, name, reason, why, dry_run))
         actions += self._reap_temp_files(now, lease_s, dry_run)
         for entry in junk:
@@ -395,14 +402,16 @@ class JobQueue:
                 age = now - entry.stat(follow_symlinks=False).st_mtime
             except FileNotFoundError:
                 continue  # its writer just published it
-            if age <= lease_s:
-                continue  # possibly still being written: never reap a young temp file
+            writer_dead = fileops.temp_writer_is_dead(entry.name)
+            if age <= lease_s and not writer_dead:
+                continue  # possibly still being written: never reap a young temp file of a live writer
             if not dry_run:
                 try:
                     fileops.remove_temp(entry.path)
                 except FileNotFoundError:
                     continue
             actions.append(RecoveryAction("reap", f".tmp/{entry.name}", None,
+                                          "temp file of a dead process" if writer_dead else
                                           f"temp file {age:.0f}s old (lease {lease_s:g}s)"))
         return actions
 

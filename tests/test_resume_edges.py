@@ -1,0 +1,42 @@
+"""Resuming at the edges: a PS killed inside consume()'s link + unlink, and a PS relaunched on
+a run that already reached max_steps."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from conftest import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
+from test_queue_protocol import result_payload
+
+from asyncgrpo.jobqueue import JobQueue, fileops
+from ps.trainer import AsyncGRPOTrainer
+
+
+def test_a_consume_cut_between_link_and_unlink_is_trained_again(run):
+    job_id = "000003_000"
+    collected = run.queue / f"{job_id}_collected.pt"
+    fileops.write_payload(run.tmp, collected, result_payload(job_id, device=1))
+    os.link(collected, run.done / f"{job_id}_consumed.pt")  # the old PS died here, before the unlink
+    trainer = SimpleNamespace(run=run, consumed=set())  # the checkpoint's ledger does not have the job
+    AsyncGRPOTrainer._readopt_rolled_back_results(trainer)
+    assert os.listdir(run.done) == [] and collected.stat().st_nlink == 1
+    [result] = JobQueue(run).collect(readopt=True)  # no longer looks consumed: it is trained on again
+    assert result.job_id == job_id
+
+
+def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run, tmp_path):
+    run_root = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
+    steps_before = (run_root / "metrics.jsonl").read_text()
+    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *DEMO_RUN_FLAGS], cwd=REPO,
+                        env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert ps.returncode == 0, ps.stderr[-3000:]
+    assert "already reached max_steps=8: nothing to train" in ps.stderr
+    assert (run_root / "metrics.jsonl").read_text() == steps_before
+    assert sorted(p.name for p in (run_root / "checkpoints").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    state = json.loads((run_root / "ps.json").read_text())
+    assert (state["state"], state["global_step"]) == ("finished", 8)
+    assert len([n for n in os.listdir(run_root / "done") if n.endswith("_consumed.pt")]) == 8
