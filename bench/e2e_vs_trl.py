@@ -41,6 +41,7 @@ Per run (all times from the moment the first process was started, imports includ
                        from RUN/logs/events-*.jsonl when the processes write them, else from result payloads
                        and worker logs (see overhead())
     cpu_s, cores       CPU seconds of all the run's processes (rusage) and cpu_s / wall: how busy the cores were
+    leaked_weight_buffers  the PS's /dev/shm weight folders left after it stopped (removed here)
 Medians with [min-max] over seeds, ratios asyncgrpo / TRL of medians, and the issue's goals checked.
 Progress goes to stderr; the table and then the JSON document to stdout (and the JSON to --out).
 """
@@ -48,6 +49,7 @@ Progress goes to stderr; the table and then the JSON document to stdout (and the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -295,6 +297,7 @@ def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin:
                 proc.send_signal(signal.SIGTERM)
         cpu = reap(procs, 120)
     t_end = time.time()
+    leaked = remove_weight_buffers(run)
     steps = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     for s in steps:
         s["t"] = s["time"]
@@ -312,10 +315,25 @@ def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin:
         span = steps[-1]["t"] - steps[WARMUP]["t"]
         result["trainer_idle"] = r3(sum(s["trainer_wait_s"] for s in steps[WARMUP + 1:]) / span)
         result["staleness_mean"] = r2(statistics.fmean(s["staleness_mean"] for s in steps[WARMUP:]))
+    result["leaked_weight_buffers"] = leaked
     result.update(overhead(run))
     if result["returncode"] != 0:
         result["error"] = (run / "logs" / "log_parameter_server.txt").read_text(errors="replace")[-2000:]
     return result
+
+
+def remove_weight_buffers(run: Path) -> int:
+    """Removes the run's mmap weight folders in /dev/shm that outlived its PS; returns how many there were.
+
+    A PS stopped by SIGTERM/SIGINT leaves them (only a later PS of the same run directory removes them), so
+    without this every run of the benchmark would leave its two weight buffers in RAM."""
+    from asyncgrpo.weights.mmap_file import PREFIX, SHM_ROOT
+
+    tag = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:12]  # mmap_file.run_tag
+    folders = list(SHM_ROOT.glob(f"{PREFIX}{tag}-*"))
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(folders)
 
 
 # ----------------------------------------------------------------------------- measurements
