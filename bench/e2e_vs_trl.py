@@ -6,9 +6,11 @@
 Every run is real processes started from here: TRL's GRPOTrainer (synchronous, transformers generation, no
 vLLM) in a child of this script (`--trl-child`), asyncgrpo as `python -m ps` plus N `python -m worker`, started
 as launch.sh starts them (OMP/MKL threads = nproc // (N + 1), at least 1; `--device_type cpu`). `sync` is one
-worker with `--max_staleness 0`. Same model (initialised with seed 0), tokenizer, dataset, reward function and
-GRPOConfig in both; `--seed` varies data order and sampling. Checkpointing is off in both (`--save_strategy no`;
-launch.sh's demo saves every 100 steps, plain TRL does not).
+worker with `--max_staleness 0`. `trl` runs TRL twice, with 1 and with 2 OpenMP threads (trl1, trl2); the faster
+(median step_ms) is the baseline of the ratios and goals (trl2 is cut short when its steps take > 3x trl1's: two
+threads on two busy cores can be 10x slower). Same model (initialised with seed 0), tokenizer, dataset, reward
+function and GRPOConfig in both; `--seed` varies data order and sampling. Checkpointing is off in both
+(`--save_strategy no`; launch.sh's demo saves every 100 steps, plain TRL does not).
 
 Workloads:
     small   the demo exactly as launch.sh runs it (75k-parameter Llama, DEMO_DEFAULTS, no model flag)
