@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +86,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             self._stop_pipeline()
+            if sys.exc_info()[0] is not None:  # interrupted: finish() will not run to free /dev/shm
+                self.publisher.close()
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""

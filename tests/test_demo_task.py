@@ -149,3 +149,28 @@ def test_grpo_trainer_runs_on_cpu(tmp_path):
     assert len(logs) == 2
     assert all(0.0 <= entry["reward"] <= 1.0 for entry in logs)
     assert all(entry["completions/max_length"] <= DEMO_DEFAULTS["max_completion_length"] for entry in logs)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_each_job_samples_with_its_own_seed(tmp_path):
+    """Workers' trainers are all seeded alike at start-up; a job's seed comes from its id, so two
+    workers never sample in lockstep and a job samples the same whichever worker runs it."""
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.events import EventLog
+    from worker.generate import build_trainer, generate_and_score, job_seed
+
+    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"),
+                             "seed": 0, "disable_tqdm": True, "device_type": "cpu"})
+    tok = build_tokenizer()
+    dataset = build_dataset(n=40, seed=0)
+    trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [repeat_digit_reward], dataset)
+    rows = [dataset[i // cfg.num_generations] for i in range(cfg.generation_batch_size)]
+
+    def completions(job_id):
+        batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=job_seed(cfg.seed, job_id), job_id=job_id)
+        return batch["completion_ids"]
+
+    first, again, other = completions("000000_000"), completions("000000_000"), completions("000000_001")
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert job_seed(0, "000000_000") != job_seed(1, "000000_000")

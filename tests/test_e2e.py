@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.jobqueue import JobQueue, RunDir
+from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
 from asyncgrpo.jobqueue.names import done_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,6 +242,9 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     workers = [second, heartbeat_pid(run_root, 2)]
     ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
     assert not any(alive(pid) for pid in [ps_pid, *workers])
+    root = str(run_root.resolve())  # the interrupted PS freed its shared-memory weight buffers
+    owners = [fileops.read_json(d / "owner.json") or {} for d in Path("/dev/shm").glob("asyncgrpo-weights-*")]
+    assert not [o for o in owners if o.get("run") == root], owners
 
 
 def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):

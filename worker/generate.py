@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import zlib
 
 import torch
 from trl import GRPOTrainer
@@ -37,10 +38,19 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     return trainer
 
 
-def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, **job_fields) -> tuple[dict, dict]:
+def job_seed(seed: int, job_id: str) -> int:
+    """The sampling seed of one job: the run's seed and the job id, whichever worker runs it."""
+    return (seed * 1_000_003 + zlib.crc32(job_id.encode())) % 2**63
+
+
+def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int,
+                       **job_fields) -> tuple[dict, dict]:
     """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics).
 
-    Emits generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...)."""
+    Sampling is seeded with ``seed`` (see job_seed): every worker's trainer was seeded alike
+    at start-up, and without this their samples would run in lockstep. Emits
+    generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...)."""
+    torch.manual_seed(seed)
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
     generate = getattr(trainer, GENERATE)
     generated_at = []

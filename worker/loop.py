@@ -21,7 +21,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.weights import make_subscriber
-from worker.generate import build_trainer, generate_and_score
+from worker.generate import build_trainer, generate_and_score, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
@@ -116,8 +116,9 @@ def _sync(subscriber, model, device: int, events: EventLog) -> int | None:
 def _process(queue: JobQueue, job, trainer, version: int, device: int, events: EventLog, claimed: float) -> None:
     started = time.time()
     try:
-        batch, metrics = generate_and_score(trainer, job.data["rows"], events, job_id=job.job_id,
-                                            weights_version=version)
+        batch, metrics = generate_and_score(trainer, job.data["rows"], events,
+                                            seed=job_seed(trainer.args.seed, job.job_id),
+                                            job_id=job.job_id, weights_version=version)
     except Exception as err:  # a bad prompt or reward function must not kill the worker
         log.exception("[gen] dev%d job %s failed", device, job.job_id)
         events.emit("job_failed", job_id=job.job_id, error=f"{type(err).__name__}: {err}"[:500])
