@@ -8,6 +8,7 @@ and with it archive retention (``archive_keep_files`` / ``archive_keep_mb``).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -42,6 +43,14 @@ def validate_result(payload: dict, rows_per_job: int) -> None:
         shapes = {tuple(batch[key].shape) for key in group}
         if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
             raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
+
+
+def _intern_metric_names(data: dict) -> None:
+    """The worker's metric names come out of torch.load as new strings in every result, and
+    TRL's log history keeps each logged step's keys: one shared string per name, not one per step."""
+    metrics = data.get("metrics")
+    if isinstance(metrics, dict):
+        data["metrics"] = {sys.intern(k) if type(k) is str else k: v for k, v in metrics.items()}
 
 
 class ResultCache:
@@ -95,6 +104,7 @@ class ResultCollector(WatchedThread):
                                    weights_version=result.payload["weights_version"],
                                    worker_device=result.payload["worker_device"],
                                    latency_ms=(now - result.payload["completed_at"]) * 1e3)
+            _intern_metric_names(result.data)
             self.cache.add(result)
         return len(results)
 
