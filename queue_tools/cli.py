@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -213,6 +214,7 @@ def cmd_ls(run: RunDir, args) -> int:
         report = inspect_run(run, args.lease)
         print(json.dumps(report, indent=2) if args.json else format_report(report))
         return 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
     try:
         while True:
             report = inspect_run(run, args.lease)

@@ -28,6 +28,12 @@ def _queue_logs_visible(caplog):
     caplog.set_level(logging.INFO, logger="asyncgrpo")
 
 
+# Tests send Ctrl-C (SIGINT) to processes they start. Started from a background shell job
+# (nohup ... &), pytest inherits SIGINT ignored, and an ignored signal stays ignored across
+# exec in every child: give the children the default disposition back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 DEMO_RUN_FLAGS = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3",
