@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -30,28 +29,27 @@ from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, RunDir, fileops
 from asyncgrpo.jobqueue.names import done_name
+from asyncgrpo.jobqueue.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
 from asyncgrpo.weights import make_publisher
 from ps.collector import ResultCache, ResultCollector
 from ps.producer import JobProducer
 
 log = logging.getLogger("asyncgrpo.ps")
-LEDGER_FILE = "asyncgrpo_state.json"  # inside each checkpoint folder
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
 ACTIVE = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE)
 
 
-def last_complete_checkpoint(folder: Path) -> str | None:
-    """The newest checkpoint whose ledger was written. The ledger is written last, so a folder
-    without one is a save the old PS was killed in: it is removed, never resumed from."""
-    complete = None
-    steps = {int(m.group(1)): p for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))}
-    for step in sorted(steps, reverse=True):
-        if (steps[step] / LEDGER_FILE).is_file():
-            complete = complete or str(steps[step])
-        elif complete is None:
-            log.warning("[train] %s is incomplete (the PS died while saving it): removed", steps[step])
-            shutil.rmtree(steps[step])
-    return complete
+def last_complete_checkpoint(checkpoints: Path) -> str | None:
+    """The checkpoint to resume from: the newest complete one. Newer folders without a ledger
+    are saves the old PS was killed in: removed, never resumed from (one PS per run, so no
+    save is in progress here)."""
+    complete = newest_complete_checkpoint(checkpoints)
+    for _, folder in checkpoint_folders(checkpoints):
+        if folder == complete:
+            break
+        log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
+        shutil.rmtree(folder)
+    return str(complete) if complete else None
 
 
 def checkpoint_step(folder: str) -> int:

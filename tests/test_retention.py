@@ -15,13 +15,8 @@ import pytest
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.jobqueue import ArchiveReason, fileops, make_job_id
 from asyncgrpo.jobqueue.names import done_name
-from asyncgrpo.jobqueue.retention import (
-    LEDGER_FILE,
-    ArchiveRetention,
-    compact_archive,
-    newest_complete_checkpoint,
-    read_boundary,
-)
+from asyncgrpo.jobqueue.retention import ArchiveRetention, compact_archive, read_boundary
+from asyncgrpo.jobqueue.rundir import LEDGER_FILE, newest_complete_checkpoint
 from queue_tools.cli import inspect_run, main
 
 TICK_S = 0.05  # longer than the filesystem clock's granularity
@@ -186,10 +181,8 @@ def _train_on(queue, job_ids):
 
 
 def test_a_resumed_ps_readopts_only_results_that_compaction_never_touched(run, queue):
-    from ps.trainer import LEDGER_FILE as TRAINER_LEDGER_FILE
     from ps.trainer import AsyncGRPOTrainer, last_complete_checkpoint
 
-    assert TRAINER_LEDGER_FILE == LEDGER_FILE
     before = [make_job_id(1, i) for i in range(8)]
     after = [make_job_id(2, i) for i in range(4)]
     _train_on(queue, before)

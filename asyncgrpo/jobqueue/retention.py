@@ -37,18 +37,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.jobqueue.rundir import LEDGER_FILE, RunDir, newest_complete_checkpoint
 
-LEDGER_FILE = "asyncgrpo_state.json"  # ps/trainer.py writes it last into each checkpoint folder
 MB = 1_000_000
-_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 _CONSUMED_SUFFIX = f"_{ArchiveReason.CONSUMED.value}.pt"
 
 log = logging.getLogger("asyncgrpo.queue")
@@ -61,21 +58,6 @@ class Boundary:
     checkpoint: Path
     saved_at_ns: int  # its ledger's mtime: files archived at or after this are protected
     consumed: frozenset[str]  # the job ids in its ledger
-
-
-def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
-    """The newest ``checkpoint-N`` folder holding a ledger. Read-only: unlike the PS's
-    ``last_complete_checkpoint`` it removes nothing (a save may be in progress)."""
-    try:
-        entries = fileops.scan(checkpoints)
-    except FileNotFoundError:
-        return None
-    steps = sorted(((int(m.group(1)), e.path) for e in entries if (m := _CHECKPOINT_RE.fullmatch(e.name))),
-                   reverse=True)
-    for _, path in steps:
-        if os.path.isfile(os.path.join(path, LEDGER_FILE)):
-            return Path(path)
-    return None
 
 
 def read_boundary(checkpoints: str | os.PathLike) -> Boundary | None:

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 # Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
 # looks for the most recent one. Outside the source tree on purpose.
 DEFAULT_RUNS_DIR = "~/asyncgrpo-runs"
+
+
+# The consumed-job ledger the PS writes into each checkpoint folder, last: a folder without
+# one is a save the PS did not finish.
+LEDGER_FILE = "asyncgrpo_state.json"
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+
+
+def checkpoint_folders(checkpoints: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-N`` folder, newest first."""
+    try:
+        names = os.listdir(checkpoints)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), Path(checkpoints) / n) for n in names if (m := _CHECKPOINT_RE.fullmatch(n))]
+    return sorted(found, reverse=True)
+
+
+def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
+    """The newest checkpoint folder holding its ledger. Read-only."""
+    for _, folder in checkpoint_folders(checkpoints):
+        if (folder / LEDGER_FILE).is_file():
+            return folder
+    return None
 
 
 def runs_dir() -> Path:
