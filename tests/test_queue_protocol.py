@@ -12,6 +12,7 @@ import pytest
 from asyncgrpo.jobqueue import (
     ArchiveReason,
     CollectedResult,
+    JobQueue,
     WorkerAlreadyRunning,
     WorkerPresence,
     fileops,
@@ -171,6 +172,33 @@ def test_leftover_of_a_live_worker_that_moved_on_is_recovered(queue, run):
         backdate(old.path, 2 * LEASE_S)
         [action] = queue.recover(lease_s=LEASE_S)
         assert action.job_id == old.job_id and "moved on" in action.why
+    finally:
+        presence.stop()
+
+
+def test_a_job_recovered_between_claim_rename_and_lease_start_is_let_go(queue, run, monkeypatch):
+    """Until the claim sets its mtime, a processing file carries the job's creation time; a PS
+    recovery then, while the heartbeat still names the worker's previous job, requeues it."""
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.put_job("000001_001", {}, created_step=1)
+    backdate(run.queue / "000001_000_pending.pt", 2 * LEASE_S)  # it waited longer than a lease
+    presence = WorkerPresence(run, 1).start()
+    real_set_mtime = fileops.set_mtime
+    ps_side = JobQueue(run)
+
+    def recovery_runs_first(path, mtime):
+        monkeypatch.setattr(fileops, "set_mtime", real_set_mtime)
+        [action] = ps_side.recover(lease_s=LEASE_S)
+        assert action.what == "requeue" and "moved on" in action.why
+        real_set_mtime(path, mtime)
+
+    try:
+        presence.update(job_id="000000_009")  # the job it finished before
+        presence.beat()
+        monkeypatch.setattr(fileops, "set_mtime", recovery_runs_first)
+        job = queue.claim(1)
+        assert job.job_id == "000001_001"  # it let the recovered one go and took the next
+        assert queue_files(run) == ["000001_000_pending_a2.pt", "000001_001_processing_by_dev1.pt"]
     finally:
         presence.stop()
 

@@ -177,7 +177,14 @@ class JobQueue:
                 self.archive_if_present(self.path(pending), pending.job_id, ArchiveReason.DUPLICATE, pending.attempt)
                 continue
             claimed_at = time.time()
-            fileops.set_mtime(self.path(name), claimed_at)  # the lease counts from the claim
+            try:
+                fileops.set_mtime(self.path(name), claimed_at)  # the lease counts from the claim
+            except FileNotFoundError:
+                # Until this mtime is set the file keeps the job's creation time, and while our
+                # heartbeat still names another job, recovery may take it as a leftover: it was
+                # requeued (attempt + 1), someone will take it; we look for another.
+                log.info("[queue] %s was recovered as it was being claimed", name.filename)
+                continue
             try:
                 payload = fileops.load_payload(self.path(name))
                 validate_payload(payload, "job", name.job_id)
@@ -207,7 +214,10 @@ class JobQueue:
             log.warning("[queue] job %s was recovered from dev%s while it ran; dropping its result",
                         job.name.filename, device)
             return False
-        fileops.set_mtime(self.path(fence), time.time())
+        try:
+            fileops.set_mtime(self.path(fence), time.time())
+        except FileNotFoundError:
+            pass  # recovered after the fence: our result is published anyway; the PS keeps one per job
         result = QueueName(job.job_id, state=JobState.COMPLETE, device=device)
         try:
             fileops.publish(tmp, self.path(result), fsync=self.fsync)
