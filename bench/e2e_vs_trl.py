@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/e2e_vs_trl.py [--workloads small,larger] [--seeds 0,1,2]
         [--configs trl,async1,async2,async3,sync] [--quick] [--out results.json] [--keep]
+        [--async-flags "--name value ..."]
 
 Every run is real processes started from here: TRL's GRPOTrainer (synchronous, transformers generation, no
 vLLM) in a child of this script (`--trl-child`), asyncgrpo as `python -m ps` plus N `python -m worker`, started
@@ -10,7 +11,8 @@ worker with `--max_staleness 0`. `trl` runs TRL twice, with 1 and with 2 OpenMP 
 (median step_ms) is the baseline of the ratios and goals (trl2 is cut short when its steps take > 3x trl1's: two
 threads on two busy cores can be 10x slower). Same model (initialised with seed 0), tokenizer, dataset, reward
 function and GRPOConfig in both; `--seed` varies data order and sampling. Checkpointing is off in both
-(`--save_strategy no`; launch.sh's demo saves every 100 steps, plain TRL does not).
+(`--save_strategy no`; launch.sh's demo saves every 100 steps, plain TRL does not). `--async-flags` adds flags
+to every asyncgrpo process of every asyncgrpo config (e.g. "--off_policy_correction none"); TRL runs ignore them.
 
 Workloads:
     small   the demo exactly as launch.sh runs it (75k-parameter Llama, DEMO_DEFAULTS, no model flag)
@@ -56,6 +58,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -243,7 +246,9 @@ def run_trl(workload: str, seed: int, model_dir: str | None, cap: int, margin: i
     return result
 
 
-def async_args(workload: str, seed: int, model_dir: str | None, run: Path, max_staleness: int | None) -> list[str]:
+def async_args(workload: str, seed: int, model_dir: str | None, run: Path, max_staleness: int | None,
+               extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The flags of the PS and of every worker; `extra` (e.g. ["--off_policy_correction", "none"]) goes last."""
     args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
             "--save_strategy", "no"]
     if workload == "larger":  # not the demo: every hyperparameter spelled out, as the user of a model would
@@ -253,14 +258,14 @@ def async_args(workload: str, seed: int, model_dir: str | None, run: Path, max_s
         args += ["--model_name_or_path", model_dir] + [f"--{k}={v}" for k, v in hp.items()]
     if max_staleness is not None:
         args += ["--max_staleness", str(max_staleness)]
-    return args
+    return args + list(extra)
 
 
 def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin: int, workers: int,
-              max_staleness: int | None, work: Path) -> dict:
+              max_staleness: int | None, work: Path, extra: list[str] | tuple[str, ...] = ()) -> dict:
     run = work / "run"
     (run / "logs").mkdir(parents=True)
-    args = async_args(workload, seed, model_dir, run, max_staleness)
+    args = async_args(workload, seed, model_dir, run, max_staleness, extra)
     threads = max(1, (os.cpu_count() or 1) // (workers + 1))  # launch.sh on CPU
     env = child_env(threads)
 
@@ -643,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=None, help="step cap for every run (overrides the defaults)")
     p.add_argument("--out", default=None, help="also write the JSON document here")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
+    p.add_argument("--async-flags", default="", metavar="FLAGS",
+                   help='extra flags for every asyncgrpo process, one shell-quoted string, '
+                        'e.g. --async-flags="--off_policy_correction none"')
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.trl_child:
@@ -656,10 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown config {bad}")
     caps = {w: a.cap or (QUICK_CAPS if a.quick else CAPS)[w] for w in workloads}
     margin = QUICK_MARGIN if a.quick else MARGIN
+    extra = shlex.split(a.async_flags)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     base = Path(tempfile.mkdtemp(prefix="e2e_vs_trl_"))
-    log(f"work folder {base}; workloads {workloads}, seeds {seeds}, configs {configs}, caps {caps}")
+    log(f"work folder {base}; workloads {workloads}, seeds {seeds}, configs {configs}, caps {caps}"
+        + (f", asyncgrpo flags {extra}" if extra else ""))
     imports = import_cost()
     log(f"import torch, transformers, trl: {imports}")
     runs = []
@@ -682,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_trl(wl, seed, model_dirs[wl], caps[wl], margin, CONFIGS[cfg], work, limit)
                     else:
                         workers, staleness = CONFIGS[cfg]
-                        r = run_async(wl, seed, model_dirs[wl], caps[wl], margin, workers, staleness, work)
+                        r = run_async(wl, seed, model_dirs[wl], caps[wl], margin, workers, staleness, work, extra)
                     r = {"workload": wl, "config": cfg, "seed": seed, **r}
                     runs.append(r)
                     log(f"{wl} seed {seed} {cfg}: " + json.dumps({k: v for k, v in r.items() if k != "error"}))
@@ -700,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "import_stack": imports},
         "settings": {"target": TARGET, "window": WINDOW, "warmup_step": WARMUP, "margin_steps": margin,
-                     "caps": caps, "seeds": seeds, "configs": configs,
+                     "caps": caps, "seeds": seeds, "configs": configs, "async_flags": extra,
                      "threads": "trlN: N; asyncgrpo: nproc // (workers + 1), at least 1 (launch.sh)",
                      "larger_model": LARGER_MODEL, "larger_overrides": LARGER_OVERRIDES,
                      "hyperparameters": {w: hyperparameters(w, 0) for w in workloads},
