@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import yaml
 from trl import GRPOConfig, TrlParser
 
+OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 
 class ConfigError(ValueError):
     """A bad option or input; its message is one line for the operator."""
@@ -42,14 +44,22 @@ class AsyncGRPOConfig(GRPOConfig):
     # Flow control and staleness.
     max_pending: int = field(default=8, metadata={"help": "At most this many jobs wait in queue/ as pending."})
     max_outstanding: int = field(default=16, metadata={
-        "help": "At most this many jobs thrown and not yet consumed (also capped at max_staleness + 1, so a result "
-                "is rarely too stale to use)."})
+        "help": "At most this many jobs thrown and not yet trained on. The producer also throws a job only while "
+                "every result in flight can still be trained within max_staleness (admission control)."})
     max_staleness: int = field(default=4, metadata={
         "help": "Train on a result only if trainer_step - its weights_version <= this; staler ones are archived "
                 "'stale' and their prompts thrown again. 0 is synchronous mode."})
     consume_order: str = field(default="ready", metadata={
-        "help": "'ready': train on any result within the staleness bound (no head-of-line blocking); "
+        "help": "'ready': train on the waiting result with the oldest weights first (no head-of-line blocking); "
                 "'fifo': in job order."})
+    off_policy_correction: str = field(default="token_truncate", metadata={
+        "help": "How a result generated with older weights is corrected (decoupled PPO, the proximal policy being "
+                "the current one): each token's advantage is weighted by the importance ratio current/behaviour, "
+                "'token_truncate' at most off_policy_cap, 'token_mask' zero above the cap, 'sequence_truncate' / "
+                "'sequence_mask' one ratio per completion; 'none': TRL's loss clips the ratio current/behaviour at "
+                "1 +- epsilon instead."})
+    off_policy_cap: float = field(default=2.0, metadata={
+        "help": "The cap of off_policy_correction's importance ratio (truncated to it, or masked above it)."})
     # Recovery.
     lease_s: float = field(default=30.0, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
@@ -78,6 +88,9 @@ class AsyncGRPOConfig(GRPOConfig):
         checks = {
             "device_type": (self.device_type in ("cpu", "cuda"), "must be cpu, cuda or auto"),
             "consume_order": (self.consume_order in ("ready", "fifo"), "must be ready or fifo"),
+            "off_policy_correction": (self.off_policy_correction in OFF_POLICY_MODES,
+                                      f"must be one of {', '.join(OFF_POLICY_MODES)}"),
+            "off_policy_cap": (self.off_policy_cap > 0, "must be > 0"),
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
@@ -92,16 +105,15 @@ class AsyncGRPOConfig(GRPOConfig):
             if not ok:
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
         super().__post_init__()
+        if self.num_iterations != 1 or self.steps_per_generation != self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"--num_iterations {self.num_iterations} / --steps_per_generation {self.steps_per_generation}: "
+                "asyncgrpo trains each generated batch for exactly one optimizer step (num_iterations 1, "
+                "steps_per_generation = gradient_accumulation_steps); more workers give more batches instead")
 
     @property
     def is_demo(self) -> bool:
         return self.model_name_or_path is None and self.dataset_name is None and not self.reward_funcs
-
-    @property
-    def outstanding_limit(self) -> int:
-        # One job feeds one optimizer step; with at most s + 1 jobs in flight, the last one
-        # thrown is trained on about s steps later, so staleness stays within the bound.
-        return min(self.max_outstanding, self.max_staleness + 1)
 
 
 def _flag_names(argv: list[str]) -> set[str]:

@@ -4,7 +4,8 @@
     python -m ps --check_only ...     # validate the inputs, print the run directory, start nothing
 
 launch.sh starts it together with the workers. With the same --run_dir it resumes from
-the newest checkpoint. Exit status: 0 trained, 2 bad input, 3 another PS holds the run.
+the newest checkpoint. Exit status: 0 trained, 1 the job pipeline failed (full disk, ...),
+2 bad input, 3 another PS holds the run.
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     # and Python keeps it that way. Either signal unwinds training (threads stopped, lock freed).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    from ps.pipeline import PipelineError
+
     try:
         return train(cfg, run)
+    except PipelineError as err:  # its traceback is in the log above; the cause is this line
+        log.error("[train] stopped: %s", err)
+        print(f"ps: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
         return 130

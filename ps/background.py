@@ -1,22 +1,35 @@
-"""A PS background thread that sleeps on a queue watcher between rounds (producer, collector)."""
+"""A PS background thread that sleeps on a queue watcher between rounds (producer, collector).
+
+Supervised: an exception in ``_loop`` is not swallowed by the thread; it is handed to
+``on_error`` (the pipeline), which stops training with it.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from asyncgrpo.jobqueue import QueueWatcher
 
 
 class WatchedThread:
-    """Runs ``self._run`` on a daemon thread; ``stop()`` wakes it from the watcher and joins it."""
+    """Runs ``self._loop`` on a daemon thread; ``stop()`` wakes it from the watcher and joins it."""
 
-    def __init__(self, name: str, watcher: QueueWatcher):
+    def __init__(self, name: str, watcher: QueueWatcher, on_error: Callable[[str, BaseException], None]):
+        self.name = name
         self.watcher = watcher
+        self.on_error = on_error
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - every failure must reach the trainer
+            self.on_error(self.name, err)
 
     def start(self):
         self.thread.start()
@@ -29,5 +42,6 @@ class WatchedThread:
     def stop(self) -> None:
         self.stop_event.set()
         self.watcher.wake()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
         self.watcher.close()

@@ -1,8 +1,9 @@
 """The result collector: a thread that claims complete results, validates them and caches them.
 
-It wakes on queue events for complete files, keeps a thread-safe cache the trainer takes
-from, and runs queue recovery every ``lease_s / 4`` (dead workers' jobs go back to pending),
-and with it archive retention (``archive_keep_files`` / ``archive_keep_mb``).
+Part of the job pipeline (ps/pipeline.py). It wakes on queue events for complete files,
+keeps a thread-safe cache the trainer takes from, and runs queue recovery every
+``lease_s / 4`` (dead workers' jobs go back to pending), and with it archive retention
+(``archive_keep_files`` / ``archive_keep_mb``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ log = logging.getLogger("asyncgrpo.ps")
 # The contract between worker and PS: TRL's result dict, plus behaviour log-probs.
 PER_SEQUENCE = ("advantages",)
 PER_PROMPT_TOKEN = ("prompt_ids", "prompt_mask")
-PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps")
+PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask")
+BEHAVIOUR_LOGPS = "old_per_token_logps"  # optional: absent when the worker generated with the newest weights
 
 
 def validate_result(payload: dict, rows_per_job: int) -> None:
     """Raises ValueError unless the result's batch has the keys and shapes the trainer needs."""
+    version = payload["weights_version"]
+    if type(version) is not int or version < 0:
+        raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
     data = payload["data"]
     if not isinstance(data, dict) or not isinstance(data.get("batch"), dict) or "rows" not in data:
         raise ValueError("result data must hold 'batch', 'metrics' and 'rows'")
@@ -39,7 +44,10 @@ def validate_result(payload: dict, rows_per_job: int) -> None:
     n = batch["advantages"].shape[0]
     if n != rows_per_job or batch["advantages"].dim() != 1:
         raise ValueError(f"advantages has shape {tuple(batch['advantages'].shape)}, expected ({rows_per_job},)")
-    for group in (PER_PROMPT_TOKEN, PER_COMPLETION_TOKEN):
+    completion_keys = PER_COMPLETION_TOKEN + ((BEHAVIOUR_LOGPS,) if BEHAVIOUR_LOGPS in batch else ())
+    if BEHAVIOUR_LOGPS in batch and not isinstance(batch[BEHAVIOUR_LOGPS], torch.Tensor):
+        raise ValueError(f"batch[{BEHAVIOUR_LOGPS!r}] is not a tensor")
+    for group in (PER_PROMPT_TOKEN, completion_keys):
         shapes = {tuple(batch[key].shape) for key in group}
         if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
             raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
@@ -69,8 +77,19 @@ class ResultCache:
         with self._changed:
             return len(self._results)
 
+    def versions(self) -> dict[str, int]:
+        """The weights version of each cached result, by job id."""
+        with self._changed:
+            return {job_id: r.payload["weights_version"] for job_id, r in self._results.items()}
+
+    def notify(self) -> None:
+        """Wakes a waiting ``take`` to evaluate its ``pick`` again (which may raise)."""
+        with self._changed:
+            self._changed.notify_all()
+
     def take(self, pick, timeout: float) -> CollectedResult | None:
-        """Removes and returns ``pick(cached results)`` once it is not None; None after ``timeout``."""
+        """Removes and returns ``pick(cached results)`` once it is not None; None after ``timeout``.
+        An exception raised by ``pick`` leaves the cache unchanged and propagates."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
@@ -89,9 +108,9 @@ class ResultCache:
 
 
 class ResultCollector(WatchedThread):
-    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache):
-        super().__init__("result-collector", QueueWatcher(queue.run.queue, {JobState.COMPLETE},
-                                                          use_events=not cfg.poll_only))
+    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache, on_error):
+        super().__init__("result collector", QueueWatcher(queue.run.queue, {JobState.COMPLETE},
+                                                          use_events=not cfg.poll_only), on_error)
         self.cfg, self.queue, self.cache = cfg, queue, cache
         self.retention = ArchiveRetention(queue.run, cfg.archive_keep_files, cfg.archive_keep_mb)
 
@@ -108,7 +127,7 @@ class ResultCollector(WatchedThread):
             self.cache.add(result)
         return len(results)
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         next_recovery = 0.0
         while not self.stop_event.is_set():
             self.collect_now()

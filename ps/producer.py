@@ -1,19 +1,33 @@
 """The job producer: a thread that keeps the queue fed with generation batches.
 
-One job holds one generation batch: ``generation_batch_size`` dataset rows, each prompt
-repeated ``num_generations`` times, drawn in TRL's order (its RepeatSampler, seeded).
-Flow control: at most ``max_pending`` jobs pending and at most ``cfg.outstanding_limit``
-thrown and not yet consumed. Prompts of results that came back too stale are thrown
-again before new ones.
+Part of the job pipeline (ps/pipeline.py). One job holds one generation batch:
+``generation_batch_size`` dataset rows, each prompt repeated ``num_generations`` times,
+drawn in TRL's order (its RepeatSampler, seeded). Rows owed a re-throw (their result came
+back too stale) go out before new ones.
 
-Its position survives a PS restart in ``RUN/producer.json`` (written on every throw), so
-a relaunch neither repeats prompts already thrown nor reuses a job id.
+Admission: a job is thrown only if every result in flight can still be trained within
+``max_staleness``. A result's staleness is the number of results trained between its
+weights version and its own training; in the worst case every other job in flight is
+trained before the oldest one, so the producer throws only while
+
+    taken + in_flight - oldest_version <= max_staleness
+
+where ``taken`` counts the results the trainer has taken, ``in_flight`` the jobs in queue/
+and the cache, and ``oldest_version`` the lowest weights version any job not yet collected
+can have been generated with. A pending job will sync at least the version published when
+it was last seen pending, so that is its floor. Also at most ``max_pending`` pending and
+``max_outstanding`` in flight.
+
+The producer's journal, ``RUN/producer.json``, is written before each job file appears: the
+job id is reserved (ids never repeat, also across a PS crash) and the rows it carries are
+recorded, so a PS killed between the two throws them again instead of losing them. It also
+holds the rows owed a re-throw.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import threading
 
 from trl.trainer.utils import RepeatSampler
 
@@ -22,26 +36,89 @@ from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, fileops
 from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
+IN_FLIGHT = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE, JobState.COLLECTED)
 
 
 class JobProducer(WatchedThread):
-    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, consumed_count, current_step):
-        super().__init__("job-producer", QueueWatcher(queue.run.queue, {JobState.PROCESSING},
-                                                      use_events=not cfg.poll_only))
-        self.cfg, self.queue, self.dataset = cfg, queue, dataset
-        self.consumed_count, self.current_step = consumed_count, current_step  # callables into the trainer
-        self.state_path = queue.run.root / "producer.json"
-        saved = fileops.read_json(self.state_path) or {}
+    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, pipeline, on_error):
+        super().__init__("job producer", QueueWatcher(queue.run.queue, {JobState.PROCESSING},
+                                                      use_events=not cfg.poll_only), on_error)
+        self.cfg, self.queue, self.dataset, self.pipeline = cfg, queue, dataset, pipeline
+        self.journal_path = queue.run.root / "producer.json"
+        self.lock = threading.Lock()  # the trainer adds owed rows while this thread throws
+        self.batches_drawn = 0
+        self.last_job_id: str | None = None
+        self.last_rows: list = []
+        self.owed: list[dict] = []  # {"from_job": id, "rows": [...]}, oldest first
+        self.version_floor: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ durable state
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {"batches_drawn": self.batches_drawn, "last_job_id": self.last_job_id,
+                    "last_rows": self.last_rows, "owed": list(self.owed)}
+
+    def load_state(self, checkpointed: dict | None) -> None:
+        """Resumes from the journal (or the checkpoint's copy when the journal is missing or older):
+        rows of a job whose file never appeared, and rows owed by results that are still in the
+        queue (their stale archiving was cut short), are settled here."""
+        journal = fileops.read_json(self.journal_path) or {}
+        saved = max((journal, checkpointed or {}), key=lambda s: int(s.get("batches_drawn", 0)))
         self.batches_drawn = int(saved.get("batches_drawn", 0))
         self.last_job_id = saved.get("last_job_id")
-        self.rethrow_rows: collections.deque[list] = collections.deque()
+        self.last_rows = saved.get("last_rows") or []
+        active = {name.job_id for name in self.queue.scan()[0]}
+        self.owed = [entry for entry in saved.get("owed", []) if entry["from_job"] not in active]
+        if self.last_job_id and self.last_rows and not self._job_exists(self.last_job_id, active):
+            log.info("[queue] job %s was reserved but never written: its rows are thrown again", self.last_job_id)
+            self.owed.insert(0, {"from_job": self.last_job_id, "rows": self.last_rows})
+        newest_in_queue = max(active, default=None)
+        if newest_in_queue and (self.last_job_id is None or newest_in_queue > self.last_job_id):
+            self.last_job_id = newest_in_queue  # the journal was lost: never reuse an id in the queue
         self._batches = self._generation_batches()
-        for _ in range(self.batches_drawn):  # resume: skip what an earlier PS already threw
+        for _ in range(self.batches_drawn):  # skip what an earlier PS already threw
             next(self._batches)
 
-    def rethrow(self, rows: list) -> None:
-        self.rethrow_rows.append(rows)
+    def _job_exists(self, job_id: str, active: set[str]) -> bool:
+        return job_id in active or any(p.name.startswith(f"{job_id}_") for p in self.queue.run.done.iterdir())
+
+    def owe(self, job_id: str, rows: list) -> None:
+        """The result of ``job_id`` is being discarded: its rows go out again (journal first)."""
+        with self.lock:
+            self.owed.append({"from_job": job_id, "rows": rows})
+            self._write_journal()
         self.watcher.wake()
+
+    def _write_journal(self) -> None:
+        fileops.write_json(self.journal_path, {"batches_drawn": self.batches_drawn, "last_job_id": self.last_job_id,
+                                               "last_rows": self.last_rows, "owed": self.owed}, fsync=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            while self._may_throw() and not self.stop_event.is_set():
+                self._throw()
+            self.watcher.wait()
+
+    def _may_throw(self) -> bool:
+        names = [n for n in self.queue.scan()[0] if n.state in IN_FLIGHT]
+        published = self.pipeline.published_version
+        cached = self.pipeline.cache.versions()
+        floors = {}
+        for name in names:
+            if name.state is JobState.PENDING:
+                self.version_floor[name.job_id] = published
+            if name.job_id not in cached:
+                floors[name.job_id] = self.version_floor.setdefault(name.job_id, published)
+        self.version_floor = {job_id: self.version_floor[job_id] for job_id in floors}
+        pending = sum(n.state is JobState.PENDING for n in names)
+        in_flight = len({n.job_id for n in names} | cached.keys())
+        if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
+            return False
+        oldest = min(floors.values(), default=published)
+        return self.pipeline.taken + in_flight - oldest <= self.cfg.max_staleness
 
     def _generation_batches(self):
         size = self.cfg.generation_batch_size
@@ -54,7 +131,7 @@ class JobProducer(WatchedThread):
                 yield [self.dataset[i] for i in indices[start:start + size]]
 
     def _next_job_id(self) -> str:
-        step = self.current_step()
+        step = self.pipeline.taken
         if self.last_job_id is not None:  # ids only grow, also across a PS restart
             last_step, last_index = (int(part) for part in self.last_job_id.split("_"))
             if step <= last_step:
@@ -62,32 +139,23 @@ class JobProducer(WatchedThread):
                 return f"{step:06d}_{index:03d}"
         return f"{step:06d}_000"
 
-    def _run(self) -> None:
-        while not self.stop_event.is_set():
-            counts = self.queue.counts()
-            pending, outstanding = counts[JobState.PENDING.value], sum(counts.values())
-            while pending < self.cfg.max_pending and outstanding < self.cfg.outstanding_limit:
-                if self.stop_event.is_set():
-                    return
-                self._throw()
-                pending, outstanding = pending + 1, outstanding + 1
-            self.watcher.wait()
-
     def _throw(self) -> None:
-        if self.rethrow_rows:
-            rows = self.rethrow_rows.popleft()
-        else:
-            rows = next(self._batches)
-            self.batches_drawn += 1
-        job_id = self._next_job_id()
+        with self.lock:
+            if self.owed:
+                rows = self.owed.pop(0)["rows"]
+            else:
+                rows = next(self._batches)
+                self.batches_drawn += 1
+            job_id = self._next_job_id()
+            self.last_job_id, self.last_rows = job_id, rows
+            self._write_journal()  # before the file exists: the id is taken and the rows accounted for
         # Synchronous mode (max_staleness 0) needs the newest weights; otherwise any are fine,
         # since a worker syncs before each job anyway.
-        min_version = max(0, self.consumed_count() - self.cfg.max_staleness)
+        min_version = max(0, self.pipeline.taken - self.cfg.max_staleness)
+        created_step = self.pipeline.taken
         # Before the put: a worker may claim the job the moment its file appears.
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
-                               created_step=self.current_step())
-        self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version},
-                           created_step=self.current_step())
-        self.last_job_id = job_id
-        fileops.write_json(self.state_path, {"batches_drawn": self.batches_drawn, "last_job_id": job_id})
+                               created_step=created_step)
+        self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version}, created_step=created_step)
+        self.version_floor[job_id] = self.pipeline.published_version
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)

@@ -1,12 +1,20 @@
-"""The parameter server's trainer: TRL's GRPOTrainer, fed from the job queue instead of generating.
+"""The parameter server's trainer: TRL's GRPOTrainer, fed by the job pipeline instead of generating.
 
-The only TRL internal replaced is ``_generate_and_score_completions`` in training mode:
-instead of generating, it takes the next result a worker produced with TRL's own code
-(worker/generate.py), checks its staleness, marks it consumed and returns it. TRL's
-``_prepare_inputs`` (splitting, buffering) and loss (clipped ratio against the worker's
-``old_per_token_logps``) run unchanged. After each optimizer step the weights are
-published, ``global_step.txt`` is written, and each logged step appends one line to
-``RUN/metrics.jsonl``. Checkpoints carry the consumed-job ledger.
+Only TRL internals are overridden here; the queue side is ps/pipeline.py.
+
+- ``_generate_and_score_completions`` in training mode takes the next result a worker
+  produced with TRL's own code (worker/generate.py) from the pipeline. TRL's
+  ``_prepare_inputs`` (splitting, buffering) and loss run unchanged.
+- The off-policy correction (ps/offpolicy.py) weights each token's advantage by the
+  truncated importance ratio current/behaviour. The worker's behaviour log-probs reach TRL
+  as ``sampling_per_token_logps`` (so TRL's ``off_policy_mask_threshold`` compares against
+  them); the proximal policy of decoupled PPO is the current one, since one result trains
+  exactly one optimizer step, so TRL's ratio against it is 1 and no extra forward pass is
+  needed. With ``--off_policy_correction none`` the behaviour log-probs are TRL's
+  ``old_per_token_logps`` instead: TRL's loss clips the ratio current/behaviour.
+- After each optimizer step the weights are published, ``global_step.txt`` is written, and
+  each logged step appends one line to ``RUN/metrics.jsonl``. Checkpoints carry the
+  pipeline's durable state (ledger, producer journal, rows owed a re-throw).
 """
 
 from __future__ import annotations
@@ -27,16 +35,13 @@ from trl import GRPOTrainer
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
-from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, RunDir, fileops
-from asyncgrpo.jobqueue.names import done_name
+from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
 from asyncgrpo.jobqueue.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
 from asyncgrpo.weights import make_publisher
-from ps.collector import ResultCache, ResultCollector
-from ps.producer import JobProducer
+from ps.offpolicy import TokenWeighting
+from ps.pipeline import JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
-WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
-ACTIVE = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE)
 
 
 def last_complete_checkpoint(checkpoints: Path) -> str | None:
@@ -52,9 +57,13 @@ def last_complete_checkpoint(checkpoints: Path) -> str | None:
     return str(complete) if complete else None
 
 
-def checkpoint_step(folder: str) -> int:
+def checkpoint_state(folder: str) -> dict:
     with open(os.path.join(folder, LEDGER_FILE)) as f:
-        return int(json.load(f)["global_step"])
+        return json.load(f)
+
+
+def checkpoint_step(folder: str) -> int:
+    return int(checkpoint_state(folder)["global_step"])
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -64,12 +73,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.cfg, self.run = cfg, run
         self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
         self.queue = JobQueue(run, events=self.events)
-        self.consumed: set[str] = set()
-        self.cache = ResultCache()
-        self.collector = ResultCollector(cfg, self.queue, self.cache)
-        self.producer = JobProducer(cfg, self.queue, dataset, lambda: len(self.consumed),
-                                    lambda: self.state.global_step)
+        self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
         self.publisher = make_publisher(run, self.model, cfg.weight_transport)
+        self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self._step_record = _new_step_record()  # since the last logged step
         self._step_started = self._last_step_end = time.monotonic()
@@ -83,90 +89,33 @@ class AsyncGRPOTrainer(GRPOTrainer):
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
-            self._stop_pipeline()
+            self.pipeline.stop()
             if sys.exc_info()[0] is not None:  # interrupted: finish() will not run to free /dev/shm
                 self.publisher.close()
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
-        if self._resume_checkpoint:
-            with open(os.path.join(self._resume_checkpoint, LEDGER_FILE)) as f:
-                self.consumed = set(json.load(f)["consumed"])
-        self._readopt_rolled_back_results()
+        state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
         self._publish_weights()
-        readopted = self.collector.collect_now(readopt=True)
-        if readopted:
-            log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
-        self.collector.start()
-        self.producer.start()
-
-    def _stop_pipeline(self) -> None:
-        for part in (self.producer, self.collector):
-            if part.thread.is_alive():
-                part.stop()
-
-    def _readopt_rolled_back_results(self) -> None:
-        """Results consumed after the checkpoint we resume from were trained into weights that
-        were lost with the old PS: put them back in the queue to be trained on again."""
-        for entry in fileops.scan(self.run.done):
-            if not entry.name.endswith("_consumed.pt"):
-                continue
-            job_id = entry.name[: -len("_consumed.pt")]
-            if job_id in self.consumed or entry.name != done_name(job_id, ArchiveReason.CONSUMED):
-                continue
-            collected = self.run.queue / f"{job_id}_collected.pt"
-            try:
-                fileops.move_to_other_dir(entry.path, collected)
-                log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
-            except FileExistsError:
-                if os.path.samefile(entry.path, collected):  # the old PS died inside consume()'s link + unlink
-                    fileops.unlink_second_name(entry.path)
-                    log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
-                else:
-                    log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
+        self.pipeline.start(state, published_version=self.state.global_step)
 
     def finish(self) -> None:
-        """End of training: every job and result left in queue/ is archived 'unused'.
-
-        Jobs in workers' hands are waited for (at most a lease) and their results archived.
-        Nothing goes back to pending (a worker would take it with no one left to collect), and
-        the loop repeats until queue/ is empty: a worker relaunched now may release a job."""
-        self._stop_pipeline()
-        deadline = time.monotonic() + self.cfg.lease_s
-        while True:
-            self._archive_pending_as_unused()
-            self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
-            for result in self.queue.collect(readopt=True) + self.cache.drain():
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
-            if not self.queue.scan()[0]:
-                break
-            if time.monotonic() > deadline:
-                log.warning("[queue] finishing with files still in queue/ after %gs: %s", self.cfg.lease_s,
-                            self.queue.counts())
-                break
-            time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
+        """End of training: what is left in queue/ is archived 'unused'; buffers freed."""
+        self.pipeline.finish()
         self.publisher.close()
-        log.info("[queue] finished: %s", self.queue.counts())
         self.events.close()
 
-    def _archive_pending_as_unused(self) -> None:
-        for name in self.queue.scan()[0]:
-            if name.state is JobState.PENDING:
-                self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED, name.attempt)
-
-    # ------------------------------------------------------------------ the replaced TRL internal
+    # ------------------------------------------------------------------ the replaced TRL internals
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:  # evaluation generates here, as TRL does
             return super()._generate_and_score_completions(inputs)
         started = time.monotonic()
-        result, staleness = self._take_result()
+        result, staleness = self.pipeline.next_result(self.state.global_step)
         waited = time.monotonic() - started
         step = self.state.global_step + 1  # the step this result trains
         self.events.emit("wait_result", step=step, dur_ms=waited * 1e3)
-        self.consumed.add(result.job_id)
-        self.producer.wake()
-        batch = result.data["batch"]
+        batch = dict(result.data["batch"])
         self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
                          step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
                          tokens=int(batch["completion_mask"].sum()))
@@ -176,40 +125,25 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_record["weights_versions"].append(result.payload["weights_version"])
         for name, value in result.data["metrics"].items():  # the worker's TRL metrics for this job
             self._metrics["train"][name].append(value)
+        behaviour = batch.pop("old_per_token_logps", None)
+        if behaviour is not None:
+            batch[self.weighting.input_key] = behaviour
         device = self.accelerator.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _take_result(self):
-        """The next usable result and its staleness; stale and duplicate ones are archived on the way."""
-        started = time.monotonic()
-        while True:
-            result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
-            if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; queue %s", self.state.global_step,
-                            time.monotonic() - started, self.queue.counts())
-                continue
-            staleness = self.state.global_step - result.payload["weights_version"]
-            if staleness > self.cfg.max_staleness:
-                log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
-                         result.job_id, staleness, self.cfg.max_staleness)
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
-                self.producer.rethrow(result.data["rows"])
-                continue
-            if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
-                continue
-            if self.queue.consume(result):  # False: a duplicate, archived as such
-                return result, staleness
+    def _compute_loss(self, model, inputs):
+        if not self.model.training:
+            return super()._compute_loss(model, inputs)
+        with self.weighting.armed(inputs) as weighted_inputs:
+            loss = super()._compute_loss(model, weighted_inputs)
+        for name, value in self.weighting.metrics().items():
+            self._metrics["train"][name].append(value)
+        return loss
 
-    def _pick(self, cached: dict) -> str | None:
-        if not cached:
-            return None
-        oldest = min(cached)
-        if self.cfg.consume_order == "fifo":
-            active = [n.job_id for n in self.queue.scan()[0] if n.state in ACTIVE]
-            if active and min(active) < oldest:
-                return None  # an older job is still on its way
-        return oldest
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self.weighting.on_policy_logps(logps)  # TRL's loss forward: the proximal log-probs are now known
+        return logps, entropies, aux_loss
 
     # ------------------------------------------------------------------ after each step
 
@@ -223,7 +157,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          wait_ms=self._step_wait_s * 1e3)
         self._publish_weights()
         fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
-        self.producer.wake()
+        self.pipeline.on_step_end(step)
 
     def _publish_weights(self) -> None:
         step = self.state.global_step
@@ -282,7 +216,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         fileops.write_json(os.path.join(folder, LEDGER_FILE),
-                           {"consumed": sorted(self.consumed), "global_step": self.state.global_step}, fsync=True)
+                           {"global_step": self.state.global_step, **self.pipeline.state_dict()}, fsync=True)
 
 
 class _PipelineCallback(TrainerCallback):
@@ -297,7 +231,6 @@ class _PipelineCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
-
 
 
 def _new_step_record() -> dict:

@@ -6,13 +6,12 @@ import os
 import shutil
 import subprocess
 import sys
-from types import SimpleNamespace
 
 from conftest import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
 from test_queue_protocol import result_payload
 
 from asyncgrpo.jobqueue import JobQueue, fileops
-from ps.trainer import AsyncGRPOTrainer
+from ps.pipeline import readopt_rolled_back_results
 
 
 def test_a_consume_cut_between_link_and_unlink_is_trained_again(run):
@@ -20,8 +19,7 @@ def test_a_consume_cut_between_link_and_unlink_is_trained_again(run):
     collected = run.queue / f"{job_id}_collected.pt"
     fileops.write_payload(run.tmp, collected, result_payload(job_id, device=1))
     os.link(collected, run.done / f"{job_id}_consumed.pt")  # the old PS died here, before the unlink
-    trainer = SimpleNamespace(run=run, consumed=set())  # the checkpoint's ledger does not have the job
-    AsyncGRPOTrainer._readopt_rolled_back_results(trainer)
+    readopt_rolled_back_results(run, consumed=set())  # the checkpoint's ledger does not have the job
     assert os.listdir(run.done) == [] and collected.stat().st_nlink == 1
     [result] = JobQueue(run).collect(readopt=True)  # no longer looks consumed: it is trained on again
     assert result.job_id == job_id

@@ -1,0 +1,177 @@
+"""The PS's job pipeline: everything between the trainer and the queue, in one object.
+
+    pipeline = JobPipeline(cfg, run, queue, dataset)
+    pipeline.start(checkpoint_state, published_version=step)   # re-adopt, then feed and collect
+    result, staleness = pipeline.next_result(step)             # blocks; raises PipelineError
+    pipeline.on_step_end(step)                                 # after the weights of step are published
+    state = pipeline.state_dict()                              # saved in each checkpoint
+    pipeline.finish()                                          # end of training: archive what is left
+
+It owns the job producer and the result collector threads (ps/producer.py, ps/collector.py),
+the staleness and re-throw policy, the consumed-job ledger and the re-adoption of results
+after a restart. An exception in either thread is re-raised by ``next_result`` as a
+PipelineError, so training stops with it instead of waiting forever.
+
+Consumption order ``ready`` takes the cached result with the lowest weights version (the one
+closest to going stale), then the lowest job id; ``fifo`` takes results in job order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, RunDir, fileops
+from asyncgrpo.jobqueue.names import done_name
+from ps.collector import ResultCache, ResultCollector
+from ps.producer import IN_FLIGHT, JobProducer
+
+log = logging.getLogger("asyncgrpo.ps")
+WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+
+
+class PipelineError(RuntimeError):
+    """A pipeline thread failed; training cannot go on."""
+
+
+class JobPipeline:
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset):
+        self.cfg, self.run, self.queue = cfg, run, queue
+        self.consumed: set[str] = set()  # the ledger: job ids trained into the weights
+        self.published_version = 0
+        self.failure: tuple[str, BaseException] | None = None
+        self.cache = ResultCache()
+        self.collector = ResultCollector(cfg, queue, self.cache, self._thread_failed)
+        self.producer = JobProducer(cfg, queue, dataset, self, self._thread_failed)
+
+    @property
+    def taken(self) -> int:
+        """Results the trainer has taken (trained, or in the step being trained)."""
+        return len(self.consumed)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, state: dict | None, published_version: int) -> None:
+        """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
+        the run directory, and starts feeding and collecting."""
+        self.load_state_dict(state or {})
+        self.published_version = published_version
+        readopt_rolled_back_results(self.run, self.consumed)
+        readopted = self.collector.collect_now(readopt=True)
+        if readopted:
+            log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
+        self.collector.start()
+        self.producer.start()
+
+    def state_dict(self) -> dict:
+        return {"consumed": sorted(self.consumed), "producer": self.producer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = set(state.get("consumed", []))
+        self.producer.load_state(state.get("producer"))
+
+    def stop(self) -> None:
+        for part in (self.producer, self.collector):
+            part.stop()
+
+    def _thread_failed(self, name: str, err: BaseException) -> None:
+        log.error("[queue] the %s stopped: %s: %s", name, type(err).__name__, err, exc_info=err)
+        self.failure = (name, err)
+        self.cache.notify()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            name, err = self.failure
+            raise PipelineError(f"the {name} stopped: {type(err).__name__}: {err}") from err
+
+    # ------------------------------------------------------------------ the trainer's side
+
+    def next_result(self, step: int) -> tuple[CollectedResult, int]:
+        """The next result to train step ``step + 1`` on, and its staleness; stale and duplicate
+        results are archived on the way (a stale one's rows are thrown again)."""
+        started = time.monotonic()
+        while True:
+            self._raise_failure()
+            result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
+            if result is None:
+                log.warning("[train] step=%d has waited %.0fs for a result; queue %s", step,
+                            time.monotonic() - started, self.queue.counts())
+                continue
+            staleness = step - result.payload["weights_version"]
+            if staleness > self.cfg.max_staleness:
+                log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
+                         result.job_id, staleness, self.cfg.max_staleness)
+                self.producer.owe(result.job_id, result.data["rows"])  # journal first: a crash loses no rows
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
+                continue
+            if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+                continue
+            if self.queue.consume(result):  # False: a duplicate, archived as such
+                self.consumed.add(result.job_id)
+                self.producer.wake()
+                return result, staleness
+
+    def _pick(self, cached: dict[str, CollectedResult]) -> str | None:
+        self._raise_failure()
+        if not cached:
+            return None
+        if self.cfg.consume_order == "fifo":
+            oldest = min(cached)
+            active = [n.job_id for n in self.queue.scan()[0] if n.state in IN_FLIGHT and n.job_id not in cached]
+            return None if active and min(active) < oldest else oldest  # an older job is still on its way
+        return min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
+
+    def on_step_end(self, step: int) -> None:
+        self.published_version = step
+        self.producer.wake()
+
+    # ------------------------------------------------------------------ end of training
+
+    def finish(self) -> None:
+        """Every job and result left in queue/ is archived 'unused'.
+
+        Jobs in workers' hands are waited for (at most a lease) and their results archived.
+        Nothing goes back to pending (a worker would take it with no one left to collect), and
+        the loop repeats until queue/ is empty: a worker relaunched now may release a job."""
+        self.stop()
+        deadline = time.monotonic() + self.cfg.lease_s
+        while True:
+            for name in self.queue.scan()[0]:
+                if name.state is JobState.PENDING:
+                    self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED,
+                                                  name.attempt)
+            self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
+            for result in self.queue.collect(readopt=True) + self.cache.drain():
+                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
+            if not self.queue.scan()[0]:
+                break
+            if time.monotonic() > deadline:
+                log.warning("[queue] finishing with files still in queue/ after %gs: %s", self.cfg.lease_s,
+                            self.queue.counts())
+                break
+            time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
+        log.info("[queue] finished: %s", self.queue.counts())
+
+
+def readopt_rolled_back_results(run: RunDir, consumed: set[str]) -> None:
+    """Results consumed after the checkpoint we resume from were trained into weights that
+    were lost with the old PS: put them back in the queue to be trained on again."""
+    for entry in fileops.scan(run.done):
+        if not entry.name.endswith("_consumed.pt"):
+            continue
+        job_id = entry.name[: -len("_consumed.pt")]
+        if job_id in consumed or entry.name != done_name(job_id, ArchiveReason.CONSUMED):
+            continue
+        collected = run.queue / f"{job_id}_collected.pt"
+        try:
+            fileops.move_to_other_dir(entry.path, collected)
+            log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
+        except FileExistsError:
+            if os.path.samefile(entry.path, collected):  # the old PS died inside consume()'s link + unlink
+                fileops.unlink_second_name(entry.path)
+                log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
+            else:
+                log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
