@@ -1,0 +1,321 @@
+"""The PS's job pipeline (ps/pipeline.py), in process, over a real run directory and real threads:
+failures reach the trainer, the producer's journal (no id reused, no rows lost), the staleness
+filter and re-throw, admission control, consumption order, synchronous mode.
+
+A "worker" here is the test itself: it claims and completes jobs with the real queue calls.
+Every wait is bounded; nothing sleeps and hopes.
+"""
+
+import os
+import threading
+
+import pytest
+import torch
+from test_full_disk import inject_disk_full
+
+from asyncgrpo.config import parse_config
+from asyncgrpo.jobqueue import JobQueue, JobState, fileops
+from ps.pipeline import JobPipeline, PipelineError
+
+ROWS = 4  # generation_batch_size: 2 prompts x 2 generations
+WAIT_S = 10.0
+
+
+def make_cfg(**overrides):
+    flags = {"generation_batch_size": ROWS, "per_device_train_batch_size": ROWS, "num_generations": 2,
+             "max_pending": 8, "max_outstanding": 16, "max_staleness": 4, "lease_s": 30, "seed": 0,
+             "model_name_or_path": "unused", "output_dir": "unused", **overrides}
+    return parse_config([f"--{k}={v}" for k, v in flags.items()])
+
+
+DATASET = [{"prompt": f"p{i}"} for i in range(40)]
+
+
+def make_pipeline(run, **overrides):
+    return JobPipeline(make_cfg(**overrides), run, JobQueue(run), DATASET)
+
+
+def batch(rows=ROWS, completion=3):
+    return {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
+            "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+            "completion_ids": torch.ones(rows, completion, dtype=torch.long),
+            "completion_mask": torch.ones(rows, completion, dtype=torch.long),
+            "old_per_token_logps": torch.zeros(rows, completion)}
+
+
+def work_one(queue, version, device=1):
+    """Claims the oldest pending job and completes it as generated with ``version``."""
+    job = queue.claim(device)
+    assert job is not None, queue.counts()
+    assert queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]}, weights_version=version)
+    return job
+
+
+def wait_for(predicate, what):
+    event = threading.Event()
+    for _ in range(int(WAIT_S / 0.01)):
+        if predicate():
+            return
+        event.wait(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pending(queue):
+    return queue.counts()[JobState.PENDING.value]
+
+
+def next_result_in_thread(pipeline, step):
+    """next_result on a thread: (thread, outcome dict) so a hang fails the test instead of hanging it."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = pipeline.next_result(step)
+        except BaseException as err:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+# --------------------------------------------------------------------------- failures reach the trainer
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, monkeypatch, where):
+    inject_disk_full(monkeypatch, run, where)
+    pipeline = make_pipeline(run)
+    pipeline.start(None, published_version=0)
+    try:
+        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the trainer kept waiting after the producer died"
+        err = outcome["error"]
+        assert isinstance(err, PipelineError) and "job producer" in str(err) and "No space left" in str(err)
+    finally:
+        pipeline.stop()
+    assert os.listdir(run.queue) == [".tmp"]  # nothing half-written under a final name
+
+
+def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatch):
+    pipeline = make_pipeline(run)
+
+    def broken_recover(**kwargs):
+        raise RuntimeError("recovery broke")
+
+    monkeypatch.setattr(pipeline.queue, "recover", broken_recover)
+    pipeline.start(None, published_version=0)
+    try:
+        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+        assert "result collector stopped: RuntimeError: recovery broke" in str(outcome["error"])
+    finally:
+        pipeline.stop()
+
+
+@pytest.mark.parametrize("version", ["3", 2.5, None, -1, True])
+def test_a_result_whose_weights_version_is_not_an_integer_is_rejected_not_fatal(run, version):
+    pipeline = make_pipeline(run, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        job = pipeline.queue.claim(1)
+        assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]},
+                                       weights_version=version)
+        good = work_one(pipeline.queue, version=0, device=2)
+        result, staleness = pipeline.next_result(step=0)
+        assert (result.job_id, staleness) == (good.job_id, 0)
+        assert os.path.exists(run.done / f"{job.job_id}_failed_load.pt")
+    finally:
+        pipeline.stop()
+
+
+# --------------------------------------------------------------------------- the producer's journal
+
+
+def thrown_jobs(queue):
+    return {n.job_id: fileops.load_payload(queue.path(n))["data"]["rows"]
+            for n in queue.scan()[0] if n.state is JobState.PENDING}
+
+
+def test_a_job_id_reserved_before_a_crash_is_not_reused_and_its_rows_are_thrown_again(run):
+    """The old PS wrote its journal for job 000000_001 and died before the job file existed."""
+    lost_rows = [{"prompt": "lost"}] * ROWS
+    fileops.write_json(run.root / "producer.json", {"batches_drawn": 2, "last_job_id": "000000_001",
+                                                    "last_rows": lost_rows, "owed": []})
+    pipeline = make_pipeline(run, max_pending=1, max_staleness=0)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+    finally:
+        pipeline.stop()
+    assert thrown_jobs(pipeline.queue) == {"000000_002": lost_rows}
+
+
+def test_a_job_written_before_a_crash_keeps_its_id_and_is_not_thrown_twice(run):
+    """The old PS died right after the job file appeared: the journal already names it."""
+    queue = JobQueue(run)
+    rows = [{"prompt": "kept"}] * ROWS
+    fileops.write_json(run.root / "producer.json", {"batches_drawn": 1, "last_job_id": "000000_000",
+                                                    "last_rows": rows, "owed": []})
+    queue.put_job("000000_000", {"rows": rows, "min_weights_version": 0}, created_step=0)
+    pipeline = make_pipeline(run, max_pending=2, max_staleness=8)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(queue) == 2, "a second pending job")
+    finally:
+        pipeline.stop()
+    jobs = thrown_jobs(queue)
+    assert sorted(jobs) == ["000000_000", "000000_001"]
+    assert jobs["000000_001"] != rows  # the next batch of the dataset, not the same rows again
+
+
+def test_a_lost_journal_never_reuses_an_id_still_in_the_queue(run):
+    queue = JobQueue(run)
+    queue.put_job("000007_003", {"rows": [], "min_weights_version": 0}, created_step=7)
+    pipeline = make_pipeline(run, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(queue) == 2, "a second pending job")
+    finally:
+        pipeline.stop()
+    assert sorted(thrown_jobs(queue)) == ["000007_003", "000007_004"]
+
+
+# --------------------------------------------------------------------------- staleness and re-throw
+
+
+def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run):
+    pipeline = make_pipeline(run, max_pending=1, max_outstanding=1, max_staleness=1)
+    pipeline.start({"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3)  # taken 3
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+        stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
+        thread, outcome = next_result_in_thread(pipeline, step=3)
+        wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
+        wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
+        rethrown = pipeline.queue.claim(1)
+        assert rethrown.data["rows"] == stale.data["rows"] and rethrown.job_id > stale.job_id
+        assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
+                                       weights_version=3)
+        thread.join(WAIT_S)
+        assert outcome["result"][0].job_id == rethrown.job_id and outcome["result"][1] == 0
+    finally:
+        pipeline.stop()
+
+
+def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_queued(run):
+    """The journal owes the rows of two stale results; the archiving of one was cut short (its
+    result is still collected in queue/, so it will be judged again): only the other is owed."""
+    queue = JobQueue(run)
+    fileops.write_payload(run.tmp, run.queue / "000002_000_collected.pt", {"not": "read here"})
+    owed = [{"from_job": "000001_000", "rows": [{"prompt": "owed"}] * ROWS},
+            {"from_job": "000002_000", "rows": [{"prompt": "still queued"}] * ROWS}]
+    fileops.write_json(run.root / "producer.json", {"batches_drawn": 1, "last_job_id": "000002_000",
+                                                    "last_rows": [], "owed": owed})
+    pipeline = make_pipeline(run, max_pending=2, max_staleness=8)
+    pipeline.producer.load_state(None)
+    assert pipeline.producer.owed == owed[:1]
+    pipeline.producer._throw()
+    assert thrown_jobs(queue) == {"000002_001": owed[0]["rows"]}
+
+
+def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(run):
+    pipeline = make_pipeline(run, max_pending=1, max_staleness=0)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+        job = work_one(pipeline.queue, version=0)
+        result, _ = pipeline.next_result(step=0)
+        pipeline.producer.owe("000000_999", [{"prompt": "owed"}])
+        state = pipeline.state_dict()
+    finally:
+        pipeline.stop()
+    assert state["consumed"] == [job.job_id] == [result.job_id]
+    assert state["producer"]["owed"] == [{"from_job": "000000_999", "rows": [{"prompt": "owed"}]}]
+    assert state["producer"]["batches_drawn"] >= 1 and state["producer"]["last_job_id"] >= job.job_id
+
+
+# --------------------------------------------------------------------------- admission and order
+
+
+def test_admission_throws_only_what_can_still_be_trained_within_the_bound(run):
+    """max_staleness 3. A job claimed at version 0 stays in a worker's hands; every job in flight
+    could be trained before it, so the producer keeps taken + in_flight - 0 <= 3 by throwing less
+    as steps pass. (Capping jobs in flight at max_staleness + 1 alone would keep 4 in flight.)"""
+    pipeline = make_pipeline(run, max_pending=8, max_staleness=3)
+    pipeline.start(None, published_version=0)
+    queue = pipeline.queue
+    try:
+        wait_for(lambda: pending(queue) == 4, "four pending jobs")
+        assert pipeline.producer._may_throw() is False
+        straggler = queue.claim(1)
+        for step in (1, 2, 3):  # the other three are generated with newer weights and trained
+            work_one(queue, version=step - 1, device=2)
+            assert pipeline.next_result(step=step - 1)[1] <= 3
+            pipeline.on_step_end(step)
+            assert pipeline.producer._may_throw() is False  # taken + in flight - 0 would exceed 3
+        assert [(n.job_id, n.state) for n in queue.scan()[0]] == [(straggler.job_id, JobState.PROCESSING)]
+        assert queue.complete(straggler, {"batch": batch(), "metrics": {}, "rows": straggler.data["rows"]},
+                              weights_version=0)
+        result, staleness = pipeline.next_result(step=3)
+        assert (result.job_id, staleness) == (straggler.job_id, 3)  # trained, not stale
+        pipeline.on_step_end(4)
+        wait_for(lambda: pending(queue) == 4, "the producer to throw again")
+    finally:
+        pipeline.stop()
+
+
+def test_synchronous_mode_throws_one_job_for_the_newest_weights(run):
+    pipeline = make_pipeline(run, max_pending=8, max_staleness=0)
+    pipeline.start({"consumed": ["000000_000", "000001_000"]}, published_version=2)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+        assert pipeline.producer._may_throw() is False  # one job in flight is all synchronous mode allows
+        job = pipeline.queue.claim(1)
+        assert job.data["min_weights_version"] == 2  # the worker waits for the weights of step 2
+    finally:
+        pipeline.stop()
+
+
+def cache_results(pipeline, versions):
+    """Completes one pending job per version (in job order) and waits until they are cached."""
+    ids = []
+    for version in versions:
+        ids.append(work_one(pipeline.queue, version).job_id)
+    wait_for(lambda: len(pipeline.cache) == len(versions), "the collector to cache the results")
+    return ids
+
+
+def test_ready_order_trains_the_result_with_the_oldest_weights_first(run):
+    pipeline = make_pipeline(run, max_pending=3, max_staleness=8)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 3, "three pending jobs")
+        ids = cache_results(pipeline, versions=[2, 0, 1])
+        order = [pipeline.next_result(step=3)[0].job_id for _ in ids]
+    finally:
+        pipeline.stop()
+    assert order == [ids[1], ids[2], ids[0]]
+
+
+def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(run):
+    pipeline = make_pipeline(run, max_pending=2, max_staleness=8, consume_order="fifo")
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        first = pipeline.queue.claim(1)
+        second = work_one(pipeline.queue, version=0, device=2)
+        wait_for(lambda: len(pipeline.cache) == 1, "the second result cached")
+        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread.join(0.3)
+        assert thread.is_alive() and not outcome  # head-of-line: waits for the first job
+        assert pipeline.queue.complete(first, {"batch": batch(), "metrics": {}, "rows": first.data["rows"]},
+                                       weights_version=0)
+        thread.join(WAIT_S)
+        assert outcome["result"][0].job_id == first.job_id
+        assert pipeline.next_result(step=1)[0].job_id == second.job_id
+    finally:
+        pipeline.stop()
