@@ -319,3 +319,19 @@ def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(run):
         assert pipeline.next_result(step=1)[0].job_id == second.job_id
     finally:
         pipeline.stop()
+
+
+@pytest.mark.parametrize("flags", [["--num_iterations", "2"], ["--steps_per_generation", "2"]])
+def test_settings_that_train_one_result_for_several_steps_are_refused_in_one_line(flags):
+    from asyncgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exactly one optimizer step") as err:
+        parse_config(flags)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_off_policy_correction_is_refused_in_one_line():
+    from asyncgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--off_policy_correction 'clip': must be one of none, token_truncate"):
+        parse_config(["--off_policy_correction", "clip"])
