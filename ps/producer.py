@@ -103,8 +103,10 @@ class JobProducer(WatchedThread):
             self.watcher.wait()
 
     def _may_throw(self) -> bool:
-        names = [n for n in self.queue.scan()[0] if n.state in IN_FLIGHT]
+        # Read before the scan: a job still pending in the scan is claimed after this read, and its
+        # worker syncs at least these weights (published versions only grow).
         published = self.pipeline.published_version
+        names = [n for n in self.queue.scan()[0] if n.state in IN_FLIGHT]
         cached = self.pipeline.cache.versions()
         floors = {}
         for name in names:
@@ -156,6 +158,6 @@ class JobProducer(WatchedThread):
         # Before the put: a worker may claim the job the moment its file appears.
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
                                created_step=created_step)
+        self.version_floor[job_id] = self.pipeline.published_version  # before a worker can claim it
         self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version}, created_step=created_step)
-        self.version_floor[job_id] = self.pipeline.published_version
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)
