@@ -1,10 +1,13 @@
-"""The TRL internals asyncgrpo relies on (trl 1.16). When TRL changes them, this fails and names what."""
+"""The TRL internals asyncgrpo relies on (trl 1.16), and the transformers generation loop behaviour log-probs are
+captured from. When they change, this fails and names what."""
 
 import inspect
+import re
 
 import pytest
 import trl
 from packaging.version import Version
+from transformers import GenerationMixin, Trainer
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
@@ -67,3 +70,52 @@ def test_repeat_sampler_signature():
     assert params(RepeatSampler.__init__)[1:7] == [
         "data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle", "seed"], (
         "trl.trainer.utils.RepeatSampler signature changed (the PS producer draws jobs with it)")
+
+
+# Behaviour log-probs captured during generation (worker.generate.BehaviourCapture).
+
+def test_transformers_path_is_one_generate_call_on_the_unwrapped_model():
+    source = inspect.getsource(GRPOTrainer._generate_single_turn)
+    assert source.count("unwrapped_model.generate(") == 1, (
+        "GRPOTrainer._generate_single_turn no longer calls unwrapped_model.generate once: workers capture behaviour "
+        "log-probs from that call")
+    assert re.search(r"unwrap_model_for_generation\(\s*self\.model_wrapped,", source), (
+        "GRPOTrainer._generate_single_turn no longer generates with unwrap_model_for_generation(self.model_wrapped): "
+        "workers watch accelerator.unwrap_model(trainer.model_wrapped)")
+    assert "self.model_wrapped = " in inspect.getsource(Trainer.__init__), "Trainer.model_wrapped is gone"
+    assert 'prompt_length = generate_inputs["input_ids"].size(1)' in source and (
+        "completion_ids = prompt_completion_ids[:, prompt_length:]" in source), (
+        "GRPOTrainer._generate_single_turn no longer takes completions as generate's output after the padded prompt")
+    assert "self._generate_single_turn(" in inspect.getsource(getattr(GRPOTrainer, GENERATE))
+
+
+def test_generate_and_score_keeps_the_generated_row_order():
+    source = inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
+    for word in ("shuffle", "randperm", "argsort"):
+        assert word not in source, (
+            f"GRPOTrainer.{GENERATE_AND_SCORE} may reorder rows ({word}): captured behaviour log-probs follow "
+            "generate's row order (the worker would notice and fall back to a forward pass on every job)")
+
+
+@pytest.mark.parametrize("attribute", ["use_vllm", "use_transformers_continuous_batching", "rollout_func", "tools",
+                                       "generation_config", "temperature"])
+def test_generation_settings_capture_reads(attribute):
+    assert f"self.{attribute} = " in inspect.getsource(GRPOTrainer.__init__), (
+        f"GRPOTrainer.{attribute} is gone (workers read it to decide whether behaviour log-probs can be captured)")
+
+
+def test_forward_pass_log_probs_are_at_the_configured_temperature():
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert "self.temperature = args.temperature" in source and "temperature=self.temperature," in source, (
+        "GRPOTrainer's fused LM head no longer divides by args.temperature: captured behaviour log-probs would "
+        "not match TRL's")
+
+
+def test_transformers_sampling_loop_samples_from_the_raw_last_logits():
+    source = inspect.getsource(GenerationMixin._sample)
+    assert "next_token_logits = outputs.logits[:, -1]" in source and (
+        "logits_processor(input_ids, next_token_logits)" in source), (
+        "transformers' _sample no longer samples from the model's last-position logits: the forward hook workers "
+        "capture behaviour log-probs with may no longer see them")
+    assert "input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)" in source, (
+        "transformers' _sample no longer appends one sampled token per forward")

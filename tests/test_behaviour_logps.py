@@ -1,0 +1,203 @@
+"""Behaviour log-probs captured during generation (worker.generate.BehaviourCapture).
+
+They must equal what TRL's forward pass over the completions gives on the same weights
+(``_get_per_token_logps_and_entropies``, the worker's fallback and what the PS's loss
+compares with), and that forward pass must run only where capture does not apply.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import worker.generate as generate_module
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.events import EventLog
+from asyncgrpo.tasks.demo import (
+    DEMO_DEFAULTS,
+    build_dataset,
+    build_model,
+    build_tokenizer,
+    cpu_overrides,
+    repeat_digit_reward,
+)
+from worker.generate import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE, BehaviourCapture, build_trainer, generate_and_score
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+FALLBACK_LINE = "[gen] behaviour log-probs from a second forward pass"
+# Prompts of 2 to 9 tokens (the demo tokenizer is one token per character): TRL left-pads them.
+VARIED_PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:"]
+
+
+def make_trainer(tmp_path, **overrides):
+    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
+                             "disable_tqdm": True, "device_type": "cpu", **overrides})
+    tok = build_tokenizer()
+    return build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [repeat_digit_reward], build_dataset(n=40))
+
+
+def demo_rows(trainer):
+    dataset = trainer.train_dataset
+    return [dataset[i // trainer.num_generations] for i in range(trainer.args.generation_batch_size)]
+
+
+def varied_rows(trainer):
+    prompts = VARIED_PROMPTS * (trainer.args.generation_batch_size // trainer.num_generations // len(VARIED_PROMPTS))
+    return [{"prompt": prompt} for prompt in prompts for _ in range(trainer.num_generations)]
+
+
+def count_forward_passes(trainer) -> list:
+    """Counts calls of TRL's log-prob forward pass on this trainer (an instance attribute over the method)."""
+    calls = []
+    method = getattr(trainer, BEHAVIOUR_LOGPS)
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)  # (model, input_ids, ...)
+        return method(*args, **kwargs)
+
+    setattr(trainer, BEHAVIOUR_LOGPS, counted)
+    return calls
+
+
+def trl_logps(trainer, batch) -> torch.Tensor:
+    """TRL's own computation of the batch's per-token log-probs, on the trainer's current weights."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = getattr(type(trainer), BEHAVIOUR_LOGPS)(  # the class's: not counted
+            trainer, trainer.model, ids, mask, batch["completion_ids"].size(1))
+    return logps
+
+
+@pytest.fixture(autouse=True)
+def fresh_fallback_log(monkeypatch):
+    monkeypatch.setattr(generate_module, "_logged", set())  # "once per process" starts again in each test
+
+
+def fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "asyncgrpo.worker" and FALLBACK_LINE in r.getMessage()]
+
+
+@pytest.mark.parametrize("overrides, rows", [
+    ({}, demo_rows),  # the demo task's config and prompts
+    ({"temperature": 0.7}, varied_rows),
+    ({"temperature": 1.6, "top_k": 5, "top_p": 0.8, "max_completion_length": 12}, varied_rows),
+    ({"temperature": 0.9, "repetition_penalty": 1.3, "pad_to_multiple_of": 16}, varied_rows),
+], ids=["demo", "temperature", "top_k_top_p", "repetition_penalty_padded"])
+def test_captured_logps_equal_trl_forward_pass(tmp_path, caplog, overrides, rows):
+    trainer = make_trainer(tmp_path, **overrides)
+    calls = count_forward_passes(trainer)
+    batch, _ = generate_and_score(trainer, rows(trainer), EventLog.off(), seed=3)
+    assert calls == [], "a forward pass ran although the log-probs were captured"
+    assert fallback_lines(caplog) == []
+
+    captured, mask = batch["old_per_token_logps"], batch["completion_mask"].bool()
+    assert captured.shape == batch["completion_ids"].shape and captured.dtype == torch.float32
+    assert (~mask).any() and mask.any(), "the sample should have completions that end before the longest"
+    if rows is varied_rows:
+        assert len(set(batch["prompt_mask"].sum(dim=1).tolist())) == len(VARIED_PROMPTS)
+    expected = trl_logps(trainer, batch)
+    assert torch.allclose(captured[mask], expected[mask], atol=1e-4, rtol=0), (captured - expected).abs().max()
+    assert torch.isfinite(captured).all()
+    assert (captured[~mask] == 0).all()  # as TRL's forward pass gives them
+
+
+def feed_decoding_steps(capture, seen, prompt_length, step_logits, out=None):
+    """What generate's forwards show the hook (the prompt, then each token sampled from ``seen``), then
+    generate's output (``seen`` unless given)."""
+    for step, logits in enumerate(step_logits):
+        input_ids = seen[:, :prompt_length] if step == 0 else seen[:, prompt_length + step - 1:prompt_length + step]
+        capture._on_forward(None, (), {"input_ids": input_ids}, SimpleNamespace(logits=logits))
+    capture._finish(seen if out is None else out, prompt_length)
+
+
+def test_each_token_is_scored_by_the_forward_that_sampled_it(tmp_path):
+    trainer = make_trainer(tmp_path, temperature=0.5)
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab, prompt_length, steps = 3, 16, 4, 5
+    step_logits = [torch.randn(rows, 1, vocab, generator=generator) for _ in range(steps)]
+    out = torch.randint(0, vocab, (rows, prompt_length + steps), generator=generator)
+
+    capture = BehaviourCapture(trainer)
+    feed_decoding_steps(capture, out, prompt_length, step_logits)
+    assert capture.why_not is None
+    expected = torch.stack([torch.log_softmax(logits[:, -1] / 0.5, dim=-1).gather(1, out[:, [prompt_length + i]])[:, 0]
+                            for i, logits in enumerate(step_logits)], dim=1)
+    assert torch.allclose(capture.logps, expected, atol=1e-6)
+
+    # generate's output holds a token the forwards did not see: not trusted.
+    other = out.clone()
+    other[1, prompt_length + 1] = (other[1, prompt_length + 1] + 1) % vocab
+    capture = BehaviourCapture(trainer)
+    feed_decoding_steps(capture, out, prompt_length, step_logits, out=other)
+    assert "not the generated ones" in capture.why_not
+
+    # One forward fewer than generated tokens: not trusted.
+    capture = BehaviourCapture(trainer)
+    feed_decoding_steps(capture, out, prompt_length, step_logits[:-1])
+    assert "do not match the generated tokens" in capture.why_not
+
+
+def test_the_model_is_left_as_it_was(tmp_path):
+    trainer = make_trainer(tmp_path)
+    generate_and_score(trainer, demo_rows(trainer), EventLog.off(), seed=0)
+    assert "generate" not in vars(trainer.model)
+    assert not trainer.model._forward_hooks
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"generation_kwargs": {"num_beams": 2}}, "num_beams > 1"),
+    # Prefilling one token at a time: more forwards than generated tokens.
+    ({"generation_kwargs": {"prefill_chunk_size": 1}}, "do not match the generated tokens"),
+], ids=["beams", "chunked_prefill"])
+def test_forward_pass_where_capture_does_not_apply(tmp_path, caplog, overrides, reason):
+    trainer = make_trainer(tmp_path, **overrides)
+    calls = count_forward_passes(trainer)
+    for seed in (1, 2):  # two jobs
+        batch, _ = generate_and_score(trainer, demo_rows(trainer), EventLog.off(), seed=seed)
+        mask = batch["completion_mask"].bool()
+        assert torch.equal(batch["old_per_token_logps"][mask], trl_logps(trainer, batch)[mask])
+    assert len(calls) == 2
+    lines = fallback_lines(caplog)
+    assert len(lines) == 1 and reason in lines[0], lines
+
+
+def test_rows_out_of_order_are_not_trusted(tmp_path, caplog):
+    """Were TRL to return its rows in another order than it generated them, capture notices and falls back."""
+    trainer = make_trainer(tmp_path)
+    method = getattr(trainer, GENERATE_AND_SCORE)
+
+    def reversed_rows(inputs):
+        batch = method(inputs)
+        return {k: v.flip(0) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+
+    setattr(trainer, GENERATE_AND_SCORE, reversed_rows)
+    calls = count_forward_passes(trainer)
+    batch, _ = generate_and_score(trainer, demo_rows(trainer), EventLog.off(), seed=0)
+    assert len(calls) == 1
+    mask = batch["completion_mask"].bool()
+    assert torch.equal(batch["old_per_token_logps"][mask], trl_logps(trainer, batch)[mask])
+    assert "not the generated rows in order" in fallback_lines(caplog)[0]
+
+
+def test_synchronous_mode_without_capture_sends_none(tmp_path, caplog):
+    trainer = make_trainer(tmp_path, max_staleness=0, generation_kwargs={"num_beams": 2})
+    calls = count_forward_passes(trainer)
+    for seed in (1, 2):
+        batch, _ = generate_and_score(trainer, demo_rows(trainer), EventLog.off(), seed=seed)
+        assert "old_per_token_logps" not in batch
+    assert calls == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncgrpo.worker" and "[gen]" in r.getMessage()]
+    assert len(lines) == 1 and "synchronous mode" in lines[0] and "num_beams > 1" in lines[0], lines
+
+
+def test_synchronous_mode_with_capture_sends_them(tmp_path):
+    trainer = make_trainer(tmp_path, max_staleness=0)
+    calls = count_forward_passes(trainer)
+    batch, _ = generate_and_score(trainer, varied_rows(trainer), EventLog.off(), seed=0)
+    assert calls == []
+    mask = batch["completion_mask"].bool()
+    assert torch.allclose(batch["old_per_token_logps"][mask], trl_logps(trainer, batch)[mask], atol=1e-4, rtol=0)
