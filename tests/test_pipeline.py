@@ -335,3 +335,29 @@ def test_an_unknown_off_policy_correction_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="--off_policy_correction 'clip': must be one of none, token_truncate"):
         parse_config(["--off_policy_correction", "clip"])
+
+
+def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_terminal(tmp_path):
+    """A real PS process; every job file write fails like a full disk (injected at start-up
+    through a sitecustomize module, so the PS's own code runs unchanged)."""
+    import subprocess
+    import sys
+
+    from conftest import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import errno\n"
+        "from asyncgrpo.jobqueue import fileops\n"
+        "_write = fileops.write_payload\n"
+        "def write_payload(tmp_dir, path, payload, **kwargs):\n"
+        "    if str(path).endswith('_pending.pt'):\n"
+        "        raise fileops.QueueWriteError(errno.ENOSPC, 'No space left on device')\n"
+        "    return _write(tmp_dir, path, payload, **kwargs)\n"
+        "fileops.write_payload = write_payload\n")
+    env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
+    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(tmp_path / "run"), *DEMO_RUN_FLAGS],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ps.returncode == 1, ps.stderr[-3000:]
+    assert "\nps: error: the job producer stopped: QueueWriteError: [Errno 28] No space left on device\n" in ps.stderr
