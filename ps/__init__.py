@@ -1,1 +1,1 @@
-"""The parameter server: trains the policy on results from the queue (issue 3)."""
+"""The parameter server: trains the policy on results from the queue."""

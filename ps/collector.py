@@ -26,7 +26,7 @@ log = logging.getLogger("asyncgrpo.ps")
 PER_SEQUENCE = ("advantages",)
 PER_PROMPT_TOKEN = ("prompt_ids", "prompt_mask")
 PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask")
-BEHAVIOUR_LOGPS = "old_per_token_logps"  # optional: absent when the worker generated with the newest weights
+BEHAVIOUR_KEY = "old_per_token_logps"  # optional: absent when the worker generated with the newest weights
 
 
 def validate_result(payload: dict, rows_per_job: int) -> None:
@@ -44,9 +44,9 @@ def validate_result(payload: dict, rows_per_job: int) -> None:
     n = batch["advantages"].shape[0]
     if n != rows_per_job or batch["advantages"].dim() != 1:
         raise ValueError(f"advantages has shape {tuple(batch['advantages'].shape)}, expected ({rows_per_job},)")
-    completion_keys = PER_COMPLETION_TOKEN + ((BEHAVIOUR_LOGPS,) if BEHAVIOUR_LOGPS in batch else ())
-    if BEHAVIOUR_LOGPS in batch and not isinstance(batch[BEHAVIOUR_LOGPS], torch.Tensor):
-        raise ValueError(f"batch[{BEHAVIOUR_LOGPS!r}] is not a tensor")
+    completion_keys = PER_COMPLETION_TOKEN + ((BEHAVIOUR_KEY,) if BEHAVIOUR_KEY in batch else ())
+    if BEHAVIOUR_KEY in batch and not isinstance(batch[BEHAVIOUR_KEY], torch.Tensor):
+        raise ValueError(f"batch[{BEHAVIOUR_KEY!r}] is not a tensor")
     for group in (PER_PROMPT_TOKEN, completion_keys):
         shapes = {tuple(batch[key].shape) for key in group}
         if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:

@@ -1,1 +1,1 @@
-"""The worker: claims jobs, generates and scores completions (issue 3)."""
+"""The worker: claims jobs, generates and scores completions."""

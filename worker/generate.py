@@ -5,8 +5,8 @@ job's rows generates, scores with the reward functions and computes advantages e
 as TRL does. TRL only computes the behaviour log-probs (``old_per_token_logps``) when
 generation and optimisation steps are misaligned; here every result may be trained on
 by newer weights, so the worker supplies them, from the weights it generated with. The
-PS's loss then clips the ratio current/behaviour as TRL's loss does: stale samples are
-corrected, not ignored.
+PS weights each token by the truncated ratio current/behaviour (ps/offpolicy.py): stale
+samples are corrected, not ignored.
 
 The behaviour log-probs are captured during generation (BehaviourCapture): generate's
 own forward passes already compute every sampled token's logits, so the second forward
