@@ -38,7 +38,7 @@ Per run (all times from the moment the first process was started, imports includ
                        construction; gen_frac says how much of its step is generation and scoring
     gen_ms             generation + scoring per batch (TRL: timed around _generate_and_score_completions;
                        asyncgrpo: the workers' processing_time from the consumed results; generate_ms and
-                       score_ms split it, score including the behaviour log-probs the worker always computes)
+                       score_ms split it, score including any behaviour log-probs not captured during generation)
     train_ms           the trainer's own time per step: TRL step minus its generation; asyncgrpo: PS step
                        minus its wait for a result (train_step_end events)
     queue_ms, sync_ms  asyncgrpo's per-job overhead: queue (claim, write, hand-off to the PS) and weight sync;
