@@ -46,7 +46,7 @@ Per run (all times from the moment the first process was started, imports includ
                        and worker logs (see overhead())
     cpu_s, cores       CPU seconds of all the run's processes (rusage) and cpu_s / wall: how busy the cores were
     leaked_weight_buffers  the PS's /dev/shm weight folders left after it stopped (removed here)
-Medians with [min-max] over seeds, ratios asyncgrpo / TRL of medians, and the issue's goals checked.
+Medians with [min-max] over seeds, ratios asyncgrpo / TRL of medians, and the performance goals checked.
 Progress goes to stderr; the table and then the JSON document to stdout (and the JSON to --out).
 """
 
@@ -551,7 +551,7 @@ def ratios(summary: dict) -> dict:
 
 
 def goals(summary: dict, rat: dict) -> dict:
-    """The issue's goals, checked on medians against the TRL baseline. null: a figure is missing (not reached)."""
+    """The performance goals, checked on medians against the TRL baseline. null: a figure is missing (not reached)."""
     out = {}
 
     def best(wl, key):

@@ -7,7 +7,7 @@ Prints ONE JSON object on stdout (progress on stderr), all figures from the same
    b. complete -> collector: latency = PS's collect() returned - the result file appeared.
    "Appeared" = time.monotonic() just before fileops.publish links the file under its final
    name (a wrapper around fileops.publish; an upper bound by the link's few microseconds).
-   The brief's anchors (put_job()/complete() returned) are reported too: the waiter often acts
+   The writer-side anchors (put_job()/complete() returned) are reported too: the waiter often acts
    while the writer is still in its directory fsync, so they understate. Gaps between jobs are
    2-10 ms + uniform(0, 50 ms), so arrivals are not phase-locked to the 50 ms poll.
 2. Lifecycles/s (put -> claim -> complete -> collect -> consume) with 1 and 3 worker processes

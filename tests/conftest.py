@@ -43,7 +43,7 @@ DEMO_RUN_FLAGS = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "step
 @pytest.fixture(scope="session")
 def finished_demo_run(tmp_path_factory) -> Path:
     """The run directory of a real PS + 2 workers run of 8 steps, finished and stopped (workers
-    exit 0 on SIGTERM). Started once per session; tests only read it (the report adds report/).
+    exit 0 on SIGTERM). Started once per test run; tests only read it (the report adds report/).
     The processes' output is in the parent folder: ps.log, w1.log, w2.log."""
     root = tmp_path_factory.mktemp("demo8") / "run"
 

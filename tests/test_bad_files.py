@@ -1,4 +1,4 @@
-"""Bad files (DESIGN.md, "The protocol").
+"""Bad files (docs/design.md, "The file protocol").
 
 * Loaders reject files that are not plain, well-formed payloads under a grammar name
   (truncated, wrong schema or job id, symlinks, path tricks, pickled code, non-regular

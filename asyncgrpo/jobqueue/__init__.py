@@ -1,4 +1,4 @@
-"""The file-system job queue (DESIGN.md, "The protocol").
+"""The file-system job queue (docs/design.md, "The file protocol").
 
     names     the file-name grammar and the enums of states and archive reasons
     fileops   every rename, link, fsync and scan; payload load/save

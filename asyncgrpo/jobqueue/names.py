@@ -9,10 +9,11 @@ Active files live in ``RUN/queue/``::
     {job_id}_collected.pt                        claimed by the PS collector
 
 ``job_id`` is ``{created_step:06d}_{job_index:03d}``. ``_a{k}`` is the attempt number
-and only appears from the second attempt on (a job requeued by recovery), so a
-first attempt has exactly the names of DESIGN.md. Archived files live in ``RUN/done/``
-as ``{job_id}_{reason}[_a{k}][.{n}].pt`` (``.{n}`` only when an earlier file of the
-same job and reason is already there).
+and only appears from the second attempt on (a job requeued by recovery), so a first
+attempt has exactly the names above. Archived files live in ``RUN/done/`` as
+``{job_id}_{reason}[_a{k}][.{n}].pt`` (``.{n}`` only when an earlier file of the same job
+and reason is already there). The states and their transitions: docs/design.md, "File
+names and states".
 
 A name that does not match is never parsed further: ``parse_queue_name`` returns None.
 """

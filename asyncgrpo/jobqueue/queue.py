@@ -3,7 +3,7 @@
 One ``JobQueue`` per process over one run directory. Every state change is a single
 no-clobber move done by ``fileops``; every file that leaves ``queue/`` is archived in
 ``done/`` with a reason, never deleted (temp files excepted). The protocol and why each
-step is safe are in DESIGN.md, "The protocol".
+step is safe are in docs/design.md, "The file protocol".
 
 The PS calls ``put_job``, ``collect``, ``consume``/``archive`` and ``recover``; a worker
 calls ``claim``, then ``complete``, ``fail`` or ``release``.

@@ -1,4 +1,4 @@
-"""The run directory: one folder holds everything a run writes (see DESIGN.md)."""
+"""The run directory: one folder holds everything a run writes (docs/design.md, "The run directory")."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, Inotify
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
 
 RESCAN_S = 1.0  # safety-net rescan with events on; a missed event costs at most this
-POLL_S = 0.05  # poll interval with events off (the original system's loop)
+POLL_S = 0.05  # poll interval with events off
 _MASK = InotifyConstants.IN_CREATE | InotifyConstants.IN_MOVED_TO | InotifyConstants.IN_ONLYDIR
 
 

@@ -9,7 +9,7 @@ is one batched device-to-device copy into its own model. Publish and sync both w
 their copy to finish (synchronize) before they unlock: the other side reads or overwrites
 the slot right after.
 
-Traps this module steers around (DESIGN.md, "Weight sharing"):
+Traps this module steers around (docs/design.md, "Weight transports"):
 * One buffer per slot, not one handle per tensor: opening hundreds of handles costs seconds.
 * The PS keeps both buffers alive until close(); close() marks the version file closed
   under both exclusive locks before freeing them, so no worker reads freed memory.
