@@ -1,6 +1,7 @@
 """Waking on queue events, and the rescan that covers for missed ones."""
 
 import threading
+import time
 
 from asyncgrpo.jobqueue import JobState, QueueWatcher, fileops
 from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
@@ -52,12 +53,33 @@ def test_missed_events_do_not_lose_a_job(queue, run):
 
 
 def test_poll_only_mode_finds_jobs(queue, run):
-    with QueueWatcher(run.queue, {JobState.COMPLETE}, use_events=False, rescan_s=0.01) as watcher:
-        payload = {"schema": SCHEMA_VERSION, "kind": "result", "job_id": "000001_000", "attempt": 1,
-                   "worker_device": 1, "weights_version": 0, "claimed_at": 0.0, "completed_at": 0.0, "data": {}}
+    """With events off (NFS), a collector loop (wait, then scan) finds a result written while it
+    waits, by polling: every wait returns after the poll interval, none is woken by an event."""
+    poll_s, deadline_s = 0.01, 20.0
+    payload = {"schema": SCHEMA_VERSION, "kind": "result", "job_id": "000001_000", "attempt": 1,
+               "worker_device": 1, "weights_version": 0, "claimed_at": 0.0, "completed_at": 0.0, "data": {}}
+    with QueueWatcher(run.queue, {JobState.COMPLETE}, use_events=False, rescan_s=poll_s) as watcher:
+        polled_empty, found, woken_by = threading.Event(), [], []
+
+        def collector_loop():
+            started = time.monotonic()
+            while not found and time.monotonic() - started < deadline_s:
+                woken_by.append(watcher.wait())
+                found.extend(r.job_id for r in queue.collect())
+                polled_empty.set()  # one round found nothing (the result is written after it)
+
+        collector = threading.Thread(target=collector_loop, daemon=True)
+        collector.start()
+        assert polled_empty.wait(timeout=30), "a wait in poll-only mode never returned"
         fileops.write_payload(run.tmp, run.queue / "000001_000_complete_from_dev1.pt", payload)
-        assert watcher.wait() is False
-        assert [r.job_id for r in queue.collect()] == ["000001_000"]
+        written = time.monotonic()
+        collector.join(timeout=deadline_s + 10)
+        if collector.is_alive():
+            watcher.wake()  # let the thread go before failing
+        assert not collector.is_alive(), "a wait in poll-only mode never returned"
+        assert found == ["000001_000"], "polling never found the result"
+        assert time.monotonic() - written < deadline_s
+        assert len(woken_by) >= 2 and not any(woken_by), woken_by  # found by polling, not by an event
 
 
 def test_wake_interrupts_a_wait_from_another_thread(run):
