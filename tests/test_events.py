@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import threading
 
 from asyncgrpo.events import EventLog
 
@@ -47,10 +48,31 @@ def test_a_failed_write_warns_once_and_never_raises(tmp_path, monkeypatch, caplo
     assert [r["step"] for r in read(tmp_path / "events-ps.jsonl")] == [3]
 
 
-def test_an_event_log_that_is_off_writes_nothing():
-    events = EventLog.off()
-    events.emit("job_created", job_id="000001_000")
-    with events.span("generate"):
-        pass
-    events.close()
-    assert events.path is None and events._fd is None
+def test_an_event_log_that_is_off_writes_nothing(tmp_path, monkeypatch):
+    """No file appears (the working directory is an empty folder here) and nothing is opened or
+    written: every os.open and os.write of this thread is recorded while the log is used."""
+    monkeypatch.chdir(tmp_path)
+    opened, written = [], []
+    real_open, real_write = os.open, os.write
+    this_thread = threading.get_ident()  # other threads of the test process are not the log's
+
+    def record_open(path, *args, **kwargs):
+        if threading.get_ident() == this_thread:
+            opened.append(os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    def record_write(fd, data):
+        if threading.get_ident() == this_thread:
+            written.append(bytes(data))
+        return real_write(fd, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", record_open)
+        patch.setattr(os, "write", record_write)
+        events = EventLog.off()
+        events.emit("job_created", job_id="000001_000")
+        with events.span("generate"):
+            pass
+        events.close()
+    assert (opened, written) == ([], [])
+    assert list(tmp_path.iterdir()) == []
