@@ -5,6 +5,10 @@
                         [--dry-run] [--json]
     queue_tools report  [RUN_DIR] [--json]
 
+cleanup also frees the /dev/shm weight buffers of the run's dead PS runs (a SIGKILLed PS
+leaves them; each folder records its owner's pid and host, and only folders whose owner
+is certainly dead on this host are freed).
+
 With no RUN_DIR, the most recent run under $ASYNCGRPO_RUNS (default ~/asyncgrpo-runs).
 A missing or non-run directory, or a bad flag: one line on stderr, exit status 2.
 """
@@ -33,6 +37,7 @@ from asyncgrpo.jobqueue import (
 from asyncgrpo.jobqueue.liveness import fs_now
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
+from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
 
@@ -72,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl-C")
     ls.add_argument("--lease", type=_nonnegative, default=DEFAULT_LEASE_S,
                     help=f"seconds of silence after which a worker's job counts as stale (default {DEFAULT_LEASE_S:g})")
-    cleanup = sub.add_parser("cleanup", help="recover stale jobs, reap old temp files, archive junk")
+    cleanup = sub.add_parser("cleanup", help="recover stale jobs, reap old temp files, archive junk, "
+                                             "free a dead PS's weight buffers")
     cleanup.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
     cleanup.add_argument("--stale-after", type=_nonnegative, default=DEFAULT_LEASE_S, metavar="SECONDS",
                          help=f"lease: silence after which a job is recovered (default {DEFAULT_LEASE_S:g})")
@@ -231,18 +237,34 @@ def cmd_cleanup(run: RunDir, args) -> int:
     retention = None
     if args.keep_files or args.keep_mb:
         retention = compact_archive(run, args.keep_files, args.keep_mb, dry_run=args.dry_run)
+    freed = remove_dead_folders(run, (SHM_ROOT, run.weights), dry_run=args.dry_run)
     if args.json:
         print(json.dumps({"run_dir": str(run.root), "dry_run": args.dry_run,
                           "actions": [a.__dict__ for a in actions],
-                          "retention": retention and retention.as_dict()}, indent=2))
+                          "retention": retention and retention.as_dict(),
+                          "weight_buffers": [{"path": str(f.path), "pid": f.pid, "buffers": f.buffers,
+                                              "bytes": f.nbytes} for f in freed]}, indent=2))
         return 0
     for action in actions:
         print(("would " if args.dry_run else "") + action.line())
     if retention is not None:
         print(retention.line())
-    summary = f"cleanup: {len(actions)} action(s)" if actions else "cleanup: nothing to do"
-    print(summary + (" (dry run: nothing changed)" if args.dry_run and actions else ""))
+    for line in _freed_lines(freed, "would free" if args.dry_run else "freed"):
+        print(line)
+    done = len(actions) + len(freed)
+    summary = f"cleanup: {done} action(s)" if done else "cleanup: nothing to do"
+    print(summary + (" (dry run: nothing changed)" if args.dry_run and done else ""))
     return 0
+
+
+def _freed_lines(freed: list[DeadFolder], verb: str) -> list[str]:
+    """One line per dead PS: "freed N weight buffers of dead PS pid P: X MB"."""
+    by_pid: dict = {}
+    for f in freed:
+        buffers, nbytes = by_pid.get(f.pid, (0, 0))
+        by_pid[f.pid] = (buffers + f.buffers, nbytes + f.nbytes)
+    return [f"{verb} {n} weight buffers of dead PS {'pid ' + str(pid) if pid is not None else '(no owner record)'}: "
+            f"{nbytes / 1e6:.1f} MB" for pid, (n, nbytes) in by_pid.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
     python -m worker --device N --run_dir RUN [config flags, the same as the PS's]
 
-launch.sh starts one per GPU (or CPU slot) and restarts it if it dies.
+launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit status: 0
+stopped (SIGTERM, Ctrl-C), 2 bad arguments or a worker already running on that device,
+3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
 """
 
 import argparse

@@ -6,6 +6,12 @@ A worker holds its liveness lock and heartbeat for its whole life, recovers jobs
 earlier process left under its device number, waits for the PS's first weights, then
 loops. SIGTERM or Ctrl-C: it finishes the job in hand (or releases it if it cannot) and
 exits 0. When the PS goes away it keeps its weights and waits for a new one.
+
+A job that raises fails alone (archived ``failed``), unless the error says this process's
+GPU is broken (a CUDA error other than out-of-memory, asyncgrpo/weights/device_errors.py):
+then every later job and weight sync would fail too, so the worker logs one line and exits
+with EXIT_DEVICE_BROKEN; launch.sh starts a new process (a new CUDA context), whose start-up
+recovery puts the job in hand back in the queue with its attempt counted.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.weights import make_subscriber
+from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
 from worker.generate import build_trainer, generate_and_score, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
+EXIT_DEVICE_BROKEN = 3  # exit status of a worker whose GPU failed; launch.sh restarts it
 
 
 def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
@@ -47,6 +55,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
     trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
     subscriber = make_subscriber(run)
     version = None
+    status = 0
     try:
         while not stop.is_set():
             if version is None:  # never claim a job before holding the PS's weights
@@ -79,13 +88,23 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
                 break
             presence.update(weights_version=version)
             _process(queue, job, trainer, version, device, events, claimed)
+    except Exception as err:
+        if not is_broken_device_error(err):
+            raise
+        log.error("[worker] dev%d exits (status %d): its GPU failed with %s; a new process gets a new CUDA "
+                  "context", device, EXIT_DEVICE_BROKEN, first_line(err))
+        status = EXIT_DEVICE_BROKEN
     finally:
         watcher.close()
-        subscriber.close()
+        try:
+            subscriber.close()  # frees IPC mappings: on a broken device that may fail too
+        except Exception as err:
+            log.warning("[weights] dev%d closing the weights reader: %s", device, first_line(err))
         presence.stop()
         events.close()
-    log.info("[worker] dev%d stopped", device)
-    return 0
+    if status == 0:
+        log.info("[worker] dev%d stopped", device)
+    return status
 
 
 def _wait_and_build_trainer(cfg, run, stop, watcher):
@@ -120,6 +139,8 @@ def _process(queue: JobQueue, job, trainer, version: int, device: int, events: E
                                             seed=job_seed(trainer.args.seed, job.job_id),
                                             job_id=job.job_id, weights_version=version)
     except Exception as err:  # a bad prompt or reward function must not kill the worker
+        if is_broken_device_error(err):
+            raise  # not this job's failure alone: run_worker exits, recovery retries the job
         log.exception("[gen] dev%d job %s failed", device, job.job_id)
         events.emit("job_failed", job_id=job.job_id, error=f"{type(err).__name__}: {err}"[:500])
         queue.fail(job, f"{type(err).__name__}: {err}")

@@ -6,6 +6,9 @@ host is judged by its heartbeat's mtime, compared with a probe file touched on t
 filesystem (never with the local clock, which may disagree with the file server's).
 A worker that is alive but stopped (SIGSTOP, a hung host) keeps its lock but stops
 beating; recovery treats a heartbeat older than the lease as stale too.
+
+``pid_alive`` is the same question for processes that record a pid and host instead of
+holding a lock (the PS's weight publishers, their /dev/shm buffer folders).
 """
 
 from __future__ import annotations
@@ -27,6 +30,21 @@ _LOCK_RETRY_S = 1.0  # a recovery probe holds a free lock for microseconds; ride
 
 log = logging.getLogger("asyncgrpo.queue")
 _HEARTBEAT_RE = re.compile(r"^dev(0|[1-9]\d{0,2})\.json$")
+
+
+def pid_alive(pid: object, host: object) -> bool:
+    """False only when ``pid`` is certainly dead on this host (another host: unknown, True)."""
+    if host != socket.gethostname():
+        return True
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
 
 
 class WorkerAlreadyRunning(RuntimeError):

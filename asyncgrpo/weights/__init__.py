@@ -1,6 +1,8 @@
 """Weight transports: the PS publishes its parameters, workers sync them into their model.
 
     base         version file, locks, the two-slot protocol (why no read is ever torn), the PS side
+    buffer_folders  where mmap buffers live; freeing a dead PS's (no torch: queue_tools uses it)
+    device_errors   a failed operation vs a broken CUDA context
     layout       where each tensor lives in a flat buffer: grouped per dtype, aligned, ties stored once
     memcopy      copying hundreds of CPU tensors at memory bandwidth
     subscriber   the worker side, for every transport
@@ -22,22 +24,35 @@ On a worker, before each job::
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from asyncgrpo.jobqueue.rundir import RunDir
-from asyncgrpo.weights.base import VERSION_FILE, Layout, TransportUnavailable, read_version_file
-from asyncgrpo.weights.subscriber import Subscriber
+    from asyncgrpo.jobqueue.rundir import RunDir
+
+# Loaded on first use, so that importing a torch-free submodule (buffer_folders, for
+# queue_tools) does not import torch through this package.
+_LAZY = {"VERSION_FILE": "asyncgrpo.weights.base", "Layout": "asyncgrpo.weights.base",
+         "TransportUnavailable": "asyncgrpo.weights.base", "read_version_file": "asyncgrpo.weights.base",
+         "Subscriber": "asyncgrpo.weights.subscriber"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class WeightPublisher(Protocol):
     publisher_id: str
     transport: str
 
-    def publish(self, version: int, step: int) -> None:
+    def publish(self, version: int, step: int) -> bool:
         """Copies the model's current parameters into the transport, then atomically
-        rewrites RUN/weights/ps_ipc_handle_version.json to name them."""
+        rewrites RUN/weights/published_version.json to name them. False: not published
+        (both slots held by stopped readers; see base.py)."""
 
     def close(self) -> None: ...
 
@@ -79,6 +94,8 @@ def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto")
 
 def make_subscriber(run: RunDir) -> WeightSubscriber:
     """The transport and layout come from the version file, re-read when the PS restarts."""
+    from asyncgrpo.weights.subscriber import Subscriber
+
     return Subscriber(run)
 
 

@@ -2,9 +2,12 @@
 
 Files (all under ``RUN/weights/``):
 
-* ``ps_ipc_handle_version.json``: the newest published version (small; rewritten atomically
+* ``published_version.json``: the newest published version (small; rewritten atomically
   with ``fileops.write_json`` on every publish): version, step, transport, publisher_id, pid,
-  host, written_at, buffer (slot 0/1), closed, layout_file, and the transport's fields.
+  host, written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
+  fields. Its name before was ``ps_ipc_handle_version.json`` (it serves every transport,
+  not only CUDA IPC): readers fall back to that name when the new one does not exist, so a
+  worker started on a run whose PS still writes the old name finds its weights.
 * ``layout-{publisher_id}.json``: names, dtypes, shapes, byte offsets, grouped per dtype;
   written once per PS run. It is a file of its own because it grows with the model (a
   large model's layout outgrows the 64 KiB that ``fileops.read_json`` reads) and does not
@@ -40,8 +43,20 @@ names, which is the other slot than the one the PS is about to write. The only r
 the PS can wait for are those that read the file before the previous publish: at most
 one copy. Workers never hold a lock across anything but one copy.
 
+A reader that stops while holding a slot's lock (SIGSTOP, a debugger, a hung host) would
+block the PS's next publish into that slot forever. So the PS waits at most
+``slot_wait_s`` for a lock, then logs who holds it and rewrites the slot the file names
+in place instead, under that slot's EX lock: it first marks the file ``rewriting`` (a
+reader skips such a version and keeps its weights, so a PS that dies in the middle of the
+copy leaves nothing torn to read), copies, then names the new version. Later publishes
+try the held slot without waiting and go back to it once it is free. When both slots are
+held, the version is not published (publish returns False, an error is logged) and the
+workers keep the last one. The stopped reader itself copies a slot nobody has rewritten
+since it locked it.
+
 Closing: the PS takes EX on both slots, marks the version file ``closed`` and only then
-frees its buffers, so no worker copies from freed (CUDA: possibly reused) memory.
+frees its buffers, so no worker copies from freed (CUDA: possibly reused) memory. A slot
+whose lock stays held past ``slot_wait_s`` is left allocated (the transport decides how).
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ import re
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -62,7 +78,9 @@ from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.layout import Layout, layout_path
 from asyncgrpo.weights.memcopy import copy_tensors
 
-VERSION_FILE = "ps_ipc_handle_version.json"
+VERSION_FILE = "published_version.json"
+LEGACY_VERSION_FILE = "ps_ipc_handle_version.json"  # its earlier name, read as a fallback
+SLOT_WAIT_S = 10.0  # longest wait for a slot's lock: a healthy reader holds it for one copy
 TRANSPORTS = ("mmap", "cuda_ipc", "safetensors")
 NUM_SLOTS = 2
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -95,24 +113,46 @@ def flocked(fd: int, mode: int):
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def pid_alive(pid: object, host: object) -> bool:
-    """False only when ``pid`` is certainly dead on this host (another host: unknown, True)."""
-    if host != socket.gethostname():
-        return True
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+def flock_within(fd: int, mode: int, timeout_s: float) -> bool:
+    """Takes the lock, waiting at most ``timeout_s`` (0: one try); False if it stayed held.
+    flock has no timeout of its own (and SIGALRM works in the main thread only): poll."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0002
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 0.005)  # a healthy holder lets go within one copy
+
+
+def lock_holders(path: str | os.PathLike) -> list[int]:
+    """Pids holding a lock on the file, from /proc/locks (this host, best effort: for a log line)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        st = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in lines:
+        fields = line.split()  # "1: FLOCK  ADVISORY  READ 5569 fe:00:2147586 0 EOF"; waiters have "->"
+        if len(fields) > 5 and "->" not in fields and fields[5] == inode and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return sorted(set(pids))
 
 
 def read_version_file(run: RunDir) -> dict | None:
     """The version file, validated; None when missing, unreadable or malformed."""
-    info = fileops.read_json(version_path(run))
+    path = version_path(run)
+    info = fileops.read_json(path)
+    if info is None and not path.exists():  # a run whose PS predates the rename
+        info = fileops.read_json(run.weights / LEGACY_VERSION_FILE)
     if info is None:
         return None
     slot_ok = info.get("buffer") is None if info.get("transport") == "safetensors" else info.get("buffer") in (0, 1)
@@ -121,11 +161,18 @@ def read_version_file(run: RunDir) -> dict | None:
     return info if ok else None
 
 
+def remove_legacy_version_file(run: RunDir) -> None:
+    """A new PS writes the new name only; an old-name file left beside it would name a dead PS."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(run.weights / LEGACY_VERSION_FILE)
+
+
 def key(info: dict | None) -> tuple | None:
     """What must not change between a worker's first read and its re-read under the lock."""
     if info is None:
         return None
-    return info["publisher_id"], info["version"], info.get("buffer"), bool(info.get("closed"))
+    return (info["publisher_id"], info["version"], info.get("buffer"), bool(info.get("closed")),
+            bool(info.get("rewriting")))
 
 
 class SlotPublisher:
@@ -138,13 +185,17 @@ class SlotPublisher:
         self.run, self.model = run, model
         self.publisher_id = uuid.uuid4().hex
         self.layout = Layout.of(model.state_dict())
+        self.slot_wait_s = SLOT_WAIT_S
         self.slots: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
         self._lock_fds = [open_lock(run, i) for i in range(NUM_SLOTS)]
         self._slot: int | None = None  # the slot the version file names
         self._version: int | None = None
+        self._step: int | None = None
+        self._held: set[int] = set()  # slots whose lock a reader kept past slot_wait_s
         self._closed = False
         remove_other_layouts(run, keep=self.publisher_id)
+        remove_legacy_version_file(run)
         fileops.write_json(layout_path(run, self.publisher_id), self.layout.to_json())
 
     def _set_slots(self, slots: list[torch.Tensor]) -> None:
@@ -158,45 +209,84 @@ class SlotPublisher:
     def _fields(self) -> dict:
         return {}
 
-    def publish(self, version: int, step: int) -> None:
+    def publish(self, version: int, step: int) -> bool:
+        """True once the version file names ``version``; False when both slots are held by
+        stopped readers (the workers keep the last published version; logged)."""
         if self._closed:
             raise RuntimeError("publish() after close()")
         if self._version is not None and version <= self._version:
             raise ValueError(f"versions must increase: {version} after {self._version}")
-        slot = 0 if self._slot is None else 1 - self._slot
         t0 = time.perf_counter()
         with torch.no_grad():
             sources = self.layout.sources(self.model.state_dict())
-            with flocked(self._lock_fds[slot], fcntl.LOCK_EX):
+            slot = self._lock_a_slot(version)
+            if slot is None:
+                return False
+            try:
                 t1 = time.perf_counter()
+                if slot == self._slot:  # in place: readers skip it until the new version is named
+                    self._write(self._version, self._step, slot, closed=False, rewriting=True)
                 self._copy(self._views[slot], sources)
                 self._write(version, step, slot, closed=False)
-        self._slot, self._version = slot, version
+            finally:
+                fcntl.flock(self._lock_fds[slot], fcntl.LOCK_UN)
+        self._slot, self._version, self._step = slot, version, step
         log.debug("[weights] published v%d step %d slot %d lock_wait_ms=%.2f copy_ms=%.2f %s",
                   version, step, slot, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, self.transport)
+        return True
 
-    def _write(self, version: int, step: int, slot: int, *, closed: bool) -> None:
+    def _lock_a_slot(self, version: int) -> int | None:
+        """Locks (EX) the slot to write: the one the file does not name, or, when a reader
+        has held that one past ``slot_wait_s``, the named one (rewritten in place)."""
+        unnamed = 0 if self._slot is None else 1 - self._slot
+        for slot in (unnamed, 1 - unnamed):
+            was_held = slot in self._held
+            if flock_within(self._lock_fds[slot], fcntl.LOCK_EX, 0.0 if was_held else self.slot_wait_s):
+                if was_held:
+                    self._held.discard(slot)
+                    log.info("[weights] slot %d is free again", slot)
+                return slot
+            if not was_held:
+                self._held.add(slot)
+                log.warning("[weights] slot %d: its lock has been held for over %.1f s by pid(s) %s (a stopped "
+                            "or hung worker?); publishing without it until it is free", slot, self.slot_wait_s,
+                            lock_holders(lock_path(self.run, slot)) or "unknown")
+        log.error("[weights] version %d not published: both slots are held by readers that do not let go "
+                  "(pids %s, %s); workers keep version %s", version, lock_holders(lock_path(self.run, 0)) or "?",
+                  lock_holders(lock_path(self.run, 1)) or "?", self._version)
+        return None
+
+    def _write(self, version: int | None, step: int | None, slot: int, *, closed: bool,
+               rewriting: bool = False) -> None:
         fileops.write_json(version_path(self.run), {
             "version": version, "step": step, "transport": self.transport, "publisher_id": self.publisher_id,
             "pid": os.getpid(), "host": socket.gethostname(), "written_at": time.time(), "buffer": slot,
-            "closed": closed, "layout_file": layout_path(self.run, self.publisher_id).name,
+            "closed": closed, "rewriting": rewriting, "layout_file": layout_path(self.run, self.publisher_id).name,
             "total_bytes": self.layout.total_bytes, "num_tensors": len(self.layout.entries), **self._fields()})
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        with flocked(self._lock_fds[0], fcntl.LOCK_EX), flocked(self._lock_fds[1], fcntl.LOCK_EX):
+        locked = [slot for slot in range(NUM_SLOTS) if flock_within(
+            self._lock_fds[slot], fcntl.LOCK_EX, 0.0 if slot in self._held else self.slot_wait_s)]
+        held = set(range(NUM_SLOTS)) - set(locked)
+        if held:
+            log.warning("[weights] closing while slot(s) %s are held by pid(s) %s: left allocated for them",
+                        sorted(held), [lock_holders(lock_path(self.run, s)) for s in sorted(held)])
+        try:
             current = read_version_file(self.run)
             if current is not None and current["publisher_id"] == self.publisher_id:
                 self._write(current["version"], current["step"], current["buffer"], closed=True)
-            self._release()  # no worker holds a slot now, and none will copy from a closed publisher
-        for fd in self._lock_fds:
-            os.close(fd)
+            self._release(held)  # no worker copies from a closed publisher, and none holds a freed slot
+        finally:
+            for fd in self._lock_fds:
+                os.close(fd)  # drops our locks
         self.slots, self._views = [], []
 
-    def _release(self) -> None:
-        """Frees the transport's resources; called under both EX locks."""
+    def _release(self, held: set[int]) -> None:
+        """Frees the transport's resources; called under EX on every slot but those in
+        ``held`` (a stopped reader may still copy from them when it resumes)."""
 
 
 def remove_other_layouts(run: RunDir, keep: str) -> None:

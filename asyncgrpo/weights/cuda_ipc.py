@@ -12,7 +12,8 @@ the slot right after.
 Traps this module steers around (docs/design.md, "Weight transports"):
 * One buffer per slot, not one handle per tensor: opening hundreds of handles costs seconds.
 * The PS keeps both buffers alive until close(); close() marks the version file closed
-  under both exclusive locks before freeing them, so no worker reads freed memory.
+  under both exclusive locks before freeing them, so no worker reads freed memory (a
+  slot a stopped reader still holds is never freed, see base.py).
 * ``expandable_segments:True`` memory cannot be shared with cudaIpc handles: the buffers
   are allocated with expandable segments switched off for the allocation only.
   The ``cudaMallocAsync`` allocator backend cannot export handles at all: refused up front.
@@ -21,6 +22,9 @@ Traps this module steers around (docs/design.md, "Weight transports"):
   must see the PS's GPU; it then copies peer-to-peer into its own GPU if that is another.
 * A dead PS's handles are invalid: a worker checks that the PS pid is alive before each
   sync and on any failure keeps its weights (sync returns None) until a new publisher_id.
+  A copy that fails because this process's own CUDA context is broken is re-raised as it
+  is (device_errors.py): the worker exits and is restarted, instead of keeping stale
+  weights and failing every job.
 * A process cannot open its own IPC handles: a subscriber in the PS's own process (tests,
   a one-process run) uses the PS's buffers directly.
 """
@@ -33,10 +37,15 @@ import socket
 
 import torch
 
+from asyncgrpo.jobqueue.liveness import pid_alive
 from asyncgrpo.jobqueue.rundir import RunDir
-from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, TransportUnavailable, log, pid_alive
+from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, TransportUnavailable, log
+from asyncgrpo.weights.device_errors import is_sticky_cuda_error
 
 _LOCAL: dict[str, list[torch.Tensor]] = {}  # publisher_id -> slots, for subscribers in the PS's process
+# Slots a closed publisher could not lock (a stopped reader held them): never freed, so the
+# allocator cannot hand their memory to anything else before that reader copies from it.
+_KEPT_FOR_STOPPED_READERS: list[torch.Tensor] = []
 
 
 def device_uuid(index: int) -> str:
@@ -147,12 +156,15 @@ class CudaIpcPublisher(SlotPublisher):
     def _fields(self) -> dict:
         return {"device_uuid": self._uuid, "ipc": self._handles}
 
-    def _release(self) -> None:
+    def _release(self, held: set[int]) -> None:
         _LOCAL.pop(self.publisher_id, None)
+        _KEPT_FOR_STOPPED_READERS.extend(self.slots[i] for i in sorted(held))
         # Each export counts one expected consumer; ours are many and the closed version
         # file already keeps them out, so drop that count: the memory is then freed at
         # once instead of waiting in PyTorch's IPC limbo (and warning at exit).
-        for h in self._handles:
+        for i, h in enumerate(self._handles):
+            if i in held:
+                continue
             with contextlib.suppress(Exception):
                 torch.UntypedStorage._release_ipc_counter_cuda(bytes.fromhex(h["ref_counter_handle"]),
                                                                h["ref_counter_offset"])
@@ -201,6 +213,8 @@ class CudaIpcReader:
                 torch._foreach_copy_(dsts, [views[i] for i in idx])
             _synchronize(devices)  # before the caller unlocks: the PS may overwrite this slot next
         except RuntimeError as err:
+            if is_sticky_cuda_error(err):
+                raise  # this process's CUDA context is gone: the worker must exit, not keep syncing
             raise TransportUnavailable(f"copy failed: {str(err).splitlines()[0]}") from err
 
     def close(self) -> None:

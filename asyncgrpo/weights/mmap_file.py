@@ -10,44 +10,32 @@ pipe. Files live in ``/dev/shm/asyncgrpo-weights-{hash of the run dir}-{publishe
 The PS reserves the files' pages up front (posix_fallocate): a full tmpfs then fails the
 constructor with ENOSPC instead of killing the PS with SIGBUS in the middle of a publish.
 close() removes the folder; folders of earlier PS runs of this run directory whose owner
-is dead are removed when a new publisher starts. A worker that still maps a removed file
-keeps reading valid pages (tmpfs frees them at the last unmap), but the version file says
-``closed`` by then, so it doesn't.
+is dead are removed when a new publisher starts, or by ``queue_tools cleanup``
+(buffer_folders.py). A worker that still maps a removed file keeps reading valid pages
+(tmpfs frees them at the last unmap), but the version file says ``closed`` by then, so it
+doesn't.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import torch
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.rundir import RunDir
-from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, log, pid_alive
+from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, log
+from asyncgrpo.weights.buffer_folders import PREFIX, SHM_ROOT, buffer_dir, remove_dead_folders  # noqa: F401 (PREFIX: bench)
 from asyncgrpo.weights.memcopy import copy_tensors
 
-SHM_ROOT = Path("/dev/shm")
-PREFIX = "asyncgrpo-weights-"
-_ORPHAN_GRACE_S = 60.0  # a folder without owner.json may be one being created right now
 _MADV_POPULATE = {False: 22, True: 23}  # MADV_POPULATE_READ / _WRITE (Linux >= 5.14)
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def run_tag(run: RunDir) -> str:
-    return hashlib.sha1(str(run.root.resolve()).encode()).hexdigest()[:12]
-
-
-def buffer_dir(base: Path, run: RunDir, publisher_id: str) -> Path:
-    return base / f"{PREFIX}{run_tag(run)}-{publisher_id}"
 
 
 def _choose_base(run: RunDir, nbytes: int) -> Path:
@@ -58,20 +46,6 @@ def _choose_base(run: RunDir, nbytes: int) -> Path:
         log.warning("[weights] %s has %.0f MB free, %d buffers of %.0f MB need more; using %s (slower)",
                     SHM_ROOT, free / 1e6, NUM_SLOTS, nbytes / 1e6, run.weights)
     return run.weights
-
-
-def _remove_dead_folders(base: Path, run: RunDir, keep: Path) -> None:
-    for folder in base.glob(f"{PREFIX}{run_tag(run)}-*"):
-        if folder == keep or not folder.is_dir():
-            continue
-        owner = fileops.read_json(folder / "owner.json")
-        if owner is not None and pid_alive(owner.get("pid"), owner.get("host")):
-            continue
-        with contextlib.suppress(OSError):
-            if owner is None and time.time() - folder.stat().st_mtime < _ORPHAN_GRACE_S:
-                continue
-            shutil.rmtree(folder)
-            log.info("[weights] removed %s (its PS is gone)", folder)
 
 
 def _map(path: str | Path, nbytes: int, *, write: bool) -> torch.Tensor:
@@ -104,8 +78,7 @@ class MmapPublisher(SlotPublisher):
         super().__init__(run, model)
         base = _choose_base(run, self.layout.total_bytes)
         self.dir = buffer_dir(base, run, self.publisher_id)
-        for b in {SHM_ROOT, run.weights}:  # an earlier PS may have used the other place
-            _remove_dead_folders(b, run, keep=self.dir)
+        remove_dead_folders(run, (SHM_ROOT, run.weights), keep=self.dir)  # an earlier PS may have used either
         self.dir.mkdir()
         try:
             fileops.write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname(),
@@ -121,7 +94,8 @@ class MmapPublisher(SlotPublisher):
     def _fields(self) -> dict:
         return {"paths": [str(p) for p in self.paths]}
 
-    def _release(self) -> None:
+    def _release(self, held: set[int]) -> None:
+        # Even a slot a stopped reader holds can go: its mapping keeps the pages until it unmaps.
         self._set_slots([])
         shutil.rmtree(self.dir, ignore_errors=True)
 

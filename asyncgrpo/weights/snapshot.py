@@ -30,6 +30,7 @@ from asyncgrpo.weights.base import (
     TransportUnavailable,
     layout_path,
     log,
+    remove_legacy_version_file,
     remove_other_layouts,
     version_path,
 )
@@ -60,9 +61,10 @@ class SnapshotPublisher:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
         remove_other_layouts(run, keep=self.publisher_id)
+        remove_legacy_version_file(run)
         fileops.write_json(layout_path(run, self.publisher_id), self.layout.to_json())
 
-    def publish(self, version: int, step: int) -> None:
+    def publish(self, version: int, step: int) -> bool:
         if self._version is not None and version <= self._version:
             raise ValueError(f"versions must increase: {version} after {self._version}")
         with torch.no_grad():
@@ -90,6 +92,7 @@ class SnapshotPublisher:
                 os.unlink(self._written.popleft())
         log.debug("[weights] published v%d step %d snapshot write_ms=%.1f", version, step,
                   (time.perf_counter() - t0) * 1e3)
+        return True
 
     def close(self) -> None:
         """Nothing to free: the last snapshots stay loadable (workers elsewhere may still want them)."""

@@ -5,7 +5,8 @@ CUDA IPC handles opened once. A new publisher_id (the PS restarted) drops it and
 the new one. When a reader cannot be opened (the PS died, its buffers are gone, the GPU
 is not visible) ``sync`` returns None, the model keeps its weights, and the same
 publisher is retried at most every RETRY_S seconds; a new publisher is tried at once.
-See base.py for why a copy is never torn.
+See base.py for why a copy is never torn. A copy that fails because this process's own
+GPU is broken is not caught here: it propagates to the worker, which exits.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class Subscriber:
             info = read_version_file(self.run)
             if info is not None and info.get("closed") and self._reader_id == info["publisher_id"]:
                 self._drop_reader()  # unmap a closed PS's buffers (GPU memory stays held while mapped)
-            if info is None or info.get("closed") or not self._is_new(info):
-                return None
+            if info is None or info.get("closed") or info.get("rewriting") or not self._is_new(info):
+                return None  # rewriting: the PS is rewriting the named slot in place (base.py)
             reader = self._reader_for(info)
             if reader is None:
                 return None
