@@ -1,21 +1,155 @@
 """The TRL internals asyncgrpo relies on (trl 1.16), and the transformers generation loop behaviour log-probs are
-captured from. When they change, this fails and names what."""
+captured from. When they change, this fails and names what.
 
+Each method ps/trainer.py or worker/generate.py overrides or calls is checked with inspect.signature
+against the way asyncgrpo calls it (parameter names, order, defaults, **kwargs); the code paths it
+depends on inside TRL and transformers are checked in their source."""
+
+import dataclasses
 import inspect
 import re
+import typing
 
 import pytest
 import trl
 from packaging.version import Version
-from transformers import GenerationMixin, Trainer
+from transformers import GenerationMixin, Trainer, TrainerCallback
+from transformers.trainer_callback import ProgressCallback, TrainerControl, TrainerState
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from worker.generate import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE
 
+P = inspect.Parameter
+REQUIRED = P.empty  # a parameter the callers always pass
+ANY = object()  # a parameter with a default the callers may pass or leave out: any default
+POSITIONAL = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
 
-def params(func) -> list[str]:
-    return list(inspect.signature(func).parameters)
+
+# The TRL / transformers methods ps/trainer.py and worker/generate.py override or call, and how:
+# (the parameters asyncgrpo passes, in order, as (name, default): REQUIRED when the caller always
+# passes it, ANY when it may leave it out; whether **kwargs must be accepted). Every further
+# parameter must have a default, so that asyncgrpo's calls still bind and its overrides still fit.
+# KEYWORDS: methods called by keyword only, where the order does not matter.
+KEYWORDS = "keywords"
+SIGNATURES = {
+    # ps/trainer.py: AsyncGRPOTrainer(...) -> GRPOTrainer.__init__(model=..., reward_funcs=..., ...);
+    # worker/generate.py: build_trainer, the same keywords
+    (GRPOTrainer, "__init__"): ([("self", REQUIRED), ("model", REQUIRED), ("reward_funcs", ANY), ("args", ANY),
+                                 ("train_dataset", ANY), ("processing_class", ANY)], KEYWORDS),
+    # ps/trainer.py overrides train(resume_from_checkpoint=None, **kwargs); ps/__main__.py passes a path or None
+    (GRPOTrainer, "train"): ([("self", REQUIRED), ("resume_from_checkpoint", None)], False),
+    # PS override (training: the pipeline's result; evaluation: super()); the worker calls it with a job's rows
+    (GRPOTrainer, GENERATE_AND_SCORE): ([("self", REQUIRED), ("inputs", REQUIRED)], False),
+    # TRL's own, unchanged, calls the override above
+    (GRPOTrainer, "_prepare_inputs"): ([("self", REQUIRED), ("generation_batch", REQUIRED)], False),
+    # PS override: super()._compute_loss(model, inputs) with per-token advantages
+    (GRPOTrainer, "_compute_loss"): ([("self", REQUIRED), ("model", REQUIRED), ("inputs", REQUIRED)], False),
+    # PS override (passes everything through, unpacks 3 values); the worker and the PS's proximal log-probs
+    # call it as (model, input_ids, attention_mask, logits_to_keep, batch_size=...)
+    (GRPOTrainer, BEHAVIOUR_LOGPS): ([("self", REQUIRED), ("model", REQUIRED), ("input_ids", REQUIRED),
+                                      ("attention_mask", REQUIRED), ("logits_to_keep", REQUIRED),
+                                      ("batch_size", ANY)], False),
+    # the worker wraps it with (*args, **kwargs) to time generation apart from scoring
+    (GRPOTrainer, GENERATE): ([("self", REQUIRED), ("prompts", REQUIRED)], False),
+    # PS override: log(logs, start_time=None) -> super().log(logs, start_time)
+    (GRPOTrainer, "log"): ([("self", REQUIRED), ("logs", REQUIRED), ("start_time", None)], False),
+    # PS override: super()._save_checkpoint(model, trial), then the ledger into the folder it names
+    (GRPOTrainer, "_save_checkpoint"): ([("self", REQUIRED), ("model", REQUIRED), ("trial", REQUIRED)], False),
+    (GRPOTrainer, "_get_output_dir"): ([("self", REQUIRED), ("trial", REQUIRED)], False),
+    (GRPOTrainer, "add_callback"): ([("self", REQUIRED), ("callback", REQUIRED)], False),
+    # ps/trainer.py's _PipelineCallback
+    (TrainerCallback, "on_train_begin"): ([("self", REQUIRED), ("args", REQUIRED), ("state", REQUIRED),
+                                           ("control", REQUIRED)], True),
+    (TrainerCallback, "on_step_begin"): ([("self", REQUIRED), ("args", REQUIRED), ("state", REQUIRED),
+                                          ("control", REQUIRED)], True),
+    (TrainerCallback, "on_step_end"): ([("self", REQUIRED), ("args", REQUIRED), ("state", REQUIRED),
+                                        ("control", REQUIRED)], True),
+    # worker/generate.py's BehaviourCapture wraps model.generate and reads input_ids from its keywords
+    (GenerationMixin, "generate"): ([("self", REQUIRED), ("inputs", None)], True),
+    # ps/producer.py draws jobs with it, by keyword
+    (RepeatSampler, "__init__"): ([("self", REQUIRED), ("data_source", REQUIRED), ("mini_repeat_count", REQUIRED),
+                                   ("batch_size", ANY), ("repeat_count", ANY), ("shuffle", ANY), ("seed", ANY)],
+                                  False),
+}
+
+
+def signature_problems(func, expected, needs_kwargs) -> list[str]:
+    """What in ``func``'s signature breaks the calls asyncgrpo makes (empty: nothing).
+    ``needs_kwargs``: True (must take **kwargs), False, or KEYWORDS (``expected`` is passed by name)."""
+    parameters = list(inspect.signature(func).parameters.values())
+    by_name = {p.name: p for p in parameters}
+    problems = []
+    for i, (name, default) in enumerate(expected):
+        if needs_kwargs == KEYWORDS and i > 0:  # self stays first; the rest are found by name
+            param = by_name.get(name)
+            if param is None or param.kind not in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY):
+                problems.append(f"no keyword parameter {name}")
+                continue
+        elif i >= len(parameters) or parameters[i].name != name:
+            found = parameters[i].name if i < len(parameters) else "nothing"
+            problems.append(f"parameter {i} is {found}, expected {name}")
+            continue
+        else:
+            param = parameters[i]
+            if param.kind not in POSITIONAL:
+                problems.append(f"{name} is {param.kind.description}, expected positional or keyword")
+        if default is REQUIRED:
+            continue
+        if param.default is P.empty:
+            problems.append(f"{name} has no default")
+        elif default is not ANY and param.default != default:
+            problems.append(f"{name} defaults to {param.default!r}, expected {default!r}")
+    names = {name for name, _ in expected}
+    for param in parameters:
+        if param.name not in names and param.default is P.empty and param.kind not in (P.VAR_POSITIONAL,
+                                                                                       P.VAR_KEYWORD):
+            problems.append(f"new required parameter {param.name}")
+    if needs_kwargs is True and not any(p.kind is P.VAR_KEYWORD for p in parameters):
+        problems.append("no longer accepts **kwargs")
+    return problems
+
+
+@pytest.mark.parametrize("owner, name", list(SIGNATURES), ids=[f"{o.__name__}.{n}" for o, n in SIGNATURES])
+def test_signatures_of_the_methods_asyncgrpo_overrides_or_calls(owner, name):
+    func = getattr(owner, name, None)
+    assert callable(func), f"{owner.__name__}.{name} is gone"
+    leading, needs_kwargs = SIGNATURES[owner, name]
+    problems = signature_problems(func, leading, needs_kwargs)
+    assert not problems, f"{owner.__name__}.{name}{inspect.signature(func)} changed: {'; '.join(problems)}"
+
+
+def test_per_token_logps_helper_returns_logps_entropies_and_aux_loss():
+    annotation = inspect.signature(getattr(GRPOTrainer, BEHAVIOUR_LOGPS), eval_str=True).return_annotation
+    assert typing.get_origin(annotation) is tuple and len(typing.get_args(annotation)) == 3, (
+        f"GRPOTrainer.{BEHAVIOUR_LOGPS} returns {annotation}: the PS and the worker unpack (logps, entropies, "
+        "aux_loss)")
+
+
+def test_the_signature_check_can_fail():
+    """The checker itself, on made-up signatures: a renamed, a reordered, a new required parameter, a
+    default that changed, a lost **kwargs."""
+    leading = [("self", REQUIRED), ("logs", REQUIRED), ("start_time", None)]
+    assert signature_problems(lambda self, logs, start_time=None, extra=1: None, leading, False) == []
+    assert signature_problems(lambda self, records, start_time=None: None, leading, False)
+    assert signature_problems(lambda self, start_time=None, logs=None: None, leading, False)
+    assert signature_problems(lambda self, logs, start_time=None, *, step: None, leading, False)
+    assert signature_problems(lambda self, logs, start_time=0.0: None, leading, False)
+    assert signature_problems(lambda self, logs, *, start_time=None: None, leading, False)
+    assert signature_problems(lambda self, logs, start_time=None: None, leading, True)
+    by_keyword = [("self", REQUIRED), ("model", REQUIRED), ("args", ANY)]
+    assert signature_problems(lambda self, args=None, model=None: None, by_keyword, KEYWORDS) == []
+    assert signature_problems(lambda self, model, config=None: None, by_keyword, KEYWORDS)
+    assert signature_problems(lambda self, model, /, args=None: None, by_keyword, KEYWORDS)
+
+
+def test_trainer_state_and_control_fields_the_ps_reads():
+    assert {"global_step", "max_steps"} <= {f.name for f in dataclasses.fields(TrainerState)}, (
+        "TrainerState.global_step / max_steps are gone (the PS's weights versions and checkpoint placement)")
+    assert "should_save" in {f.name for f in dataclasses.fields(TrainerControl)}, (
+        "TrainerControl.should_save is gone (the PS moves a save that falls inside a job to its last step)")
+    assert "self.training_bar = " in inspect.getsource(ProgressCallback), (
+        "ProgressCallback.training_bar is gone (the PS shows reward and staleness on it)")
 
 
 def test_trl_version_is_in_the_pinned_range():
@@ -23,11 +157,8 @@ def test_trl_version_is_in_the_pinned_range():
         f"trl {trl.__version__} is outside the range ps/ and worker/ were written against (1.16.x)")
 
 
-def test_generate_and_score_completions_takes_the_generation_batch():
-    method = getattr(GRPOTrainer, GENERATE_AND_SCORE, None)
-    assert method is not None, f"GRPOTrainer.{GENERATE_AND_SCORE} is gone (worker and PS override/call it)"
-    assert params(method) == ["self", "inputs"], f"GRPOTrainer.{GENERATE_AND_SCORE} signature changed"
-    source = inspect.getsource(method)
+def test_generate_and_score_completions_returns_the_keys_the_ps_trains_on():
+    source = inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                 "num_items_in_batch", "old_per_token_logps"):
         assert f'"{key}"' in source, f"GRPOTrainer.{GENERATE_AND_SCORE} no longer returns {key!r}"
@@ -45,31 +176,14 @@ def test_generation_is_one_call_inside_generate_and_score():
         f"GRPOTrainer.{GENERATE_AND_SCORE} no longer calls {GENERATE}: workers time generation and scoring by it")
 
 
-def test_behaviour_logps_helper_signature():
-    method = getattr(GRPOTrainer, BEHAVIOUR_LOGPS, None)
-    assert method is not None, f"GRPOTrainer.{BEHAVIOUR_LOGPS} is gone (workers compute behaviour log-probs with it)"
-    assert params(method)[:6] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"], (
-        f"GRPOTrainer.{BEHAVIOUR_LOGPS} signature changed")
-
-
 def test_loss_uses_behaviour_logps_for_the_ratio():
     source = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'inputs.get("old_per_token_logps")' in source or 'inputs["old_per_token_logps"]' in source, (
         "GRPOTrainer._compute_loss no longer reads old_per_token_logps: stale samples would not be corrected")
 
 
-@pytest.mark.parametrize("name", ["_metrics", "_save_checkpoint", "log"])
-def test_other_hooks_exist(name):
-    if name == "_metrics":
-        assert "self._metrics = " in inspect.getsource(GRPOTrainer.__init__), "GRPOTrainer._metrics is gone"
-    else:
-        assert callable(getattr(GRPOTrainer, name, None)), f"GRPOTrainer.{name} is gone"
-
-
-def test_repeat_sampler_signature():
-    assert params(RepeatSampler.__init__)[1:7] == [
-        "data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle", "seed"], (
-        "trl.trainer.utils.RepeatSampler signature changed (the PS producer draws jobs with it)")
+def test_metrics_dict_the_worker_and_ps_read():
+    assert "self._metrics = " in inspect.getsource(GRPOTrainer.__init__), "GRPOTrainer._metrics is gone"
 
 
 # Behaviour log-probs captured during generation (worker.generate.BehaviourCapture).
