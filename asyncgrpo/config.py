@@ -105,11 +105,17 @@ class AsyncGRPOConfig(GRPOConfig):
             if not ok:
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
         super().__post_init__()
-        if self.num_iterations != 1 or self.steps_per_generation != self.gradient_accumulation_steps:
+        if (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps:
             raise ConfigError(
-                f"--num_iterations {self.num_iterations} / --steps_per_generation {self.steps_per_generation}: "
-                "asyncgrpo trains each generated batch for exactly one optimizer step (num_iterations 1, "
-                "steps_per_generation = gradient_accumulation_steps); more workers give more batches instead")
+                f"--steps_per_generation {self.steps_per_generation} x --num_iterations {self.num_iterations} must be "
+                f"a multiple of --gradient_accumulation_steps {self.gradient_accumulation_steps}: asyncgrpo trains "
+                "each generated batch for whole optimizer steps")
+
+    @property
+    def steps_per_job(self) -> int:
+        """Optimizer steps one job (one generation batch) trains: TRL splits it into steps_per_generation
+        micro-batches and goes over them num_iterations times."""
+        return self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
 
     @property
     def is_demo(self) -> bool:

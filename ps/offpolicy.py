@@ -10,10 +10,13 @@ masked) at a cap as prime-rl, verl and NeMo-RL do:
 
     loss_t = w_t * TRL's loss_t(ratio = pi / pi_prox),   w_t = min(pi_prox / pi_behaviour, cap)
 
-One result trains exactly one optimizer step, so the proximal policy is the current one:
-TRL's ratio is 1 in value (its clip never binds) with gradient grad log pi, and the
-weight is computed from the log-probs TRL's own loss forward already produced (no extra
-forward pass). The weight enters TRL's loss as per-token advantages A * w_t, which every
+When one result trains one optimizer step the proximal policy is the current one: TRL's
+ratio is 1 in value (its clip never binds) with gradient grad log pi, and the weight is
+computed from the log-probs TRL's own loss forward already produced (no extra forward
+pass). A result that trains several steps (``num_iterations``, ``steps_per_generation``)
+brings its proximal log-probs as TRL's ``old_per_token_logps``, computed once when it was
+taken: the weight is fixed for the job and TRL's clipped ratio current/proximal acts on
+its later steps, as in PPO's epochs. The weight enters TRL's loss as per-token advantages A * w_t, which every
 ``loss_type`` (grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo) supports unchanged; the KL
 term (beta) is not weighted, as in TRL.
 
@@ -53,7 +56,8 @@ class TokenWeighting:
 
     ``armed(inputs)`` hands TRL per-token advantages to be filled in; the trainer's
     ``_get_per_token_logps_and_entropies`` calls ``on_policy_logps`` with the log-probs of
-    TRL's loss forward, which fills them before TRL's loss reads them."""
+    TRL's loss forward, which fills them before TRL's loss reads them, unless the inputs
+    carry the proximal log-probs (``old_per_token_logps``): then they are filled at once."""
 
     def __init__(self, mode: str, cap: float):
         self.mode, self.cap = mode, cap
@@ -77,6 +81,8 @@ class TokenWeighting:
         advantages = inputs["advantages"]
         per_token = advantages.unsqueeze(1).repeat(1, mask.size(1))  # filled by on_policy_logps
         self._pending = (per_token, advantages, behaviour, mask)
+        if inputs.get("old_per_token_logps") is not None:  # the job trains several steps: its proximal policy
+            self.on_policy_logps(inputs["old_per_token_logps"])
         try:
             yield {**inputs, "advantages": per_token}
         finally:

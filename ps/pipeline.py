@@ -4,6 +4,7 @@
     pipeline.start(checkpoint_state, published_version=step)   # re-adopt, then feed and collect
     result, staleness = pipeline.next_result(step)             # blocks; raises PipelineError
     pipeline.on_step_end(step)                                 # after the weights of step are published
+    pipeline.job_in_training                                   # the job whose steps are being trained
     state = pipeline.state_dict()                              # saved in each checkpoint
     pipeline.finish()                                          # end of training: archive what is left
 
@@ -11,6 +12,13 @@ It owns the job producer and the result collector threads (ps/producer.py, ps/co
 the staleness and re-throw policy, the consumed-job ledger and the re-adoption of results
 after a restart. An exception in either thread is re-raised by ``next_result`` as a
 PipelineError, so training stops with it instead of waiting forever.
+
+One job trains ``steps_per_job`` optimizer steps (more than one with ``--num_iterations``
+or ``--steps_per_generation``). The staleness bound applies when its result is taken, at
+its first step; its later steps are trained against the proximal policy (ps/offpolicy.py).
+The job enters the ledger when its last step has trained; the trainer saves checkpoints
+only between jobs, so a checkpoint's ledger never holds a job half trained (except the
+final one, where a job cut short by ``max_steps`` counts as consumed).
 
 Consumption order ``ready`` takes the cached result with the lowest weights version (the one
 closest to going stale), then the lowest job id; ``fifo`` takes results in job order.
@@ -40,16 +48,14 @@ class JobPipeline:
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset):
         self.cfg, self.run, self.queue = cfg, run, queue
         self.consumed: set[str] = set()  # the ledger: job ids trained into the weights
+        self.job_in_training: CollectedResult | None = None
+        self.steps_left = 0  # of job_in_training
+        self.next_take_step = 0  # the trainer's step when it takes the next result
         self.published_version = 0
         self.failure: tuple[str, BaseException] | None = None
         self.cache = ResultCache()
         self.collector = ResultCollector(cfg, queue, self.cache, self._thread_failed)
         self.producer = JobProducer(cfg, queue, dataset, self, self._thread_failed)
-
-    @property
-    def taken(self) -> int:
-        """Results the trainer has taken (trained, or in the step being trained)."""
-        return len(self.consumed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -57,7 +63,7 @@ class JobPipeline:
         """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
         the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
-        self.published_version = published_version
+        self.published_version = self.next_take_step = published_version
         readopt_rolled_back_results(self.run, self.consumed)
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
@@ -66,7 +72,10 @@ class JobPipeline:
         self.producer.start()
 
     def state_dict(self) -> dict:
-        return {"consumed": sorted(self.consumed), "producer": self.producer.state_dict()}
+        """Between jobs, the ledger; at the end of training a job cut short by max_steps counts as consumed
+        (its rows were trained on, and no later step will train the rest)."""
+        consumed = self.consumed | ({self.job_in_training.job_id} if self.job_in_training else set())
+        return {"consumed": sorted(consumed), "producer": self.producer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = set(state.get("consumed", []))
@@ -89,8 +98,11 @@ class JobPipeline:
     # ------------------------------------------------------------------ the trainer's side
 
     def next_result(self, step: int) -> tuple[CollectedResult, int]:
-        """The next result to train step ``step + 1`` on, and its staleness; stale and duplicate
-        results are archived on the way (a stale one's rows are thrown again)."""
+        """The next result to train steps ``step + 1`` .. ``step + steps_per_job`` on, and its staleness;
+        stale and duplicate results are archived on the way (a stale one's rows are thrown again)."""
+        if self.job_in_training is not None:
+            raise PipelineError(f"a result was asked for at step {step} while job {self.job_in_training.job_id} "
+                                f"has {self.steps_left} step(s) left to train")
         started = time.monotonic()
         while True:
             self._raise_failure()
@@ -110,7 +122,8 @@ class JobPipeline:
                 self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
                 continue
             if self.queue.consume(result):  # False: a duplicate, archived as such
-                self.consumed.add(result.job_id)
+                self.job_in_training, self.steps_left = result, self.cfg.steps_per_job
+                self.next_take_step = step + self.cfg.steps_per_job
                 self.producer.wake()
                 return result, staleness
 
@@ -125,8 +138,18 @@ class JobPipeline:
         return min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
 
     def on_step_end(self, step: int) -> None:
+        """Step ``step`` has trained and its weights are published."""
+        if self.job_in_training is not None:
+            self.steps_left -= 1
+            if self.steps_left == 0:
+                self.consumed.add(self.job_in_training.job_id)
+                self.job_in_training = None
         self.published_version = step
         self.producer.wake()
+
+    @property
+    def between_jobs(self) -> bool:
+        return self.job_in_training is None
 
     # ------------------------------------------------------------------ end of training
 

@@ -6,17 +6,18 @@ drawn in TRL's order (its RepeatSampler, seeded). Rows owed a re-throw (their re
 back too stale) go out before new ones.
 
 Admission: a job is thrown only if every result in flight can still be trained within
-``max_staleness``. A result's staleness is the number of results trained between its
-weights version and its own training; in the worst case every other job in flight is
-trained before the oldest one, so the producer throws only while
+``max_staleness``. A result's staleness is the number of optimizer steps between its
+weights version and the step that takes it; each job trains ``steps_per_job`` steps, and in
+the worst case every other job in flight is trained before the oldest one, so the producer
+throws only while
 
-    taken + in_flight - oldest_version <= max_staleness
+    next_take_step + in_flight * steps_per_job - oldest_version <= max_staleness
 
-where ``taken`` counts the results the trainer has taken, ``in_flight`` the jobs in queue/
-and the cache, and ``oldest_version`` the lowest weights version any job not yet collected
-can have been generated with. A pending job will sync at least the version published when
-it was last seen pending, so that is its floor. Also at most ``max_pending`` pending and
-``max_outstanding`` in flight.
+where ``next_take_step`` is the trainer's step when it takes its next result,
+``in_flight`` counts the jobs in queue/ and the cache, and ``oldest_version`` is the lowest
+weights version any job not yet collected can have been generated with. A pending job will
+sync at least the version published when it was last seen pending, so that is its floor.
+Also at most ``max_pending`` pending and ``max_outstanding`` in flight.
 
 The producer's journal, ``RUN/producer.json``, is written before each job file appears: the
 job id is reserved (ids never repeat, also across a PS crash) and the rows it carries are
@@ -120,7 +121,8 @@ class JobProducer(WatchedThread):
         if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
             return False
         oldest = min(floors.values(), default=published)
-        return self.pipeline.taken + in_flight - oldest <= self.cfg.max_staleness
+        return (self.pipeline.next_take_step + in_flight * self.cfg.steps_per_job - oldest
+                <= self.cfg.max_staleness)
 
     def _generation_batches(self):
         size = self.cfg.generation_batch_size
@@ -133,7 +135,7 @@ class JobProducer(WatchedThread):
                 yield [self.dataset[i] for i in indices[start:start + size]]
 
     def _next_job_id(self) -> str:
-        step = self.pipeline.taken
+        step = self.pipeline.next_take_step
         if self.last_job_id is not None:  # ids only grow, also across a PS restart
             last_step, last_index = (int(part) for part in self.last_job_id.split("_"))
             if step <= last_step:
@@ -153,8 +155,8 @@ class JobProducer(WatchedThread):
             self._write_journal()  # before the file exists: the id is taken and the rows accounted for
         # Synchronous mode (max_staleness 0) needs the newest weights; otherwise any are fine,
         # since a worker syncs before each job anyway.
-        min_version = max(0, self.pipeline.taken - self.cfg.max_staleness)
-        created_step = self.pipeline.taken
+        created_step = self.pipeline.next_take_step
+        min_version = max(0, created_step - self.cfg.max_staleness)
         # Before the put: a worker may claim the job the moment its file appears.
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
                                created_step=created_step)

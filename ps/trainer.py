@@ -8,13 +8,20 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
 - The off-policy correction (ps/offpolicy.py) weights each token's advantage by the
   truncated importance ratio current/behaviour. The worker's behaviour log-probs reach TRL
   as ``sampling_per_token_logps`` (so TRL's ``off_policy_mask_threshold`` compares against
-  them); the proximal policy of decoupled PPO is the current one, since one result trains
-  exactly one optimizer step, so TRL's ratio against it is 1 and no extra forward pass is
-  needed. With ``--off_policy_correction none`` the behaviour log-probs are TRL's
-  ``old_per_token_logps`` instead: TRL's loss clips the ratio current/behaviour.
+  them). The proximal policy of decoupled PPO is the policy when the result was taken: for
+  a result that trains one optimizer step that is the current one, so TRL's ratio against
+  it is 1 and no extra forward pass is needed; a result that trains several steps
+  (``--num_iterations``, ``--steps_per_generation``) gets the proximal log-probs from one
+  forward pass when it is taken, as TRL's ``old_per_token_logps``, and TRL's clipped ratio
+  current/proximal governs its later steps. With ``--off_policy_correction none`` the
+  behaviour log-probs are TRL's ``old_per_token_logps`` instead: TRL's loss clips the ratio
+  current/behaviour.
 - After each optimizer step the weights are published, ``global_step.txt`` is written, and
-  each logged step appends one line to ``RUN/metrics.jsonl``. Checkpoints carry the
-  pipeline's durable state (ledger, producer journal, rows owed a re-throw).
+  each logged step appends one line to ``RUN/metrics.jsonl``; a step's staleness is its own
+  (step - 1 - the weights version of the result it trains). Checkpoints carry the
+  pipeline's durable state (ledger, producer journal, rows owed a re-throw) and are saved
+  only between jobs: a save that falls inside a job waits for the job's last step (the
+  final save excepted), so the ledger never holds a job half trained and resume is exact.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_record = _new_step_record()  # since the last logged step
         self._step_started = self._last_step_end = time.monotonic()
         self._step_wait_s = 0.0  # this optimizer step's wait for results
+        self._save_due_after_job = False
         self.add_callback(_PipelineCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -121,15 +129,30 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          tokens=int(batch["completion_mask"].sum()))
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited
-        self._step_record["staleness"].append(staleness)
-        self._step_record["weights_versions"].append(result.payload["weights_version"])
-        for name, value in result.data["metrics"].items():  # the worker's TRL metrics for this job
-            self._metrics["train"][name].append(value)
+        self._add_job_metrics()
         behaviour = batch.pop("old_per_token_logps", None)
         if behaviour is not None:
             batch[self.weighting.input_key] = behaviour
         device = self.accelerator.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        if self.cfg.steps_per_job > 1 and "old_per_token_logps" not in batch:
+            batch["old_per_token_logps"] = self._proximal_logps(batch)
+        return batch
+
+    def _add_job_metrics(self) -> None:
+        """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains."""
+        for name, value in self.pipeline.job_in_training.data["metrics"].items():
+            self._metrics["train"][name].append(value)
+
+    def _proximal_logps(self, batch: dict) -> torch.Tensor:
+        """Log-probs under the weights the job is taken with: the proximal policy of its later steps."""
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size)
+        return logps
 
     def _compute_loss(self, model, inputs):
         if not self.model.training:
@@ -150,14 +173,29 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def on_optimizer_step_begin(self) -> None:
         self._step_started, self._step_wait_s = time.monotonic(), 0.0
         self.events.emit("train_step_start", step=self.state.global_step + 1)
+        if self.pipeline.job_in_training is not None:  # a later step of the same job: no result is taken
+            self._add_job_metrics()
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
+        version = self.pipeline.job_in_training.payload["weights_version"]
+        staleness = step - 1 - version  # the weights this step started from, minus the behaviour's
+        self._step_record["staleness"].append(staleness)
+        self._step_record["weights_versions"].append(version)
         self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
-                         wait_ms=self._step_wait_s * 1e3)
+                         wait_ms=self._step_wait_s * 1e3, staleness=staleness)
         self._publish_weights()
         fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
         self.pipeline.on_step_end(step)
+
+    def hold_save_until_job_ends(self, control) -> None:
+        """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
+        if control.should_save and not self.pipeline.between_jobs and self.state.global_step < self.state.max_steps:
+            control.should_save, self._save_due_after_job = False, True
+            log.info("[train] step=%d is inside a job: its checkpoint is saved when the job's last step has "
+                     "trained", self.state.global_step)
+        elif self._save_due_after_job and self.pipeline.between_jobs:
+            control.should_save, self._save_due_after_job = True, False
 
     def _publish_weights(self) -> None:
         step = self.state.global_step
@@ -231,6 +269,7 @@ class _PipelineCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
+        self.trainer.hold_save_until_job_ends(control)  # after DefaultFlowCallback decided should_save
 
 
 def _new_step_record() -> dict:

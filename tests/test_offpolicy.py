@@ -192,3 +192,32 @@ def test_at_staleness_0_the_workers_behaviour_logps_are_the_ps_logps(trainer, tm
     on = batch["completion_mask"].bool()
     log_ratio = (ps_logps - batch["old_per_token_logps"])[on]
     assert log_ratio.abs().max().item() < 1e-4
+
+
+def test_a_job_of_several_steps_is_weighted_by_its_proximal_logps_and_clipped_against_them(trainer):
+    """A job that trains several optimizer steps brings the log-probs of the weights it was taken
+    with (TRL's old_per_token_logps, the proximal policy): each token's weight is
+    min(proximal / behaviour, cap), and TRL's PPO ratio current / proximal is clipped at 1 +- epsilon."""
+    inputs = make_inputs(trainer, behaviour_shift=1.0, seed=5)
+    with torch.no_grad():
+        current = policy_logps(trainer, inputs)
+    proximal = current + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(6))
+    inputs["old_per_token_logps"] = proximal
+    mask = inputs["completion_mask"]
+    weights = torch.exp((proximal - inputs["sampling_per_token_logps"]) * mask).clamp(max=2.0)
+    on = mask.bool()
+    assert (weights[on] == 2.0).any() and (weights[on] < 2.0).any()  # the cap binds on some tokens
+    assert (((current - proximal).exp() - 1).abs()[on] > 0.2).any()  # and so does PPO's clip
+
+    trainer.model.zero_grad()
+    logps = policy_logps(trainer, inputs)
+    ratio = torch.exp(logps - proximal)
+    advantages = inputs["advantages"].unsqueeze(1)
+    per_token = -weights * torch.min(ratio * advantages,
+                                     ratio.clamp(1 - trainer.epsilon_low, 1 + 0.2) * advantages)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    expected = [p.grad.clone() for p in trainer.model.parameters()]
+
+    assert_same(loss_grads(trainer, inputs, loss_type="dapo", epsilon_high=0.2), expected)
+    without_proximal = {k: v for k, v in inputs.items() if k != "old_per_token_logps"}
+    assert differ(loss_grads(trainer, without_proximal, loss_type="dapo", epsilon_high=0.2), expected)

@@ -295,7 +295,10 @@ def test_ready_order_trains_the_result_with_the_oldest_weights_first(run):
     try:
         wait_for(lambda: pending(pipeline.queue) == 3, "three pending jobs")
         ids = cache_results(pipeline, versions=[2, 0, 1])
-        order = [pipeline.next_result(step=3)[0].job_id for _ in ids]
+        order = []
+        for step in (3, 4, 5):
+            order.append(pipeline.next_result(step=step)[0].job_id)
+            pipeline.on_step_end(step + 1)
     finally:
         pipeline.stop()
     assert order == [ids[1], ids[2], ids[0]]
@@ -316,18 +319,87 @@ def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(run):
                                        weights_version=0)
         thread.join(WAIT_S)
         assert outcome["result"][0].job_id == first.job_id
+        pipeline.on_step_end(1)
         assert pipeline.next_result(step=1)[0].job_id == second.job_id
     finally:
         pipeline.stop()
 
 
-@pytest.mark.parametrize("flags", [["--num_iterations", "2"], ["--steps_per_generation", "2"]])
-def test_settings_that_train_one_result_for_several_steps_are_refused_in_one_line(flags):
+@pytest.mark.parametrize("flags, steps_per_job", [
+    ([], 1),
+    (["--num_iterations", "2"], 2),
+    (["--steps_per_generation", "2"], 2),
+    (["--steps_per_generation", "4", "--num_iterations", "3", "--gradient_accumulation_steps", "2"], 6),
+])
+def test_a_job_trains_steps_per_generation_x_num_iterations_over_accumulation_steps(flags, steps_per_job):
+    assert parse_config(flags).steps_per_job == steps_per_job
+
+
+@pytest.mark.parametrize("flags", [["--steps_per_generation", "3", "--gradient_accumulation_steps", "2"],
+                                   ["--steps_per_generation", "1", "--gradient_accumulation_steps", "2"]])
+def test_a_job_that_would_end_inside_an_optimizer_step_is_refused_in_one_line(flags):
     from asyncgrpo.config import ConfigError
 
-    with pytest.raises(ConfigError, match="exactly one optimizer step") as err:
+    with pytest.raises(ConfigError, match="must be a multiple of --gradient_accumulation_steps 2") as err:
         parse_config(flags)
     assert "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------- one job, several optimizer steps
+
+
+def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained(run):
+    pipeline = make_pipeline(run, max_pending=1, max_staleness=8, num_iterations=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+        job = work_one(pipeline.queue, version=0)
+        result, staleness = pipeline.next_result(step=0)
+        assert (result.job_id, staleness) == (job.job_id, 0)
+        pipeline.on_step_end(1)
+        assert pipeline.consumed == set() and pipeline.job_in_training.job_id == job.job_id
+        with pytest.raises(PipelineError, match=f"while job {job.job_id} has 1 step"):
+            pipeline.next_result(step=1)  # the trainer's steps and the jobs are out of step: stop, loudly
+        pipeline.on_step_end(2)
+        assert pipeline.consumed == {job.job_id} and pipeline.job_in_training is None
+    finally:
+        pipeline.stop()
+
+
+def test_admission_counts_the_steps_each_job_in_flight_will_train(run):
+    """Two steps per job, max_staleness 3: a job thrown now may wait for the two before it, 4
+    steps, so only two are in flight at version 0; one more once step 1's weights are out."""
+    pipeline = make_pipeline(run, max_pending=8, max_staleness=3, num_iterations=2)
+    pipeline.start(None, published_version=0)
+    queue = pipeline.queue
+    try:
+        wait_for(lambda: pending(queue) == 2, "two pending jobs")
+        assert pipeline.producer._may_throw() is False
+        work_one(queue, version=0)
+        assert pipeline.next_result(step=0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
+        assert pipeline.producer._may_throw() is False  # 2 + 1 x 2 - 0 > 3
+        pipeline.on_step_end(1)
+        wait_for(lambda: pending(queue) == 2, "a job for the weights of step 1")  # 2 + 1 x 2 - 1 <= 3
+        assert pipeline.producer._may_throw() is False
+    finally:
+        pipeline.stop()
+
+
+def test_synchronous_mode_with_several_steps_per_job_waits_for_the_jobs_last_step(run):
+    pipeline = make_pipeline(run, max_pending=8, max_staleness=0, num_iterations=2)
+    pipeline.start(None, published_version=0)
+    queue = pipeline.queue
+    try:
+        wait_for(lambda: pending(queue) == 1, "a pending job")
+        work_one(queue, version=0)
+        pipeline.next_result(step=0)
+        pipeline.on_step_end(1)
+        assert pipeline.producer._may_throw() is False  # its result would be taken at step 2
+        pipeline.on_step_end(2)
+        wait_for(lambda: pending(queue) == 1, "the next job")
+        assert queue.claim(1).data["min_weights_version"] == 2
+    finally:
+        pipeline.stop()
 
 
 def test_an_unknown_off_policy_correction_is_refused_in_one_line():

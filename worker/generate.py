@@ -24,6 +24,7 @@ on, are checked by tests/test_trl_contract.py, which fails loudly, naming what c
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import statistics
@@ -44,7 +45,11 @@ log = logging.getLogger("asyncgrpo.worker")
 
 
 def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset) -> GRPOTrainer:
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
+    # A job is one generation batch whatever steps_per_generation and num_iterations are: seen with
+    # one generation per optimizer step, TRL leaves old_per_token_logps to us (captured, not recomputed).
+    args = copy.copy(cfg)
+    args.steps_per_generation, args.num_iterations = cfg.gradient_accumulation_steps, 1
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                           processing_class=tokenizer)
     trainer.model.train()  # TRL's "train" mode: train-time num_generations and metric names
     return trainer

@@ -1,0 +1,117 @@
+"""One job, several optimizer steps (``--num_iterations 2``), with a real PS and worker.
+
+Every step is logged with its own staleness, a job enters the ledger once its last step
+has trained, checkpoints fall between jobs only, and a PS killed inside a job resumes
+exactly: its final weights equal those of a run that was never interrupted.
+
+Synchronous mode (``--max_staleness 0``) with one worker makes both runs deterministic:
+each job is generated with the weights of the step that takes it, and sampled with the
+job's own seed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import PROCESS_ENV, REPO
+from safetensors.torch import load_file
+
+TIMEOUT_S = 600
+FLAGS = ["--num_iterations", "2", "--max_steps", "8", "--max_staleness", "0", "--save_strategy", "steps",
+         "--save_steps", "3", "--save_total_limit", "10", "--lease_s", "4", "--seed", "0"]
+KILL_AFTER_STEP = 5  # the first of job 3's two steps
+
+
+def run_ps_and_worker(run_root: Path, ps_env=None) -> int:
+    """Runs the PS to its end (or death) with one worker; returns the PS's exit status."""
+    def start(name, *args, env=PROCESS_ENV):
+        with open(run_root.parent / f"{name}.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", *args, "--run_dir", str(run_root), *FLAGS],
+                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    ps = start("ps", "ps", env=ps_env or PROCESS_ENV)
+    worker = start("w1", "worker", "--device", "1")
+    try:
+        return ps.wait(timeout=TIMEOUT_S)
+    finally:
+        worker.terminate()
+        assert worker.wait(timeout=120) == 0
+
+
+def metrics(run_root: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
+
+
+def ledger(run_root: Path, step: int) -> list[str]:
+    return json.loads((run_root / "checkpoints" / f"checkpoint-{step}" / "asyncgrpo_state.json").read_text())[
+        "consumed"]
+
+
+def consumed_in_done(run_root: Path) -> list[str]:
+    return sorted(n[: -len("_consumed.pt")] for n in os.listdir(run_root / "done") if n.endswith("_consumed.pt"))
+
+
+def thrown(run_root: Path) -> list[str]:
+    events = [json.loads(line) for path in (run_root / "logs").glob("events-*.jsonl")
+              for line in path.read_text().splitlines()]
+    return [e["job_id"] for e in events if e["event"] == "job_created"]
+
+
+def final_weights(run_root: Path) -> dict:
+    return load_file(str(run_root / "checkpoints" / "checkpoint-8" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_root = tmp_path_factory.mktemp("uninterrupted") / "run"
+    assert run_ps_and_worker(run_root) == 0, (run_root.parent / "ps.log").read_text()[-3000:]
+    return run_root
+
+
+def test_each_step_is_logged_with_its_own_staleness_and_jobs_enter_the_ledger_whole(uninterrupted):
+    lines = metrics(uninterrupted)
+    assert [m["step"] for m in lines] == list(range(1, 9))
+    # Four jobs, each generated with the weights of the step that takes it, trained two steps.
+    assert [m["staleness_max"] for m in lines] == [0, 1] * 4
+    assert [m["weights_version"] for m in lines] == [0, 0, 2, 2, 4, 4, 6, 6]
+    assert all(m["reward"] is not None for m in lines)
+    jobs = thrown(uninterrupted)[:4]  # a fifth may be thrown after step 8, and archived unused
+    assert consumed_in_done(uninterrupted) == sorted(jobs)
+    # save_steps 3: the save at step 3 (inside job 2) waits for step 4; 6 falls between jobs; 8 is the end.
+    folders = sorted(int(p.name.split("-")[1]) for p in (uninterrupted / "checkpoints").glob("checkpoint-*"))
+    assert folders == [4, 6, 8]
+    assert ledger(uninterrupted, 4) == sorted(jobs[:2]) and ledger(uninterrupted, 8) == sorted(jobs)
+
+
+def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp_path):
+    """Killed right after step 5 (job 3 half trained), the PS resumes from checkpoint-4: job 3's
+    result comes back from done/ and trains both its steps again."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "from ps import trainer\n"
+        "_step_end = trainer.AsyncGRPOTrainer.on_optimizer_step_end\n"
+        "def on_optimizer_step_end(self):\n"
+        "    _step_end(self)\n"
+        f"    if self.state.global_step == {KILL_AFTER_STEP}:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "trainer.AsyncGRPOTrainer.on_optimizer_step_end = on_optimizer_step_end\n")
+    run_root = tmp_path / "run"
+    killed_env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
+    assert run_ps_and_worker(run_root, killed_env) == -9
+    assert (run_root / "global_step.txt").read_text().strip() == str(KILL_AFTER_STEP)  # killed before its log line
+    assert [m["step"] for m in metrics(run_root)] == list(range(1, KILL_AFTER_STEP))
+    assert len(consumed_in_done(run_root)) == 3 and len(ledger(run_root, 4)) == 2  # job 3: taken, not in a ledger
+
+    assert run_ps_and_worker(run_root) == 0, (run_root.parent / "ps.log").read_text()[-3000:]
+    assert [m["step"] for m in metrics(run_root)][KILL_AFTER_STEP - 1:] == list(range(5, 9))  # resumed at 4
+    assert ledger(run_root, 8) == consumed_in_done(run_root) == consumed_in_done(uninterrupted)
+    expected, weights = final_weights(uninterrupted), final_weights(run_root)
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert tensor.abs().sum() > 0
+        assert weights[name].equal(tensor), name
