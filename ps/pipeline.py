@@ -51,6 +51,9 @@ class JobPipeline:
         self.job_in_training: CollectedResult | None = None
         self.steps_left = 0  # of job_in_training
         self.next_take_step = 0  # the trainer's step when it takes the next result
+        # A result out of the cache, not yet accounted for in next_take_step (or archived): still in flight
+        # for the producer's admission, which would otherwise see it nowhere for that moment.
+        self.judging: str | None = None
         self.published_version = 0
         self.failure: tuple[str, BaseException] | None = None
         self.cache = ResultCache()
@@ -111,21 +114,30 @@ class JobPipeline:
                 log.warning("[train] step=%d has waited %.0fs for a result; queue %s", step,
                             time.monotonic() - started, self.queue.counts())
                 continue
-            staleness = step - result.payload["weights_version"]
-            if staleness > self.cfg.max_staleness:
-                log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
-                         result.job_id, staleness, self.cfg.max_staleness)
-                self.producer.owe(result.job_id, result.data["rows"])  # journal first: a crash loses no rows
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
-                continue
-            if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
-                continue
-            if self.queue.consume(result):  # False: a duplicate, archived as such
-                self.job_in_training, self.steps_left = result, self.cfg.steps_per_job
-                self.next_take_step = step + self.cfg.steps_per_job
-                self.producer.wake()
-                return result, staleness
+            try:
+                if self._accept(result, step):
+                    return result, step - result.payload["weights_version"]
+            finally:
+                self.judging = None
+
+    def _accept(self, result: CollectedResult, step: int) -> bool:
+        """True: ``result`` trains from step ``step + 1`` on (consumed); False: archived stale or duplicate."""
+        staleness = step - result.payload["weights_version"]
+        if staleness > self.cfg.max_staleness:
+            log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
+                     result.job_id, staleness, self.cfg.max_staleness)
+            self.producer.owe(result.job_id, result.data["rows"])  # journal first: a crash loses no rows
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
+            return False
+        if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+            return False
+        if not self.queue.consume(result):  # a duplicate, archived as such
+            return False
+        self.job_in_training, self.steps_left = result, self.cfg.steps_per_job
+        self.next_take_step = step + self.cfg.steps_per_job  # before judging ends: see __init__
+        self.producer.wake()
+        return True
 
     def _pick(self, cached: dict[str, CollectedResult]) -> str | None:
         self._raise_failure()
@@ -134,8 +146,11 @@ class JobPipeline:
         if self.cfg.consume_order == "fifo":
             oldest = min(cached)
             active = [n.job_id for n in self.queue.scan()[0] if n.state in IN_FLIGHT and n.job_id not in cached]
-            return None if active and min(active) < oldest else oldest  # an older job is still on its way
-        return min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
+            picked = None if active and min(active) < oldest else oldest  # an older job is still on its way
+        else:
+            picked = min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
+        self.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
+        return picked
 
     def on_step_end(self, step: int) -> None:
         """Step ``step`` has trained and its weights are published."""

@@ -109,6 +109,10 @@ class JobProducer(WatchedThread):
         published = self.pipeline.published_version
         names = [n for n in self.queue.scan()[0] if n.state in IN_FLIGHT]
         cached = self.pipeline.cache.versions()
+        # Then the result being judged, then next_take_step: a result taken from the cache since is either
+        # still judging or already counted in next_take_step (the pipeline updates it before judging ends).
+        judging = self.pipeline.judging
+        next_take_step = self.pipeline.next_take_step
         floors = {}
         for name in names:
             if name.state is JobState.PENDING:
@@ -117,12 +121,11 @@ class JobProducer(WatchedThread):
                 floors[name.job_id] = self.version_floor.setdefault(name.job_id, published)
         self.version_floor = {job_id: self.version_floor[job_id] for job_id in floors}
         pending = sum(n.state is JobState.PENDING for n in names)
-        in_flight = len({n.job_id for n in names} | cached.keys())
+        in_flight = len({n.job_id for n in names} | cached.keys() | ({judging} if judging else set()))
         if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
             return False
         oldest = min(floors.values(), default=published)
-        return (self.pipeline.next_take_step + in_flight * self.cfg.steps_per_job - oldest
-                <= self.cfg.max_staleness)
+        return next_take_step + in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
 
     def _generation_batches(self):
         size = self.cfg.generation_batch_size

@@ -268,6 +268,25 @@ def test_admission_throws_only_what_can_still_be_trained_within_the_bound(run):
         pipeline.stop()
 
 
+def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(run):
+    """Between leaving the cache and moving next_take_step on, the result the trainer is judging is
+    in neither: admission must still count it, or it throws one job too many (one that goes stale)."""
+    pipeline = make_pipeline(run, max_pending=8, max_staleness=1)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        pipeline.producer.stop()  # from here the test makes each call the threads would make, one at a time
+        cache_results(pipeline, versions=[0, 0])
+        assert pipeline.producer._may_throw() is False  # 0 + 2 in flight - 0 > 1
+        # The trainer, in the middle of next_result: the result is out of the cache and archived consumed
+        # (out of queue/), and next_take_step is not yet 1.
+        result = pipeline.cache.take(pipeline._pick, timeout=WAIT_S)
+        assert pipeline.queue.consume(result) and pipeline.next_take_step == 0
+        assert pipeline.producer._may_throw() is False
+    finally:
+        pipeline.stop()
+
+
 def test_synchronous_mode_throws_one_job_for_the_newest_weights(run):
     pipeline = make_pipeline(run, max_pending=8, max_staleness=0)
     pipeline.start({"consumed": ["000000_000", "000001_000"]}, published_version=2)
