@@ -1,16 +1,17 @@
 """Shared fixtures: a fresh run directory and a queue over it, in pytest's tmp_path; one
-real 8-step demo run (a PS and two workers) that several tests read."""
+real 8-step demo run (a PS and two workers) that several tests read. Shared helpers
+(processes, back-dated mtimes, the exactly-once check) are in tests/helpers.py."""
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, start_process
 
 from asyncgrpo.jobqueue import JobQueue, RunDir
+
+__all__ = ["DEMO_RUN_FLAGS", "PROCESS_ENV", "REPO"]  # also imported from here by some test modules
 
 
 @pytest.fixture
@@ -34,11 +35,6 @@ def _queue_logs_visible(caplog):
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-REPO = Path(__file__).resolve().parents[1]
-PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-DEMO_RUN_FLAGS = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3",
-                  "--seed", "0"]
-
 
 @pytest.fixture(scope="session")
 def finished_demo_run(tmp_path_factory) -> Path:
@@ -46,14 +42,9 @@ def finished_demo_run(tmp_path_factory) -> Path:
     exit 0 on SIGTERM). Started once per test run; tests only read it (the report adds report/).
     The processes' output is in the parent folder: ps.log, w1.log, w2.log."""
     root = tmp_path_factory.mktemp("demo8") / "run"
-
-    def start(name, *args):
-        with open(root.parent / f"{name}.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", *args, "--run_dir", str(root), *DEMO_RUN_FLAGS],
-                                    cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
-
-    ps = start("ps", "ps")
-    workers = [start(f"w{i}", "worker", "--device", str(i)) for i in (1, 2)]
+    ps = start_process(root, root.parent / "ps.log", "ps", *DEMO_RUN_FLAGS)
+    workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *DEMO_RUN_FLAGS)
+               for i in (1, 2)]
     try:
         assert ps.wait(timeout=600) == 0, (root.parent / "ps.log").read_text()[-3000:]
     finally:

@@ -22,6 +22,7 @@ import threading
 
 import pytest
 import torch
+from helpers import entries
 
 from asyncgrpo.jobqueue import (
     ArchiveReason,
@@ -49,11 +50,6 @@ def complete_name(job_id, device=1):
 
 def pending_name(job_id):
     return QueueName(job_id).filename
-
-
-def entries(directory):
-    """Names in a directory, queue/.tmp excluded."""
-    return set(os.listdir(directory)) - {".tmp"}
 
 
 def fingerprint(path):

@@ -8,7 +8,8 @@ random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
 At the end: training reached max_steps, every job in the final ledger was consumed exactly
-once, every file in done/ is accounted for, the queue is drained, and no process of the run
+once (the ledger, done/'s consumed files and the jobs the PS threw agree, with no job id
+twice in any of them), every file in done/ is accounted for, the queue is drained, and no process of the run
 is alive.
 """
 
@@ -21,17 +22,16 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers import LEDGER_FILE, assert_exactly_once, pid_alive, read_json, start_process
 
 from asyncgrpo.jobqueue import JobQueue, JobState, RunDir, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 200
 SAVE_STEPS = 5  # small, so that a killed PS loses few steps
 LEASE_S = 4
@@ -39,7 +39,7 @@ MAX_ATTEMPTS = 3  # the default
 DEVICES = (1, 2, 3)
 WORKER_KILLS = 11  # at least 10 must happen (the last one, in the final steps, may come too late)
 PS_KILLS = 2
-LEDGER = "asyncgrpo_state.json"  # in each checkpoint folder; written last, it marks the checkpoint complete
+LEDGER = LEDGER_FILE  # in each checkpoint folder; written last, it marks the checkpoint complete
 ARGS = ["--max_steps", str(MAX_STEPS), "--lease_s", str(LEASE_S), "--save_strategy", "steps",
         "--save_steps", str(SAVE_STEPS), "--seed", "0"]
 # Any single wait for progress; generous. A run costs about 160 s of CPU, most of it in the 18
@@ -48,28 +48,6 @@ ARGS = ["--max_steps", str(MAX_STEPS), "--lease_s", str(LEASE_S), "--save_strate
 WAIT_S = 240
 POLL_S = 0.01
 _DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<attempt>\d+))?(?:\.(?P<n>\d+))?\.pt$")
-
-
-def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-
-
-def alive(pid) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
 
 
 class Chaos:
@@ -97,9 +75,7 @@ class Chaos:
     def _start(self, log_name: str, module: str, *args: str) -> subprocess.Popen:
         with open(self.tmp / log_name, "ab") as log:
             log.write(f"\n===== chaos test: starting {module} {' '.join(args)} =====\n".encode())
-            log.flush()
-            proc = subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(self.run_root), *args, *ARGS],
-                                    cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *ARGS)
         self.procs.append(proc)
         return proc
 
@@ -314,9 +290,10 @@ def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
 
 
 def check_exactly_once_and_archive(run_root: Path, worker_kills: int) -> dict:
-    ledger = json.loads((run_root / "checkpoints" / f"checkpoint-{MAX_STEPS}" / LEDGER).read_text())
-    consumed_ledger = ledger["consumed"]
-    assert len(consumed_ledger) == len(set(consumed_ledger)) == MAX_STEPS, "ledger: duplicates or wrong length"
+    # The final ledger holds MAX_STEPS job ids, none twice, each archived as consumed exactly once
+    # in done/ and thrown once by the producer (tests/helpers.py).
+    assert (run_root / "checkpoints" / f"checkpoint-{MAX_STEPS}" / LEDGER).is_file()
+    assert_exactly_once(run_root, jobs=MAX_STEPS)
 
     per_job = done_files(run_root)
     reasons = defaultdict(set)
@@ -326,9 +303,6 @@ def check_exactly_once_and_archive(run_root: Path, worker_kills: int) -> dict:
     consumed_files = [n for files in per_job.values() for r, _, n in files if r == "consumed"]
     # One spelling per consumed job: no attempt suffix, no collision suffix.
     assert all(re.fullmatch(r"\d{6}_\d{3}_consumed\.pt", n) for n in consumed_files), consumed_files
-    assert sorted(reasons["consumed"]) == sorted(consumed_ledger), (
-        f"ledger and done/ disagree: only in ledger {sorted(set(consumed_ledger) - reasons['consumed'])}, "
-        f"only in done/ {sorted(reasons['consumed'] - set(consumed_ledger))}")
 
     # Nothing failed: no worker raised, no file was corrupt or outside the grammar.
     assert not reasons["failed"] and not reasons["failed_load"], {r: reasons[r] for r in ("failed", "failed_load")}
@@ -373,7 +347,7 @@ def check_queue_drained(run_root: Path) -> None:
 def check_nothing_alive(chaos: Chaos) -> None:
     assert all(proc.returncode is not None for proc in chaos.procs)
     pids = [read_json(p).get("pid") for p in [chaos.run_root / "ps.json", *chaos.run_root.glob("workers/dev*.json")]]
-    assert not [pid for pid in pids if pid and alive(pid)], pids
+    assert not [pid for pid in pids if pid and pid_alive(pid)], pids
     # The CPU weight transport's buffers: the final PS removes its own at the end and those of
     # the PSs killed before it when it starts (asyncgrpo/weights/mmap_file.py).
     root = str(chaos.run_root.resolve())

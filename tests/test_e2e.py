@@ -9,28 +9,30 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    metrics,
+    pid_alive,
+    ps_events,
+    read_json,
+    start_process,
+)
 
 from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
 from asyncgrpo.jobqueue.names import done_reason
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3", "--seed", "0"]
 
 
-def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-
-
 def start(run_root, log_name, module, *args):
-    log = open(Path(run_root).parent / log_name, "ab")
-    return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
-                            cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    return start_process(run_root, Path(run_root).parent / log_name, module, *args)
 
 
 def stop(procs):
@@ -39,21 +41,12 @@ def stop(procs):
     return [proc.wait(timeout=120) for proc in procs]
 
 
-def metrics(run_root):
-    path = Path(run_root) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def wait_for_steps(run_root, n, proc):
     deadline = time.monotonic() + TIMEOUT_S
     while len(metrics(run_root)) < n:
         assert proc.poll() is None, f"the PS exited ({proc.returncode}) before step {n}"
         assert time.monotonic() < deadline, f"no step {n} within {TIMEOUT_S}s"
         time.sleep(0.1)
-
-
-def consumed_ids(run_root):
-    return [n[: -len("_consumed.pt")] for n in os.listdir(Path(run_root) / "done") if n.endswith("_consumed.pt")]
 
 
 def assert_queue_drained(run_root):
@@ -71,10 +64,10 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(finished_demo_run):
     # Versions advance; per step they need not be monotonic ('ready' may take an older result
     # after a newer one), which is what the staleness bound above is for.
     assert versions[-1] > versions[0] and max(versions) >= len(lines) - 1 - 4
-    ids = consumed_ids(run_root)
-    assert len(ids) == len(set(ids)) == 8
-    ledger = json.loads((run_root / "checkpoints" / "checkpoint-8" / "asyncgrpo_state.json").read_text())
-    assert sorted(ledger["consumed"]) == sorted(ids)
+    ids = assert_exactly_once(run_root, jobs=8)
+    # No PS restart: each job was taken by the trainer once, and those are the ledger's.
+    taken = [r["job_id"] for r in ps_events(run_root, "result_consumed")]
+    assert sorted(taken) == sorted(ids), taken
     assert_queue_drained(run_root)
     assert (run_root / "global_step.txt").read_text().strip() == "8"
     assert_events_trace_every_job(run_root, ids)
@@ -115,8 +108,7 @@ def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
         stop(workers[1:])
-    ids = consumed_ids(run_root)
-    assert len(ids) == len(set(ids)) == 14
+    assert_exactly_once(run_root, jobs=14)
     assert_queue_drained(run_root)
 
 
@@ -145,10 +137,9 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     assert resumed_at == max(saved)  # the newest complete checkpoint, not the partial one
     assert not partial.exists()
     assert steps[before:] == list(range(resumed_at + 1, 13))
-    ledger = json.loads((run_root / "checkpoints" / "checkpoint-12" / "asyncgrpo_state.json").read_text())
-    ids = consumed_ids(run_root)
-    assert len(ledger["consumed"]) == len(set(ledger["consumed"])) == 12
-    assert sorted(ledger["consumed"]) == sorted(ids)  # every archived consumption is in the final model's ledger
+    # Every archived consumption is in the final model's ledger, once, including the jobs the killed
+    # PS had consumed after its last checkpoint (they were trained again by the resumed one).
+    assert_exactly_once(run_root, jobs=12)
     assert_queue_drained(run_root)
 
 
@@ -164,7 +155,7 @@ def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, messa
     args = [a.format(tmp=tmp_path) for a in args]
     if "--run-dir" not in args:
         args += ["--run-dir", str(tmp_path / "run")]
-    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--workers", "2", *args], cwd=REPO, env=env(),
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--workers", "2", *args], cwd=REPO, env=PROCESS_ENV,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
@@ -189,15 +180,14 @@ def test_demo_task_learns_with_two_workers(tmp_path):
 
 
 def launch(run_root, *args):
-    return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO,
+                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def heartbeat_pid(run_root, device):
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        path = Path(run_root) / "workers" / f"dev{device}.json"
-        if path.exists() and (pid := json.loads(path.read_text() or "{}").get("pid")):
+        if pid := read_json(Path(run_root) / "workers" / f"dev{device}.json").get("pid"):
             return pid
         time.sleep(0.1)
     raise AssertionError(f"worker {device} never beat")
@@ -207,17 +197,9 @@ def kill_run(run_root, launcher):
     """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
     launcher.kill()
     for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
-        pid = json.loads(path.read_text() or "{}").get("pid") if path.exists() else None
-        if pid and alive(pid):
+        pid = read_json(path).get("pid")
+        if pid and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
@@ -241,7 +223,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     assert "interrupted: stopping" in out
     workers = [second, heartbeat_pid(run_root, 2)]
     ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
-    assert not any(alive(pid) for pid in [ps_pid, *workers])
+    assert not any(pid_alive(pid) for pid in [ps_pid, *workers])
     root = str(run_root.resolve())  # the interrupted PS freed its shared-memory weight buffers
     owners = [fileops.read_json(d / "owner.json") or {} for d in Path("/dev/shm").glob("asyncgrpo-weights-*")]
     assert not [o for o in owners if o.get("run") == root], owners
@@ -259,4 +241,4 @@ def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
         kill_run(run_root, proc)
     assert status != 0
     assert "the parameter server exited with status 137" in proc.stdout.read()
-    assert not any(alive(pid) for pid in workers)
+    assert not any(pid_alive(pid) for pid in workers)

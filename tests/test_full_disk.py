@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import entries
 
 from asyncgrpo.jobqueue import JobQueue, QueueName, QueueWriteError, RunDir, WorkerPresence, fileops, make_job_id
 
@@ -24,11 +25,6 @@ WAIT_S = 5.0  # bound on every wait for another thread (a healthy call takes mil
 
 def pending_name(job_id):
     return QueueName(job_id).filename
-
-
-def entries(directory):
-    """Names in a directory, queue/.tmp excluded."""
-    return set(os.listdir(directory)) - {".tmp"}
 
 
 def queue_logs(caplog, level=logging.WARNING):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import backdate, result_payload
 
 from asyncgrpo.jobqueue import (
     ArchiveReason,
@@ -19,7 +20,6 @@ from asyncgrpo.jobqueue import (
     make_job_id,
 )
 from asyncgrpo.jobqueue.names import done_reason
-from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
 
 LEASE_S = 30.0
 
@@ -30,17 +30,6 @@ def queue_files(run):
 
 def done_files(run):
     return sorted(os.listdir(run.done))
-
-
-def backdate(path, seconds):
-    st = os.lstat(path)
-    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
-
-
-def result_payload(job_id, device, attempt=1, marker=""):
-    return {"schema": SCHEMA_VERSION, "kind": "result", "job_id": job_id, "attempt": attempt,
-            "worker_device": device, "weights_version": 0, "claimed_at": 0.0, "completed_at": 0.0,
-            "data": {"marker": marker}}
 
 
 def sha(path):

@@ -8,16 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import backdate
 
 from asyncgrpo.jobqueue import RunDir, WorkerPresence, make_job_id
 from queue_tools.cli import main
 
 LEASE_S = 30.0
-
-
-def backdate(path, seconds):
-    st = os.lstat(path)
-    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
 
 
 def call_main(argv) -> int:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 
 from asyncgrpo.jobqueue import RunDir
 from queue_tools.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T0 = 5000.0  # monotonic seconds of the synthetic run's start
 WALL = 1.7e9 - T0  # wall clock = mono + WALL

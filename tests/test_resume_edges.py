@@ -7,8 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
-from test_queue_protocol import result_payload
+from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload
 
 from asyncgrpo.jobqueue import JobQueue, fileops
 from ps.pipeline import readopt_rolled_back_results
@@ -37,4 +36,4 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     assert sorted(p.name for p in (run_root / "checkpoints").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     state = json.loads((run_root / "ps.json").read_text())
     assert (state["state"], state["global_step"]) == ("finished", 8)
-    assert len([n for n in os.listdir(run_root / "done") if n.endswith("_consumed.pt")]) == 8
+    assert_exactly_once(run_root, jobs=8)  # the ledger, done/ and the jobs thrown: unchanged, nothing twice

@@ -1,0 +1,151 @@
+"""Helpers shared by the tests: starting the PS and workers as real processes, back-dating
+file mtimes (leases expire without sleeping), a few small file readers, and the exactly-once
+check that compares the ledger, done/ and the jobs the PS threw.
+
+The exactly-once helpers read the run directory directly (folder names, file names, JSON),
+never through the library code they check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
+
+REPO = Path(__file__).resolve().parents[1]
+# One thread per process: the tests start several on a machine with few cores.
+PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+# A short real run: steps, a lease short enough to recover a killed worker's job quickly, checkpoints.
+DEMO_RUN_FLAGS = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3",
+                  "--seed", "0"]
+LEDGER_FILE = "asyncgrpo_state.json"  # in each checkpoint folder; written last, it marks the checkpoint complete
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def start_process(run_root, log_path, module: str, *args: str) -> subprocess.Popen:
+    """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
+                                cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---------------------------------------------------------------------- files
+
+
+def backdate(path, seconds: float) -> None:
+    """Moves a file's mtime (and atime) ``seconds`` into the past, without following symlinks."""
+    st = os.lstat(path)
+    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
+
+
+def read_json(path) -> dict:
+    """A JSON object file, or {} when it is missing, empty or unreadable (being rewritten)."""
+    try:
+        return json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def metrics(run_root) -> list[dict]:
+    """The lines of RUN/metrics.jsonl ([] before the first step)."""
+    path = Path(run_root) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def entries(directory) -> set[str]:
+    """Names in a directory, queue/.tmp excluded."""
+    return set(os.listdir(directory)) - {".tmp"}
+
+
+def result_payload(job_id, device, attempt=1, marker=""):
+    """A valid result payload as a worker writes it, with ``marker`` as its data."""
+    return {"schema": SCHEMA_VERSION, "kind": "result", "job_id": job_id, "attempt": attempt,
+            "worker_device": device, "weights_version": 0, "claimed_at": 0.0, "completed_at": 0.0,
+            "data": {"marker": marker}}
+
+
+# ---------------------------------------------------------------------- exactly once
+
+_CONSUMED_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_consumed(?:_a\d+)?(?:\.\d+)?\.pt$")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def newest_checkpoint(run_root) -> Path:
+    """The checkpoint folder with the highest step, which must hold its ledger (it is the one
+    a finished PS saved last)."""
+    folders = [(int(m[1]), p) for p in (Path(run_root) / "checkpoints").iterdir()
+               if (m := _CHECKPOINT_RE.match(p.name))]
+    assert folders, f"no checkpoint in {run_root}/checkpoints"
+    folder = max(folders)[1]
+    assert (folder / LEDGER_FILE).is_file(), f"the newest checkpoint {folder.name} has no ledger"
+    return folder
+
+
+def ledger(run_root) -> list[str]:
+    """The ``consumed`` list of the newest checkpoint's asyncgrpo_state.json, as saved (a list)."""
+    consumed = json.loads((newest_checkpoint(run_root) / LEDGER_FILE).read_text())["consumed"]
+    assert isinstance(consumed, list), consumed
+    return consumed
+
+
+def consumed_in_done(run_root) -> list[str]:
+    """One job id per file in done/ archived as consumed, whatever its suffixes (attempt,
+    collision): a job archived as consumed twice shows up twice here."""
+    return [m["job_id"] for name in os.listdir(Path(run_root) / "done") if (m := _CONSUMED_RE.match(name))]
+
+
+def ps_events(run_root, event: str) -> list[dict]:
+    """Every ``event`` line in RUN/logs/events-ps.jsonl, in file order, over all PS processes of the
+    run (a relaunched PS appends to the same file). A line a killed PS left torn is skipped."""
+    path = Path(run_root) / "logs" / "events-ps.jsonl"
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            records.append(record)
+    return records
+
+
+def duplicates(values: list) -> dict:
+    return {value: n for value, n in Counter(values).items() if n > 1}
+
+
+def assert_exactly_once(run_root, jobs: int) -> list[str]:
+    """The newest checkpoint's ledger holds ``jobs`` job ids, none twice; done/ holds exactly one
+    consumed file for each of them and for no other job; each is a job the PS threw (a
+    ``job_created`` event), and no job id was thrown twice. Returns the ledger."""
+    in_ledger = ledger(run_root)
+    in_done = consumed_in_done(run_root)
+    created = [r["job_id"] for r in ps_events(run_root, "job_created")]
+    assert not duplicates(in_ledger), f"job ids twice in the ledger: {duplicates(in_ledger)}"
+    assert not duplicates(in_done), f"job ids archived as consumed more than once: {duplicates(in_done)}"
+    assert not duplicates(created), f"job ids thrown more than once: {duplicates(created)}"
+    assert len(in_ledger) == jobs, f"the ledger holds {len(in_ledger)} job ids, expected {jobs}"
+    assert sorted(in_done) == sorted(in_ledger), (
+        f"ledger and done/ disagree: only in the ledger {sorted(set(in_ledger) - set(in_done))}, "
+        f"only in done/ {sorted(set(in_done) - set(in_ledger))}")
+    assert set(in_ledger) <= set(created), f"consumed but never thrown: {sorted(set(in_ledger) - set(created))}"
+    return in_ledger
