@@ -129,6 +129,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          tokens=int(batch["completion_mask"].sum()))
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited
+        # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
+        self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         self._add_job_metrics()
         behaviour = batch.pop("old_per_token_logps", None)
         if behaviour is not None:
@@ -140,9 +142,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return batch
 
     def _add_job_metrics(self) -> None:
-        """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains."""
+        """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains; num_tokens
+        is the PS's own count (each worker's counts only the jobs it generated)."""
         for name, value in self.pipeline.job_in_training.data["metrics"].items():
-            self._metrics["train"][name].append(value)
+            if name != "num_tokens":
+                self._metrics["train"][name].append(value)
+        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
 
     def _proximal_logps(self, batch: dict) -> torch.Tensor:
         """Log-probs under the weights the job is taken with: the proximal policy of its later steps."""
