@@ -104,8 +104,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
         state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
+        self._forget_metrics_after(self.state.global_step)
         self._publish_weights()
         self.pipeline.start(state, published_version=self.state.global_step)
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
+        training lost with the old PS, and those steps are trained again."""
+        path = self.run.root / "metrics.jsonl"
+        if not path.exists():
+            return
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(kept) < len(lines):
+            fileops.replace_file(path, "".join(f"{line}\n" for line in kept).encode())
+            log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)",
+                     len(lines) - len(kept), step)
 
     def finish(self) -> None:
         """End of training: what is left in queue/ is archived 'unused'; buffers freed."""
