@@ -2,7 +2,7 @@
 
 Prints ONE JSON object on stdout (progress on stderr), all figures from the same run:
 1. Handoff latency to an idle waiter in another process, one job at a time, event-driven
-   (QueueWatcher, inotify) and with the original 50 ms poll (use_events=False, rescan_s=0.05):
+   (QueueWatcher, inotify) and with a plain 50 ms poll (use_events=False, rescan_s=0.05):
    a. pending -> worker: latency = worker's claim() returned - the pending file appeared;
    b. complete -> collector: latency = PS's collect() returned - the result file appeared.
    "Appeared" = time.monotonic() just before fileops.publish links the file under its final
@@ -59,7 +59,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX = mp.get_context("spawn")
 WARMUP = 10  # first handoffs of each phase, not counted
 STOP_CHECK_S = 0.2  # a waiting worker checks the phase's stop flag this often
-POLL_S = 0.05  # the original system's poll interval
+POLL_S = 0.05  # the plain poll the events are compared with
 STAMPS: dict[str, float] = {}  # this process's latest publish (taken before the link) and move (after)
 T0 = time.monotonic()
 
