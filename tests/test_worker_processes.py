@@ -1,8 +1,10 @@
 """Real worker processes race, get SIGKILLed at each protocol step, and get SIGSTOPped past
-their lease. After recovery every job is consumed exactly once."""
+their lease. After recovery every job is consumed exactly once. A real worker (python -m
+worker) whose GPU fails exits with one line and status 3, and its job comes back."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,3 +156,61 @@ def test_worker_paused_past_its_lease_is_never_consumed_twice(run, stop_at):
     reasons = done_reasons(run)
     assert reasons["consumed"] == 1
     assert reasons["duplicate"] == (1 if stop_at == "after_fence" else 0)
+
+
+# ---------------------------------------------------------------- a worker whose GPU fails
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+# The real worker, except that generation fails the way a GPU with a broken CUDA context does.
+BROKEN_GPU_WORKER = """
+import sys
+import torch
+import worker.generate
+
+def generate_on_a_broken_gpu(*args, **kwargs):
+    raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered\\n"
+                                 "CUDA kernel errors might be asynchronously reported at some other API call")
+
+worker.generate.generate_and_score = generate_on_a_broken_gpu
+from worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def start_demo_process(log_path, argv):
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=DEMO_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp_path):
+    root = tmp_path / "run"
+    flags = ["--run_dir", str(root), "--max_steps", "2", "--lease_s", "4", "--seed", "0"]
+    ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
+    broken = start_demo_process(tmp_path / "broken.log", ["-c", BROKEN_GPU_WORKER, "--device", "1", *flags])
+    healthy = None
+    try:
+        # The worker exits, or (the fault this guards) fails its job and carries on: whichever comes first.
+        deadline = time.monotonic() + 600
+        while broken.poll() is None and not list((root / "done").glob("*_failed*")):
+            assert ps.poll() is None and time.monotonic() < deadline, (tmp_path / "ps.log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert broken.poll() == 3, (f"exit status {broken.returncode} (None: still running, its job archived "
+                                    "failed)\n" + (tmp_path / "broken.log").read_text()[-3000:])
+        log = (tmp_path / "broken.log").read_text()
+        assert log.strip().splitlines()[-1].endswith(
+            "ERROR [worker] dev1 exits (status 3): its GPU failed with AcceleratorError: CUDA error: an illegal "
+            "memory access was encountered; a new process gets a new CUDA context")
+        assert "Traceback" not in log and "job_failed" not in log
+        [held] = re.findall(r"claimed job=(\S+) attempt=1", log)
+        healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
+        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        for proc in (ps, broken, healthy):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    done = os.listdir(root / "done")
+    assert not [n for n in done if "_failed" in n], done
+    # Not failed: recovery gave it back (attempt 2), the next process generated it, the PS trained on it.
+    assert f"{held}_processed_a2.pt" in done and f"{held}_consumed.pt" in done, done
