@@ -8,8 +8,12 @@
 # --num_generations, --config run.yaml, --model_name_or_path, --reward_funcs mod:fn, ...)
 # goes to the PS and the workers unchanged. Relaunching with the same --run-dir resumes.
 #
-# Placement: PS on GPU 0, worker i on GPU i (wrapping around, sharing GPU 0 when there is
-# only one); each worker also sees the PS's GPU, for CUDA IPC. Logs: RUN/logs/.
+# Placement (gpu_env below), with G GPUs: the PS sees GPU 0 only; worker i runs on GPU
+# i mod G with CUDA_VISIBLE_DEVICES="i mod G,0" (its cuda:0 is its own GPU, cuda:1 the PS's,
+# for CUDA IPC); a worker whose i mod G is 0 sees GPU 0 only and shares it with the PS (all
+# workers when G is 1; worker G, 2G, ... otherwise). GPU numbers are the machine's: a
+# CUDA_VISIBLE_DEVICES set before launch.sh is replaced, not narrowed. Logs: RUN/logs/.
+# A worker that exits is restarted; status 3 means its GPU failed (a CUDA error).
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
@@ -23,7 +27,7 @@ while [ $# -gt 0 ]; do
         --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
-        -h|--help)   sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help)   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
     esac
 done
@@ -96,7 +100,8 @@ while kill -0 "$PS_PID" 2>/dev/null; do
     for i in "${!WORKER_PID[@]}"; do
         if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
             wait "${WORKER_PID[$i]}"; status=$?
-            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status: restarting it (its job returns through recovery)"
+            why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
+            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
             start_worker "$i"
         fi
     done
