@@ -60,7 +60,7 @@ def job_seed(seed: int, job_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(job_id.encode())) % 2**63
 
 
-def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int,
+def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int, ps_step: int = 0,
                        **job_fields) -> tuple[dict, dict]:
     """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics).
 
@@ -69,8 +69,12 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
 
     Sampling is seeded with ``seed`` (see job_seed): every worker's trainer was seeded alike
     at start-up, and without this their samples would run in lockstep. Emits
-    generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...)."""
+    generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...).
+
+    ``ps_step`` is the PS's step when the job was thrown: reward functions see it as
+    ``trainer_state.global_step``, as they would in TRL (a worker never trains)."""
     torch.manual_seed(seed)
+    trainer.state.global_step = ps_step
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
     generate = getattr(trainer, GENERATE)
     generated_at = []

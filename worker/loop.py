@@ -137,6 +137,7 @@ def _process(queue: JobQueue, job, trainer, version: int, device: int, events: E
     try:
         batch, metrics = generate_and_score(trainer, job.data["rows"], events,
                                             seed=job_seed(trainer.args.seed, job.job_id),
+                                            ps_step=job.payload["created_step"],
                                             job_id=job.job_id, weights_version=version)
     except Exception as err:  # a bad prompt or reward function must not kill the worker
         if is_broken_device_error(err):
