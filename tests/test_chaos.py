@@ -63,7 +63,7 @@ class Chaos:
         self.procs: list[subprocess.Popen] = []  # every process ever started, to wait for them all
         self.events: list[str] = []
         self.worker_kills = self.ps_kills = 0
-        self.resumes: list[tuple[int, int]] = []  # (metrics lines when the PS was killed, its resume step)
+        self.resumes: list[tuple[float, int]] = []  # (when the PS was killed, the checkpoint it must resume from)
 
     # ------------------------------------------------------------------ processes
 
@@ -110,10 +110,10 @@ class Chaos:
         assert self._sigkill(self.ps) == -signal.SIGKILL
         self.ps_kills += 1
         # What the relaunched PS must do: resume from the newest complete checkpoint (one with its
-        # ledger), so that its first metrics line follows the ones written so far with that step + 1.
+        # ledger), so that its first metrics line, written after this kill, is that step + 1.
         complete = [int(p.name.split("-")[1]) for p in (self.run_root / "checkpoints").glob("checkpoint-*")
                     if (p / LEDGER).is_file()]
-        self.resumes.append((len(metrics_steps(self.run_root)), max(complete, default=0)))
+        self.resumes.append((time.time(), max(complete, default=0)))
         self.note(f"the PS must resume from checkpoint-{self.resumes[-1][1]}")
         self.launch_ps()
 
@@ -250,26 +250,27 @@ class Chaos:
 # ---------------------------------------------------------------------- final checks
 
 
-def metrics_steps(run_root: Path) -> list[int]:
+def metrics_lines(run_root: Path) -> list[dict]:
     path = run_root / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def check_training(run_root: Path, resumes: list[tuple[int, int]]) -> None:
+def check_training(run_root: Path, resumes: list[tuple[float, int]]) -> None:
     global_step = (run_root / "global_step.txt").read_text().strip()
     assert global_step == str(MAX_STEPS), f"global_step.txt says {global_step}, max_steps is {MAX_STEPS}"
-    steps = metrics_steps(run_root)  # a torn line would fail here
-    assert steps[-1] == MAX_STEPS and set(steps) == set(range(1, MAX_STEPS + 1)), (
-        f"metrics.jsonl: last step {steps[-1]}, missing {sorted(set(range(1, MAX_STEPS + 1)) - set(steps))}, "
-        f"beyond max_steps {sorted(s for s in set(steps) if s > MAX_STEPS)}")
-    # Each relaunched PS resumed from the newest complete checkpoint when its predecessor died...
-    for lines, step in resumes:
-        assert steps[lines] == step + 1, f"the PS killed after {lines} metrics lines resumed at {steps[lines]}, " \
-                                         f"not right after checkpoint-{step}"
-    # ...and otherwise the steps are consecutive.
-    restarts = {lines for lines, _ in resumes}
-    for i in range(1, len(steps)):
-        assert steps[i] == steps[i - 1] + 1 or i in restarts, f"step {steps[i]} after {steps[i - 1]}"
+    lines = metrics_lines(run_root)  # a torn line would fail here
+    steps = [m["step"] for m in lines]
+    # Each step once, in order: a resumed PS removes the lines of the steps it trains again.
+    assert steps == list(range(1, MAX_STEPS + 1)), (
+        f"metrics.jsonl: missing {sorted(set(range(1, MAX_STEPS + 1)) - set(steps))}, twice "
+        f"{sorted(s for s in set(steps) if steps.count(s) > 1)}, beyond max_steps "
+        f"{sorted(s for s in set(steps) if s > MAX_STEPS)}, out of order {steps != sorted(steps)}")
+    # Each relaunched PS resumed from the newest complete checkpoint when its predecessor died: the
+    # first step logged after the kill (later resumes only start later) is that checkpoint's + 1.
+    for killed_at, step in resumes:
+        first = min(m["step"] for m in lines if m["time"] > killed_at)
+        assert first == step + 1, f"the PS killed at {killed_at:.2f} resumed at step {first}, " \
+                                  f"not right after checkpoint-{step}"
     # A save a PS was killed in was removed, not kept next to complete checkpoints.
     partial = [p.name for p in (run_root / "checkpoints").glob("checkpoint-*") if not (p / LEDGER).is_file()]
     assert not partial, partial
