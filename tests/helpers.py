@@ -30,11 +30,13 @@ LEDGER_FILE = "asyncgrpo_state.json"  # in each checkpoint folder; written last,
 # ---------------------------------------------------------------------- processes
 
 
-def start_process(run_root, log_path, module: str, *args: str) -> subprocess.Popen:
-    """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``."""
+def start_process(run_root, log_path, module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``;
+    ``env`` defaults to PROCESS_ENV."""
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
-                                cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 def pid_alive(pid: int) -> bool:

@@ -11,12 +11,10 @@ job's own seed.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROCESS_ENV, REPO
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, start_process
 from safetensors.torch import load_file
 
 TIMEOUT_S = 600
@@ -27,13 +25,8 @@ KILL_AFTER_STEP = 5  # the first of job 3's two steps
 
 def run_ps_and_worker(run_root: Path, ps_env=None) -> int:
     """Runs the PS to its end (or death) with one worker; returns the PS's exit status."""
-    def start(name, *args, env=PROCESS_ENV):
-        with open(run_root.parent / f"{name}.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", *args, "--run_dir", str(run_root), *FLAGS],
-                                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    ps = start("ps", "ps", env=ps_env or PROCESS_ENV)
-    worker = start("w1", "worker", "--device", "1")
+    ps = start_process(run_root, run_root.parent / "ps.log", "ps", *FLAGS, env=ps_env)
+    worker = start_process(run_root, run_root.parent / "w1.log", "worker", "--device", "1", *FLAGS)
     try:
         return ps.wait(timeout=TIMEOUT_S)
     finally:
@@ -84,6 +77,7 @@ def test_each_step_is_logged_with_its_own_staleness_and_jobs_enter_the_ledger_wh
     folders = sorted(int(p.name.split("-")[1]) for p in (uninterrupted / "checkpoints").glob("checkpoint-*"))
     assert folders == [4, 6, 8]
     assert ledger(uninterrupted, 4) == sorted(jobs[:2]) and ledger(uninterrupted, 8) == sorted(jobs)
+    assert_exactly_once(uninterrupted, jobs=4)  # ledger, done/ and thrown jobs agree, no job id twice
 
 
 def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp_path):
@@ -110,6 +104,7 @@ def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp
     assert run_ps_and_worker(run_root) == 0, (run_root.parent / "ps.log").read_text()[-3000:]
     assert [m["step"] for m in metrics(run_root)][KILL_AFTER_STEP - 1:] == list(range(5, 9))  # resumed at 4
     assert ledger(run_root, 8) == consumed_in_done(run_root) == consumed_in_done(uninterrupted)
+    assert_exactly_once(run_root, jobs=4)  # job 3, trained again after the resume, is consumed once
     expected, weights = final_weights(uninterrupted), final_weights(run_root)
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
