@@ -162,10 +162,6 @@ class JobPipeline:
         self.published_version = step
         self.producer.wake()
 
-    @property
-    def between_jobs(self) -> bool:
-        return self.job_in_training is None
-
     # ------------------------------------------------------------------ end of training
 
     def finish(self) -> None:

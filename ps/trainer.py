@@ -209,11 +209,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def hold_save_until_job_ends(self, control) -> None:
         """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
-        if control.should_save and not self.pipeline.between_jobs and self.state.global_step < self.state.max_steps:
+        inside_a_job = self.pipeline.job_in_training is not None
+        if control.should_save and inside_a_job and self.state.global_step < self.state.max_steps:
             control.should_save, self._save_due_after_job = False, True
             log.info("[train] step=%d is inside a job: its checkpoint is saved when the job's last step has "
                      "trained", self.state.global_step)
-        elif self._save_due_after_job and self.pipeline.between_jobs:
+        elif self._save_due_after_job and not inside_a_job:
             control.should_save, self._save_due_after_job = True, False
 
     def _publish_weights(self) -> None:

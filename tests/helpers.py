@@ -151,3 +151,17 @@ def assert_exactly_once(run_root, jobs: int) -> list[str]:
         f"only in done/ {sorted(set(in_done) - set(in_ledger))}")
     assert set(in_ledger) <= set(created), f"consumed but never thrown: {sorted(set(in_ledger) - set(created))}"
     return in_ledger
+
+
+def fill(model, value: int) -> None:
+    """Every tensor of ``model`` (parameters and buffers) set to ``value``."""
+    import torch
+
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.fill_(value)
+
+
+def held_values(model) -> list[float]:
+    """The distinct values in ``model``, sorted (one value per tensor is checked exactly)."""
+    return sorted({float(v) for t in model.state_dict().values() for v in (t.min().item(), t.max().item())})

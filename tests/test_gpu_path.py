@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fill, held_values
 
 from asyncgrpo.jobqueue import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -78,16 +79,6 @@ def mixed_model(seed: int | None = None, device: str = "cpu") -> torch.nn.Module
             for t in m.state_dict().values():
                 t.zero_()
     return m.to(device)
-
-
-def fill(model: torch.nn.Module, value: int) -> None:
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.fill_(value)
-
-
-def held_values(model: torch.nn.Module) -> list[float]:
-    return sorted({float(v) for t in model.state_dict().values() for v in (t.min().item(), t.max().item())})
 
 
 def wait_for(path: Path, timeout: float = STEP_TIMEOUT_S) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fill, held_values
 
 from asyncgrpo.jobqueue import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -48,16 +49,6 @@ def mixed_model(device: str = "cpu") -> torch.nn.Module:
     m.wide = torch.nn.Linear(64, 128)
     m.narrow = torch.nn.Linear(128, 32).to(torch.bfloat16)
     return m.to(device)
-
-
-def fill(model: torch.nn.Module, value: int) -> None:
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.fill_(value)
-
-
-def held_values(model: torch.nn.Module) -> list[float]:
-    return sorted({float(v) for t in model.state_dict().values() for v in (t.min().item(), t.max().item())})
 
 
 def run_script(*args: str, **popen) -> subprocess.Popen:

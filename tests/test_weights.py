@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fill, held_values
 
 from asyncgrpo.jobqueue import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, mmap_file, read_version_file
@@ -59,21 +60,6 @@ def fill_model(device: str = "cpu") -> torch.nn.Module:
     m.head.weight = m.emb.weight
     m.register_buffer("count", torch.zeros(8, dtype=torch.int64))
     return m.to(device)
-
-
-def fill(model: torch.nn.Module, value: int) -> None:
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.fill_(value)
-
-
-def held_values(model: torch.nn.Module) -> set[float]:
-    """Every distinct value in the model (one value per tensor is checked exactly)."""
-    values = set()
-    for t in model.state_dict().values():
-        lo, hi = t.min().item(), t.max().item()
-        values.update({float(lo), float(hi)})
-    return values
 
 
 def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -262,7 +248,7 @@ def test_ps_restart_is_picked_up(run, transport, old_closes):
     fill(old_model, 1)
     old = make_publisher(run, old_model, transport)
     old.publish(10, 10)
-    assert subscriber.sync(worker) == 10 and held_values(worker) == {1.0}
+    assert subscriber.sync(worker) == 10 and held_values(worker) == [1.0]
     if old_closes:
         old.close()
         assert subscriber.sync(worker) is None
@@ -272,7 +258,7 @@ def test_ps_restart_is_picked_up(run, transport, old_closes):
     try:
         assert subscriber.sync(worker) is None  # the new PS has published nothing yet
         new.publish(4, 4)
-        assert subscriber.sync(worker) == 4 and held_values(worker) == {2.0}
+        assert subscriber.sync(worker) == 4 and held_values(worker) == [2.0]
         assert subscriber.sync(worker) is None
         new.publish(5, 5)
         assert subscriber.sync(worker) == 5
@@ -291,13 +277,13 @@ def test_crashed_ps_leaves_weights_usable_and_its_folder_is_reaped(run):
     dead_dir = Path(json.loads(out)["dir"])
     assert dead_dir.is_dir()  # no close(): the folder is still there
     worker, subscriber = fill_model(), make_subscriber(run)
-    assert subscriber.sync(worker) == 3 and held_values(worker) == {7.0}  # the last complete version
+    assert subscriber.sync(worker) == 3 and held_values(worker) == [7.0]  # the last complete version
     new_model = fill_model()
     fill(new_model, 8)
     with closing(make_publisher(run, new_model)) as new:
         assert not dead_dir.exists()  # the dead PS's /dev/shm folder is gone
         new.publish(1, 1)
-        assert subscriber.sync(worker) == 1 and held_values(worker) == {8.0}
+        assert subscriber.sync(worker) == 1 and held_values(worker) == [8.0]
     subscriber.close()
 
 
@@ -381,12 +367,12 @@ def test_cuda_ipc_dead_ps_keeps_worker_weights(run):
     assert proc.returncode == 0, out
     worker, subscriber = fill_model("cuda"), make_subscriber(run)
     fill(worker, 5)
-    assert subscriber.sync(worker) is None and held_values(worker) == {5.0}  # the PS is dead: no crash
+    assert subscriber.sync(worker) is None and held_values(worker) == [5.0]  # the PS is dead: no crash
     new_model = fill_model("cuda")
     fill(new_model, 9)
     with closing(make_publisher(run, new_model)) as new:
         new.publish(1, 1)
-        assert subscriber.sync(worker) == 1 and held_values(worker) == {9.0}
+        assert subscriber.sync(worker) == 1 and held_values(worker) == [9.0]
     subscriber.close()
 
 
@@ -423,7 +409,7 @@ def _read_main(root, device, sync_dir, seed) -> None:
         got = subscriber.sync(model)
         if got is not None:
             values = held_values(model)
-            if values != {float(got)}:
+            if values != [float(got)]:
                 bad.append((got, sorted(values)[:4]))
             versions.append(got)
         done = fileops.read_json(sync_dir / "last.json")
