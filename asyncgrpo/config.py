@@ -1,4 +1,5 @@
-"""One config for every process: TRL's GRPOConfig plus the queue, transport and staleness fields.
+"""One config for every process: TRL's GRPOConfig plus the queue, transport and staleness fields,
+and TRL's PEFT / QLoRA flags (asyncgrpo/peft_args.py).
 
 Parsed with TRL's ``TrlParser``, so ``--config run.yaml`` and flags both work and every
 GRPOConfig field (loss_type, beta, epsilon, num_generations, temperature, ...) means
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import yaml
 from trl import GRPOConfig, TrlParser
 
+from asyncgrpo.peft_args import PeftArgs
+
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -23,7 +26,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class AsyncGRPOConfig(GRPOConfig):
+class AsyncGRPOConfig(GRPOConfig, PeftArgs):
     # What to train. None means the built-in demo task (asyncgrpo.tasks.demo).
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Local folder or hub id of a causal LM (default: the built-in demo model, a tiny Llama made offline)."})
@@ -104,6 +107,8 @@ class AsyncGRPOConfig(GRPOConfig):
         for name, (ok, why) in checks.items():
             if not ok:
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
+        if problem := self.peft_args_problem(self.device_type):
+            raise ConfigError(problem)
         super().__post_init__()
         if (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps:
             raise ConfigError(

@@ -101,11 +101,12 @@ def write_demo_model_once(run_root: str | os.PathLike) -> str:
     return str(target)
 
 
-def load_model_and_tokenizer(path: str):
+def load_model_and_tokenizer(path: str, **model_kwargs):
+    """``model_kwargs`` go to ``from_pretrained`` (QLoRA: ``cfg.model_load_kwargs()``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as err:
         raise ConfigError(f"--model_name_or_path {path}: cannot load: {str(err).splitlines()[0]}") from None

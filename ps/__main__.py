@@ -96,7 +96,7 @@ def train(cfg, run: RunDir) -> int:
 
     cfg.output_dir = str(run.checkpoints)  # checkpoints live in the run, whatever --output_dir said
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
-    model, tokenizer = load_model_and_tokenizer(path)
+    model, tokenizer = load_model_and_tokenizer(path, **cfg.model_load_kwargs())
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
     resume = last_complete_checkpoint(run.checkpoints)
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
@@ -107,9 +107,11 @@ def train(cfg, run: RunDir) -> int:
         # transformers checks max_steps only after a step: resuming there would train one more
         log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
         trainer.state.global_step = checkpoint_step(resume)
+        trainer.finish()
     else:
         trainer.train(resume_from_checkpoint=resume)
-    trainer.finish()
+        trainer.finish()
+        log.info("[train] final model saved in %s", trainer.save_final_model())
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                               "finished_at": time.time(), "state": "finished",
                                               "global_step": trainer.state.global_step})

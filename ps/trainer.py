@@ -49,6 +49,7 @@ from ps.offpolicy import TokenWeighting
 from ps.pipeline import JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
+FINAL_MODEL_DIR = "final_model"  # in the run directory
 
 
 def last_complete_checkpoint(checkpoints: Path) -> str | None:
@@ -75,8 +76,10 @@ def checkpoint_step(folder: str) -> int:
 
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset):
+        # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
+        # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
-                         processing_class=tokenizer)
+                         processing_class=tokenizer, peft_config=cfg.peft_config())
         self.cfg, self.run = cfg, run
         self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
         self.queue = JobQueue(run, events=self.events)
@@ -126,6 +129,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.pipeline.finish()
         self.publisher.close()
         self.events.close()
+
+    def save_final_model(self) -> str:
+        """The trained model and tokenizer in RUN/final_model, by transformers' save_model: a whole model, or
+        with --use_peft the adapter only (adapter_model.safetensors + adapter_config.json, naming the base)."""
+        folder = str(self.run.root / FINAL_MODEL_DIR)
+        self.save_model(folder)
+        return folder
 
     # ------------------------------------------------------------------ the replaced TRL internals
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels a GPU machine without internet needs for scripts/gpu_check.sh:
-# the packages asyncgrpo needs that a machine with torch, transformers, accelerate and peft
-# lacks (trl, datasets, watchdog, and what they need beyond those), plus pytest.
+# the packages asyncgrpo needs that a machine with torch, transformers and accelerate
+# lacks (trl, peft, datasets, watchdog, and what they need beyond those), plus pytest.
 #
 #   bash scripts/fetch_gpu_wheels.sh            # run where pip reaches an index; then copy
 #                                               # the repository (with .whl/) to the GPU machine
@@ -19,6 +19,7 @@ PIP=(python3 -m pip)
 
 PACKAGES=(
     trl==1.16.0
+    peft==0.21.2
     datasets==5.2.0
     watchdog==7.1.0
     # datasets' dependencies that torch/transformers/accelerate do not bring

@@ -3,7 +3,8 @@
     python -m worker --device N --run_dir RUN [config flags, the same as the PS's]
 
 launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit status: 0
-stopped (SIGTERM, Ctrl-C), 2 bad arguments or a worker already running on that device,
+stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that device, or a
+model that cannot take the PS's weights (another base model under a LoRA adapter, ...),
 3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
 """
 
@@ -13,6 +14,7 @@ import sys
 
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.jobqueue import RunDir, WorkerAlreadyRunning
+from asyncgrpo.weights.layout import WeightsMismatch
 from worker.loop import run_worker
 
 
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
         # idempotent); it then waits for the PS's ps.json and first weights.
         run = RunDir.create(cfg.run_dir)
         return run_worker(cfg, run, args.device)
-    except (ConfigError, OSError, WorkerAlreadyRunning) as err:
+    except (ConfigError, OSError, WorkerAlreadyRunning, WeightsMismatch) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 

@@ -33,6 +33,7 @@ import zlib
 
 import torch
 from trl import GRPOTrainer
+from trl.trainer.utils import disable_dropout_in_model
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
@@ -49,9 +50,14 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     # one generation per optimizer step, TRL leaves old_per_token_logps to us (captured, not recomputed).
     args = copy.copy(cfg)
     args.steps_per_generation, args.num_iterations = cfg.gradient_accumulation_steps, 1
+    # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
+    # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, peft_config=cfg.peft_config())
     trainer.model.train()  # TRL's "train" mode: train-time num_generations and metric names
+    # ... but no dropout (LoRA's included): the behaviour log-probs must be those of the policy the PS trains,
+    # not of one random dropout mask per sample.
+    disable_dropout_in_model(trainer.model)
     return trainer
 
 

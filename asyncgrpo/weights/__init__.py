@@ -4,6 +4,7 @@
     buffer_folders  where mmap buffers live; freeing a dead PS's (no torch: queue_tools uses it)
     device_errors   a failed operation vs a broken CUDA context
     layout       where each tensor lives in a flat buffer: grouped per dtype, aligned, ties stored once
+    adapter      what is shared: the whole model, or a PEFT model's adapter and its base's fingerprint
     memcopy      copying hundreds of CPU tensors at memory bandwidth
     subscriber   the worker side, for every transport
     mmap_file    CPU: two files in /dev/shm mapped by every process (torch.from_file, shared)
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 # queue_tools) does not import torch through this package.
 _LAZY = {"VERSION_FILE": "asyncgrpo.weights.base", "Layout": "asyncgrpo.weights.base",
          "TransportUnavailable": "asyncgrpo.weights.base", "read_version_file": "asyncgrpo.weights.base",
+         "WeightsMismatch": "asyncgrpo.weights.layout",
          "Subscriber": "asyncgrpo.weights.subscriber"}
 
 
@@ -99,5 +101,5 @@ def make_subscriber(run: RunDir) -> WeightSubscriber:
     return Subscriber(run)
 
 
-__all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher",
+__all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher", "WeightsMismatch",
            "WeightSubscriber", "make_publisher", "make_subscriber", "read_version_file"]

@@ -75,6 +75,7 @@ import torch
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.adapter import layout_of, shared_tensors
 from asyncgrpo.weights.layout import Layout, layout_path
 from asyncgrpo.weights.memcopy import copy_tensors
 
@@ -184,7 +185,7 @@ class SlotPublisher:
     def __init__(self, run: RunDir, model: torch.nn.Module):
         self.run, self.model = run, model
         self.publisher_id = uuid.uuid4().hex
-        self.layout = Layout.of(model.state_dict())
+        self.layout = layout_of(model)  # the whole model, or a PEFT model's adapter only (adapter.py)
         self.slot_wait_s = SLOT_WAIT_S
         self.slots: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
@@ -218,7 +219,7 @@ class SlotPublisher:
             raise ValueError(f"versions must increase: {version} after {self._version}")
         t0 = time.perf_counter()
         with torch.no_grad():
-            sources = self.layout.sources(self.model.state_dict())
+            sources = self.layout.sources(shared_tensors(self.model))
             slot = self._lock_a_slot(version)
             if slot is None:
                 return False

@@ -39,6 +39,7 @@ import torch
 
 from asyncgrpo.jobqueue.liveness import pid_alive
 from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.adapter import shared_tensors
 from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, TransportUnavailable, log
 from asyncgrpo.weights.device_errors import is_sticky_cuda_error
 
@@ -143,7 +144,7 @@ class CudaIpcPublisher(SlotPublisher):
         self._set_slots(slots)
         self._handles = [_export(s) for s in slots]  # once, for the life of this PS run
         self._uuid = device_uuid(self.device.index)
-        self._devices = {self.device} | {t.device for t in self.layout.sources(model.state_dict()) if t.is_cuda}
+        self._devices = {self.device} | {t.device for t in self.layout.sources(shared_tensors(model)) if t.is_cuda}
         _LOCAL[self.publisher_id] = slots
         log.info("[weights] cuda_ipc publisher %s: %d tensors, 2 x %.1f MB on %s (%s)", self.publisher_id[:8],
                  len(self.layout.entries), self.layout.total_bytes / 1e6, self.device, self._uuid)

@@ -5,6 +5,9 @@ aligned to ALIGN bytes, so one uint8 buffer holds them all and every tensor is a
 view into it. Tied tensors (the same memory under two names, e.g. embed_tokens and
 lm_head) are stored once; the layout records the other names as aliases. The layout is
 JSON (``layout-{publisher_id}.json``), never a pickle.
+
+For a PEFT (LoRA) model only the adapter is laid out, and ``base`` holds the fingerprint of
+the frozen base model the adapter belongs to (asyncgrpo/weights/adapter.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+class WeightsMismatch(ValueError):
+    """The worker's model cannot take the published weights (another architecture, another base model, an
+    adapter on one side only); the message is one line for the operator."""
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str
@@ -46,14 +54,16 @@ class Entry:
 @dataclass
 class Layout:
     """Where each state_dict tensor lives in a slot. Tied tensors (same memory) are stored
-    once, under their first name; ``aliases`` maps every other name to that one."""
+    once, under their first name; ``aliases`` maps every other name to that one. ``base``:
+    the base model's fingerprint when the tensors are a PEFT adapter, else None."""
 
     entries: list[Entry]
     aliases: dict[str, str]
     total_bytes: int
+    base: dict | None = None
 
     @classmethod
-    def of(cls, state_dict: dict) -> Layout:
+    def of(cls, state_dict: dict, base: dict | None = None) -> Layout:
         kept: list[tuple[str, torch.Tensor]] = []
         aliases: dict[str, str] = {}
         seen: dict[tuple, str] = {}
@@ -75,14 +85,14 @@ class Layout:
                     nbytes = t.numel() * t.element_size()
                     entries.append(Entry(name, dtype, tuple(t.shape), offset, nbytes))
                     offset += nbytes
-        return cls(entries, aliases, max(_align(offset), ALIGN))  # >0: empty buffers can't be shared
+        return cls(entries, aliases, max(_align(offset), ALIGN), base)  # >0: empty buffers can't be shared
 
     def to_json(self) -> dict:
         groups: dict[str, dict] = {}
         for e in self.entries:
             g = groups.setdefault(str(e.dtype).removeprefix("torch."), {"offset": e.offset, "end": 0})
             g["end"] = e.offset + e.nbytes
-        return {"total_bytes": self.total_bytes, "aliases": self.aliases,
+        return {"total_bytes": self.total_bytes, "aliases": self.aliases, "base": self.base,
                 "groups": [{"dtype": d, "offset": g["offset"], "nbytes": g["end"] - g["offset"]}
                            for d, g in groups.items()],
                 "tensors": [{"name": e.name, "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
@@ -102,7 +112,10 @@ class Layout:
                     or e.nbytes != numel * e.dtype.itemsize):
                 raise ValueError(f"bad layout entry for {e.name}")
             entries.append(e)
-        return cls(entries, {str(k): str(v) for k, v in obj.get("aliases", {}).items()}, total)
+        base = obj.get("base")
+        if base is not None and not (isinstance(base, dict) and isinstance(base.get("sha256"), str)):
+            raise ValueError("bad base fingerprint in a weights layout")
+        return cls(entries, {str(k): str(v) for k, v in obj.get("aliases", {}).items()}, total, base)
 
     @classmethod
     def load(cls, run: RunDir, publisher_id: str) -> Layout:
@@ -125,7 +138,7 @@ class Layout:
 
     def destinations(self, state_dict: dict) -> tuple[list[torch.Tensor], list[int]]:
         """The worker model's tensors to copy into, and the entry each one comes from.
-        Raises ValueError when the worker's model is not the PS's (names or shapes)."""
+        Raises WeightsMismatch when the worker's model is not the PS's (names or shapes)."""
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
         index = {e.name: i for i, e in enumerate(self.entries)}
         dsts, idx, problems = [], [], []
@@ -142,7 +155,7 @@ class Layout:
                 idx.append(i)
         problems += [f"{e.name} is missing in the worker's model" for e in self.entries if e.name not in tensors]
         if problems:
-            raise ValueError("[weights] the worker's model does not match the published one: "
+            raise WeightsMismatch("the worker's model does not match the published one: "
                              + "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
         return dsts, idx
 

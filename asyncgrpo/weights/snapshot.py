@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.adapter import layout_of, shared_tensors
 from asyncgrpo.weights.base import (
     Layout,
     TransportUnavailable,
@@ -52,7 +53,7 @@ class SnapshotPublisher:
     def __init__(self, run: RunDir, model: torch.nn.Module):
         self.run, self.model, self.host = run, model, socket.gethostname()
         self.publisher_id = uuid.uuid4().hex
-        self.layout = Layout.of(model.state_dict())
+        self.layout = layout_of(model)  # the whole model, or a PEFT model's adapter only (adapter.py)
         self._version: int | None = None
         self._written: collections.deque = collections.deque()
         snapshot_dir(run).mkdir(exist_ok=True)
@@ -68,7 +69,7 @@ class SnapshotPublisher:
         if self._version is not None and version <= self._version:
             raise ValueError(f"versions must increase: {version} after {self._version}")
         with torch.no_grad():
-            sources = self.layout.sources(self.model.state_dict())
+            sources = self.layout.sources(shared_tensors(self.model))
             tensors = {e.name: t.detach().contiguous() for e, t in zip(self.layout.entries, sources, strict=True)}
         path = snapshot_path(self.run, version)
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"

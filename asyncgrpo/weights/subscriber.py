@@ -7,6 +7,10 @@ is not visible) ``sync`` returns None, the model keeps its weights, and the same
 publisher is retried at most every RETRY_S seconds; a new publisher is tried at once.
 See base.py for why a copy is never torn. A copy that fails because this process's own
 GPU is broken is not caught here: it propagates to the worker, which exits.
+
+A model that cannot take the published weights (another architecture, another base model
+under a LoRA adapter, an adapter on one side only) raises ``WeightsMismatch`` with one line:
+the worker exits with status 2 rather than generate from a different model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 import torch
 
 from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.weights.adapter import check_model, shared_tensors
 from asyncgrpo.weights.base import (
     Layout,
     TransportUnavailable,
@@ -45,6 +50,7 @@ class Subscriber:
         self._synced: tuple[str, int] | None = None  # (publisher_id, version) now in the model
         self.synced_bytes = 0  # size of the last sync
         self._failed: tuple[str, float] | None = None  # (publisher_id, retry after)
+        self._checked: tuple[str, int] | None = None  # (publisher_id, id(model)) whose base check passed
 
     def latest_version(self) -> int | None:
         info = read_version_file(self.run)
@@ -61,7 +67,10 @@ class Subscriber:
             reader = self._reader_for(info)
             if reader is None:
                 return None
-            dsts, idx = reader.layout.destinations(model.state_dict())  # ValueError: wrong model
+            if self._checked != (info["publisher_id"], id(model)):  # once per publisher: a base is frozen
+                check_model(reader.layout, model)  # WeightsMismatch: another base model, or adapter on one side
+                self._checked = (info["publisher_id"], id(model))
+            dsts, idx = reader.layout.destinations(shared_tensors(model))  # WeightsMismatch: wrong model
             try:
                 with torch.no_grad():
                     if reader.uses_slots:

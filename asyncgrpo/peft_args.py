@@ -1,0 +1,108 @@
+"""TRL's PEFT (LoRA) and QLoRA flags, with TRL's names, defaults and meanings.
+
+TRL keeps them in ``trl.ModelConfig``, which cannot be parsed beside AsyncGRPOConfig (both
+define ``model_name_or_path``). Here they are a dataclass of their own that
+AsyncGRPOConfig inherits, so ``--use_peft --lora_r 16`` work on the command line and in
+``--config`` YAML, the PS and the workers get the same ones, and TRL's
+``get_peft_config`` / ``get_quantization_config`` read them as they read a ModelConfig.
+
+    cfg.peft_config()         # a peft.LoraConfig, or None without --use_peft
+    cfg.model_load_kwargs()   # from_pretrained kwargs: the bitsandbytes config with --load_in_4bit/8bit
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PeftArgs:
+    # Help texts are TRL's (trl/trainer/model_config.py, trl 1.16).
+    use_peft: bool = field(default=False, metadata={"help": "Whether to use PEFT for training."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA R value."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "LoRA target modules."})
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "List of target parameters for LoRA."})
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Model layers to unfreeze & train."})
+    lora_task_type: str = field(
+        default="CAUSAL_LM", metadata={"help": "Task type to pass for LoRA (use 'SEQ_CLS' for reward modeling)."})
+    use_rslora: bool = field(default=False, metadata={
+        "help": "Whether to use Rank-Stabilized LoRA, which sets the adapter scaling factor to `lora_alpha/√r`, "
+                "instead of the original default value of `lora_alpha/r`."})
+    use_dora: bool = field(default=False, metadata={
+        "help": "Enable Weight-Decomposed Low-Rank Adaptation (DoRA). This technique decomposes the updates of "
+                "the weights into two parts, magnitude and direction. Direction is handled by normal LoRA, whereas "
+                "the magnitude is handled by a separate learnable parameter. This can improve the performance of "
+                "LoRA, especially at low ranks. Right now, DoRA only supports linear and Conv2D layers. DoRA "
+                "introduces a bigger overhead than pure LoRA, so it is recommended to merge weights for inference."})
+    load_in_8bit: bool = field(default=False, metadata={
+        "help": "Whether to use 8 bit precision for the base model. Works only with LoRA."})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "Whether to use 4 bit precision for the base model. Works only with LoRA."})
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "Quantization type.", "choices": ["fp4", "nf4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Whether to use nested quantization."})
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "Quantization storage dtype"})
+
+    def peft_args_problem(self, device_type: str) -> str | None:
+        """What is wrong with these flags, as one line for ConfigError, or None. Also normalises
+        ``lora_target_modules`` as TRL's ModelConfig does (one value, e.g. all-linear, is a string)."""
+        if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
+            self.lora_target_modules = self.lora_target_modules[0]
+        if self.use_peft and self.lora_r < 1:
+            return f"--lora_r {self.lora_r}: must be >= 1"
+        if self.use_peft and not 0 <= self.lora_dropout < 1:
+            return f"--lora_dropout {self.lora_dropout}: must be in [0, 1)"
+        targets = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+        if self.use_peft and "lm_head" in (targets or []):
+            # GRPOTrainer refuses it when built (its log-probs use lm_head.weight directly): say so before starting.
+            return ("--lora_target_modules lm_head: TRL computes log-probs from lm_head.weight directly, so an adapter "
+                    "there would never train; use --lora_modules_to_save lm_head to train the head itself")
+        quantized = "--load_in_4bit" if self.load_in_4bit else "--load_in_8bit" if self.load_in_8bit else None
+        if quantized is None:
+            return None
+        if self.load_in_4bit and self.load_in_8bit:
+            return "--load_in_4bit and --load_in_8bit: choose one"
+        if not self.use_peft:
+            return f"{quantized}: a quantized base model can only train an adapter; add --use_peft"
+        if device_type != "cuda":
+            return f"{quantized}: bitsandbytes quantization needs a CUDA GPU, and this run is on {device_type}"
+        if importlib.util.find_spec("bitsandbytes") is None:
+            return f"{quantized} needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
+        return None
+
+    def peft_config(self):
+        """TRL's LoraConfig for these flags (``trl.get_peft_config``), or None without --use_peft."""
+        from trl import get_peft_config
+
+        return get_peft_config(self)
+
+    def model_load_kwargs(self) -> dict:
+        """Extra ``from_pretrained`` kwargs: the base model quantized with bitsandbytes (QLoRA), placed on this
+        process's GPU, as TRL's scripts load it; {} without --load_in_4bit / --load_in_8bit."""
+        if not (self.load_in_4bit or self.load_in_8bit):
+            return {}
+        import torch
+        from trl import get_quantization_config
+
+        # TRL computes in ModelConfig.dtype; the bf16/fp16 training flags say the same thing here.
+        dtype = getattr(self, "dtype", None) or ("bfloat16" if getattr(self, "bf16", False) else
+                                                 "float16" if getattr(self, "fp16", False) else "float32")
+        quantization = get_quantization_config(_WithDtype(self, dtype))
+        # A quantized model cannot be moved after loading: it is loaded onto the GPU this process trains or
+        # generates on (launch.sh makes it this process's first visible one).
+        return {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+
+
+class _WithDtype:
+    """These flags as get_quantization_config reads them, with the compute dtype it takes from ModelConfig."""
+
+    def __init__(self, args: PeftArgs, dtype: str):
+        self._args, self.dtype = args, dtype
+
+    def __getattr__(self, name):
+        return getattr(self._args, name)
