@@ -1,0 +1,327 @@
+"""LoRA (``--use_peft``): TRL's flags, adapter-only weight sharing, sampling without dropout, the
+reference model of ``beta > 0``, a worker on another base refused, and a real PS + worker run
+that learns, trains each job once, shares only the adapter and resumes from an adapter checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, metrics, ps_events, start_process
+from safetensors.torch import load_file
+from trl import GRPOTrainer, ModelConfig, get_peft_config
+
+from asyncgrpo.config import AsyncGRPOConfig, ConfigError, parse_config
+from asyncgrpo.events import EventLog
+from asyncgrpo.jobqueue import RunDir, fileops
+from asyncgrpo.peft_args import PeftArgs
+from asyncgrpo.tasks.demo import (
+    DEMO_DEFAULTS,
+    build_dataset,
+    build_model,
+    build_tokenizer,
+    cpu_overrides,
+    repeat_digit_reward,
+    write_demo_model,
+)
+from asyncgrpo.weights import WeightsMismatch, make_publisher, make_subscriber
+from asyncgrpo.weights.adapter import check_model, layout_of, shared_tensors
+from asyncgrpo.weights.layout import Layout
+from worker.generate import build_trainer, generate_and_score
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# An adapter on every linear layer of the demo's tiny Llama, and its output layer trained whole: its
+# tied embeddings are so small (std 0.02, 64 wide) that, frozen, they cap every logit near 1.3 and
+# the policy cannot get far from uniform; with the head trainable the demo task is learned.
+LORA_FLAGS = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear",
+              "--lora_modules_to_save", "lm_head"]
+TIMEOUT_S = 600
+
+
+def lora_config(tmp_path, **overrides) -> AsyncGRPOConfig:
+    return AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
+                              "disable_tqdm": True, "device_type": "cpu", "use_peft": True, "lora_r": 8,
+                              "lora_target_modules": "all-linear", "lora_modules_to_save": ["lm_head"],
+                              **overrides})
+
+
+def trainers(cfg, worker_base_seed: int = 0):
+    """A trainer built as the PS builds its own (GRPOTrainer with the config's peft_config) and a worker's."""
+    tok = build_tokenizer()
+    ps = GRPOTrainer(model=build_model(seed=0, tokenizer=tok), reward_funcs=[repeat_digit_reward], args=cfg,
+                     train_dataset=build_dataset(n=40), processing_class=tok, peft_config=cfg.peft_config())
+    worker = build_trainer(cfg, build_model(seed=worker_base_seed, tokenizer=tok), tok, [repeat_digit_reward],
+                           build_dataset(n=40))
+    return ps, worker
+
+
+def perturb_adapter(model, seed: int = 1) -> None:
+    """Trained-looking adapter values (a fresh LoRA adapter is a no-op: lora_B starts at zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in shared_tensors(model).values():
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
+
+
+def logps(trainer, model=None) -> torch.Tensor:
+    ids = torch.tensor([[4 + i % 10 for i in range(j, j + 9)] for j in range(4)])
+    with torch.no_grad():
+        out, _, _ = trainer._get_per_token_logps_and_entropies(model or trainer.model, ids, torch.ones_like(ids), 6)
+    return out
+
+
+def aligned_bytes(tensors: dict) -> int:
+    return Layout.of(tensors).total_bytes
+
+
+# ---------------------------------------------------------------------- flags
+
+
+def test_peft_flags_mean_what_they_mean_in_trl_on_the_command_line_and_in_yaml(tmp_path):
+    values = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.1, "lora_target_modules": ["q_proj", "v_proj"],
+              "lora_modules_to_save": ["lm_head"], "use_rslora": True, "lora_task_type": "CAUSAL_LM"}
+    trl_config = get_peft_config(ModelConfig(use_peft=True, **values)).to_dict()
+    flags = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1", "--lora_target_modules",
+             "q_proj", "v_proj", "--lora_modules_to_save", "lm_head", "--use_rslora", "--lora_task_type", "CAUSAL_LM"]
+    assert parse_config(flags).peft_config().to_dict() == trl_config
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({"use_peft": True, **values}))
+    assert parse_config(["--config", str(config_file)]).peft_config().to_dict() == trl_config
+    # One target is a string, as in TRL: 'all-linear' is PEFT's shorthand only as a string.
+    assert parse_config(["--use_peft", "--lora_target_modules", "all-linear"]).peft_config().target_modules == \
+        "all-linear"
+    assert parse_config([]).peft_config() is None
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--use_peft", "--load_in_4bit"], "--load_in_4bit: bitsandbytes quantization needs a CUDA GPU"),
+    (["--load_in_8bit"], "--load_in_8bit: a quantized base model can only train an adapter; add --use_peft"),
+    (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], "--lora_target_modules lm_head:"),
+    (["--use_peft", "--lora_r", "0"], "--lora_r 0: must be >= 1"),
+])
+def test_bad_peft_flags_are_one_line(flags, says):
+    with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(")):
+        parse_config(["--device_type", "cpu", *flags])
+
+
+def test_qlora_on_cpu_stops_the_launch_with_one_line_and_status_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ps", "--check_only", "--run_dir", str(tmp_path / "run"),
+                           "--device_type", "cpu", "--use_peft", "--load_in_4bit"],
+                          cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith("  warnings.warn")]
+    assert lines == ["ps: error: --load_in_4bit: bitsandbytes quantization needs a CUDA GPU, and this run is on cpu"]
+    assert not (tmp_path / "run" / "queue").exists()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("bitsandbytes") is not None,
+                    reason="bitsandbytes is installed here")
+def test_qlora_on_a_gpu_without_bitsandbytes_names_the_package():
+    problem = PeftArgs(use_peft=True, load_in_4bit=True).peft_args_problem("cuda")
+    assert problem == "--load_in_4bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
+
+
+# ---------------------------------------------------------------------- sharing the adapter
+
+
+@pytest.mark.parametrize("transport", ["mmap", "safetensors", "cuda_ipc"])
+def test_an_adapter_only_sync_gives_the_worker_the_ps_log_probs(tmp_path, transport):
+    if transport == "cuda_ipc" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = "cuda" if transport == "cuda_ipc" else "cpu"
+    overrides = {} if device == "cpu" else {"use_cpu": False, "device_type": "cuda"}
+    ps, worker = trainers(lora_config(tmp_path, lora_dropout=0.3, **overrides))
+    perturb_adapter(ps.model)
+    adapter = shared_tensors(ps.model)
+    assert all(".lora_" in name or ".modules_to_save." in name for name in adapter), list(adapter)
+    assert [n for n in adapter] == [n for n in shared_tensors(worker.model)]
+    run = RunDir.create(tmp_path / "run")
+    publisher, subscriber = make_publisher(run, ps.model, transport), make_subscriber(run)
+    try:
+        assert publisher.publish(1, 1)
+        assert subscriber.sync(worker.model) == 1
+        # Only the adapter went through the transport: its bytes, not the model's.
+        assert publisher.layout.total_bytes == subscriber.synced_bytes == aligned_bytes(adapter)
+        assert aligned_bytes(adapter) < aligned_bytes(ps.model.state_dict()) / 2
+        if transport == "mmap":
+            assert all(os.path.getsize(p) == aligned_bytes(adapter) for p in publisher.paths)
+        # The worker samples in TRL's train mode (its metric names), with LoRA dropout 0.3 and yet no dropout:
+        # its log-probs are the policy's, which the PS's are in eval mode, exactly.
+        assert worker.model.training
+        ps.model.eval()
+        assert torch.equal(logps(worker), logps(ps))
+        assert torch.equal(logps(worker), logps(worker))
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_the_reference_of_beta_is_the_base_with_the_adapter_disabled_on_the_worker(tmp_path):
+    cfg = lora_config(tmp_path, beta=0.04, lora_modules_to_save=None)
+    worker = trainers(cfg)[1]
+    assert worker.ref_model is None  # no second copy of the model
+    perturb_adapter(worker.model)
+    rows = [worker.train_dataset[i // worker.num_generations] for i in range(worker.args.generation_batch_size)]
+    batch, _ = generate_and_score(worker, rows, EventLog.off(), seed=0)
+    base = build_model(seed=0)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = base(input_ids=ids, attention_mask=mask).logits[:, -batch["completion_ids"].size(1) - 1:-1]
+    base_logps = torch.log_softmax(logits / cfg.temperature, dim=-1).gather(-1, batch["completion_ids"][..., None])
+    completion = batch["completion_mask"].bool()
+    reference = batch["ref_per_token_logps"]
+    assert torch.allclose(reference[completion], base_logps[..., 0][completion], atol=1e-5)
+    # ... and not the policy's: the adapter changes the log-probs.
+    assert (reference - batch["old_per_token_logps"])[completion].abs().max() > 0.1
+
+
+def test_a_worker_model_that_cannot_take_the_adapter_is_refused(tmp_path):
+    ps, same = trainers(lora_config(tmp_path))
+    layout = layout_of(ps.model)
+    check_model(layout, same.model)  # same base, same adapter modules
+    _, other_base = trainers(lora_config(tmp_path), worker_base_seed=1)
+    with pytest.raises(WeightsMismatch, match="this worker's base model is not the parameter server's"):
+        check_model(layout, other_base.model)
+    with pytest.raises(WeightsMismatch, match="publishes a LoRA adapter and this worker's model has none"):
+        check_model(layout, build_model(seed=0))
+    with pytest.raises(WeightsMismatch, match="publishes a whole model and this worker's model has a LoRA adapter"):
+        check_model(layout_of(build_model(seed=0)), same.model)
+    # One value of one frozen tensor changed (at a sampled position) is another base.
+    with torch.no_grad():
+        same.model.get_base_model().model.layers[1].mlp.up_proj.base_layer.weight[0, 0] += 1.0
+    with pytest.raises(WeightsMismatch):
+        check_model(layout, same.model)
+
+
+def test_a_worker_process_on_another_base_exits_2_with_one_line(tmp_path):
+    """A real worker started on another base model than its PS's: it refuses before its first job."""
+    ps_base, worker_base = tmp_path / "ps_base", tmp_path / "worker_base"
+    write_demo_model(ps_base, seed=0)
+    write_demo_model(worker_base, seed=1)  # same architecture, same names and shapes: other weights
+    flags = [*LORA_FLAGS, "--device_type", "cpu", "--report_to", "none", "--gradient_checkpointing", "false"]
+    cfg = parse_config([*flags, "--model_name_or_path", str(ps_base), "--output_dir", str(tmp_path / "out")])
+    run = RunDir.create(tmp_path / "run")
+    from asyncgrpo.inputs import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(ps_base))
+    ps = GRPOTrainer(model=model, reward_funcs=[repeat_digit_reward], args=cfg, train_dataset=build_dataset(n=40),
+                     processing_class=tok, peft_config=cfg.peft_config())
+    publisher = make_publisher(run, ps.model, "mmap")
+    try:
+        publisher.publish(1, 1)
+        fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "state": "training"})
+        proc = subprocess.run([sys.executable, "-m", "worker", "--device", "1", "--run_dir", str(run.root), *flags,
+                               "--model_name_or_path", str(worker_base)],
+                              cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    finally:
+        publisher.close()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("worker: error:")]
+    assert len(errors) == 1 and "this worker's base model is not the parameter server's" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- a real run
+
+
+RUN_FLAGS = [*LORA_FLAGS, "--learning_rate", "3e-3", "--lr_scheduler_type", "constant", "--lease_s", "4",
+             "--save_strategy", "steps", "--save_steps", "40", "--seed", "0"]
+STEPS = 80
+
+
+def run_ps_and_worker(run_root: Path, *flags: str) -> None:
+    logs = run_root.parent
+    ps = start_process(run_root, logs / "ps.log", "ps", *flags)
+    worker = start_process(run_root, logs / "w1.log", "worker", "--device", "1", *flags)
+    try:
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (logs / "ps.log").read_text()[-3000:]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=120) == 0, (logs / "w1.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A finished 80-step LoRA run of the demo task: a PS and one worker, real processes."""
+    root = tmp_path_factory.mktemp("lora80") / "run"
+    run_ps_and_worker(root, "--max_steps", str(STEPS), *RUN_FLAGS)
+    return root
+
+
+def adapter_layout_of_the_run(run_root: Path) -> tuple[Layout, int]:
+    """The adapter layout a model built from the run's base with the run's flags has, and the whole model's
+    bytes (built here, apart from the processes)."""
+    from peft import get_peft_model
+
+    from asyncgrpo.inputs import load_model_and_tokenizer
+
+    cfg = parse_config([*RUN_FLAGS, "--device_type", "cpu", "--output_dir", str(run_root.parent / "out")])
+    base, _ = load_model_and_tokenizer(str(run_root / "demo_model"))
+    full_bytes = aligned_bytes(base.state_dict())
+    return layout_of(get_peft_model(base, cfg.peft_config())), full_bytes
+
+
+def test_a_lora_run_learns_trains_each_job_once_and_shares_only_the_adapter(lora_run):
+    rewards = [m["reward"] for m in metrics(lora_run)]
+    assert len(rewards) == STEPS
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    assert last >= first + 0.08, f"reward did not rise: first 10 steps {first:.3f}, last 20 {last:.3f}"
+    assert_exactly_once(lora_run, jobs=STEPS)
+    # What went through the transport: the adapter's bytes (lora_A/B and the head), on both sides.
+    layout, full_bytes = adapter_layout_of_the_run(lora_run)
+    assert layout.base is not None and layout.total_bytes < full_bytes
+    published = {r["bytes"] for r in ps_events(lora_run, "weights_published")}
+    synced = {json.loads(line)["bytes"] for line in (lora_run / "logs" / "events-worker-dev1.jsonl").read_text()
+              .splitlines() if json.loads(line)["event"] == "weights_synced"}
+    assert published == synced == {layout.total_bytes}, (published, synced, layout.total_bytes, full_bytes)
+    # Checkpoints and the final save hold the adapter, not the model.
+    for folder in (lora_run / "checkpoints" / "checkpoint-80", lora_run / "final_model"):
+        names = set(os.listdir(folder))
+        assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= names, names
+        assert not names & {"model.safetensors", "pytorch_model.bin"}, names
+
+
+def test_the_saved_adapter_merges_into_its_base(lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(lora_run / "demo_model")
+    trained = PeftModel.from_pretrained(base, lora_run / "final_model").eval()
+    ids = torch.tensor([[4, 14, 4, 4, 4]])
+    with torch.no_grad():
+        unmerged = trained(input_ids=ids).logits
+        merged = trained.merge_and_unload()(input_ids=ids).logits
+    assert torch.allclose(merged, unmerged, atol=1e-5)
+    assert not torch.allclose(merged, AutoModelForCausalLM.from_pretrained(lora_run / "demo_model")(
+        input_ids=ids).logits, atol=1e-3)  # the adapter did change the model
+
+
+def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run, tmp_path):
+    """Relaunched for one more step, the PS loads checkpoint-80's adapter and publishes exactly it first
+    (kept on disk by the safetensors transport), then trains step 81; still every job once."""
+    root = tmp_path / "run"
+    shutil.copytree(lora_run, root, symlinks=True)
+    run_ps_and_worker(root, "--max_steps", str(STEPS + 1), "--weight_transport", "safetensors", *RUN_FLAGS)
+    assert "resuming from" in (tmp_path / "ps.log").read_text()
+    saved = load_file(root / "checkpoints" / "checkpoint-80" / "adapter_model.safetensors")
+    published = load_file(root / "weights" / "snapshots" / f"v{STEPS:08d}.safetensors")
+
+    def saved_name(name):  # a parameter's name in PEFT's adapter file
+        return name.replace("modules_to_save.default.", "").replace(".default.", ".")
+
+    assert sorted(saved_name(n) for n in published) == sorted(saved)
+    assert all(torch.equal(t, saved[saved_name(n)]) for n, t in published.items())
+    assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 2))
+    assert_exactly_once(root, jobs=STEPS + 1)
