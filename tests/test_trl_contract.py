@@ -11,6 +11,7 @@ import re
 import typing
 
 import pytest
+import torch
 import trl
 from packaging.version import Version
 from transformers import GenerationMixin, Trainer, TrainerCallback
@@ -18,6 +19,7 @@ from transformers.trainer_callback import ProgressCallback, TrainerControl, Trai
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
+from asyncgrpo.peft_args import PeftArgs
 from worker.generate import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE
 
 P = inspect.Parameter
@@ -36,7 +38,8 @@ SIGNATURES = {
     # ps/trainer.py: AsyncGRPOTrainer(...) -> GRPOTrainer.__init__(model=..., reward_funcs=..., ...);
     # worker/generate.py: build_trainer, the same keywords
     (GRPOTrainer, "__init__"): ([("self", REQUIRED), ("model", REQUIRED), ("reward_funcs", ANY), ("args", ANY),
-                                 ("train_dataset", ANY), ("processing_class", ANY)], KEYWORDS),
+                                 ("train_dataset", ANY), ("processing_class", ANY), ("peft_config", None)],
+                                KEYWORDS),
     # ps/trainer.py overrides train(resume_from_checkpoint=None, **kwargs); ps/__main__.py passes a path or None
     (GRPOTrainer, "train"): ([("self", REQUIRED), ("resume_from_checkpoint", None)], False),
     # PS override (training: the pipeline's result; evaluation: super()); the worker calls it with a job's rows
@@ -233,3 +236,41 @@ def test_transformers_sampling_loop_samples_from_the_raw_last_logits():
         "capture behaviour log-probs with may no longer see them")
     assert "input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)" in source, (
         "transformers' _sample no longer appends one sampled token per forward")
+
+
+# LoRA (--use_peft): asyncgrpo/peft_args.py copies TRL's ModelConfig flags and hands them to TRL's helpers.
+
+def test_the_peft_flags_are_trl_model_config_s():
+    ours = {f.name: f for f in dataclasses.fields(PeftArgs)}
+    trls = {f.name: f for f in dataclasses.fields(trl.ModelConfig)}
+    for name, field in ours.items():
+        assert name in trls, f"trl.ModelConfig no longer has {name} (asyncgrpo/peft_args.py copies it)"
+        theirs = trls[name]
+        assert (field.default, field.metadata.get("help")) == (theirs.default, theirs.metadata.get("help")), (
+            f"trl.ModelConfig.{name} changed: default {theirs.default!r}, help {theirs.metadata.get('help')!r}")
+    new = {n for n in trls if n.startswith(("lora_", "use_", "load_in_", "bnb_"))} - set(ours)
+    assert not new, f"trl.ModelConfig has new PEFT/quantization flags asyncgrpo does not offer: {sorted(new)}"
+
+
+@pytest.mark.parametrize("helper", [trl.get_peft_config, trl.get_quantization_config], ids=lambda f: f.__name__)
+def test_trl_s_peft_helpers_read_only_flags_asyncgrpo_has(helper):
+    read = set(re.findall(r"model_args\.(\w+)", inspect.getsource(helper)))
+    missing = read - {f.name for f in dataclasses.fields(PeftArgs)} - {"dtype"}  # dtype: peft_args._WithDtype
+    assert not missing, f"trl.{helper.__name__} now reads {sorted(missing)}, which asyncgrpo/peft_args.py lacks"
+
+
+def test_disable_dropout_in_model_zeroes_every_dropout():
+    from trl.trainer.utils import disable_dropout_in_model  # worker/generate.py: sampling without dropout
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout()))
+    disable_dropout_in_model(model)
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0, 0]
+
+
+def test_a_peft_model_s_reference_is_the_base_with_the_adapter_disabled():
+    init, score = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
+    assert re.search(r"elif is_peft_model\(model\):\s*(#.*\s*)*self\.ref_model = None", init), (
+        "GRPOTrainer no longer skips the reference model for a PEFT model: with --use_peft and beta > 0 every "
+        "process would hold a second copy of the model")
+    assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in score, (
+        "GRPOTrainer no longer computes a PEFT model's reference log-probs with the adapter disabled")
