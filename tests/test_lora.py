@@ -326,3 +326,32 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint(lora_run, tmp_path):
     assert all(torch.equal(t, saved[saved_name(n)]) for n, t in published.items())
     assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 2))
     assert_exactly_once(root, jobs=STEPS + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora_4bit"])
+def test_a_lora_run_on_the_gpu_shares_only_the_adapter_through_cuda_ipc(tmp_path, quantized):
+    if quantized and __import__("importlib").util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    root = tmp_path / "run"
+    flags = ["--max_steps", "6", *RUN_FLAGS, "--save_steps", "3", "--device_type", "cuda",
+             *(["--load_in_4bit"] if quantized else [])]
+    env = {**PROCESS_ENV, "CUDA_VISIBLE_DEVICES": "0"}  # launch.sh's placement of the PS and worker 1 on one GPU
+    ps = start_process(root, tmp_path / "ps.log", "ps", *flags, env=env)
+    worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags, env=env)
+    try:
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=120) == 0, (tmp_path / "w1.log").read_text()[-3000:]
+    assert_exactly_once(root, jobs=6)
+    version = json.loads((root / "weights" / "published_version.json").read_text())
+    assert version["transport"] == "cuda_ipc"
+    layout = json.loads((root / "weights" / version["layout_file"]).read_text())
+    assert layout["base"] is not None
+    assert all(".lora_" in t["name"] or ".modules_to_save." in t["name"] for t in layout["tensors"]), layout
+    published = {r["bytes"] for r in ps_events(root, "weights_published")}
+    assert published == {layout["total_bytes"]}
+    names = set(os.listdir(root / "final_model"))
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names, names
