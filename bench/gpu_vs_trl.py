@@ -188,7 +188,8 @@ def main() -> int:
         if "samples_per_s" in res and "samples_per_s" in trl:
             res["samples_per_s_over_trl"] = round(res["samples_per_s"] / trl["samples_per_s"], 2)
             res["step_ms_over_trl"] = round(res["step_ms"] / trl["step_ms"], 2)
-    doc = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
+    doc = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
            "params": n_params, "layers": args.layers, "steps": args.steps, "warmup": args.warmup,
            "completion_tokens": args.completion, "batch": 32, "results": results}
     shutil.rmtree(root, ignore_errors=True)
