@@ -257,7 +257,7 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no config.json in that folder")
-        if not any(Path(name).glob(pattern) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")):
+        if not any(next(Path(name).glob(pattern), None) for pattern in ("*.safetensors", "*.bin")):
             raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no weights (*.safetensors, *.bin) "
                               "in that folder")
     kwargs = model_load_kwargs(cfg)
