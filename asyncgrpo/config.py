@@ -1,8 +1,16 @@
-"""One config for every process: TRL's GRPOConfig plus the queue, transport and staleness fields.
+"""One config for every process: TRL's GRPOConfig, TRL's model and dataset flags, plus the queue,
+transport and staleness fields.
 
 Parsed with TRL's ``TrlParser``, so ``--config run.yaml`` and flags both work and every
 GRPOConfig field (loss_type, beta, epsilon, num_generations, temperature, ...) means
 what it means in TRL. The PS and the workers parse the same arguments.
+
+TRL's ``ModelConfig`` and ``ScriptArguments`` cannot be parsed next to GRPOConfig as they are
+(both define ``model_name_or_path`` / ``dataset_name``, which asyncgrpo gives a demo default),
+so the fields asyncgrpo applies are copied, with TRL's names, defaults and help, into the
+``ModelArguments`` and ``DatasetArguments`` dataclasses, mixed into AsyncGRPOConfig: one flat
+config object (``cfg.dtype``, ``cfg.dataset_test_split``), pickled into checkpoints with the
+rest. A further group of flags is added the same way (see AsyncGRPOConfig's bases).
 
     cfg = parse_config(["--max_steps", "200", "--reward_funcs", "mypkg.rewards:fn"])
 """
@@ -38,7 +46,8 @@ class ModelArguments:
         "help": "Specific model version to use. It can be a branch name, a tag name, or a commit id."})
     dtype: str | None = field(default="float32", metadata={
         "help": "Override the default `torch.dtype` and load the model under this dtype ('auto': the dtype the "
-                "model was saved in). A dtype the device cannot compute in is replaced by float32, with a note.",
+                "model was saved in). The PS and every worker load it so; a GPU without bfloat16 gets float32 (with a "
+                "note).",
         "choices": list(DTYPES)})
     torch_dtype: str | None = field(default=None, metadata={
         "help": "Older name of --dtype.", "choices": list(DTYPES)})
@@ -58,9 +67,9 @@ class DatasetArguments:
     """TRL's ScriptArguments flags that say which dataset and splits to use, with TRL's names and defaults."""
 
     dataset_name: str | None = field(default=None, metadata={
-        "help": "Dataset with a 'prompt' column: a .jsonl or .parquet file, a folder of such files (train.jsonl, "
-                "test.jsonl, ...: one split each), a folder saved with datasets.save_to_disk, or a hub id "
-                "(default: the demo task's prompts)."})
+        "help": "Dataset with a 'prompt' column: a .jsonl/.json/.parquet/.csv file, a folder of such files "
+                "(train.jsonl, test.jsonl, ...: one split each), a folder saved with datasets.save_to_disk, or a "
+                "hub id (default: the demo task's prompts)."})
     dataset_config: str | None = field(default=None, metadata={
         "help": "Dataset configuration name. Corresponds to the `name` argument of the `datasets.load_dataset` "
                 "function."})
@@ -89,8 +98,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments):
     # --output_dir as given (None: not given), kept before TrainingArguments fills in its own default.
     final_model_dir: str | None = field(default=None, init=False)
     reward_funcs: list[str] | None = field(default=None, metadata={
-        "help": "Reward functions by import path 'module:function', f(prompts, completions, **kwargs) -> list[float]; "
-                "several allowed, weighted by reward_weights (default: the demo task's reward)."})
+        "help": "Reward functions f(prompts, completions, **kwargs) -> list[float], by import path 'module:function' "
+                "or 'module.function' (modules in the current folder import), or a reward trl grpo knows by name "
+                "(accuracy_reward, think_format_reward, ...); several allowed, weighted by reward_weights (default: "
+                "the demo task's reward)."})
     # Where and on what.
     run_dir: str | None = field(default=None, metadata={
         "help": "Run directory: queue, archive, weights, logs, checkpoints, metrics (default: a new folder "

@@ -75,7 +75,7 @@ def checkpoint_step(folder: str) -> int:
 
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None):
-        # Evaluation (eval_dataset, --eval_strategy) is TRL's own, on the PS's model: see _generate_and_score_completions.
+        # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer)
         self.cfg, self.run = cfg, run

@@ -40,9 +40,9 @@ def test_trl_model_and_dataset_flags_parse_with_trls_defaults():
         defaults = {f.name: f.default for f in dataclasses.fields(owner)}
         for name in names:
             assert getattr(cfg, name) == defaults[name], f"--{name}: {getattr(cfg, name)!r}, TRL's {defaults[name]!r}"
-    cfg = parse("--model_revision", "v2", "--dtype", "bfloat16", "--attn_implementation", "eager", "--trust_remote_code",
-                "true", "--dataset_config", "small", "--dataset_train_split", "a", "--dataset_test_split", "b",
-                "--model_init_kwargs", '{"low_cpu_mem_usage": true}')
+    cfg = parse("--model_revision", "v2", "--dtype", "bfloat16", "--attn_implementation", "eager",
+                "--trust_remote_code", "true", "--dataset_config", "small", "--dataset_train_split", "a",
+                "--dataset_test_split", "b", "--model_init_kwargs", '{"low_cpu_mem_usage": true}')
     assert (cfg.model_revision, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code) == ("v2", "bfloat16",
                                                                                             "eager", True)
     assert (cfg.dataset_config, cfg.dataset_train_split, cfg.dataset_test_split) == ("small", "a", "b")
@@ -140,7 +140,8 @@ def trl_run(tmp_path_factory):
     run_root = folder / "runs" / "trl"
     logs = {name: (run_root / "logs" / name).read_text() if (run_root / "logs" / name).exists() else ""
             for name in ("log_parameter_server.txt", "log_worker_1.txt")}
-    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr}\n{logs['log_parameter_server.txt'][-3000:]}"
+    assert result.returncode == 0, (
+        f"{result.stdout[-2000:]}\n{result.stderr}\n{logs['log_parameter_server.txt'][-3000:]}")
     return folder, run_root, logs
 
 
