@@ -225,9 +225,9 @@ def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
     kwargs = model_load_kwargs(cfg)
     try:
         dtype = kwargs.get("dtype")
-        if dtype == "auto":
+        if dtype == "auto":  # as saved: the config's dtype, else transformers reads it off the weights
             dtype = AutoConfig.from_pretrained(path, revision=kwargs.get("revision"),
-                                               trust_remote_code=kwargs.get("trust_remote_code", False)).dtype
+                                               trust_remote_code=kwargs.get("trust_remote_code", False)).dtype or "auto"
         note, kwargs["dtype"] = _half_dtype_note(dtype, cfg.device_type if cfg else "cpu")
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, revision=kwargs.get("revision"),
