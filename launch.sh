@@ -14,9 +14,10 @@
 #
 # Every other flag goes to the PS and the workers unchanged: TRL's GRPOConfig, ModelConfig
 # and ScriptArguments flags with TRL's meaning (--learning_rate, --dtype, --dataset_name,
-# --reward_funcs, --output_dir, ...), --config run.yaml, and asyncgrpo's own; see them all
-# with `python -m ps --help`. Paths are relative to the folder you run launch.sh from. The
-# final model is saved to --output_dir, else to RUN/final_model. Logs: RUN/logs/.
+# --reward_funcs, --output_dir, ...), --config run.yaml, and asyncgrpo's own; the repository's
+# `.venv/bin/python -m ps --help` lists them all. Paths are relative to the folder you run
+# launch.sh from. The final model is saved to --output_dir, else to RUN/final_model. Logs:
+# RUN/logs/.
 
 # Placement (gpu_env below), with G GPUs: the PS sees GPU 0 only; worker i runs on GPU
 # i mod G with CUDA_VISIBLE_DEVICES="i mod G,0" (its cuda:0 is its own GPU, cuda:1 the PS's,
