@@ -74,9 +74,10 @@ def checkpoint_step(folder: str) -> int:
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None):
+        # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
-                         processing_class=tokenizer)
+                         eval_dataset=eval_dataset, processing_class=tokenizer)
         self.cfg, self.run = cfg, run
         self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
         self.queue = JobQueue(run, events=self.events)
@@ -235,6 +236,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          "weights_version": max(record["weights_versions"]),
                          "trainer_wait_s": round(record["trainer_wait_s"], 4)})
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
+        if "eval_loss" in logs:  # TRL's evaluation, on the PS's model (--eval_strategy)
+            log.info("[eval] step=%d reward=%s loss=%.4f", self.state.global_step,
+                     _fmt(logs.get("eval_reward")), logs["eval_loss"])
         if not is_step_log:
             return
         now = time.monotonic()
@@ -290,6 +294,10 @@ class _PipelineCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
         self.trainer.hold_save_until_job_ends(control)  # after DefaultFlowCallback decided should_save
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _new_step_record() -> dict:
