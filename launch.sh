@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# Start a parameter server and N workers on one run directory, supervise them, stop them cleanly.
+# usage: bash launch.sh [--workers N] [--run-dir DIR] [--max-steps N] [--device cpu|cuda|auto] [flags...]
 #
-#   bash launch.sh --workers 3 [--run-dir DIR] [--max-steps N] [--device cpu|cuda] [config flags...]
+# Starts a parameter server (PS) and N workers on one run directory, supervises them, and
+# stops them cleanly. With no model, dataset or reward flag: the built-in demo task (a tiny
+# Llama made offline learns to repeat a digit).
 #
-# With no other argument: the built-in demo task (a tiny Llama made offline learns to
-# repeat a digit), on GPU if there is one, else CPU. Any other flag (--learning_rate,
-# --num_generations, --config run.yaml, --model_name_or_path, --reward_funcs mod:fn, ...)
-# goes to the PS and the workers unchanged. Relaunching with the same --run-dir resumes.
+#   --workers N     worker processes (default 3); a worker that exits is restarted
+#   --run-dir DIR   the run directory (default $ASYNCGRPO_RUNS/<date-time>, ASYNCGRPO_RUNS
+#                   defaulting to ~/asyncgrpo-runs); relaunching on it resumes from its newest checkpoint
+#   --max-steps N   the same as --max_steps
+#   --device D      cpu, cuda or auto (default: cuda when torch sees a GPU)
+#   -h, --help      this help
 #
+# Every other flag goes to the PS and the workers unchanged: TRL's GRPOConfig, ModelConfig
+# and ScriptArguments flags with TRL's meaning (--learning_rate, --dtype, --dataset_name,
+# --reward_funcs, --output_dir, ...), --config run.yaml, and asyncgrpo's own; the repository's
+# `.venv/bin/python -m ps --help` lists them all. Paths are relative to the folder you run
+# launch.sh from. The final model is saved to --output_dir, else to RUN/final_model. Logs:
+# RUN/logs/.
+
 # Placement (gpu_env below), with G GPUs: the PS sees GPU 0 only; worker i runs on GPU
 # i mod G with CUDA_VISIBLE_DEVICES="i mod G,0" (its cuda:0 is its own GPU, cuda:1 the PS's,
 # for CUDA IPC); a worker whose i mod G is 0 sees GPU 0 only and shares it with the PS (all
 # workers when G is 1; worker G, 2G, ... otherwise). GPU numbers are the machine's: a
-# CUDA_VISIBLE_DEVICES set before launch.sh is replaced, not narrowed. Logs: RUN/logs/.
-# A worker that exits is restarted; status 3 means its GPU failed (a CUDA error).
+# CUDA_VISIBLE_DEVICES set before launch.sh is replaced, not narrowed. A worker that exits
+# with status 3 had a GPU failure (a CUDA error). Every process runs in the folder launch.sh
+# was started from, with this repository's code first on the path (PYTHONSAFEPATH: a ps.py
+# there does not shadow it); reward modules there import as with `python`.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
@@ -27,7 +40,7 @@ while [ $# -gt 0 ]; do
         --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
-        -h|--help)   sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help)   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
     esac
 done
@@ -36,7 +49,7 @@ done
 
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
-cd "$REPO_ROOT"
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 if [ "$DEVICE" = auto ]; then
     DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 fi
@@ -73,8 +86,8 @@ say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s)); logs in $LOGS"
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) "$VENV_PY" -m ps "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
-# Progress on the terminal: the PS's [train] lines (tail ends when the PS does).
-tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|error' &
+# Progress on the terminal: the PS's [train] and [eval] lines (tail ends when the PS does).
+tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|\[eval\]|error' &
 TAIL_PID=$!
 
 stop_workers() {

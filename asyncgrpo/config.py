@@ -1,16 +1,26 @@
-"""One config for every process: TRL's GRPOConfig plus the queue, transport and staleness fields,
-and TRL's PEFT / QLoRA flags (asyncgrpo/peft_args.py).
+"""One config for every process: TRL's GRPOConfig, TRL's model and dataset flags, TRL's PEFT / QLoRA
+flags (asyncgrpo/peft_args.py), plus the queue, transport and staleness fields.
 
 Parsed with TRL's ``TrlParser``, so ``--config run.yaml`` and flags both work and every
 GRPOConfig field (loss_type, beta, epsilon, num_generations, temperature, ...) means
 what it means in TRL. The PS and the workers parse the same arguments.
+
+TRL's ``ModelConfig`` and ``ScriptArguments`` cannot be parsed next to GRPOConfig as they are
+(both define ``model_name_or_path`` / ``dataset_name``, which asyncgrpo gives a demo default),
+so the fields asyncgrpo applies are copied, with TRL's names, defaults and help, into the
+``ModelArguments`` and ``DatasetArguments`` dataclasses, mixed into AsyncGRPOConfig: one flat
+config object (``cfg.dtype``, ``cfg.dataset_test_split``), pickled into checkpoints with the
+rest. TRL's PEFT / QLoRA flags (``--use_peft``, ``--lora_r``, ``--load_in_4bit``, ...) are
+added the same way, from ``PeftArgs`` (asyncgrpo/peft_args.py).
 
     cfg = parse_config(["--max_steps", "200", "--reward_funcs", "mypkg.rewards:fn"])
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import yaml
@@ -18,6 +28,7 @@ from trl import GRPOConfig, TrlParser
 
 from asyncgrpo.peft_args import PeftArgs
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -26,17 +37,74 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class AsyncGRPOConfig(GRPOConfig, PeftArgs):
-    # What to train. None means the built-in demo task (asyncgrpo.tasks.demo).
+class ModelArguments:
+    """TRL's ModelConfig flags that say how the model is loaded, with TRL's names, defaults and meaning
+    (``trl grpo`` passes them to ``from_pretrained``). The PS and every worker load it the same way
+    (asyncgrpo/inputs.py load_model_and_tokenizer)."""
+
+    # None means the built-in demo task (asyncgrpo.tasks.demo).
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Local folder or hub id of a causal LM (default: the built-in demo model, a tiny Llama made offline)."})
+    model_revision: str = field(default="main", metadata={
+        "help": "Specific model version to use. It can be a branch name, a tag name, or a commit id."})
+    dtype: str | None = field(default="float32", metadata={
+        "help": "Override the default `torch.dtype` and load the model under this dtype ('auto': the dtype the "
+                "model was saved in). The PS and every worker load it so; a GPU without bfloat16 gets float32 (with a "
+                "note).",
+        "choices": list(DTYPES)})
+    torch_dtype: str | None = field(default=None, metadata={
+        "help": "Older name of --dtype.", "choices": list(DTYPES)})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "Which attention implementation to use (eager, sdpa, flash_attention_2, ...)."})
+
+    def _resolve_model_aliases(self) -> None:
+        if self.torch_dtype is not None:
+            if self.dtype not in ("float32", self.torch_dtype):
+                raise ConfigError(f"--torch_dtype {self.torch_dtype} and --dtype {self.dtype}: give one of them")
+            self.dtype = self.torch_dtype
+        self.torch_dtype = self.dtype
+
+
+@dataclass
+class DatasetArguments:
+    """TRL's ScriptArguments flags that say which dataset and splits to use, with TRL's names and defaults."""
+
     dataset_name: str | None = field(default=None, metadata={
-        "help": "Dataset with a 'prompt' column: a .jsonl or .parquet file, a folder saved with "
-                "datasets.save_to_disk, or a hub id (default: the demo task's prompts)."})
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on when the dataset has several."})
+        "help": "Dataset with a 'prompt' column: a .jsonl/.json/.parquet/.csv file, a folder of such files "
+                "(train.jsonl, test.jsonl, ...: one split each), a folder saved with datasets.save_to_disk, or a "
+                "hub id (default: the demo task's prompts)."})
+    dataset_config: str | None = field(default=None, metadata={
+        "help": "Dataset configuration name. Corresponds to the `name` argument of the `datasets.load_dataset` "
+                "function."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to use for training."})
+    dataset_test_split: str = field(default="test", metadata={
+        "help": "Dataset split to use for evaluation (with --eval_strategy steps or epoch)."})
+    dataset_split: str | None = field(default=None, metadata={"help": "Older name of --dataset_train_split."})
+
+    def _resolve_dataset_aliases(self) -> None:
+        if self.dataset_split is not None:
+            if self.dataset_train_split not in ("train", self.dataset_split):
+                raise ConfigError(f"--dataset_split {self.dataset_split} and --dataset_train_split "
+                                  f"{self.dataset_train_split}: give one of them")
+            self.dataset_train_split = self.dataset_split
+        self.dataset_split = self.dataset_train_split
+
+
+# More groups of flags are mixed in the same way: a dataclass of fields with defaults, added to
+# AsyncGRPOConfig's bases, its checks called from AsyncGRPOConfig.__post_init__ (PeftArgs: TRL's LoRA flags).
+@dataclass
+class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
+    # TRL's meaning: where the trained model is saved at the end. Checkpoints go to RUN/checkpoints.
+    output_dir: str | None = field(default=None, metadata={
+        "help": "Where the parameter server saves the final model and tokenizer (save_pretrained) at the end of "
+                "training (default: RUN/final_model). Checkpoints are saved in RUN/checkpoints."})
+    # --output_dir as given (None: not given), kept before TrainingArguments fills in its own default.
+    final_model_dir: str | None = field(default=None, init=False)
     reward_funcs: list[str] | None = field(default=None, metadata={
-        "help": "Reward functions by import path 'module:function', f(prompts, completions, **kwargs) -> list[float]; "
-                "several allowed, weighted by reward_weights (default: the demo task's reward)."})
+        "help": "Reward functions f(prompts, completions, **kwargs) -> list[float], by import path 'module:function' "
+                "or 'module.function' (modules in the current folder import), or a reward trl grpo knows by name "
+                "(accuracy_reward, think_format_reward, ...); several allowed, weighted by reward_weights (default: "
+                "the demo task's reward)."})
     # Where and on what.
     run_dir: str | None = field(default=None, metadata={
         "help": "Run directory: queue, archive, weights, logs, checkpoints, metrics (default: a new folder "
@@ -82,6 +150,14 @@ class AsyncGRPOConfig(GRPOConfig, PeftArgs):
         "help": "Poll queue/ instead of waiting for inotify events (NFS and other filesystems without events)."})
 
     def __post_init__(self):
+        if isinstance(self.model_init_kwargs, str) and self.model_init_kwargs.startswith("{"):
+            try:
+                json.loads(self.model_init_kwargs)
+            except ValueError as err:
+                raise ConfigError(f"--model_init_kwargs {self.model_init_kwargs!r}: not valid JSON: {err}") from None
+        self.final_model_dir = self.output_dir
+        self._resolve_model_aliases()
+        self._resolve_dataset_aliases()
         if self.device_type == "auto":
             import torch
 
@@ -109,7 +185,10 @@ class AsyncGRPOConfig(GRPOConfig, PeftArgs):
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
         if problem := self.peft_args_problem(self.device_type):
             raise ConfigError(problem)
-        super().__post_init__()
+        super().__post_init__()  # parses --model_init_kwargs '{...}' into a dict
+        if not isinstance(self.model_init_kwargs, (dict, type(None))):
+            raise ConfigError(f"--model_init_kwargs {self.model_init_kwargs!r}: expected a JSON object, "
+                              "e.g. '{\"dtype\": \"bfloat16\"}'")
         if (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps:
             raise ConfigError(
                 f"--steps_per_generation {self.steps_per_generation} x --num_iterations {self.num_iterations} must be "
@@ -131,11 +210,13 @@ def _flag_names(argv: list[str]) -> set[str]:
     return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
-def parse_config(argv: list[str] | None = None) -> AsyncGRPOConfig:
+def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None
+                 ) -> AsyncGRPOConfig:
     """Flags and ``--config`` YAML into an AsyncGRPOConfig; ConfigError with one line on bad input.
 
     Without a model, dataset or reward function, the demo task's defaults fill every field
-    the user did not set (on the command line or in the YAML file).
+    the user did not set (on the command line or in the YAML file). ``--help`` prints every
+    flag (under ``prog`` and ``description``) and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     given = _flag_names(argv)
@@ -151,14 +232,17 @@ def parse_config(argv: list[str] | None = None) -> AsyncGRPOConfig:
         # Checkpoints, so that relaunching the demo on its run directory resumes.
         defaults = {**DEMO_DEFAULTS, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
         argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
-    parser = TrlParser((AsyncGRPOConfig,))
+    parser = TrlParser((AsyncGRPOConfig,), prog=prog, description=description)
 
     def one_line_error(message: str):  # argparse would print its whole usage block and exit
         raise ConfigError(message)
 
     parser.error = one_line_error
     try:
-        (cfg,) = parser.parse_args_and_config(argv)
+        with warnings.catch_warnings():
+            if "gradient_checkpointing" not in given:  # TRL's own default trips transformers' rename warning
+                warnings.filterwarnings("ignore", message="`gradient_checkpointing", category=FutureWarning)
+            (cfg,) = parser.parse_args_and_config(argv)
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:

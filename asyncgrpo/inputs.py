@@ -1,14 +1,21 @@
-"""The model, tokenizer, dataset and reward functions a config names, or a one-line ConfigError.
+"""The model, tokenizer, datasets and reward functions a config names, or a one-line ConfigError.
 
 ``check_inputs(cfg)`` is the cheap version that launch.sh runs before starting anything:
-it imports the reward functions and checks that local paths exist and the run directory
-is writable, without loading a model.
+it imports the reward functions, reads the model's config and tokenizer (not its weights),
+loads the datasets and checks their splits and 'prompt' column, and checks that the run
+directory is writable and outside the source tree.
+
+Relative paths are relative to the current folder (launch.sh runs every process in the
+folder it was started from), and reward modules import from it, as they would with
+``python`` or ``trl grpo``.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,24 +23,48 @@ from pathlib import Path
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 
 DEMO_MODEL_DIR = "demo_model"  # inside the run directory, written by the PS for its workers
+SOURCE_TREE = Path(__file__).resolve().parents[1]  # the checkout (or site-packages) holding asyncgrpo/
+HALF_DTYPES = ("bfloat16", "float16")
+
+log = logging.getLogger("asyncgrpo.inputs")
 
 
 def _looks_like_a_path(name: str) -> bool:
     """A hub id is 'name' or 'org/name'; anything else that is not on disk is a missing path."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith((".jsonl", ".json", ".parquet"))
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1
+            or name.endswith((".jsonl", ".json", ".parquet", ".csv")))
+
+
+# ---------------------------------------------------------------------- reward functions
+
+def _trl_reward(name: str) -> Callable | None:
+    """The reward functions `trl grpo --reward_funcs NAME` knows by name, built as it builds them."""
+    from trl import rewards
+
+    named = {"accuracy_reward": lambda: rewards.accuracy_reward,
+             "reasoning_accuracy_reward": lambda: rewards.reasoning_accuracy_reward,
+             "think_format_reward": lambda: rewards.think_format_reward,
+             "get_soft_overlong_punishment": lambda: rewards.get_soft_overlong_punishment(
+                 max_completion_len=1280, soft_punish_cache=256)}
+    return named[name]() if name in named else None
 
 
 def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable]:
-    if cfg.is_demo or not cfg.reward_funcs:
+    """``module:function``, TRL's ``module.function``, or a reward TRL names (accuracy_reward, ...)."""
+    if not cfg.reward_funcs:
         from asyncgrpo.tasks.demo import repeat_digit_reward
 
-        if not cfg.reward_funcs:
-            return [repeat_digit_reward]
+        return [repeat_digit_reward]
+    if os.getcwd() not in sys.path:  # a rewards.py next to the user imports, as with `python` (and trl grpo)
+        sys.path.insert(0, os.getcwd())
     funcs = []
     for spec in cfg.reward_funcs:
-        module_name, _, attr = spec.partition(":")
+        if ":" not in spec and (func := _trl_reward(spec)) is not None:
+            funcs.append(func)
+            continue
+        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
         if not module_name or not attr:
-            raise ConfigError(f"--reward_funcs {spec!r}: expected 'module:function'")
+            raise ConfigError(f"--reward_funcs {spec!r}: expected 'module:function' or 'module.function'")
         try:
             module = importlib.import_module(module_name)
         except Exception as err:  # any import-time failure of user code is a bad input
@@ -47,43 +78,85 @@ def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable]:
     return funcs
 
 
-def load_train_dataset(cfg: AsyncGRPOConfig):
+# ---------------------------------------------------------------------- datasets
+
+def _load_dataset(cfg: AsyncGRPOConfig):
+    """--dataset_name as a Dataset or DatasetDict: a file, a save_to_disk folder, or what
+    ``datasets.load_dataset`` loads (a folder of split files, a hub id), as trl grpo loads it."""
     import datasets
 
+    name = os.path.expanduser(cfg.dataset_name)
+    try:
+        if os.path.isfile(name):
+            kind = {".parquet": "parquet", ".csv": "csv"}.get(Path(name).suffix, "json")
+            return datasets.load_dataset(kind, data_files=name)
+        if os.path.isdir(name) and any(Path(name, f).exists() for f in ("dataset_dict.json", "state.json")):
+            return datasets.load_from_disk(name)
+        if not os.path.isdir(name) and _looks_like_a_path(name):
+            raise ConfigError(f"--dataset_name {cfg.dataset_name}: no such file or folder")
+        return datasets.load_dataset(name, name=cfg.dataset_config)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {_first_line(err)}") from None
+
+
+def _split(cfg: AsyncGRPOConfig, loaded, split: str, flag: str):
+    import datasets
+
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(f"{flag} {split}: --dataset_name {cfg.dataset_name} has no split {split!r} "
+                              f"(has {', '.join(loaded)})")
+        loaded = loaded[split]
+    if "prompt" not in loaded.column_names:
+        raise ConfigError(f"--dataset_name {cfg.dataset_name}: no 'prompt' column in split {split!r} "
+                          f"(has {', '.join(loaded.column_names)})")
+    return loaded
+
+
+def evaluates(cfg: AsyncGRPOConfig) -> bool:
+    return cfg.eval_strategy != "no"
+
+
+def _strategy(cfg: AsyncGRPOConfig) -> str:
+    return getattr(cfg.eval_strategy, "value", cfg.eval_strategy)
+
+
+def load_train_dataset(cfg: AsyncGRPOConfig):
     if cfg.dataset_name is None:
         from asyncgrpo.tasks.demo import build_dataset
 
         return build_dataset(seed=cfg.seed)
-    name = os.path.expanduser(cfg.dataset_name)
-    try:
-        if os.path.isdir(name):
-            loaded = datasets.load_from_disk(name)
-        elif os.path.isfile(name):
-            kind = "parquet" if name.endswith(".parquet") else "json"
-            loaded = datasets.load_dataset(kind, data_files=name)
-        elif _looks_like_a_path(name):
-            raise ConfigError(f"--dataset_name {cfg.dataset_name}: no such file or folder")
-        else:
-            loaded = datasets.load_dataset(name)
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {str(err).splitlines()[0]}") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if cfg.dataset_split not in loaded:
-            raise ConfigError(f"--dataset_name {cfg.dataset_name}: no split {cfg.dataset_split!r} "
-                              f"(has {', '.join(loaded)})")
-        loaded = loaded[cfg.dataset_split]
-    if "prompt" not in loaded.column_names:
-        raise ConfigError(f"--dataset_name {cfg.dataset_name}: no 'prompt' column (has {loaded.column_names})")
-    return loaded
+    return _split(cfg, _load_dataset(cfg), cfg.dataset_train_split, "--dataset_train_split")
 
+
+def load_eval_dataset(cfg: AsyncGRPOConfig):
+    """The split TRL evaluates on (--dataset_test_split) when --eval_strategy asks for evaluation, else None."""
+    if not evaluates(cfg):
+        return None
+    if cfg.dataset_name is None:
+        raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: the demo task has no "
+                          "test split; give --dataset_name with a test split (--dataset_test_split)")
+    loaded = _load_dataset(cfg)
+    import datasets
+
+    if not isinstance(loaded, datasets.DatasetDict) or cfg.dataset_test_split not in loaded:
+        has = ", ".join(loaded) if isinstance(loaded, datasets.DatasetDict) else "no splits"
+        raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: --dataset_name "
+                          f"{cfg.dataset_name} has no split {cfg.dataset_test_split!r} (--dataset_test_split; "
+                          f"it has {has})")
+    return _split(cfg, loaded, cfg.dataset_test_split, "--dataset_test_split")
+
+
+# ---------------------------------------------------------------------- model
 
 def model_path(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> str:
-    """Where the model comes from: the config's, or the demo model the PS writes into the run."""
+    """Where the model comes from: the config's (a local folder made absolute), or the demo model in the run."""
     if cfg.model_name_or_path is None:
         return str(Path(run_root) / DEMO_MODEL_DIR)
-    return os.path.expanduser(cfg.model_name_or_path)
+    name = os.path.expanduser(cfg.model_name_or_path)
+    return os.path.abspath(name) if os.path.isdir(name) else name
 
 
 def write_demo_model_once(run_root: str | os.PathLike) -> str:
@@ -101,37 +174,136 @@ def write_demo_model_once(run_root: str | os.PathLike) -> str:
     return str(target)
 
 
-def load_model_and_tokenizer(path: str, **model_kwargs):
-    """``model_kwargs`` go to ``from_pretrained`` (QLoRA: ``cfg.model_load_kwargs()``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def model_load_kwargs(cfg: AsyncGRPOConfig | None) -> dict:
+    """What ``trl grpo`` passes to ``from_pretrained``: the ModelConfig flags, overridden by --model_init_kwargs."""
+    if cfg is None:
+        return {"dtype": "float32"}  # ModelConfig's default
+    kwargs = {"revision": cfg.model_revision, "trust_remote_code": cfg.trust_remote_code,
+              "attn_implementation": cfg.attn_implementation, "dtype": cfg.dtype}
+    kwargs.update(cfg.model_init_kwargs or {})
+    if "torch_dtype" in kwargs:  # from_pretrained's older name
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    kwargs.update(cfg.quantization_kwargs())  # --load_in_4bit / --load_in_8bit (QLoRA)
+    return kwargs
 
+
+def _half_dtype_note(dtype, device_type: str) -> tuple[str | None, object]:
+    """(a note or None, the dtype to load in) for a requested dtype on this device.
+
+    Every dtype is honoured on CPU (torch computes in bfloat16 and float16 there); a GPU
+    without bfloat16 gets float32 instead."""
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if name not in HALF_DTYPES:
+        return None, dtype
+    if device_type == "cpu":
+        return (f"the model is {name} on CPU: loaded and trained in {name} as asked (mixed precision, --bf16/--fp16, "
+                "is off on CPU)"), dtype
+    if name == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bfloat16: the model is loaded in float32 instead", "float32"
+    return None, dtype
+
+
+class _ModelInitKwargsApplied(logging.Filter):
+    """TRL warns that --model_init_kwargs are ignored when it is handed a loaded model: here they were applied."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`model_init_kwargs` will be ignored" not in record.getMessage()
+
+
+_MODEL_INIT_KWARGS_APPLIED = _ModelInitKwargsApplied()
+
+
+def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
+    """The model as ``trl grpo`` loads it (model_load_kwargs), and its tokenizer. Logs what it loaded.
+
+    ``cfg.model_init_kwargs`` then says how the model was loaded (as trl grpo sets it), so that
+    TRL's reference model (``--beta`` > 0) is loaded the same way, on one device.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = model_load_kwargs(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        dtype = kwargs.get("dtype")
+        if dtype == "auto":  # as saved: the config's dtype, else transformers reads it off the weights
+            dtype = AutoConfig.from_pretrained(path, revision=kwargs.get("revision"),
+                                               trust_remote_code=kwargs.get("trust_remote_code", False)).dtype or "auto"
+        note, kwargs["dtype"] = _half_dtype_note(dtype, cfg.device_type if cfg else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=kwargs.get("revision"),
+                                                  trust_remote_code=kwargs.get("trust_remote_code", False))
     except Exception as err:
-        raise ConfigError(f"--model_name_or_path {path}: cannot load: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"--model_name_or_path {path}: cannot load: {_first_line(err)}") from None
+    if note:
+        log.warning("[model] note: %s", note)
+    if cfg is not None:
+        # (Not the bitsandbytes config: it is no JSON, and a quantized base trains an adapter, whose reference
+        # is the base with the adapter disabled, so TRL loads no reference model from these.)
+        cfg.model_init_kwargs = {**{k: v for k, v in kwargs.items() if k != "quantization_config"},
+                                 "dtype": str(model.dtype).removeprefix("torch."), "device_map": None,
+                                 "attn_implementation": model.config._attn_implementation}
+        logging.getLogger("trl.trainer.grpo_trainer").addFilter(_MODEL_INIT_KWARGS_APPLIED)
+    log.info("[model] loaded %s: dtype=%s attn_implementation=%s", path, str(model.dtype).removeprefix("torch."),
+             model.config._attn_implementation)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
-def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> None:
-    """Everything launch.sh can check before a process starts (ConfigError otherwise)."""
+def _check_model(cfg: AsyncGRPOConfig) -> str | None:
+    """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = os.path.expanduser(cfg.model_name_or_path)
+    if not os.path.exists(name) and _looks_like_a_path(name):
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no such folder")
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no config.json in that folder")
+        if not any(next(Path(name).glob(pattern), None) for pattern in ("*.safetensors", "*.bin")):
+            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no weights (*.safetensors, *.bin) "
+                              "in that folder")
+    kwargs = model_load_kwargs(cfg)
+    where = {"revision": kwargs.get("revision"), "trust_remote_code": kwargs.get("trust_remote_code", False)}
+    try:
+        config = AutoConfig.from_pretrained(name, **where)
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: bad config: {_first_line(err)}") from None
+    try:
+        AutoTokenizer.from_pretrained(name, **where)
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
+                          f"{_first_line(err)}") from None
+    dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
+    return _half_dtype_note(dtype, cfg.device_type)[0]
+
+
+# ---------------------------------------------------------------------- all of it, before anything starts
+
+def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]:
+    """Everything launch.sh can check before a process starts (ConfigError otherwise). Returns notes
+    for the user (one line each)."""
+    notes = []
     load_reward_funcs(cfg)
     if cfg.model_name_or_path is not None:
-        name = os.path.expanduser(cfg.model_name_or_path)
-        if not os.path.exists(name) and _looks_like_a_path(name):
-            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no such folder")
-        if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no config.json in that folder")
-    if cfg.dataset_name is not None:
-        name = os.path.expanduser(cfg.dataset_name)
-        if not os.path.exists(name) and _looks_like_a_path(name):
-            raise ConfigError(f"--dataset_name {cfg.dataset_name}: no such file or folder")
-    root = Path(run_root)
+        notes.append(_check_model(cfg))
+    elif cfg.dtype != "auto":
+        notes.append(_half_dtype_note(cfg.dtype, cfg.device_type)[0])
+    load_train_dataset(cfg)
+    load_eval_dataset(cfg)
+    root = Path(os.path.abspath(os.path.expanduser(run_root)))
+    if (SOURCE_TREE / "pyproject.toml").is_file() and root.is_relative_to(SOURCE_TREE):
+        raise ConfigError(f"--run_dir {root}: inside the source tree {SOURCE_TREE}; choose a folder outside it")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=root, prefix=".write_probe.")
         probe.close()
     except OSError as err:
         raise ConfigError(f"--run_dir {root}: not writable: {err.strerror or err}") from None
+    return [note for note in notes if note]
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

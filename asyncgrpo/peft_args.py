@@ -7,7 +7,7 @@ AsyncGRPOConfig inherits, so ``--use_peft --lora_r 16`` work on the command line
 ``get_peft_config`` / ``get_quantization_config`` read them as they read a ModelConfig.
 
     cfg.peft_config()         # a peft.LoraConfig, or None without --use_peft
-    cfg.model_load_kwargs()   # from_pretrained kwargs: the bitsandbytes config with --load_in_4bit/8bit
+    cfg.quantization_kwargs() # from_pretrained kwargs: the bitsandbytes config with --load_in_4bit/8bit
 """
 
 from __future__ import annotations
@@ -81,28 +81,15 @@ class PeftArgs:
 
         return get_peft_config(self)
 
-    def model_load_kwargs(self) -> dict:
-        """Extra ``from_pretrained`` kwargs: the base model quantized with bitsandbytes (QLoRA), placed on this
-        process's GPU, as TRL's scripts load it; {} without --load_in_4bit / --load_in_8bit."""
+    def quantization_kwargs(self) -> dict:
+        """Extra ``from_pretrained`` kwargs: the base model quantized with bitsandbytes (QLoRA), by TRL's
+        ``get_quantization_config`` (computing in ``--dtype``, as TRL does), placed on this process's GPU;
+        {} without --load_in_4bit / --load_in_8bit."""
         if not (self.load_in_4bit or self.load_in_8bit):
             return {}
         import torch
         from trl import get_quantization_config
 
-        # TRL computes in ModelConfig.dtype; the bf16/fp16 training flags say the same thing here.
-        dtype = getattr(self, "dtype", None) or ("bfloat16" if getattr(self, "bf16", False) else
-                                                 "float16" if getattr(self, "fp16", False) else "float32")
-        quantization = get_quantization_config(_WithDtype(self, dtype))
         # A quantized model cannot be moved after loading: it is loaded onto the GPU this process trains or
         # generates on (launch.sh makes it this process's first visible one).
-        return {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
-
-
-class _WithDtype:
-    """These flags as get_quantization_config reads them, with the compute dtype it takes from ModelConfig."""
-
-    def __init__(self, args: PeftArgs, dtype: str):
-        self._args, self.dtype = args, dtype
-
-    def __getattr__(self, name):
-        return getattr(self._args, name)
+        return {"quantization_config": get_quantization_config(self), "device_map": {"": torch.cuda.current_device()}}

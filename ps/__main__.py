@@ -2,10 +2,12 @@
 
     python -m ps --run_dir RUN [--max_steps N] [--config run.yaml] [any GRPOConfig / asyncgrpo flag]
     python -m ps --check_only ...     # validate the inputs, print the run directory, start nothing
+    python -m ps --help               # every flag
 
 launch.sh starts it together with the workers. With the same --run_dir it resumes from
-the newest checkpoint. Exit status: 0 trained, 1 the job pipeline failed (full disk, ...),
-2 bad input, 3 another PS holds the run.
+the newest checkpoint. At the end it saves the model and tokenizer to --output_dir, or to
+RUN/final_model when --output_dir was not given. Exit status: 0 trained, 1 the job pipeline
+failed (full disk, ...), 2 bad input, 3 another PS holds the run.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import signal
 import socket
 import sys
 import time
+import warnings
 
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.inputs import (
     check_inputs,
+    load_eval_dataset,
     load_model_and_tokenizer,
     load_reward_funcs,
     load_train_dataset,
@@ -30,6 +34,10 @@ from asyncgrpo.inputs import (
 from asyncgrpo.jobqueue import RunDir, fileops, runs_dir
 
 log = logging.getLogger("asyncgrpo.ps")
+FINAL_MODEL_DIR = "final_model"  # in the run directory, when --output_dir was not given
+DESCRIPTION = ("The asyncgrpo parameter server: trains with TRL's GRPOTrainer on results that workers generate. "
+               "--check_only: check the inputs, print the run directory, start nothing. Every other flag below; "
+               "--config FILE.yaml sets any of them.")
 
 
 class PSAlreadyRunning(RuntimeError):
@@ -53,11 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     check_only = "--check_only" in argv
     argv = [a for a in argv if a != "--check_only"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
+    if check_only:
+        _quiet_libraries()
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv, prog="python -m ps", description=DESCRIPTION)
         run_root = cfg.run_dir or str(runs_dir() / time.strftime("%Y%m%d-%H%M%S"))
-        check_inputs(cfg, run_root)
+        notes = check_inputs(cfg, run_root)
         if check_only:
+            for note in notes:
+                print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))
             return 0
         run = RunDir.create(run_root)
@@ -76,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return train(cfg, run)
+    except ConfigError as err:  # the model did not load after all
+        print(f"ps: error: {err}", file=sys.stderr)
+        return 2
     except PipelineError as err:  # its traceback is in the log above; the cause is this line
         log.error("[train] stopped: %s", err)
         print(f"ps: error: {err}", file=sys.stderr)
@@ -87,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         os.close(lock)
 
 
+def _quiet_libraries() -> None:
+    """--check_only speaks in one line: no library warnings, logs or progress bars before it."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    warnings.simplefilter("ignore")
+    transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+    logging.getLogger("asyncgrpo").setLevel(logging.ERROR)
+
+
 def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -94,10 +123,13 @@ def _interrupt(signum, _frame):
 def train(cfg, run: RunDir) -> int:
     from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
 
-    cfg.output_dir = str(run.checkpoints)  # checkpoints live in the run, whatever --output_dir said
+    # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
+    final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.root / FINAL_MODEL_DIR)
+    cfg.output_dir = str(run.checkpoints)
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
-    model, tokenizer = load_model_and_tokenizer(path, **cfg.model_load_kwargs())
-    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
+    model, tokenizer = load_model_and_tokenizer(path, cfg)
+    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                               eval_dataset=load_eval_dataset(cfg))
     resume = last_complete_checkpoint(run.checkpoints)
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                               "started_at": time.time(), "state": "training", "resumed_from": resume})
@@ -107,14 +139,15 @@ def train(cfg, run: RunDir) -> int:
         # transformers checks max_steps only after a step: resuming there would train one more
         log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
         trainer.state.global_step = checkpoint_step(resume)
-        trainer.finish()
+        trainer._load_from_checkpoint(resume)  # the final save below saves the checkpoint's weights (or adapter)
     else:
         trainer.train(resume_from_checkpoint=resume)
-        trainer.finish()
-        log.info("[train] final model saved in %s", trainer.save_final_model())
+    trainer.finish()
+    trainer.save_model(final_dir)  # model, tokenizer (save_pretrained) and training_args.bin, as trl grpo saves them
+    log.info("[train] final model saved to %s", final_dir)
     fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                               "finished_at": time.time(), "state": "finished",
-                                              "global_step": trainer.state.global_step})
+                                              "global_step": trainer.state.global_step, "final_model": final_dir})
     return 0
 
 

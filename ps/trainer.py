@@ -49,7 +49,6 @@ from ps.offpolicy import TokenWeighting
 from ps.pipeline import JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
-FINAL_MODEL_DIR = "final_model"  # in the run directory
 
 
 def last_complete_checkpoint(checkpoints: Path) -> str | None:
@@ -75,11 +74,12 @@ def checkpoint_step(folder: str) -> int:
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None):
+        # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
         # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
-                         processing_class=tokenizer, peft_config=cfg.peft_config())
+                         eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=cfg.peft_config())
         self.cfg, self.run = cfg, run
         self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
         self.queue = JobQueue(run, events=self.events)
@@ -129,13 +129,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.pipeline.finish()
         self.publisher.close()
         self.events.close()
-
-    def save_final_model(self) -> str:
-        """The trained model and tokenizer in RUN/final_model, by transformers' save_model: a whole model, or
-        with --use_peft the adapter only (adapter_model.safetensors + adapter_config.json, naming the base)."""
-        folder = str(self.run.root / FINAL_MODEL_DIR)
-        self.save_model(folder)
-        return folder
 
     # ------------------------------------------------------------------ the replaced TRL internals
 
@@ -245,6 +238,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          "weights_version": max(record["weights_versions"]),
                          "trainer_wait_s": round(record["trainer_wait_s"], 4)})
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
+        if "eval_loss" in logs:  # TRL's evaluation, on the PS's model (--eval_strategy)
+            log.info("[eval] step=%d reward=%s loss=%.4f", self.state.global_step,
+                     _fmt(logs.get("eval_reward")), logs["eval_loss"])
         if not is_step_log:
             return
         now = time.monotonic()
@@ -300,6 +296,10 @@ class _PipelineCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
         self.trainer.hold_save_until_job_ends(control)  # after DefaultFlowCallback decided should_save
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _new_step_record() -> dict:

@@ -144,8 +144,11 @@ def timed_out(rc):
 
 # pytest: its last summary line, e.g. "12 passed, 4 skipped in 61.2s"
 log = read("pytest.log")
-counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", log.splitlines()[-1]
-                                            if log.strip() else "")}
+# pytest's summary line ("10 passed, 1 skipped, 27 deselected in 76.42s"); other output (a CUDA IPC warning
+# printed at interpreter exit, say) may follow it
+summary = next((line for line in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|errors?) ", line)
+                or re.search(r" in [\d.]+s", line)), "")
+counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
 ok = pytest_rc == 0 and counts.get("passed", 0) > 0
 rows.append(("pytest -m gpu", ok, f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, "
              f"{counts.get('error', 0) + counts.get('errors', 0)} errors, {counts.get('skipped', 0)} skipped in "

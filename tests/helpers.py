@@ -1,6 +1,6 @@
-"""Helpers shared by the tests: starting the PS and workers as real processes, back-dating
-file mtimes (leases expire without sleeping), a few small file readers, and the exactly-once
-check that compares the ledger, done/ and the jobs the PS threw.
+"""Helpers shared by the tests: starting the PS and workers as real processes (or launch.sh, from
+a user's folder), back-dating file mtimes (leases expire without sleeping), a few small file
+readers, and the exactly-once check that compares the ledger, done/ and the jobs the PS threw.
 
 The exactly-once helpers read the run directory directly (folder names, file names, JSON),
 never through the library code they check.
@@ -37,6 +37,39 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
         return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
                                 cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
                                 stderr=subprocess.STDOUT)
+
+
+def launch_sh(cwd, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``bash launch.sh args...`` run from ``cwd`` (as a user runs it from their folder), to its end."""
+    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], cwd=cwd, env=PROCESS_ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+REWARDS_PY = """\
+import os
+from pathlib import Path
+
+
+def ones(prompts, completions, **kwargs):
+    with open(Path(__file__).parent / "reward_calls.txt", "a") as f:  # who called: the PS (evaluation), workers
+        f.write(f"{os.getpid()}\\n")
+    return [c.count("1") / max(1, len(c)) for c in completions]
+"""
+
+
+def write_user_folder(folder) -> Path:
+    """A TRL user's folder: ``mymodel/`` (the tiny demo Llama, float32, with its tokenizer), ``data/`` with a
+    train and a test split (train.jsonl: prompts "0:".."7:", test.jsonl: two), and ``rewards.py`` whose
+    ``ones`` appends the calling process's pid to ``reward_calls.txt``."""
+    from asyncgrpo.tasks.demo import write_demo_model
+
+    folder = Path(folder)
+    write_demo_model(folder / "mymodel")
+    (folder / "data").mkdir()
+    (folder / "data" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i}:"}) + "\n" for i in range(8)))
+    (folder / "data" / "test.jsonl").write_text("".join(json.dumps({"prompt": f"{i}:"}) + "\n" for i in (1, 2)))
+    (folder / "rewards.py").write_text(REWARDS_PY)
+    return folder
 
 
 def pid_alive(pid: int) -> bool:

@@ -38,8 +38,8 @@ SIGNATURES = {
     # ps/trainer.py: AsyncGRPOTrainer(...) -> GRPOTrainer.__init__(model=..., reward_funcs=..., ...);
     # worker/generate.py: build_trainer, the same keywords
     (GRPOTrainer, "__init__"): ([("self", REQUIRED), ("model", REQUIRED), ("reward_funcs", ANY), ("args", ANY),
-                                 ("train_dataset", ANY), ("processing_class", ANY), ("peft_config", None)],
-                                KEYWORDS),
+                                 ("train_dataset", ANY), ("eval_dataset", ANY), ("processing_class", ANY),
+                                 ("peft_config", None)], KEYWORDS),
     # ps/trainer.py overrides train(resume_from_checkpoint=None, **kwargs); ps/__main__.py passes a path or None
     (GRPOTrainer, "train"): ([("self", REQUIRED), ("resume_from_checkpoint", None)], False),
     # PS override (training: the pipeline's result; evaluation: super()); the worker calls it with a job's rows
@@ -60,6 +60,8 @@ SIGNATURES = {
     # PS override: super()._save_checkpoint(model, trial), then the ledger into the folder it names
     (GRPOTrainer, "_save_checkpoint"): ([("self", REQUIRED), ("model", REQUIRED), ("trial", REQUIRED)], False),
     (GRPOTrainer, "_get_output_dir"): ([("self", REQUIRED), ("trial", REQUIRED)], False),
+    # ps/__main__.py: a relaunch with nothing left to train loads the newest checkpoint's weights before the final save
+    (GRPOTrainer, "_load_from_checkpoint"): ([("self", REQUIRED), ("resume_from_checkpoint", REQUIRED)], False),
     (GRPOTrainer, "add_callback"): ([("self", REQUIRED), ("callback", REQUIRED)], False),
     # ps/trainer.py's _PipelineCallback
     (TrainerCallback, "on_train_begin"): ([("self", REQUIRED), ("args", REQUIRED), ("state", REQUIRED),
@@ -183,6 +185,24 @@ def test_loss_uses_behaviour_logps_for_the_ratio():
     source = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'inputs.get("old_per_token_logps")' in source or 'inputs["old_per_token_logps"]' in source, (
         "GRPOTrainer._compute_loss no longer reads old_per_token_logps: stale samples would not be corrected")
+
+
+def test_evaluation_generates_through_the_overridden_method():
+    source = inspect.getsource(GRPOTrainer.prediction_step)
+    assert "self._prepare_inputs(inputs)" in source, (
+        "GRPOTrainer.prediction_step no longer prepares (generates) its inputs: the PS's evaluation (--eval_strategy) "
+        f"relies on it reaching {GENERATE_AND_SCORE} in eval mode")
+
+
+def test_reference_model_is_built_from_model_init_kwargs():
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert "model_init_kwargs = dict(args.model_init_kwargs or {})" in source and (
+        "self.ref_model = create_model_from_path(get_config_model_id(self.model.config), **model_init_kwargs)"
+        in source), ("GRPOTrainer no longer builds its reference model from args.model_init_kwargs: asyncgrpo sets "
+                     "them to how it loaded the policy (asyncgrpo/inputs.py load_model_and_tokenizer)")
+    assert "`model_init_kwargs` will be ignored" in source, (
+        "GRPOTrainer's warning that model_init_kwargs are ignored for a loaded model changed: asyncgrpo filters it "
+        "(it applied them) by this text (asyncgrpo/inputs.py _ModelInitKwargsApplied)")
 
 
 def test_metrics_dict_the_worker_and_ps_read():

@@ -1,6 +1,7 @@
 """Run one worker:
 
     python -m worker --device N --run_dir RUN [config flags, the same as the PS's]
+    python -m worker --help       # every flag
 
 launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit status: 0
 stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that device, or a
@@ -17,11 +18,18 @@ from asyncgrpo.jobqueue import RunDir, WorkerAlreadyRunning
 from asyncgrpo.weights.layout import WeightsMismatch
 from worker.loop import run_worker
 
+DESCRIPTION = ("An asyncgrpo worker: claims generation jobs from RUN/queue, generates and scores them with TRL's "
+               "code and the PS's newest weights. --device N (required): this worker's device number (devN in file "
+               "names). Every other flag below, the same as the parameter server's.")
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = argparse.ArgumentParser(add_help=False)
+    if "-h" in argv or "--help" in argv:
+        parse_config(["--help"], prog="python -m worker --device N", description=DESCRIPTION)  # prints, exits 0
+    own = argparse.ArgumentParser(prog="python -m worker", add_help=False)
     own.add_argument("--device", type=int, required=True, help="this worker's device number (dev N in file names)")
+    own.error = _bad_input
     args, rest = own.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.device} %(levelname)s %(message)s")
     try:
@@ -35,6 +43,11 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, WorkerAlreadyRunning, WeightsMismatch) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
+
+
+def _bad_input(message: str):
+    print(f"worker: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

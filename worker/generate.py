@@ -50,6 +50,7 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     # one generation per optimizer step, TRL leaves old_per_token_logps to us (captured, not recomputed).
     args = copy.copy(cfg)
     args.steps_per_generation, args.num_iterations = cfg.gradient_accumulation_steps, 1
+    args.eval_strategy = "no"  # the PS evaluates (TRL's Trainer refuses an eval_strategy without eval data)
     # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
     # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,

@@ -111,7 +111,7 @@ def _wait_and_build_trainer(cfg, run, stop, watcher):
     path = model_path(cfg, run.root)
     while not (run.root / "ps.json").exists() and not stop.is_set():
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
-    model, tokenizer = load_model_and_tokenizer(path, **cfg.model_load_kwargs())
+    model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
 

@@ -1,0 +1,103 @@
+"""Bad input is refused before anything starts (one line on stderr, exit status 2, no library noise,
+no run directory), and the three commands print their options with --help.
+
+Every check is asyncgrpo/inputs.py check_inputs, which launch.sh runs as ``python -m ps --check_only``:
+each case is checked in process, and a few through launch.sh from a user's folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import PROCESS_ENV, REPO, launch_sh, write_user_folder
+
+from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.inputs import check_inputs
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """A user's folder (tests/helpers.py write_user_folder) plus broken variants of its model and dataset,
+    as the current folder."""
+    folder = write_user_folder(tmp_path / "user")
+    (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")
+    for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
+                      "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
+                      "no_weights": lambda m: (m / "model.safetensors").unlink(),
+                      "bad_tokenizer": lambda m: (m / "tokenizer.json").write_text("{not json")}.items():
+        shutil.copytree(folder / "mymodel", folder / name)
+        fix(folder / name)
+    monkeypatch.chdir(folder)
+    return folder
+
+
+USER_FLAGS = ["--model_name_or_path", "mymodel", "--dataset_name", "data", "--reward_funcs", "rewards:ones"]
+BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
+    (["--dataset_name", "noprompt.jsonl"], "--dataset_name noprompt.jsonl: no 'prompt' column"),
+    (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),
+    (["--model_name_or_path", "corrupt"], "--model_name_or_path corrupt: bad config"),
+    (["--model_name_or_path", "unknown_type"], "--model_name_or_path unknown_type: bad config"),
+    (["--model_name_or_path", "no_weights"], "--model_name_or_path no_weights: no weights"),
+    (["--model_name_or_path", "bad_tokenizer"], "--model_name_or_path bad_tokenizer: cannot load its tokenizer"),
+    (["--dataset_name", "data/train.jsonl", "--eval_strategy", "steps"],
+     "--eval_strategy steps: no evaluation data: --dataset_name data/train.jsonl has no split 'test'"),
+    (["--dataset_test_split", "validation", "--eval_strategy", "epoch"],
+     "--eval_strategy epoch: no evaluation data: --dataset_name data has no split 'validation'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--model_init_kwargs", "{dtype: bfloat16}"], "--model_init_kwargs '{dtype: bfloat16}': not valid JSON"),
+    (["--reward_funcs", "rewards:nope"], "--reward_funcs 'rewards:nope': rewards has no function nope"),
+    (["--run_dir", str(REPO / "runs" / "x")], f"--run_dir {REPO / 'runs' / 'x'}: inside the source tree"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[m.split(":")[0] + "|" + f[-1] for f, m in BAD_INPUTS])
+def test_each_bad_input_is_named_in_one_line(user_folder, flags, message):
+    with pytest.raises(ConfigError) as refused:
+        cfg = parse_config(["--device_type", "cpu", "--run_dir", "runs/r", *USER_FLAGS, *flags])
+        check_inputs(cfg, cfg.run_dir)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert not (REPO / "runs" / "x").exists()
+
+
+def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_folder):
+    cfg = parse_config(["--device_type", "cpu", "--eval_strategy", "steps"])
+    with pytest.raises(ConfigError, match="^--eval_strategy steps: no evaluation data: the demo task"):
+        check_inputs(cfg, user_folder / "run")
+
+
+@pytest.mark.parametrize("flags, message", [BAD_INPUTS[0], BAD_INPUTS[2], BAD_INPUTS[6]],
+                         ids=["no prompt column", "corrupt config.json", "eval without eval data"])
+def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder, flags, message):
+    result = launch_sh(user_folder, "--workers", "1", "--run-dir", "runs/r", *USER_FLAGS, *flags)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, f"not one line:\n{result.stderr}"  # no warnings, no usage block
+    assert result.stderr.startswith(f"ps: error: {message}"), result.stderr
+    assert result.stdout == "" and not (user_folder / "runs").exists()
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("module", ["ps", "worker"])
+def test_ps_and_worker_print_their_options(module):
+    result = run_python("-m", module, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: python -m {module}")
+    for flag in ("--run_dir", "--dtype", "--model_revision", "--dataset_test_split", "--max_staleness",
+                 "--learning_rate", "--output_dir"):
+        assert flag in result.stdout, flag
+    assert ("--check_only" if module == "ps" else "--device N") in result.stdout
+
+
+def test_launch_help_prints_only_its_help(tmp_path):
+    result = launch_sh(tmp_path, "--workers", "2", "--help", "--dataset_name", "x.jsonl", timeout=30)
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("usage: bash launch.sh") and "--run-dir DIR" in result.stdout
+    assert not any(line.startswith(("#", "set ", "Placement")) for line in lines), result.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing created, nothing started
