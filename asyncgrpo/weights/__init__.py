@@ -1,4 +1,5 @@
-"""Weight transports: the PS publishes its parameters, workers sync them into their model.
+"""Weight transports: the PS publishes its parameters (with --use_peft: its adapter only), workers
+sync them into their model.
 
     base         version file, locks, the two-slot protocol (why no read is ever torn), the PS side
     buffer_folders  where mmap buffers live; freeing a dead PS's (no torch: queue_tools uses it)

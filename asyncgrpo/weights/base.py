@@ -76,7 +76,7 @@ import torch
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.adapter import layout_of, shared_tensors
-from asyncgrpo.weights.layout import Layout, layout_path
+from asyncgrpo.weights.layout import Layout, layout_path  # noqa: F401 (Layout: imported from here by the transports)
 from asyncgrpo.weights.memcopy import copy_tensors
 
 VERSION_FILE = "published_version.json"
