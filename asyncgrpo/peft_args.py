@@ -12,6 +12,7 @@ AsyncGRPOConfig inherits, so ``--use_peft --lora_r 16`` work on the command line
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -90,6 +91,10 @@ class PeftArgs:
         import torch
         from trl import get_quantization_config
 
+        args = self
+        if getattr(self, "dtype", None) == "auto":  # no compute dtype of that name: bitsandbytes' default (float32)
+            args = copy.copy(self)
+            args.dtype = None
         # A quantized model cannot be moved after loading: it is loaded onto the GPU this process trains or
         # generates on (launch.sh makes it this process's first visible one).
-        return {"quantization_config": get_quantization_config(self), "device_map": {"": torch.cuda.current_device()}}
+        return {"quantization_config": get_quantization_config(args), "device_map": {"": torch.cuda.current_device()}}

@@ -132,6 +132,20 @@ def test_qlora_on_a_gpu_without_bitsandbytes_names_the_package():
     assert problem == "--load_in_4bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
 
 
+def test_qlora_loads_the_base_as_trl_quantizes_it_onto_this_process_s_gpu(monkeypatch):
+    cfg = parse_config(["--use_peft", "--device_type", "cpu", "--dtype", "bfloat16"])
+    assert cfg.quantization_kwargs() == {}
+    cfg.load_in_4bit = True  # (refused on CPU when parsed; the kwargs are what a GPU process loads with)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    kwargs = cfg.quantization_kwargs()
+    assert kwargs["device_map"] == {"": 3}
+    quantization = kwargs["quantization_config"]
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4"
+    assert quantization.bnb_4bit_compute_dtype == torch.bfloat16  # TRL computes in --dtype
+    cfg.dtype = "auto"
+    assert cfg.quantization_kwargs()["quantization_config"].bnb_4bit_compute_dtype == torch.float32
+
+
 # ---------------------------------------------------------------------- sharing the adapter
 
 
