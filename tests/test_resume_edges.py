@@ -7,7 +7,9 @@ import shutil
 import subprocess
 import sys
 
+import torch
 from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload
+from safetensors.torch import load_file
 
 from asyncgrpo.jobqueue import JobQueue, fileops
 from ps.pipeline import readopt_rolled_back_results
@@ -28,6 +30,7 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
     steps_before = (run_root / "metrics.jsonl").read_text()
+    final_before = load_file(run_root / "final_model" / "model.safetensors")
     ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *DEMO_RUN_FLAGS], cwd=REPO,
                         env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert ps.returncode == 0, ps.stderr[-3000:]
@@ -37,3 +40,7 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     state = json.loads((run_root / "ps.json").read_text())
     assert (state["state"], state["global_step"]) == ("finished", 8)
     assert_exactly_once(run_root, jobs=8)  # the ledger, done/ and the jobs thrown: unchanged, nothing twice
+    # The final model is saved again from the newest checkpoint, not from the untrained base.
+    final_after = load_file(run_root / "final_model" / "model.safetensors")
+    assert final_after.keys() == final_before.keys()
+    assert all(torch.equal(final_after[name], final_before[name]) for name in final_before)
