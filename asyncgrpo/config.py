@@ -77,6 +77,11 @@ class AsyncGRPOConfig(GRPOConfig):
                 "(workers on other hosts)."})
     poll_only: bool = field(default=False, metadata={
         "help": "Poll queue/ instead of waiting for inotify events (NFS and other filesystems without events)."})
+    max_failed_in_a_row: int = field(default=8, metadata={
+        "help": "Stop the run (the PS exits 1, naming the error) when this many jobs in a row failed on each of "
+                "their max_attempts attempts with no result in between: the failure is systematic (a reward "
+                "function that always raises, ...). Jobs that fail now and then are dropped and the run goes on. "
+                "0: never stop."})
 
     def __post_init__(self):
         if self.device_type == "auto":
