@@ -137,7 +137,7 @@ class ResultCollector(WatchedThread):
             if is_failure_report(result.payload):
                 self.failed.record(result)
                 continue
-            self.failed.result_arrived()
+            self.failed.result_arrived(result.job_id)
             self.queue.events.emit("result_collected", job_id=result.job_id,
                                    weights_version=result.payload["weights_version"],
                                    worker_device=result.payload["worker_device"],

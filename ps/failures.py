@@ -7,15 +7,18 @@ result collector hands it here): it is archived ``failed`` with its errors, an e
 dropped so far. A job recovered ``max_attempts`` times (its workers died) is archived
 ``orphaned`` by recovery and counted here the same way.
 
-Systematic failure: when ``max_failed_in_a_row`` failure reports arrive with no good result
-between them, nothing can be trained (a reward function that always raises, returns the wrong
-number of rewards, ...): ``stop`` is called once with one line naming the error, and the
-trainer stops with it (exit status 1) instead of waiting for results that never come.
-A failure on some prompts only is retried, then dropped, and the run goes on.
+Systematic failure: when ``max_failed_in_a_row`` jobs in a row, in job order, failed (no job
+between them produced a result), nothing can be trained (a reward function that always raises,
+returns the wrong number of rewards, ...): ``stop`` is called once with one line naming the
+error, and the trainer stops with it (exit status 1) instead of waiting for results that never
+come. A failure on some prompts only is retried, then dropped, and the run goes on. Job order,
+not arrival order: a failing job arrives after its retries, later than the good jobs thrown
+with it, so failures bunch up in arrival order even when most jobs succeed.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +28,7 @@ from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, Recover
 from asyncgrpo.jobqueue.names import done_reason
 
 log = logging.getLogger("asyncgrpo.ps")
+OUTCOMES_KEPT = 10_000  # job outcomes remembered for the in-a-row count (the newest job ids)
 
 
 class FailedJobs:
@@ -33,13 +37,15 @@ class FailedJobs:
         self.prompts_per_job = cfg.generation_batch_size // cfg.num_generations
         self.jobs = 0  # jobs dropped by this PS: failed or orphaned
         self.prompts = 0  # their prompts
-        self.in_a_row = 0  # failure reports since the last good result
+        self.since_result = 0  # failure reports since the last good result arrived
         self.last_error: str | None = None  # describe_error of the newest failure report
+        self.outcomes: list[tuple[str, bool]] = []  # (job id, produced a result), in job order; the newest kept
         self.stopped = False
 
-    def result_arrived(self) -> None:
-        """A good result was collected: the failures before it were not systematic."""
-        self.in_a_row = 0
+    def result_arrived(self, job_id: str) -> None:
+        """A good result was collected."""
+        self.since_result = 0
+        self._add_outcome(job_id, True)
 
     def record(self, report: CollectedResult) -> None:
         """A failure report: archived ``failed`` (its errors inside), counted, logged; may stop the run."""
@@ -48,13 +54,14 @@ class FailedJobs:
         archived = self.queue.archive_if_present(report.path, report.job_id, ArchiveReason.FAILED, report.attempt)
         self._dropped(report.job_id, f"failed on all {report.attempt} attempt(s) ({self.last_error})",
                       error=self.last_error, attempts=report.attempt)
-        self.in_a_row += 1
+        self.since_result += 1
+        in_a_row = self._add_outcome(report.job_id, False)
         limit = self.cfg.max_failed_in_a_row
-        if limit > 0 and self.in_a_row >= limit and not self.stopped:
+        if limit > 0 and in_a_row >= limit and not self.stopped:
             self.stopped = True
-            where = f" (traceback: done/{archived.name})" if archived else ""
-            self.stop(f"{self.in_a_row} jobs in a row failed on all {report.attempt} attempt(s), with no result in "
-                      f"between: {self.last_error}{where}")
+            where = f" (traceback in {archived})" if archived else ""
+            self.stop(f"{in_a_row} jobs in a row failed on all {report.attempt} attempt(s), none produced a "
+                      f"result: {self.last_error}{where}")
 
     def record_recovery(self, actions: list[RecoveryAction]) -> None:
         """Jobs that recovery archived ``orphaned``: their workers died on each attempt."""
@@ -64,7 +71,26 @@ class FailedJobs:
 
     def summary(self) -> str:
         """For the trainer's wait message: '' when nothing failed since the last result."""
-        return f"; {self.in_a_row} job(s) failed in a row, last: {self.last_error}" if self.in_a_row else ""
+        if not self.since_result:
+            return ""
+        return f"; {self.since_result} job(s) failed since the last result, last: {self.last_error}"
+
+    def _add_outcome(self, job_id: str, produced: bool) -> int:
+        """Records a job's outcome; the number of failed jobs in a row, in job order, around it."""
+        index = bisect.bisect(self.outcomes, (job_id, produced))
+        self.outcomes.insert(index, (job_id, produced))
+        if len(self.outcomes) > OUTCOMES_KEPT:
+            removed = len(self.outcomes) - OUTCOMES_KEPT
+            del self.outcomes[:removed]
+            index -= removed
+        if produced or index < 0:
+            return 0
+        start = end = index
+        while start > 0 and not self.outcomes[start - 1][1]:
+            start -= 1
+        while end + 1 < len(self.outcomes) and not self.outcomes[end + 1][1]:
+            end += 1
+        return end - start + 1
 
     def _dropped(self, job_id: str, why: str, error: str | None, attempts: int | None) -> None:
         self.jobs += 1
