@@ -17,6 +17,7 @@ from helpers import (
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
+    kill_run,
     metrics,
     pid_alive,
     ps_events,
@@ -200,15 +201,6 @@ def heartbeat_pid(run_root, device):
             return pid
         time.sleep(0.1)
     raise AssertionError(f"worker {device} never beat")
-
-
-def kill_run(run_root, launcher):
-    """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
-    launcher.kill()
-    for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
-        pid = read_json(path).get("pid")
-        if pid and pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, metrics, ps_events, start_process
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, ps_events, start_process
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
@@ -54,13 +54,15 @@ def worker_events(run_root) -> dict[int, list[dict]]:
 ])
 def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_path, reward, error):
     run_root = tmp_path / "run"
-    result = subprocess.run(
+    launcher = subprocess.Popen(
         ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
          *DEMO_FLAGS, "--reward_funcs", f"tests.reward_faults:{reward}"],
-        cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=LAUNCH_TIMEOUT_S)
-    out = result.stdout
-    assert result.returncode == 1, out
+        cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        kill_run(run_root, launcher)  # only does something when the run did not stop by itself
+    assert launcher.returncode == 1, out
     # The terminal names the function and its exception on one line, once; no wait loop.
     [line] = [line for line in out.splitlines() if error in line]
     assert line.startswith(f"ps: error: {MAX_FAILED_IN_A_ROW} jobs in a row failed on all {MAX_ATTEMPTS} attempt(s)")
