@@ -60,8 +60,9 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
         cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        kill_run(run_root, launcher)  # only does something when the run did not stop by itself
+    except subprocess.TimeoutExpired:  # the run did not stop by itself
+        kill_run(run_root, launcher)
+        raise
     assert launcher.returncode == 1, out
     # The terminal names the function and its exception on one line, once; no wait loop.
     [line] = [line for line in out.splitlines() if error in line]
