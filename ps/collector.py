@@ -45,10 +45,10 @@ def validate_result(payload: dict, rows_per_job: int) -> None:
         if not isinstance(job, dict) or not isinstance(job.get("rows"), list):
             raise ValueError("a failure report must hold the job's data with its rows")
         return
-    if "logs" in data and not isinstance(data["logs"], dict):
-        raise ValueError("result data's 'logs' (the completions table rows) must be a dict")
     if not isinstance(data, dict) or not isinstance(data.get("batch"), dict) or "rows" not in data:
         raise ValueError("result data must hold 'batch', 'metrics' and 'rows'")
+    if not isinstance(data.get("logs", {}), dict):
+        raise ValueError("result data's 'logs' (the completions table rows) must be a dict")
     batch = data["batch"]
     for key in PER_SEQUENCE + PER_PROMPT_TOKEN + PER_COMPLETION_TOKEN:
         if not isinstance(batch.get(key), torch.Tensor):

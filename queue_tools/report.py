@@ -374,10 +374,6 @@ def format_text(r: dict) -> str:
     if r["archived"]:
         lines.append("archived: " + ", ".join(f"{reason} {n}" for reason, n in r["archived"].items())
                      + (f" (stale: {pct(r['stale_fraction'])} of collected results)" if r["stale_fraction"] else ""))
-    if r["dropped"]["jobs"]:
-        d = r["dropped"]
-        lines.append(f"dropped: {d['jobs']} job(s), {d['prompts']} prompts never trained on; last error: "
-                     f"{d['last_error'] or '-'}")
     lines.append(f"diagnosis: {r['diagnosis']}")
     lines.append(f"trace: {r['trace']} (ui.perfetto.dev -> Open trace file, or chrome://tracing)")
     lines.append(f"plots: {', '.join(r['plots'])}" if r["plots"] else r["plots_note"])

@@ -190,7 +190,8 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, job, trainer, version: int, 
     return True
 
 
-_errors_logged: set[tuple] = set()
+_errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
+ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
 
 
 def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: int, events: EventLog) -> None:
@@ -200,7 +201,7 @@ def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: i
     what = describe_error(error)
     outcome = "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}"
     key = (error["type"], error["message"], error["reward_function"])
-    if key in _errors_logged:  # a repeat: one line, not another traceback
+    if key in _errors_logged or len(_errors_logged) >= ERRORS_WITH_TRACEBACK:  # one line, not another traceback
         log.error("[gen] dev%d job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
                   cfg.max_attempts, what, outcome)
     else:
