@@ -215,9 +215,10 @@ def _span(life: list) -> tuple[float, float]:
 
 
 def downtime(lives: list[list]) -> list[dict]:
-    """The gaps between consecutive PS lives' training spans: {start, end, down_s, after_step, pid_before, pid_after}."""
+    """The gaps between consecutive PS lives' training spans:
+    {start, end, down_s, after_step, pid_before, pid_after}."""
     gaps = []
-    for before, after in zip(lives, lives[1:]):
+    for before, after in zip(lives, lives[1:], strict=False):
         end_before, start_after = _span(before)[1], _span(after)[0]
         last_step = max((e for e in before if e["event"] == "train_step_end"), key=lambda e: e["mono"])
         gaps.append({"start": end_before, "end": start_after, "down_s": max(0.0, start_after - end_before),

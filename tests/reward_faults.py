@@ -15,4 +15,5 @@ def raises_on_digit_0(prompts, completions, **kwargs):
     10th of the demo's first 20 jobs, never two in a row)."""
     if "0:" in prompts:
         raise ValueError("cannot score the prompt '0:'")
-    return [sum(c == p[0] for c in completion) / max(len(completion), 1) for p, completion in zip(prompts, completions)]
+    return [sum(c == p[0] for c in completion) / max(len(completion), 1)
+            for p, completion in zip(prompts, completions, strict=True)]

@@ -82,7 +82,7 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
     # No spinning: after its k-th failure in a row a worker waits before it claims again.
     for events in worker_events(run_root).values():
         failures = [e["mono"] for e in events if e["event"] == "job_failed"]
-        for k, (earlier, later) in enumerate(zip(failures, failures[1:]), start=1):
+        for k, (earlier, later) in enumerate(zip(failures, failures[1:], strict=False), start=1):
             assert later - earlier >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3
 
 

@@ -80,8 +80,8 @@ def test_ls_text_has_a_health_verdict(busy_run, queue, capsys):
 def archive_failed(queue, job_id: str, message: str) -> None:
     """A job given up after 3 attempts, as the PS archives its failure report."""
     queue.put_job(job_id, {"rows": []}, created_step=1)
-    for attempt in (1, 2, 3):
-        error = {"type": "ValueError", "message": message, "reward_function": "my_reward", "stage": "scoring"}
+    error = {"type": "ValueError", "message": message, "reward_function": "my_reward", "stage": "scoring"}
+    for _ in range(3):
         queue.fail(queue.claim(1), error, max_attempts=3, weights_version=0)
     [report] = queue.collect()
     queue.archive(report.path, job_id, ArchiveReason.FAILED, report.attempt)
