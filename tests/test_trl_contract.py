@@ -18,7 +18,7 @@ from transformers.trainer_callback import ProgressCallback, TrainerControl, Trai
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from worker.generate import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE
+from worker.generate import BEHAVIOUR_LOGPS, CALCULATE_REWARDS, COMPLETION_LOGS, GENERATE, GENERATE_AND_SCORE
 
 P = inspect.Parameter
 REQUIRED = P.empty  # a parameter the callers always pass
@@ -251,3 +251,33 @@ def test_transformers_sampling_loop_samples_from_the_raw_last_logits():
         "capture behaviour log-probs with may no longer see them")
     assert "input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)" in source, (
         "transformers' _sample no longer appends one sampled token per forward")
+
+
+# A failing job names its reward function (worker.generate.error_record); completions-table rows travel with results.
+
+def test_the_reward_loop_holds_the_name_of_the_function_it_calls():
+    source = inspect.getsource(inspect.unwrap(getattr(GRPOTrainer, CALCULATE_REWARDS)))
+    assert "for i, (reward_func, reward_processing_class, reward_func_name) in enumerate(" in source, (
+        f"GRPOTrainer.{CALCULATE_REWARDS} no longer loops with reward_func_name: a failed job's error would not "
+        "name the reward function that raised")
+    assert "async def _invoke_async(index, func, func_name):" in source, (
+        f"GRPOTrainer.{CALCULATE_REWARDS}'s async path no longer calls _invoke_async(index, func, func_name)")
+    assert "returned {len(output_reward_func)} rewards" in source, (
+        "TRL no longer checks the number of rewards a reward function returns")
+
+
+def test_the_completions_table_is_filled_while_scoring_and_printed_by_log():
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert f"self.{COMPLETION_LOGS} = {{" in init, f"GRPOTrainer.{COMPLETION_LOGS} (the completions table) is gone"
+    for key in ("images", "prompt", "completion", "rewards", "advantages", "extra"):
+        assert f'"{key}": ' in init, f"GRPOTrainer.{COMPLETION_LOGS} has no {key!r} column"
+    scoring = inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
+    for fill in ('["prompt"].extend(', '["completion"].extend(', '["rewards"][name].extend(',
+                 '["advantages"].extend(', '["extra"][column].extend('):
+        assert f"self.{COMPLETION_LOGS}{fill}" in scoring, (
+            f"GRPOTrainer.{GENERATE_AND_SCORE} no longer fills self.{COMPLETION_LOGS}{fill}...): workers send, and the "
+            "PS fills, the completions table the same way")
+    log = inspect.getsource(GRPOTrainer.log)
+    assert "if self.accelerator.is_main_process and self.log_completions:" in log and (
+        f'self.{COMPLETION_LOGS}["prompt"]' in log), (
+        f"GRPOTrainer.log no longer prints the completions table from self.{COMPLETION_LOGS}")
