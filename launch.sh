@@ -86,8 +86,10 @@ say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s)); logs in $LOGS"
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) "$VENV_PY" -m ps "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
-# Progress on the terminal: the PS's [train] and [eval] lines (tail ends when the PS does).
-tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null | grep --line-buffered -E '\[train\]|\[eval\]|error' &
+# Progress on the terminal: the PS's [train] and [eval] lines and its one-line reason if it stops on an
+# error ("ps: error: ..."; the same reason logged at ERROR level is not shown twice). tail ends when the PS does.
+tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null |
+    grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: ' &
 TAIL_PID=$!
 
 stop_workers() {
@@ -127,7 +129,8 @@ stop_workers
 wait "$TAIL_PID" 2>/dev/null
 if [ "$PS_STATUS" -ne 0 ]; then
     say "the parameter server exited with status $PS_STATUS; workers stopped. See $LOGS/log_parameter_server.txt"
-    tail -n 5 "$LOGS/log_parameter_server.txt" >&2
+    # Its last lines, unless it ended with its one-line reason, already shown above.
+    tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: ' || tail -n 5 "$LOGS/log_parameter_server.txt" >&2
     exit "$PS_STATUS"
 fi
 say "training finished. Metrics: $RUN_DIR/metrics.jsonl"

@@ -134,7 +134,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     # Recovery.
     lease_s: float = field(default=30.0, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
-    max_attempts: int = field(default=3, metadata={"help": "A job recovered this many times is archived 'orphaned'."})
+    max_attempts: int = field(default=3, metadata={
+        "help": "Attempts per job: a job whose worker raises (generating or scoring) or dies is thrown again, up to "
+                "this; then it is archived 'failed' (it raised) or 'orphaned' (its worker died) and not trained on."})
     # Archive retention (asyncgrpo/jobqueue/retention.py): names in done/ are the ledger and always stay.
     archive_keep_files: int = field(default=0, metadata={
         "help": "Keep the payloads of the newest this many files in done/; older ones are emptied to 0 bytes, their "
@@ -148,6 +150,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "(workers on other hosts)."})
     poll_only: bool = field(default=False, metadata={
         "help": "Poll queue/ instead of waiting for inotify events (NFS and other filesystems without events)."})
+    max_failed_in_a_row: int = field(default=8, metadata={
+        "help": "Stop the run (the PS exits 1, naming the error) when this many jobs in a row failed on each of "
+                "their max_attempts attempts with no result in between: the failure is systematic (a reward "
+                "function that always raises, ...). Jobs that fail now and then are dropped and the run goes on. "
+                "0: never stop."})
 
     def __post_init__(self):
         if isinstance(self.model_init_kwargs, str) and self.model_init_kwargs.startswith("{"):

@@ -22,6 +22,8 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      train_step_start   step
     ps      train_step_end     step, dur_ms, wait_ms (reward and loss per step: RUN/metrics.jsonl)
     ps      weights_published  weights_version, dur_ms, bytes
+    ps      job_dropped        job_id, attempt, prompts, error: a job given up after its last attempt (archived
+                               failed; error None when it was orphaned), its prompts never trained on
     worker  job_claimed        job_id, attempt, queue_wait_ms (created -> claimed)
     worker  weights_synced     weights_version, dur_ms, bytes
     worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)
@@ -30,7 +32,7 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     worker  score_start        job_id, weights_version
     worker  score_end          job_id, weights_version, dur_ms (rewards, advantages, behaviour log-probs)
     worker  result_written     job_id, weights_version, dur_ms (claimed -> written), published, samples, tokens
-    worker  job_failed         job_id, error
+    worker  job_failed         job_id, attempt, error (one line), given_up (its last attempt: reported to the PS)
     worker  job_released       job_id
 
 Appending never blocks the hot path for long: one ``write`` of one line to a file opened

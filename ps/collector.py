@@ -1,9 +1,10 @@
 """The result collector: a thread that claims complete results, validates them and caches them.
 
 Part of the job pipeline (ps/pipeline.py). It wakes on queue events for complete files,
-keeps a thread-safe cache the trainer takes from, and runs queue recovery every
-``lease_s / 4`` (dead workers' jobs go back to pending), and with it archive retention
-(``archive_keep_files`` / ``archive_keep_mb``).
+keeps a thread-safe cache the trainer takes from, hands failure reports (jobs given up after
+their last attempt) to ps/failures.py, and runs queue recovery every ``lease_s / 4`` (dead
+workers' jobs go back to pending), and with it archive retention (``archive_keep_files`` /
+``archive_keep_mb``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import time
 import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher, is_failure_report
 from asyncgrpo.jobqueue.retention import ArchiveRetention
 from ps.background import WatchedThread
+from ps.failures import FailedJobs
 
 log = logging.getLogger("asyncgrpo.ps")
 
@@ -30,13 +32,23 @@ BEHAVIOUR_KEY = "old_per_token_logps"  # optional: absent when the worker genera
 
 
 def validate_result(payload: dict, rows_per_job: int) -> None:
-    """Raises ValueError unless the result's batch has the keys and shapes the trainer needs."""
+    """Raises ValueError unless the result's batch has the keys and shapes the trainer needs (or, for a
+    failure report, unless it holds its errors and the job's rows)."""
     version = payload["weights_version"]
     if type(version) is not int or version < 0:
         raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
     data = payload["data"]
+    if is_failure_report(payload):
+        errors, job = data["errors"], data.get("job")
+        if not isinstance(errors, list) or not errors or not all(isinstance(e, dict) for e in errors):
+            raise ValueError("a failure report's errors must be a non-empty list of dicts")
+        if not isinstance(job, dict) or not isinstance(job.get("rows"), list):
+            raise ValueError("a failure report must hold the job's data with its rows")
+        return
     if not isinstance(data, dict) or not isinstance(data.get("batch"), dict) or "rows" not in data:
         raise ValueError("result data must hold 'batch', 'metrics' and 'rows'")
+    if not isinstance(data.get("logs", {}), dict):
+        raise ValueError("result data's 'logs' (the completions table rows) must be a dict")
     batch = data["batch"]
     for key in PER_SEQUENCE + PER_PROMPT_TOKEN + PER_COMPLETION_TOKEN:
         if not isinstance(batch.get(key), torch.Tensor):
@@ -108,31 +120,40 @@ class ResultCache:
 
 
 class ResultCollector(WatchedThread):
-    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache, on_error):
+    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, cache: ResultCache, failed: FailedJobs, on_error):
         super().__init__("result collector", QueueWatcher(queue.run.queue, {JobState.COMPLETE},
                                                           use_events=not cfg.poll_only), on_error)
-        self.cfg, self.queue, self.cache = cfg, queue, cache
+        self.cfg, self.queue, self.cache, self.failed = cfg, queue, cache, failed
         self.retention = ArchiveRetention(queue.run, cfg.archive_keep_files, cfg.archive_keep_mb)
 
     def collect_now(self, readopt: bool = False) -> int:
+        """Collects what is complete (and with ``readopt`` what an earlier PS collected); the number of results
+        cached for the trainer."""
         rows = self.cfg.generation_batch_size
         results = self.queue.collect(lambda payload: validate_result(payload, rows), readopt=readopt)
         now = time.time()
+        cached = 0
         for result in results:
+            if is_failure_report(result.payload):
+                self.failed.record(result)
+                continue
+            self.failed.result_arrived(result.job_id)
             self.queue.events.emit("result_collected", job_id=result.job_id,
                                    weights_version=result.payload["weights_version"],
                                    worker_device=result.payload["worker_device"],
                                    latency_ms=(now - result.payload["completed_at"]) * 1e3)
             _intern_metric_names(result.data)
             self.cache.add(result)
-        return len(results)
+            cached += 1
+        return cached
 
     def _loop(self) -> None:
         next_recovery = 0.0
         while not self.stop_event.is_set():
             self.collect_now()
             if time.monotonic() >= next_recovery:
-                self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts)
+                self.failed.record_recovery(self.queue.recover(lease_s=self.cfg.lease_s,
+                                                               max_attempts=self.cfg.max_attempts))
                 self.retention.maybe_compact()  # done/'s bytes: one pass per new checkpoint, when enabled
                 next_recovery = time.monotonic() + self.cfg.lease_s / 4
             self.watcher.wait()

@@ -9,8 +9,9 @@
     pipeline.finish()                                          # end of training: archive what is left
 
 It owns the job producer and the result collector threads (ps/producer.py, ps/collector.py),
-the staleness and re-throw policy, the consumed-job ledger and the re-adoption of results
-after a restart. An exception in either thread is re-raised by ``next_result`` as a
+the staleness and re-throw policy, the consumed-job ledger, the re-adoption of results after
+a restart, and the count of jobs dropped after failing (ps/failures.py). An exception in
+either thread, or failures that are systematic, are re-raised by ``next_result`` as a
 PipelineError, so training stops with it instead of waiting forever.
 
 One job trains ``steps_per_job`` optimizer steps (more than one with ``--num_iterations``
@@ -31,9 +32,10 @@ import os
 import time
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, RunDir, fileops
+from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, RunDir, fileops, is_failure_report
 from asyncgrpo.jobqueue.names import done_name
 from ps.collector import ResultCache, ResultCollector
+from ps.failures import FailedJobs
 from ps.producer import IN_FLIGHT, JobProducer
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -41,7 +43,7 @@ WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the l
 
 
 class PipelineError(RuntimeError):
-    """A pipeline thread failed; training cannot go on."""
+    """A pipeline thread failed, or every job fails; training cannot go on."""
 
 
 class JobPipeline:
@@ -55,9 +57,10 @@ class JobPipeline:
         # for the producer's admission, which would otherwise see it nowhere for that moment.
         self.judging: str | None = None
         self.published_version = 0
-        self.failure: tuple[str, BaseException] | None = None
+        self.failure: PipelineError | None = None  # raised by next_result
         self.cache = ResultCache()
-        self.collector = ResultCollector(cfg, queue, self.cache, self._thread_failed)
+        self.failed = FailedJobs(cfg, queue, self._stop_training)
+        self.collector = ResultCollector(cfg, queue, self.cache, self.failed, self._thread_failed)
         self.producer = JobProducer(cfg, queue, dataset, self, self._thread_failed)
 
     # ------------------------------------------------------------------ lifecycle
@@ -90,13 +93,19 @@ class JobPipeline:
 
     def _thread_failed(self, name: str, err: BaseException) -> None:
         log.error("[queue] the %s stopped: %s: %s", name, type(err).__name__, err, exc_info=err)
-        self.failure = (name, err)
+        failure = PipelineError(f"the {name} stopped: {type(err).__name__}: {err}")
+        failure.__cause__ = err
+        self._stop_training(failure)
+
+    def _stop_training(self, failure: PipelineError | str) -> None:
+        """The trainer raises ``failure`` as soon as it asks for a result (or wakes up waiting for one)."""
+        if self.failure is None:
+            self.failure = failure if isinstance(failure, PipelineError) else PipelineError(failure)
         self.cache.notify()
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
-            name, err = self.failure
-            raise PipelineError(f"the {name} stopped: {type(err).__name__}: {err}") from err
+            raise self.failure
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -111,8 +120,8 @@ class JobPipeline:
             self._raise_failure()
             result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
             if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; queue %s", step,
-                            time.monotonic() - started, self.queue.counts())
+                log.warning("[train] step=%d has waited %.0fs for a result; queue %s%s", step,
+                            time.monotonic() - started, self.queue.counts(), self.failed.summary())
                 continue
             try:
                 if self._accept(result, step):
@@ -179,7 +188,10 @@ class JobPipeline:
                                                   name.attempt)
             self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
             for result in self.queue.collect(readopt=True) + self.cache.drain():
-                self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
+                if is_failure_report(result.payload):
+                    self.failed.record(result)  # archived failed, with its errors
+                else:
+                    self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
             if not self.queue.scan()[0]:
                 break
             if time.monotonic() > deadline:

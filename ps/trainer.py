@@ -16,6 +16,9 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
   current/proximal governs its later steps. With ``--off_policy_correction none`` the
   behaviour log-probs are TRL's ``old_per_token_logps`` instead: TRL's loss clips the ratio
   current/behaviour.
+- With ``--log_completions`` TRL's completions table is filled from the rows each result
+  carries (the worker's TRL logged them while scoring), so TRL's ``log`` prints it and writes
+  its parquet files as it would after generating.
 - After each optimizer step the weights are published, ``global_step.txt`` is written, and
   each logged step appends one line to ``RUN/metrics.jsonl``; a step's staleness is its own
   (step - 1 - the weights version of the result it trains). Checkpoints carry the
@@ -149,6 +152,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
         self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         self._add_job_metrics()
+        if self.log_completions:
+            self._add_completion_logs(result.data.get("logs"))
         behaviour = batch.pop("old_per_token_logps", None)
         if behaviour is not None:
             batch[self.weighting.input_key] = behaviour
@@ -165,6 +170,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if name != "num_tokens":
                 self._metrics["train"][name].append(value)
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _add_completion_logs(self, logs: dict | None) -> None:
+        """The result's rows of TRL's completions table, where TRL's own generation would have put them."""
+        if not logs:
+            log.warning("[train] --log_completions: the result carries no completions (was its worker started "
+                        "without --log_completions?)")
+            return
+        self._logs["prompt"].extend(logs.get("prompt", []))
+        self._logs["completion"].extend(logs.get("completion", []))
+        for name, values in logs.get("rewards", {}).items():
+            self._logs["rewards"][name].extend(values)
+        self._logs["advantages"].extend(logs.get("advantages", []))
+        for column, values in logs.get("extra", {}).items():
+            self._logs["extra"][column].extend(values)
 
     def _proximal_logps(self, batch: dict) -> torch.Tensor:
         """Log-probs under the weights the job is taken with: the proximal policy of its later steps."""
@@ -265,10 +284,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _show_progress(self, line: dict) -> None:
         depth = line["queue_depth"]
+        dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
         log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s queue=pending:%d processing:%d "
-                 "complete:%d", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
+                 "complete:%d%s", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
                  f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
-                 depth["processing"] + depth["committing"], depth["complete"] + depth["collected"])
+                 depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
+                 f" dropped_prompts={dropped}" if dropped else "")
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",

@@ -30,6 +30,7 @@ from asyncgrpo.jobqueue import (
     JobState,
     RunDir,
     RunDirError,
+    describe_error,
     fileops,
     latest_run,
     list_workers,
@@ -113,12 +114,18 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
             oldest_pending = age if oldest_pending is None else max(oldest_pending, age)
     done = {r.value: 0 for r in ArchiveReason}
     done_other = 0
+    newest_failed = (0.0, None)  # (ctime, path) of the newest job archived failed
     for entry in fileops.scan(run.done):
         reason = done_reason(entry.name)
         if reason is None:
             done_other += 1
         else:
             done[reason.value] += 1
+        if reason is ArchiveReason.FAILED:
+            try:
+                newest_failed = max(newest_failed, (entry.stat(follow_symlinks=False).st_ctime, entry.path))
+            except FileNotFoundError:
+                pass
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
     workers = [w.as_dict() for w in list_workers(run, now, lease_s)]
     global_step = None
@@ -136,11 +143,22 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "junk": [e.name for e in junk],
         "done": done,
         "done_other": done_other,
+        "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "global_step": global_step,
         "last_step": last_logged_step(run),
     }
     report["health"] = _health(report)
     return report
+
+
+def failure_of(path) -> str | None:
+    """The last error of a job archived ``failed`` (describe_error), or None when its payload is gone (emptied by
+    archive retention) or holds none."""
+    try:
+        errors = fileops.load_payload(path)["data"]["errors"]
+        return describe_error(errors[-1])
+    except (fileops.PayloadLoadError, OSError, KeyError, TypeError, IndexError, AttributeError):
+        return None
 
 
 def last_logged_step(run: RunDir) -> dict | None:
@@ -174,6 +192,12 @@ def _health(report: dict) -> str:
         problems.append(f"{len(report['junk'])} file(s) outside the queue grammar")
     if report["pending"] and not alive:
         problems.append("jobs are pending but no worker is alive")
+    if report["done"]["failed"]:
+        problems.append(f"{report['done']['failed']} job(s) failed on every attempt and were not trained on "
+                        f"(last error: {report['last_failure'] or 'not kept'})")
+    if report["done"]["orphaned"]:
+        problems.append(f"{report['done']['orphaned']} job(s) orphaned (their workers died on every attempt) and "
+                        "not trained on")
     if problems:
         hint = "; run `queue_tools cleanup`" if report["stale"] or report["junk"] else ""
         return "WARN: " + ", ".join(problems) + hint

@@ -6,12 +6,18 @@ and, with matplotlib, PNG plots in ``RUN/report/``.
 
 Definitions (README, "queue_tools report" has them all):
 - Percentiles are nearest-rank: the p-th of n sorted values is the ceil(p/100 * n)-th smallest.
-- Training span: first ``train_step_start`` to last ``train_step_end`` (monotonic clock: one
-  host). Trainer idle fraction: the sum of ``train_step_end.wait_ms`` over that span; "steady"
-  leaves out the first step (the workers' start-up): from the first step's end to the last's.
-- Worker utilisation, per process, over its life (first event or span start to last event):
-  syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy = union of job spans
-  (claimed -> written, failed or released) minus syncing; idle = the rest.
+- PS lives: each PS process (pid) is one life; a resumed run has several. A life's training span
+  is its first ``train_step_start`` to its last ``train_step_end`` (monotonic clock: one host);
+  the time between one life's span and the next's is **downtime** (the PS was dead or starting
+  up), left out of every figure below and shown apart.
+- Training span: the sum of the lives' spans. Trainer idle fraction: the sum of
+  ``train_step_end.wait_ms`` over that span; "steady" leaves out the first step of each life
+  (the workers' start-up or resync): from each life's first step end to its last.
+- Worker utilisation, per process, over its life (first event or span start to last event),
+  downtime left out: syncing = union of ``weights_synced`` / ``weights_wait`` spans; busy =
+  union of job spans (claimed -> written, failed or released) minus syncing; idle = the rest.
+- Jobs dropped: ``job_dropped`` events (the PS gave a job up after its last attempt), named in
+  the diagnosis with the last error.
 - A line that is not a JSON object with a string ``event`` and a numeric ``mono`` (a process
   killed mid-write) is skipped and counted.
 """
@@ -165,10 +171,23 @@ def worker_intervals(track: Track) -> dict:
             "sync": sync}
 
 
-def utilisation(track: Track) -> dict:
+def subtract(intervals, holes) -> list:
+    """The parts of ``intervals`` outside every one of ``holes``."""
+    out = []
+    for start, end in intervals:
+        pieces = [(start, end)]
+        for hole_start, hole_end in holes:
+            pieces = [(a, b) for lo, hi in pieces for a, b in ((lo, min(hi, hole_start)), (max(lo, hole_end), hi))
+                      if b > a]
+        out += pieces
+    return out
+
+
+def utilisation(track: Track, downtime=()) -> dict:
+    """Busy / syncing / idle over the worker's life, the PS's ``downtime`` intervals left out."""
     iv = worker_intervals(track)
-    life = iv["end"] - iv["start"]
-    sync, jobs = union(iv["sync"]), union(iv["jobs"])
+    life = length(subtract([(iv["start"], iv["end"])], downtime))
+    sync, jobs = union(subtract(iv["sync"], downtime)), union(subtract(iv["jobs"], downtime))
     syncing = length(sync)
     busy = length(jobs) - overlap(jobs, sync)
     idle = max(0.0, life - busy - syncing)
@@ -181,37 +200,83 @@ def utilisation(track: Track) -> dict:
             "jobs": sum(1 for e in track.events if e["event"] == "result_written")}
 
 
-def training_numbers(events: list) -> dict:
-    starts = [e["mono"] for e in events if e["event"] == "train_step_start"]
-    ends = sorted((e for e in events if e["event"] == "train_step_end"), key=lambda e: e["mono"])
+def ps_lives(tracks: list[Track]) -> list[list]:
+    """The events of each PS process that trained at least one step, in the order the lives ran."""
+    lives = [t.events for t in tracks if t.role == "ps"]
+    lives = [life for life in lives if any(e["event"] == "train_step_end" for e in life)]
+    return sorted(lives, key=lambda life: life[0]["mono"])
+
+
+def _span(life: list) -> tuple[float, float]:
+    """A PS life's training span: its first train_step_start (or step end, if the start was not logged) to its
+    last train_step_end."""
+    steps = [e for e in life if e["event"] in ("train_step_start", "train_step_end")]
+    return min(e["mono"] for e in steps), max(e["mono"] for e in steps if e["event"] == "train_step_end")
+
+
+def downtime(lives: list[list]) -> list[dict]:
+    """The gaps between consecutive PS lives' training spans:
+    {start, end, down_s, after_step, pid_before, pid_after}."""
+    gaps = []
+    for before, after in zip(lives, lives[1:], strict=False):
+        end_before, start_after = _span(before)[1], _span(after)[0]
+        last_step = max((e for e in before if e["event"] == "train_step_end"), key=lambda e: e["mono"])
+        gaps.append({"start": end_before, "end": start_after, "down_s": max(0.0, start_after - end_before),
+                     "after_step": last_step.get("step"), "pid_before": before[0].get("pid"),
+                     "pid_after": after[0].get("pid")})
+    return gaps
+
+
+def training_numbers(lives: list[list]) -> dict:
+    """Throughput and trainer idle over the PS lives' training spans (downtime between them left out)."""
+    events = [e for life in lives for e in life]
+    ends = [sorted((e for e in life if e["event"] == "train_step_end"), key=lambda e: e["mono"]) for life in lives]
     consumed = [e for e in events if e["event"] == "result_consumed"]
     samples = sum(num(e, "samples") or 0 for e in consumed)
     tokens = sum(num(e, "tokens") or 0 for e in consumed)
-    waits = [num(e, "wait_ms") or 0.0 for e in ends]
-    out = {"steps": len(ends), "span_s": None, "samples": samples, "tokens": tokens, "samples_per_s": None,
+    waits = [num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends]
+    out = {"steps": len(waits), "span_s": None, "samples": samples, "tokens": tokens, "samples_per_s": None,
            "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3, "trainer_idle_fraction": None,
            "trainer_idle_fraction_steady": None, "between_steps_fraction": None}
-    if starts and ends and ends[-1]["mono"] > min(starts):
-        span = ends[-1]["mono"] - min(starts)
-        step_s = sum(num(e, "dur_ms") or 0.0 for e in ends) / 1e3
+    span = sum(end - start for start, end in map(_span, lives))
+    if span > 0:
+        step_s = sum(num(e, "dur_ms") or 0.0 for life_ends in ends for e in life_ends) / 1e3
         out.update(span_s=span, samples_per_s=samples / span, tokens_per_s=tokens / span,
                    trainer_idle_fraction=sum(waits) / span / 1e3, between_steps_fraction=(span - step_s) / span)
-    if len(ends) >= 2 and ends[-1]["mono"] > ends[0]["mono"]:
-        out["trainer_idle_fraction_steady"] = sum(waits[1:]) / 1e3 / (ends[-1]["mono"] - ends[0]["mono"])
+    steady_span = sum(life_ends[-1]["mono"] - life_ends[0]["mono"] for life_ends in ends)
+    if steady_span > 0:
+        steady_waits = sum(num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends[1:])
+        out["trainer_idle_fraction_steady"] = steady_waits / 1e3 / steady_span
     return out
+
+
+def dropped_jobs(events: list) -> dict:
+    """Jobs the PS gave up after their last attempt (``job_dropped``): count, prompts, the newest error."""
+    dropped = sorted((e for e in events if e["event"] == "job_dropped"), key=lambda e: e["mono"])
+    errors = [e["error"] for e in dropped if isinstance(e.get("error"), str)]
+    return {"jobs": len(dropped), "prompts": int(sum(num(e, "prompts") or 0 for e in dropped)),
+            "last_error": errors[-1] if errors else None}
 
 
 def pct(fraction: float) -> str:
     return f"{fraction * 100:.0f}%"
 
 
-def diagnose(training: dict, workers: dict | None, stale_fraction: float | None = None) -> str:
-    """One line naming the bottleneck (thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH), and
-    the share of results thrown away as stale when it reaches STALE_HIGH."""
+def diagnose(training: dict, workers: dict | None, stale_fraction: float | None = None,
+             dropped: dict | None = None, gaps: list | None = None) -> str:
+    """One line naming the bottleneck (thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH), the share of
+    results thrown away as stale when it reaches STALE_HIGH, jobs dropped after failing, and the PS's downtime
+    (left out of the fractions)."""
     line = _bottleneck(training, workers)
     if stale_fraction is not None and stale_fraction >= STALE_HIGH:
         line += (f"; {pct(stale_fraction)} of the results were too stale to train on and were generated again "
                  "(raise max_staleness)")
+    if dropped and dropped["jobs"]:
+        line += (f"; {dropped['jobs']} job(s) ({dropped['prompts']} prompts) failed on every attempt and were not "
+                 f"trained on (last error: {dropped['last_error'] or 'none recorded: orphaned'})")
+    if gaps:
+        line += (f"; the PS was down {sum(g['down_s'] for g in gaps):.1f} s over {len(gaps)} restart(s), "
+                 "not counted above")
     return line
 
 
@@ -245,9 +310,10 @@ def analyse(tracks: list[Track]) -> dict:
     stats = {}
     for key, _label, event, fld in STATS:
         stats[key] = summarize([v for e in every if e["event"] == event and (v := num(e, fld)) is not None])
-    ps_events = sorted((e for t in tracks if t.role == "ps" for e in t.events), key=lambda e: e["mono"])
-    training = training_numbers(ps_events)
-    workers = [utilisation(t) for t in tracks if t.role == "worker"]
+    lives = ps_lives(tracks)
+    gaps = downtime(lives)
+    training = training_numbers(lives)
+    workers = [utilisation(t, [(g["start"], g["end"]) for g in gaps]) for t in tracks if t.role == "worker"]
     total = None
     life = sum(w["life_s"] for w in workers)
     if life > 0:
@@ -258,9 +324,12 @@ def analyse(tracks: list[Track]) -> dict:
             archived[str(e.get("reason"))] += 1
     collected = stats["collect_latency_ms"]["count"]
     stale = archived.get("stale", 0) / collected if collected else None
+    dropped = dropped_jobs(every)
     return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
             "archived": dict(sorted(archived.items(), key=lambda kv: -kv[1])), "stale_fraction": stale,
-            "diagnosis": diagnose(training, total, stale)}
+            "dropped": dropped, "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
+                                             "gaps": gaps},
+            "diagnosis": diagnose(training, total, stale, dropped, gaps)}
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -289,6 +358,11 @@ def format_text(r: dict) -> str:
         lines.append(f"trainer idle: {pct(t['trainer_idle_fraction'])} (waited {t['trainer_wait_s']:.1f} s of "
                      f"{t['span_s']:.1f} s)" + (f"; {pct(steady)} after the first step" if steady is not None else "")
                      + f"; outside train steps (publish, logging, checkpoints): {pct(t['between_steps_fraction'])}")
+    down = r["downtime"]
+    if down["restarts"]:
+        lines.append(f"downtime: {down['down_s']:.1f} s between {down['restarts'] + 1} PS lives, left out of the "
+                     "figures here (" + ", ".join(f"{g['down_s']:.1f} s after step {g['after_step']}"
+                                                  for g in down["gaps"]) + ")")
     lines.append(f"workers: {len(r['workers'])} (time busy on a job / syncing or waiting for weights / idle)")
     for w in r["workers"]:
         lines.append(f"  {w['process']:<14} pid {w['pid']!s:<8} {w['device']:<7} life {w['life_s']:6.1f} s  "

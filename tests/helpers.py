@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -82,6 +83,15 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def kill_run(run_root, launcher: subprocess.Popen) -> None:
+    """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
+    launcher.kill()
+    for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
+        pid = read_json(path).get("pid")
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- files

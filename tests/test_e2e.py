@@ -17,6 +17,7 @@ from helpers import (
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
+    kill_run,
     metrics,
     pid_alive,
     ps_events,
@@ -26,6 +27,7 @@ from helpers import (
 
 from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
 from asyncgrpo.jobqueue.names import done_reason
+from queue_tools.report import make_report
 
 TIMEOUT_S = 600
 FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3", "--seed", "0"]
@@ -143,6 +145,12 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     # PS had consumed after its last checkpoint (they were trained again by the resumed one).
     assert_exactly_once(run_root, jobs=12)
     assert_queue_drained(run_root)
+    # queue_tools report: the time between the two PS lives is downtime, left out of the training span.
+    report = make_report(run_root)
+    steps = ps_events(run_root, "train_step_start") + ps_events(run_root, "train_step_end")
+    first_to_last = max(e["mono"] for e in steps) - min(e["mono"] for e in steps)
+    assert report["downtime"]["restarts"] == 1 and report["downtime"]["down_s"] > 0
+    assert report["training"]["span_s"] + report["downtime"]["down_s"] == pytest.approx(first_to_last)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -193,15 +201,6 @@ def heartbeat_pid(run_root, device):
             return pid
         time.sleep(0.1)
     raise AssertionError(f"worker {device} never beat")
-
-
-def kill_run(run_root, launcher):
-    """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
-    launcher.kill()
-    for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
-        pid = read_json(path).get("pid")
-        if pid and pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):

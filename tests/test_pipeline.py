@@ -115,6 +115,53 @@ def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatc
         pipeline.stop()
 
 
+def fail_one(queue, message="boom", device=1):
+    """Claims the oldest pending job (a fresh scan) and fails it as a worker does when its reward function raises."""
+    queue = JobQueue(queue.run)  # a claim tries the candidates of its last scan first
+    job = queue.claim(device)
+    assert job is not None, queue.counts()
+    error = {"type": "ValueError", "message": message, "reward_function": "my_reward", "stage": "scoring"}
+    assert queue.fail(job, error, max_attempts=2, weights_version=0)
+    return job
+
+
+def test_jobs_failing_in_a_row_stop_the_waiting_trainer_with_their_error(run):
+    pipeline = make_pipeline(run, max_attempts=2, max_failed_in_a_row=2, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        thread, outcome = next_result_in_thread(pipeline, step=0)
+        for _ in range(4):  # two jobs, two attempts each: the oldest first, thrown-again attempts included
+            fail_one(pipeline.queue, message="the server is down")
+        thread.join(WAIT_S)  # well before the trainer's 30 s wait report
+        assert not thread.is_alive(), "the trainer kept waiting while every job failed"
+        err = outcome["error"]
+        assert isinstance(err, PipelineError) and str(err).startswith(
+            "2 jobs in a row failed on all 2 attempt(s), none produced a result: reward function 'my_reward' raised "
+            "ValueError: the server is down")
+    finally:
+        pipeline.stop()
+    assert sorted(p.name for p in run.done.glob("*_failed_a2.pt")) == ["000000_000_failed_a2.pt",
+                                                                        "000000_001_failed_a2.pt"]
+
+
+def test_a_job_that_fails_on_every_attempt_is_dropped_and_training_goes_on(run):
+    pipeline = make_pipeline(run, max_attempts=2, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        failing = fail_one(pipeline.queue)  # attempt 1: thrown again, ahead of the newer job
+        assert fail_one(pipeline.queue).job_id == failing.job_id  # attempt 2: reported, dropped
+        good = work_one(pipeline.queue, version=0)
+        result, _ = pipeline.next_result(step=0)
+        assert result.job_id == good.job_id
+        wait_for(lambda: os.path.exists(run.done / f"{failing.job_id}_failed_a2.pt"), "the failed job archived")
+        assert (pipeline.failed.jobs, pipeline.failed.prompts) == (1, 2)  # 4 rows, 2 generations each
+        assert pipeline.producer.owed == []  # its prompts are dropped, not thrown again
+    finally:
+        pipeline.stop()
+
+
 @pytest.mark.parametrize("version", ["3", 2.5, None, -1, True])
 def test_a_result_whose_weights_version_is_not_an_integer_is_rejected_not_fatal(run, version):
     pipeline = make_pipeline(run, max_pending=2)

@@ -297,14 +297,6 @@ def test_release_gives_the_job_back(queue, run):
     assert queue.claim(device=2).job_id == "000001_000"
 
 
-def test_failed_job_is_archived_with_its_error_logged(queue, run, caplog):
-    queue.put_job("000001_000", {}, created_step=1)
-    job = queue.claim(device=1)
-    queue.fail(job, "ValueError: boom")
-    assert done_files(run) == ["000001_000_failed.pt"]
-    assert "boom" in caplog.text
-
-
 def test_requeued_old_job_is_claimed_before_newer_ones(queue, run):
     queue.put_job("000001_000", {}, created_step=1)
     queue.claim(device=1)

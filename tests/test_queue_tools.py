@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import backdate
 
-from asyncgrpo.jobqueue import RunDir, WorkerPresence, make_job_id
+from asyncgrpo.jobqueue import ArchiveReason, RunDir, WorkerPresence, make_job_id
 from queue_tools.cli import main
 
 LEASE_S = 30.0
@@ -75,6 +75,39 @@ def test_ls_text_has_a_health_verdict(busy_run, queue, capsys):
     queue.recover(lease_s=LEASE_S)
     _, out, _ = run_cli(capsys, "ls", busy_run.root)
     assert out.strip().splitlines()[-1] == "health: OK: 1 worker(s) alive, no stale jobs"
+
+
+def archive_failed(queue, job_id: str, message: str) -> None:
+    """A job given up after 3 attempts, as the PS archives its failure report."""
+    queue.put_job(job_id, {"rows": []}, created_step=1)
+    error = {"type": "ValueError", "message": message, "reward_function": "my_reward", "stage": "scoring"}
+    for _ in range(3):
+        queue.fail(queue.claim(1), error, max_attempts=3, weights_version=0)
+    [report] = queue.collect()
+    queue.archive(report.path, job_id, ArchiveReason.FAILED, report.attempt)
+
+
+def test_ls_warns_about_failed_jobs_with_their_count_and_the_newest_error(run, queue, capsys):
+    archive_failed(queue, "000001_000", "an older error")
+    archive_failed(queue, "000001_001", "the newest error")  # archived later (or in the same clock tick)
+    code, out, _ = run_cli(capsys, "ls", run.root, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["done"]["failed"] == 2 and report["done"]["retried"] == 4
+    assert report["last_failure"] == "reward function 'my_reward' raised ValueError: the newest error"
+    assert report["health"] == ("WARN: 2 job(s) failed on every attempt and were not trained on (last error: reward "
+                                "function 'my_reward' raised ValueError: the newest error)")
+    os.truncate(run.done / "000001_001_failed_a3.pt", 0)  # emptied by archive retention
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert out.strip().splitlines()[-1].endswith("(last error: not kept)")
+
+
+def test_ls_warns_about_orphaned_jobs(run, queue, capsys):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(1)
+    queue.recover(lease_s=LEASE_S, max_attempts=1)  # dev1 is dead, and that was the job's only attempt
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert out.strip().splitlines()[-1] == (
+        "health: WARN: 1 job(s) orphaned (their workers died on every attempt) and not trained on")
 
 
 def test_ls_without_a_run_dir_takes_the_newest_run(tmp_path, monkeypatch, capsys):

@@ -225,6 +225,51 @@ def make_track_events(role, spans, pid=1, process=None):
             for e, m, f in spans]
 
 
+def two_ps_lives(root: Path) -> RunDir:
+    """A PS that trains steps 1-3, dies, and is relaunched (new pid) 59.2 s later to train steps 4-6; a worker
+    lives through both, busy on a job 0.7 s of each second of training, idle while there is no PS."""
+    run = RunDir.create(root)
+    ps_lines, worker_lines = [], []
+    for step, (pid, start) in enumerate([(100, 10.0), (100, 11.0), (100, 12.0), (300, 72.0), (300, 73.0),
+                                          (300, 74.0)], start=1):
+        ps_lines += make_track_events("ps", [
+            ("train_step_start", start, {"step": step}),
+            ("result_consumed", start + 0.2, {"job_id": f"000000_00{step}", "samples": 32, "tokens": 100}),
+            ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 200.0})], pid=pid)
+    jobs = [(9.5, 10.2), (10.5, 11.2), (11.5, 12.2), (12.5, 13.5), (71.5, 72.2), (72.5, 73.2), (73.5, 74.2)]
+    for j, (claimed, written) in enumerate(jobs):  # the 4th ends after the PS died, the 5th starts before it is back
+        worker_lines += make_track_events("worker", [
+            ("job_claimed", claimed, {"job_id": f"000000_00{j}", "queue_wait_ms": 1.0}),
+            ("result_written", written, {"job_id": f"000000_00{j}", "dur_ms": (written - claimed) * 1e3})], pid=201)
+    worker_lines += make_track_events("worker", [("job_released", 75.0, {"job_id": "000000_009"})], pid=201)
+    for name, lines in (("ps", ps_lines), ("worker-dev1", worker_lines)):
+        (run.logs / f"events-{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    return run
+
+
+def test_the_time_between_two_ps_lives_is_downtime_outside_every_figure(tmp_path, capsys):
+    run = two_ps_lives(tmp_path / "run")
+    r = report_json(capsys, run.root)
+    assert r["downtime"]["restarts"] == 1 and r["downtime"]["down_s"] == pytest.approx(72.0 - 12.8)
+    [gap] = r["downtime"]["gaps"]
+    assert (gap["after_step"], gap["pid_before"], gap["pid_after"]) == (3, 100, 300)
+    t = r["training"]
+    assert t["steps"] == 6 and t["span_s"] == pytest.approx(2 * 2.8)  # each life: first start to last end
+    assert t["trainer_idle_fraction"] == pytest.approx(6 * 0.2 / 5.6)
+    assert t["trainer_idle_fraction_steady"] == pytest.approx(4 * 0.2 / (2 * 2.0))  # each life's first step out
+    assert t["samples_per_s"] == pytest.approx(6 * 32 / 5.6)
+    [w] = r["workers"]
+    assert w["life_s"] == pytest.approx(75.0 - 9.5 - 59.2)
+    assert w["busy_s"] == pytest.approx(5 * 0.7 + (12.8 - 12.5) + (72.2 - 72.0))
+    assert w["idle_s"] == pytest.approx(w["life_s"] - w["busy_s"])
+    # Counted over the whole 64.8 s, the trainer would be "busy 98%, the bottleneck".
+    assert r["diagnosis"] == ("balanced: trainer idle 20%, workers busy 63%, syncing 0%, idle 37%; the PS was down "
+                              "59.2 s over 1 restart(s), not counted above")
+    assert call_main(["report", run.root]) == 0
+    assert ("downtime: 59.2 s between 2 PS lives, left out of the figures here (59.2 s after step 3)"
+            in capsys.readouterr().out)
+
+
 def test_a_sync_inside_a_job_counts_as_syncing_not_busy(tmp_path):
     from queue_tools.report import Track, utilisation
     events = make_track_events("worker", [

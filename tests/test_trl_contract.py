@@ -20,7 +20,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.peft_args import PeftArgs
-from worker.generate import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE
+from worker.generate import BEHAVIOUR_LOGPS, CALCULATE_REWARDS, COMPLETION_LOGS, GENERATE, GENERATE_AND_SCORE
 
 P = inspect.Parameter
 REQUIRED = P.empty  # a parameter the callers always pass
@@ -275,7 +275,7 @@ def test_the_peft_flags_are_trl_model_config_s():
 @pytest.mark.parametrize("helper", [trl.get_peft_config, trl.get_quantization_config], ids=lambda f: f.__name__)
 def test_trl_s_peft_helpers_read_only_flags_asyncgrpo_has(helper):
     read = set(re.findall(r"model_args\.(\w+)", inspect.getsource(helper)))
-    missing = read - {f.name for f in dataclasses.fields(PeftArgs)} - {"dtype"}  # dtype: peft_args._WithDtype
+    missing = read - {f.name for f in dataclasses.fields(PeftArgs)} - {"dtype"}  # dtype: ModelArguments' --dtype
     assert not missing, f"trl.{helper.__name__} now reads {sorted(missing)}, which asyncgrpo/peft_args.py lacks"
 
 
@@ -294,3 +294,33 @@ def test_a_peft_model_s_reference_is_the_base_with_the_adapter_disabled():
         "process would hold a second copy of the model")
     assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in score, (
         "GRPOTrainer no longer computes a PEFT model's reference log-probs with the adapter disabled")
+
+
+# A failing job names its reward function (worker.generate.error_record); completions-table rows travel with results.
+
+def test_the_reward_loop_holds_the_name_of_the_function_it_calls():
+    source = inspect.getsource(inspect.unwrap(getattr(GRPOTrainer, CALCULATE_REWARDS)))
+    assert "for i, (reward_func, reward_processing_class, reward_func_name) in enumerate(" in source, (
+        f"GRPOTrainer.{CALCULATE_REWARDS} no longer loops with reward_func_name: a failed job's error would not "
+        "name the reward function that raised")
+    assert "async def _invoke_async(index, func, func_name):" in source, (
+        f"GRPOTrainer.{CALCULATE_REWARDS}'s async path no longer calls _invoke_async(index, func, func_name)")
+    assert "returned {len(output_reward_func)} rewards" in source, (
+        "TRL no longer checks the number of rewards a reward function returns")
+
+
+def test_the_completions_table_is_filled_while_scoring_and_printed_by_log():
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert f"self.{COMPLETION_LOGS} = {{" in init, f"GRPOTrainer.{COMPLETION_LOGS} (the completions table) is gone"
+    for key in ("images", "prompt", "completion", "rewards", "advantages", "extra"):
+        assert f'"{key}": ' in init, f"GRPOTrainer.{COMPLETION_LOGS} has no {key!r} column"
+    scoring = inspect.getsource(getattr(GRPOTrainer, GENERATE_AND_SCORE))
+    for fill in ('["prompt"].extend(', '["completion"].extend(', '["rewards"][name].extend(',
+                 '["advantages"].extend(', '["extra"][column].extend('):
+        assert f"self.{COMPLETION_LOGS}{fill}" in scoring, (
+            f"GRPOTrainer.{GENERATE_AND_SCORE} no longer fills self.{COMPLETION_LOGS}{fill}...): workers send, and the "
+            "PS fills, the completions table the same way")
+    log = inspect.getsource(GRPOTrainer.log)
+    assert "if self.accelerator.is_main_process and self.log_completions:" in log and (
+        f'self.{COMPLETION_LOGS}["prompt"]' in log), (
+        f"GRPOTrainer.log no longer prints the completions table from self.{COMPLETION_LOGS}")

@@ -17,6 +17,10 @@ key is left out and the PS uses its own current log-probs.
 
 Generation and scoring are timed apart by wrapping TRL's ``_generate`` for the call.
 
+A job that raises is described by ``error_record`` (which reward function, from TRL's frames in
+the traceback), and with ``--log_completions`` the rows TRL logged for its completions table
+(``_logs``) travel with the result, for the PS to print (``completion_logs``).
+
 These TRL internals (trl 1.16), and the transformers generation behaviour capture relies
 on, are checked by tests/test_trl_contract.py, which fails loudly, naming what changed.
 """
@@ -26,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import statistics
 import time
+import traceback
 import zlib
 
+import numpy as np
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model
@@ -41,6 +48,8 @@ from asyncgrpo.events import EventLog
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
 GENERATE = "_generate"
+CALCULATE_REWARDS = "_calculate_rewards"  # its loop variable reward_func_name names the function being called
+COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, rewards (per function), advantages, extra
 
 log = logging.getLogger("asyncgrpo.worker")
 
@@ -51,6 +60,8 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     args = copy.copy(cfg)
     args.steps_per_generation, args.num_iterations = cfg.gradient_accumulation_steps, 1
     args.eval_strategy = "no"  # the PS evaluates (TRL's Trainer refuses an eval_strategy without eval data)
+    # TRL fills its completions table (_logs) whatever this says; the PS prints it (worker/loop.py sends the rows).
+    args.log_completions = False
     # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
     # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
@@ -83,6 +94,7 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
+    _clear_completion_logs(trainer)  # and its completions table rows only
     generate = getattr(trainer, GENERATE)
     generated_at = []
     capture = BehaviourCapture(trainer)
@@ -108,6 +120,63 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     trainer._metrics["train"].clear()
     on_cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return on_cpu, metrics
+
+
+def error_record(err: BaseException) -> dict:
+    """What a job that raised tells the PS (asyncgrpo.jobqueue.describe_error): the exception's type and
+    message, and where: in generation, or in scoring, naming the reward function TRL was calling (the
+    ``reward_func_name`` of TRL's ``_calculate_rewards`` frame, ``func_name`` on its async path), also when
+    TRL itself raised about that function's output (a wrong number of rewards)."""
+    reward_function, stage = None, "scoring"
+    calculate_rewards = inspect.unwrap(getattr(GRPOTrainer, CALCULATE_REWARDS)).__code__  # TRL profiles it
+    generate = inspect.unwrap(getattr(GRPOTrainer, GENERATE)).__code__
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        code = frame.f_code
+        if code is generate:
+            stage = "generation"
+        elif code is calculate_rewards:
+            reward_function = frame.f_locals.get("reward_func_name", reward_function)
+        elif code.co_name == "_invoke_async" and code.co_filename == calculate_rewards.co_filename:
+            reward_function = frame.f_locals.get("func_name", reward_function)
+    return {"type": type(err).__name__, "message": str(err)[:2000], "stage": stage,
+            "reward_function": reward_function if isinstance(reward_function, str) else None,
+            "traceback": "".join(traceback.format_exception(err))[-4000:], "time": time.time()}
+
+
+def completion_logs(trainer: GRPOTrainer) -> dict:
+    """The rows TRL logged for its completions table while generating and scoring the last job, as plain
+    values (a result is loaded with weights_only=True): prompt, completion, rewards per function,
+    advantages, extra columns (a reward function's log_extra). Images are not sent."""
+    logs = getattr(trainer, COMPLETION_LOGS)
+    return {"prompt": _plain(list(logs["prompt"])), "completion": _plain(list(logs["completion"])),
+            "rewards": {name: _plain(list(values)) for name, values in logs["rewards"].items()},
+            "advantages": _plain(list(logs["advantages"])),
+            "extra": {str(name): _plain(list(values)) for name, values in logs["extra"].items()}}
+
+
+def _clear_completion_logs(trainer: GRPOTrainer) -> None:
+    logs = getattr(trainer, COMPLETION_LOGS)
+    for key in ("images", "prompt", "completion", "advantages"):
+        logs[key].clear()
+    logs["rewards"].clear()
+    logs["extra"].clear()
+
+
+def _plain(value):
+    """``value`` with anything torch.load(weights_only=True) would refuse made plain: numpy and one-element
+    torch scalars by their item(), subclasses of str/int/float by their base type, any other object by its str()."""
+    if value is None or type(value) in (str, bool, int, float):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return _plain(value.item())
+    for base in (bool, int, float, str):
+        if isinstance(value, base):
+            return base(value)
+    return str(value)
 
 
 def _add_behaviour_logps(trainer: GRPOTrainer, batch: dict, capture: BehaviourCapture) -> None:

@@ -7,11 +7,19 @@ earlier process left under its device number, waits for the PS's first weights, 
 loops. SIGTERM or Ctrl-C: it finishes the job in hand (or releases it if it cannot) and
 exits 0. When the PS goes away it keeps its weights and waits for a new one.
 
-A job that raises fails alone (archived ``failed``), unless the error says this process's
-GPU is broken (a CUDA error other than out-of-memory, asyncgrpo/weights/device_errors.py):
-then every later job and weight sync would fail too, so the worker logs one line and exits
-with EXIT_DEVICE_BROKEN; launch.sh starts a new process (a new CUDA context), whose start-up
-recovery puts the job in hand back in the queue with its attempt counted.
+A job whose generation or scoring raises goes back to the queue as its next attempt, the
+error (type, message, which reward function) added to its payload; after ``max_attempts``
+attempts it goes to the PS as a failure report (JobQueue.fail), and the PS decides whether the
+run can go on. After a failure the worker waits before its next claim, longer after each
+failure in a row (FAILURE_BACKOFF_S, doubling, at most FAILURE_BACKOFF_MAX_S), so a reward
+function that always raises does not turn it into a loop of failures. The traceback of an
+error is logged once per process; a repeat of it gets one line.
+
+Unless the error says this process's GPU is broken (a CUDA error other than out-of-memory,
+asyncgrpo/weights/device_errors.py): then every later job and weight sync would fail too,
+so the worker logs one line and exits with EXIT_DEVICE_BROKEN; launch.sh starts a new
+process (a new CUDA context), whose start-up recovery puts the job in hand back in the queue
+with its attempt counted.
 """
 
 from __future__ import annotations
@@ -25,14 +33,24 @@ import time
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
-from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, QueueWriteError, RunDir, WorkerPresence
+from asyncgrpo.jobqueue import (
+    JobQueue,
+    JobState,
+    QueueWatcher,
+    QueueWriteError,
+    RunDir,
+    WorkerPresence,
+    describe_error,
+)
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
-from worker.generate import build_trainer, generate_and_score, job_seed
+from worker.generate import build_trainer, completion_logs, error_record, generate_and_score, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
 EXIT_DEVICE_BROKEN = 3  # exit status of a worker whose GPU failed; launch.sh restarts it
+FAILURE_BACKOFF_S = 0.1  # wait after a failed job before the next claim, doubled for each failure in a row ...
+FAILURE_BACKOFF_MAX_S = 1.0  # ... up to this
 
 
 def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
@@ -56,6 +74,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
     subscriber = make_subscriber(run)
     version = None
     status = 0
+    failures_in_a_row = 0
     try:
         while not stop.is_set():
             if version is None:  # never claim a job before holding the PS's weights
@@ -87,7 +106,12 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
                 events.emit("job_released", job_id=job.job_id)
                 break
             presence.update(weights_version=version)
-            _process(queue, job, trainer, version, device, events, claimed)
+            if _process(cfg, queue, job, trainer, version, events, claimed):
+                failures_in_a_row = 0
+            else:
+                failures_in_a_row += 1
+                presence.update(state="backoff", job_id=None)
+                stop.wait(min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (failures_in_a_row - 1)))
     except Exception as err:
         if not is_broken_device_error(err):
             raise
@@ -132,7 +156,10 @@ def _sync(subscriber, model, device: int, events: EventLog) -> int | None:
     return version
 
 
-def _process(queue: JobQueue, job, trainer, version: int, device: int, events: EventLog, claimed: float) -> None:
+def _process(cfg: AsyncGRPOConfig, queue: JobQueue, job, trainer, version: int, events: EventLog,
+             claimed: float) -> bool:
+    """Generates, scores and publishes one job; False if it raised (it is thrown again or reported failed)."""
+    device = job.name.device
     started = time.time()
     try:
         batch, metrics = generate_and_score(trainer, job.data["rows"], events,
@@ -142,23 +169,54 @@ def _process(queue: JobQueue, job, trainer, version: int, device: int, events: E
     except Exception as err:  # a bad prompt or reward function must not kill the worker
         if is_broken_device_error(err):
             raise  # not this job's failure alone: run_worker exits, recovery retries the job
-        log.exception("[gen] dev%d job %s failed", device, job.job_id)
-        events.emit("job_failed", job_id=job.job_id, error=f"{type(err).__name__}: {err}"[:500])
-        queue.fail(job, f"{type(err).__name__}: {err}")
-        return
+        _fail(cfg, queue, job, err, version, events)
+        return False
     done = time.time()
+    data = {"batch": batch, "metrics": metrics, "rows": job.data["rows"]}
+    if cfg.log_completions:
+        data["logs"] = completion_logs(trainer)  # the PS prints TRL's completions table from these
     try:
         published = queue.complete(
-            job, {"batch": batch, "metrics": metrics, "rows": job.data["rows"]}, weights_version=version,
-            queue_time=job.claimed_at - job.payload["created_at"], processing_time=done - started,
-            job_age=done - job.payload["created_at"])
+            job, data, weights_version=version, queue_time=job.claimed_at - job.payload["created_at"],
+            processing_time=done - started, job_age=done - job.payload["created_at"])
     except QueueWriteError as err:
-        log.error("[queue] dev%d cannot write the result of %s: %s; giving the job back", device, job.job_id, err)
-        queue.release(job)
-        events.emit("job_released", job_id=job.job_id)
-        return
+        _release_unwritable(queue, job, err, events)
+        return True
     events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
                 dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
                 tokens=int(batch["completion_mask"].sum()))
     log.info("[gen] dev%d job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
              version, (done - started) * 1e3, metrics.get("reward", float("nan")), published)
+    return True
+
+
+_errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
+ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
+
+
+def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: int, events: EventLog) -> None:
+    device = job.name.device
+    error = {**error_record(err), "attempt": job.attempt, "worker_device": device, "weights_version": version}
+    given_up = job.attempt >= cfg.max_attempts
+    what = describe_error(error)
+    outcome = "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}"
+    key = (error["type"], error["message"], error["reward_function"])
+    if key in _errors_logged or len(_errors_logged) >= ERRORS_WITH_TRACEBACK:  # one line, not another traceback
+        log.error("[gen] dev%d job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
+                  cfg.max_attempts, what, outcome)
+    else:
+        _errors_logged.add(key)
+        log.error("[gen] dev%d job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
+                  cfg.max_attempts, what, outcome, error["traceback"].rstrip())
+    events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=what[:500], given_up=given_up)
+    try:
+        queue.fail(job, error, max_attempts=cfg.max_attempts, weights_version=version)
+    except QueueWriteError as write_error:
+        _release_unwritable(queue, job, write_error, events)
+
+
+def _release_unwritable(queue: JobQueue, job, err: QueueWriteError, events: EventLog) -> None:
+    log.error("[queue] dev%d cannot write the outcome of %s: %s; giving the job back", job.name.device,
+              job.job_id, err)
+    queue.release(job)
+    events.emit("job_released", job_id=job.job_id)

@@ -4,7 +4,7 @@
     fileops   every rename, link, fsync and scan; payload load/save
     rundir    the run directory's layout
     liveness  a worker's lock and heartbeat; is a worker alive
-    queue     JobQueue: put, claim, complete, collect, consume, archive, recover
+    queue     JobQueue: put, claim, complete, fail (retry), collect, consume, archive, recover
     watcher   wake on inotify events, with a rescan safety net
     retention archive retention: bounds done/'s bytes, names (the ledger) kept
 """
@@ -21,6 +21,8 @@ from asyncgrpo.jobqueue.queue import (
                                       CollectedResult,
                                       JobQueue,
                                       RecoveryAction,
+                                      describe_error,
+                                      is_failure_report,
 )
 from asyncgrpo.jobqueue.rundir import RunDir, RunDirError, latest_run, runs_dir
 from asyncgrpo.jobqueue.watcher import QueueWatcher
@@ -30,5 +32,5 @@ __all__ = [
     "DEFAULT_MAX_ATTEMPTS", "JobQueue", "JobState", "PayloadLoadError",
     "QueueName", "QueueWatcher", "QueueWriteError", "RecoveryAction", "RunDir", "RunDirError",
     "SCHEMA_VERSION", "WorkerAlreadyRunning", "WorkerPresence", "latest_run", "list_workers",
-    "make_job_id", "parse_queue_name", "runs_dir", "worker_status",
+    "describe_error", "is_failure_report", "make_job_id", "parse_queue_name", "runs_dir", "worker_status",
 ]

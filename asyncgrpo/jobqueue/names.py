@@ -42,7 +42,8 @@ class ArchiveReason(str, enum.Enum):
     DUPLICATE = "duplicate"  # a second result (or file) for a job id already handled
     STALE = "stale"  # a result generated with weights too old to train on
     ORPHANED = "orphaned"  # recovered max_attempts times without a result
-    FAILED = "failed"  # the worker raised while processing it
+    RETRIED = "retried"  # an attempt that raised; the job went back to pending as attempt + 1, its errors inside
+    FAILED = "failed"  # raised on each of its max_attempts attempts: never trained on (the errors are inside)
     UNUSED = "unused"  # thrown, or even generated, but training ended before it was needed
 
 

@@ -6,7 +6,8 @@ no-clobber move done by ``fileops``; every file that leaves ``queue/`` is archiv
 step is safe are in docs/design.md, "The file protocol".
 
 The PS calls ``put_job``, ``collect``, ``consume``/``archive`` and ``recover``; a worker
-calls ``claim``, then ``complete``, ``fail`` or ``release``.
+calls ``claim``, then ``complete``, ``fail`` (thrown again, or reported to the PS as failed) or
+``release``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def validate_payload(payload: dict, kind: str, job_id: str) -> None:
         raise ValueError(f"missing keys {missing}")
     if not is_job_id(payload["job_id"]) or payload["job_id"] != job_id:
         raise ValueError(f"payload job_id {str(payload['job_id'])[:40]!r} does not match file name job id {job_id}")
+
+
+def describe_error(error: dict) -> str:
+    """One line for one of a job's ``errors``: "reward function 'f' raised ValueError: ..." (or "generation
+    raised ..."). A record holds ``type``, ``message``, ``reward_function`` (None outside one), ``stage``
+    ("generation" or "scoring"), ``traceback``, ``attempt``, ``worker_device``, ``weights_version``, ``time``."""
+    where = f"reward function {error['reward_function']!r}" if error.get("reward_function") else error.get("stage")
+    lines = str(error.get("message", "")).strip().splitlines() or [""]
+    message = lines[0][:300] + (" ..." if len(lines) > 1 or len(lines[0]) > 300 else "")
+    return f"{where or 'the job'} raised {error.get('type', 'an exception')}: {message}"
+
+
+def is_failure_report(payload: dict) -> bool:
+    """A result that reports a job given up after its last attempt (JobQueue.fail), not a generated batch."""
+    return isinstance(payload.get("data"), dict) and "errors" in payload["data"]
 
 
 @dataclass
@@ -201,10 +217,29 @@ class JobQueue:
         Order: stage the result in .tmp, fence (rename our processing file to
         committing), link the result into place, archive the fenced file as processed.
         """
-        device = job.name.device
         payload = {"schema": SCHEMA_VERSION, "kind": "result", "job_id": job.job_id, "attempt": job.attempt,
-                   "worker_device": device, "weights_version": weights_version,
+                   "worker_device": job.name.device, "weights_version": weights_version,
                    "claimed_at": job.claimed_at, "completed_at": time.time(), "data": data, **fields}
+        result = QueueName(job.job_id, state=JobState.COMPLETE, device=job.name.device)
+        return self._fenced_publish(job, payload, result, ArchiveReason.PROCESSED)
+
+    def fail(self, job: ClaimedJob, error: dict, *, max_attempts: int, weights_version: int) -> bool:
+        """A job whose generation or scoring raised: ``error`` (see describe_error) is added to the
+        ``errors`` of its payload, and the job goes back to pending as attempt + 1, or, after its
+        ``max_attempts``-th attempt, to the PS as a *failure report*: a result whose data holds
+        ``errors`` and ``job`` (the job's data) instead of a batch; the PS archives it ``failed``.
+        The attempt's own job file is archived ``retried`` (or ``processed`` with the report).
+        Fenced like complete(): False if the job was recovered from this worker meanwhile."""
+        errors = [*job.payload.get("errors", []), error]
+        if job.attempt >= max_attempts:
+            return self.complete(job, {"errors": errors, "job": job.data}, weights_version=weights_version)
+        again = job.name.moved_to(JobState.PENDING, attempt=job.attempt + 1)
+        return self._fenced_publish(job, {**job.payload, "errors": errors}, again, ArchiveReason.RETRIED)
+
+    def _fenced_publish(self, job: ClaimedJob, payload: dict, target: QueueName, fenced_as: ArchiveReason) -> bool:
+        """Stages ``payload``, fences the job (processing -> committing), links the payload to ``target``
+        and archives the fenced file as ``fenced_as``. False when the fence fails (the job was recovered)."""
+        device = job.name.device
         tmp = fileops.stage_bytes(self.run.tmp, fileops.serialize(payload), fsync=self.fsync)
         fence = job.name.moved_to(JobState.COMMITTING, device)
         try:
@@ -218,19 +253,13 @@ class JobQueue:
             fileops.set_mtime(self.path(fence), time.time())
         except FileNotFoundError:
             pass  # recovered after the fence: our result is published anyway; the PS keeps one per job
-        result = QueueName(job.job_id, state=JobState.COMPLETE, device=device)
         try:
-            fileops.publish(tmp, self.path(result), fsync=self.fsync)
+            fileops.publish(tmp, self.path(target), fsync=self.fsync)
         except FileExistsError:
-            log.warning("[queue] %s already exists; archiving this result as a duplicate", result.filename)
+            log.warning("[queue] %s already exists; archiving this one as a duplicate", target.filename)
             self.archive_if_present(tmp, job.job_id, ArchiveReason.DUPLICATE, job.attempt)
-        self.archive_if_present(self.path(fence), job.job_id, ArchiveReason.PROCESSED, job.attempt)
+        self.archive_if_present(self.path(fence), job.job_id, fenced_as, job.attempt)
         return True
-
-    def fail(self, job: ClaimedJob, error: str) -> None:
-        """Archives a job the worker could not process (its error goes to the log)."""
-        log.error("[queue] job %s failed on dev%s: %s", job.name.filename, job.name.device, error)
-        self.archive_if_present(job.path, job.job_id, ArchiveReason.FAILED, job.attempt)
 
     def release(self, job: ClaimedJob) -> bool:
         """Gives an unfinished job back (same attempt), e.g. on SIGTERM."""
@@ -332,9 +361,10 @@ class JobQueue:
         free, or on another host its heartbeat is older than the lease), when the
         worker's heartbeat is older than the lease (stopped, hung), or when the worker
         has moved on to another job and the file is older than the lease. A stale job
-        whose result exists is archived ``processed`` (the result wins); else it goes
-        back to pending with attempt + 1, or to done/ as ``orphaned`` after
-        ``max_attempts``. ``own_device``: a worker starting up recovers every file left
+        whose result exists is archived ``processed`` (the result wins), one whose job is
+        already in the queue as a later attempt (its worker threw it again, then died)
+        ``duplicate``; else it goes back to pending with attempt + 1, or to done/ as
+        ``orphaned`` after ``max_attempts``. ``own_device``: a worker starting up recovers every file left
         under its device number, since the process that left them is gone.
         ``requeue=False`` (the PS's end of training): a stale job without a result is
         archived ``unused`` instead of going back to pending, where a worker would take it.
@@ -345,6 +375,10 @@ class JobQueue:
         now = fs_now(self.run)
         names, junk = self.scan()
         with_result = {n.job_id for n in names if n.state in (JobState.COMPLETE, JobState.COLLECTED)}
+        latest_attempt: dict[str, int] = {}
+        for n in names:
+            if n.state in (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING):
+                latest_attempt[n.job_id] = max(n.attempt, latest_attempt.get(n.job_id, 0))
         statuses = {}
         actions = []
         for name in sorted(names):
@@ -368,6 +402,8 @@ class JobQueue:
             reason = None  # requeue
             if name.job_id in with_result or self.was_consumed(name.job_id):
                 reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
+            elif name.attempt < latest_attempt[name.job_id]:  # its worker threw it again and died right after
+                reason, why = ArchiveReason.DUPLICATE, why + f"; attempt {latest_attempt[name.job_id]} is in the queue"
             elif name.attempt >= max_attempts:
                 reason, why = ArchiveReason.ORPHANED, why + f"; attempt {name.attempt} of {max_attempts}"
             elif not requeue:

@@ -1,0 +1,19 @@
+"""Reward functions that fail, for the failure-handling tests (loaded by import path in real processes:
+``--reward_funcs tests.reward_faults:always_raises``)."""
+
+
+def always_raises(prompts, completions, **kwargs):
+    raise RuntimeError("the reward server is down")
+
+
+def one_reward_too_few(prompts, completions, **kwargs):
+    return [0.0] * (len(prompts) - 1)
+
+
+def raises_on_digit_0(prompts, completions, **kwargs):
+    """Scores like the demo reward, but raises on a job holding the prompt "0:" (with seed 0, the 4th and the
+    10th of the demo's first 20 jobs, never two in a row)."""
+    if "0:" in prompts:
+        raise ValueError("cannot score the prompt '0:'")
+    return [sum(c == p[0] for c in completion) / max(len(completion), 1)
+            for p, completion in zip(prompts, completions, strict=True)]

@@ -1,0 +1,180 @@
+"""Failing reward functions, through real processes (tests/reward_faults.py, loaded by import path).
+
+- One that always raises, or returns one reward too few: launch.sh exits 1 soon, its output names the
+  function and the exception once, done/ holds a bounded number of files, and the workers back off
+  between failures instead of spinning.
+- One that raises on some prompts: those jobs are retried, then dropped; the run finishes, and the PS
+  log, `queue_tools ls` (health WARN) and `queue_tools report` (diagnosis) say so.
+- --log_completions: the PS prints TRL's completions table with the rows the workers generated.
+"""
+
+import json
+import re
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, ps_events, start_process
+
+from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
+from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+from queue_tools.cli import main as queue_tools
+from worker.loop import FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S
+
+# --reward_funcs turns the demo's defaults off (asyncgrpo.config): the demo task with another reward.
+DEMO_FLAGS = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"] + ["--seed", "0"]
+LAUNCH_TIMEOUT_S = 300  # start-up included; on an idle 2-core machine the run stops within about 40 s
+MAX_FAILED_IN_A_ROW, MAX_ATTEMPTS, MAX_OUTSTANDING = 8, 3, 16  # the defaults
+
+
+def done_by_reason(run_root) -> dict[str, list[str]]:
+    by_reason = defaultdict(list)
+    for name in (Path(run_root) / "done").iterdir():
+        by_reason[done_reason(name.name).value].append(name.name)
+    return by_reason
+
+
+def worker_events(run_root) -> dict[int, list[dict]]:
+    """Each worker process's events, by pid, in file order."""
+    by_pid = defaultdict(list)
+    for path in (Path(run_root) / "logs").glob("events-worker-*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            by_pid[event["pid"]].append(event)
+    return by_pid
+
+
+@pytest.mark.parametrize("reward, error", [
+    ("always_raises", "reward function 'always_raises' raised RuntimeError: the reward server is down"),
+    ("one_reward_too_few", "reward function 'one_reward_too_few' raised ValueError: The reward function "
+                           "'one_reward_too_few' returned 31 rewards, but 32 were expected"),
+])
+def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_path, reward, error):
+    run_root = tmp_path / "run"
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
+         *DEMO_FLAGS, "--reward_funcs", f"tests.reward_faults:{reward}"],
+        cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # the run did not stop by itself
+        kill_run(run_root, launcher)
+        raise
+    assert launcher.returncode == 1, out
+    # The terminal names the function and its exception on one line, once; no wait loop.
+    [line] = [line for line in out.splitlines() if error in line]
+    assert line.startswith(f"ps: error: {MAX_FAILED_IN_A_ROW} jobs in a row failed on all {MAX_ATTEMPTS} attempt(s)")
+    assert "has waited" not in out
+    assert "the parameter server exited with status 1; workers stopped" in out
+    # Nothing trained, and a bounded number of files: jobs stop being thrown while the failing ones are
+    # retried (they stay in flight), and the run stops at the first MAX_FAILED_IN_A_ROW in a row.
+    assert metrics(run_root) == []
+    done = done_by_reason(run_root)
+    assert set(done) <= {"retried", "processed", "failed"}, done.keys()
+    thrown = len(ps_events(run_root, "job_created"))
+    assert MAX_FAILED_IN_A_ROW <= len(done["failed"]) <= thrown <= MAX_FAILED_IN_A_ROW + MAX_OUTSTANDING
+    assert len(done["retried"]) <= (MAX_ATTEMPTS - 1) * thrown
+    errors = fileops.load_payload(run_root / "done" / sorted(done["failed"])[0])["data"]["errors"]
+    assert [e["reward_function"] for e in errors] == [reward] * MAX_ATTEMPTS
+    # No spinning: after its k-th failure in a row a worker waits before it claims again.
+    for events in worker_events(run_root).values():
+        failures = [e["mono"] for e in events if e["event"] == "job_failed"]
+        for k, (earlier, later) in enumerate(zip(failures, failures[1:], strict=False), start=1):
+            assert later - earlier >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3
+
+
+# ---------------------------------------------------------------- a reward that raises on some prompts
+
+
+@pytest.fixture(scope="module")
+def flaky_run(tmp_path_factory) -> Path:
+    """8 steps of a PS and two workers, scoring with raises_on_digit_0 (jobs holding the prompt "0:" raise)
+    and --log_completions on."""
+    root = tmp_path_factory.mktemp("flaky") / "run"
+    flags = [*DEMO_FLAGS, "--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "4",
+             "--disable_tqdm", "true", "--log_completions", "true",
+             "--reward_funcs", "tests.reward_faults:raises_on_digit_0"]
+    ps = start_process(root, root.parent / "ps.log", "ps", *flags)
+    workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *flags) for i in (1, 2)]
+    try:
+        assert ps.wait(timeout=600) == 0, (root.parent / "ps.log").read_text()[-3000:]
+    finally:
+        for worker in workers:
+            worker.terminate()
+        codes = [worker.wait(timeout=120) for worker in workers]
+    assert codes == [0, 0], codes
+    return root
+
+
+def failed_job_ids(run_root) -> list[str]:
+    return sorted(name[:10] for name in done_by_reason(run_root)["failed"])
+
+
+def test_prompts_that_make_a_reward_raise_are_retried_then_dropped_and_the_run_goes_on(flaky_run):
+    assert [m["step"] for m in metrics(flaky_run)] == list(range(1, 9))
+    assert_exactly_once(flaky_run, jobs=8)
+    failed = failed_job_ids(flaky_run)
+    assert failed, "no job held the prompt '0:' (with seed 0 the 4th job does)"
+    names = set(done_by_reason(flaky_run)["retried"]) | set(done_by_reason(flaky_run)["failed"])
+    for job_id in failed:  # attempts 1 and 2 thrown again, the 3rd given up
+        assert {f"{job_id}_retried.pt", f"{job_id}_retried_a2.pt", f"{job_id}_failed_a3.pt"} <= names
+        payload = fileops.load_payload(flaky_run / "done" / f"{job_id}_failed_a3.pt")
+        assert "0:" in [row["prompt"] for row in payload["data"]["job"]["rows"]]
+        assert [(e["attempt"], e["type"], e["message"], e["reward_function"]) for e in payload["data"]["errors"]] == [
+            (a, "ValueError", "cannot score the prompt '0:'", "raises_on_digit_0") for a in (1, 2, 3)]
+    for path in (flaky_run / "done").glob("*_consumed.pt"):  # what was trained on never held "0:"
+        assert "0:" not in [row["prompt"] for row in fileops.load_payload(path)["data"]["rows"]]
+
+
+def test_the_ps_log_says_how_many_prompts_were_dropped(flaky_run):
+    log = (flaky_run.parent / "ps.log").read_text().splitlines()
+    drops = [i for i, line in enumerate(log) if "are not trained on" in line]
+    n = len(failed_job_ids(flaky_run))
+    assert len(drops) == n
+    assert log[drops[-1]].endswith(f"(reward function 'raises_on_digit_0' raised ValueError: cannot score the prompt "
+                                   f"'0:'): its 4 prompt(s) are not trained on; {n} job(s), {4 * n} prompt(s) "
+                                   "dropped so far")
+    # Every [train] line once a job was dropped shows the count of prompts dropped so far.
+    for i, line in enumerate(log):
+        if "[train] step=" in line and "reward=" in line:
+            dropped = sum(d < i for d in drops)
+            assert (f" dropped_prompts={4 * dropped}" in line) == (dropped > 0), line
+
+
+def test_queue_tools_ls_warns_with_the_count_and_the_last_error(flaky_run, capsys):
+    assert queue_tools(["ls", str(flaky_run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    n = len(failed_job_ids(flaky_run))
+    assert report["done"]["failed"] == n
+    assert report["health"].startswith(
+        f"WARN: {n} job(s) failed on every attempt and were not trained on (last error: reward function "
+        "'raises_on_digit_0' raised ValueError: cannot score the prompt '0:')")
+
+
+def test_queue_tools_report_names_the_dropped_jobs_in_its_diagnosis(flaky_run, capsys):
+    assert queue_tools(["report", str(flaky_run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    n = len(failed_job_ids(flaky_run))
+    assert report["dropped"] == {"jobs": n, "prompts": 4 * n, "last_error": "reward function 'raises_on_digit_0' "
+                                 "raised ValueError: cannot score the prompt '0:'"}
+    assert f"; {n} job(s) ({4 * n} prompts) failed on every attempt and were not trained on (last error: reward " \
+           "function 'raises_on_digit_0' raised ValueError: cannot score the prompt '0:')" in report["diagnosis"]
+    assert report["archived"][ArchiveReason.FAILED.value] == n
+
+
+def test_log_completions_prints_trls_table_with_the_rows_the_workers_generated(flaky_run):
+    consumed_at = {e["step"]: e["job_id"] for e in ps_events(flaky_run, "result_consumed")}
+    for step in range(1, 9):  # TRL's log() writes each step's table as a parquet file too
+        table = pd.read_parquet(flaky_run / "checkpoints" / "completions" / f"completions_{step:05d}.parquet")
+        batch = fileops.load_payload(flaky_run / "done" / f"{consumed_at[step]}_consumed.pt")["data"]
+        assert list(table["prompt"]) == [row["prompt"] for row in batch["rows"]]
+        assert list(table["advantage"]) == pytest.approx(batch["batch"]["advantages"].tolist())
+        assert list(table.columns) == ["step", "prompt", "completion", "raises_on_digit_0", "advantage"]
+    log = (flaky_run.parent / "ps.log").read_text()
+    tables = re.findall(r"─ Step (\d+) ─", log)  # TRL prints it at each logged step, and again at the end
+    assert set(tables) == {str(step) for step in range(1, 9)}
+    assert log.count("┃ Prompt ┃ Completion ┃ raises_on_digit_0 ┃ Advantage ┃") == len(tables)
+    assert len(re.findall(r"^│ │ \d:\s+│", log, flags=re.MULTILINE)) == 32 * len(tables)  # every row, every time
