@@ -57,6 +57,11 @@ SHAPES = {  # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads)
 }
 
 
+def unique_numel(tensors: dict[str, torch.Tensor]) -> int:
+    """Parameters counted once each: a tied pair (embedding and LM head) is one tensor under two names."""
+    return sum(t.numel() for t in {t.data_ptr(): t for t in tensors.values()}.values())
+
+
 def build(size: str, dtype: torch.dtype, device: str, layers: int | None, value: float,
           adapter: bool = False) -> torch.nn.Module:
     """The real module tree, allocated without random init (slow for 0.5B), then touched. With ``adapter``:
@@ -181,7 +186,7 @@ def cpu_transport_bench(args, adapter: bool) -> dict:
     pub, syn, flat = summary(publish_ms), summary(sync_ms), summary(flat_ms)
     return {
         "mode": "cpu", "transport": "mmap", "dtype": args.dtype if not adapter else "fp32 (adapter)",
-        "shared": "adapter" if adapter else "full", "params": sum(t.numel() for t in shared_tensors(ps).values()),
+        "shared": "adapter" if adapter else "full", "params": unique_numel(shared_tensors(ps)),
         "bytes": total, "tensors": len(names), "iters": args.iters, "torch_threads": torch.get_num_threads(),
         "publisher_create_ms": round(create_ms, 1), "first_sync_ms": round(first_sync_ms, 1),
         "publish": pub, "sync": syn, "memcpy_flat": flat, "memcpy_per_tensor": summary(per_tensor_ms),
@@ -259,7 +264,7 @@ def gpu_transport_bench(args, size: str, adapter: bool) -> dict:
     syn, pub, flat = summary(sync_ms[1:]), summary(publish_ms[1:]), summary(flat_ms)
     return {
         "mode": "gpu", "transport": "cuda_ipc", "dtype": "bf16" if not adapter else "fp32 (adapter)", "shape": size,
-        "shared": "adapter" if adapter else "full", "params": sum(t.numel() for t in shared_tensors(ps).values()),
+        "shared": "adapter" if adapter else "full", "params": unique_numel(shared_tensors(ps)),
         "bytes": total, "tensors": len(publisher.layout.entries),
         "device": torch.cuda.get_device_name(0), "reader_device": args.reader_device, "iters": args.iters,
         "first_sync_ms (opens handles)": round(sync_ms[0], 2), "publish": pub, "sync": syn,

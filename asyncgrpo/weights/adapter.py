@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 
 import torch
 
 from asyncgrpo.weights.layout import Layout, WeightsMismatch
 
 SAMPLES = 16  # values read from each frozen tensor for the fingerprint
+_adapter_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PEFT model -> its trainable parameters
 
 
 def is_adapter_model(model: torch.nn.Module) -> bool:
@@ -39,7 +41,13 @@ def shared_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     (the adapter, and any ``modules_to_save``) under their state_dict names."""
     if not is_adapter_model(model):
         return model.state_dict()
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+    # Walking a PEFT model's module tree costs milliseconds (2.5 ms for a 0.5B model), as much as the copy
+    # itself on a GPU; the adapter's Parameter objects live as long as the model (training updates them in
+    # place), so they are found once per model. Callers only read the dict.
+    found = _adapter_params.get(model)
+    if found is None:
+        found = _adapter_params[model] = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    return found
 
 
 def base_fingerprint(model: torch.nn.Module) -> dict:
