@@ -6,6 +6,7 @@ and launch.sh --join's refusal of a directory that is not a run.
 The end-to-end runs with a simulated second host are in tests/test_second_host.py."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,9 +14,9 @@ import time
 
 import pytest
 import torch
-from helpers import PROCESS_ENV, REPO, backdate, fill, held_values
+from helpers import PROCESS_ENV, REPO, backdate, fill, held_values, pid_alive, read_json
 
-from asyncgrpo.jobqueue import QueueWatcher, WorkerAlreadyRunning, WorkerPresence, fileops, watcher
+from asyncgrpo.jobqueue import QueueWatcher, RunDir, WorkerAlreadyRunning, WorkerPresence, fileops, watcher
 from asyncgrpo.jobqueue.hosts import HOST_ID, filesystem_type, host_id, network_filesystem
 from asyncgrpo.jobqueue.liveness import fs_now, heartbeat_path, list_workers, lock_path, worker_status
 from asyncgrpo.jobqueue.names import JobState, QueueName, parse_queue_name, worker_id
@@ -321,3 +322,41 @@ def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
     assert result.stderr == f"launch.sh: error: {target} is not an asyncgrpo run directory (no queue/ and done/ " \
                             "inside)\n"
     assert not (target / "workers").exists()
+
+
+def heartbeat_pid(run, device, not_pid=None) -> int:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        pid = read_json(heartbeat_path(run, device)).get("pid")
+        if pid and pid != not_pid:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"worker {device} did not beat (with a pid other than {not_pid})")
+
+
+@pytest.mark.slow
+def test_join_restarts_a_dead_worker_and_ctrl_c_stops_them(tmp_path):
+    run = RunDir.create(tmp_path / "run")  # its PS has not started: the workers wait for it
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "--join", str(run.root), "--workers", "2",
+                             "--device", "cpu"], cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    one, two = worker_id(1, HOST_ID), worker_id(2, HOST_ID)
+    pids = []
+    try:
+        first = heartbeat_pid(run, one)
+        pids += [first, heartbeat_pid(run, two)]
+        os.kill(first, signal.SIGKILL)
+        pids.append(heartbeat_pid(run, one, not_pid=first))  # restarted: it beats with its own pid
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out, out
+    assert "interrupted: stopping the workers" in out
+    assert not [pid for pid in pids if pid_alive(pid)]
+    assert sorted(p.name for p in (run.root / "logs").glob("log_worker_*")) == [
+        f"log_worker_1.{HOST_ID}.txt", f"log_worker_2.{HOST_ID}.txt"]
