@@ -29,6 +29,8 @@
 # there does not shadow it); reward modules there import as with `python`.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# --join RUN: workers only, on another host than the PS's (scripts/join.sh says how).
+for arg in "$@"; do [ "$arg" = --join ] && exec bash "$REPO_ROOT/scripts/join.sh" "$@"; done
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch.txt"; return 0; }
 

@@ -73,6 +73,27 @@ def write_user_folder(folder) -> Path:
     return folder
 
 
+CLOCK_SKEW_DIR = REPO / "tests" / "clock_skew"  # its sitecustomize shifts time.time() by $ASYNCGRPO_TEST_CLOCK_OFFSET_S
+_OTHER_HOST_SHELL = 'hostname "$0" && mount -t tmpfs tmpfs /dev/shm && exec "$@"'
+
+
+def as_other_host(argv: list[str], hostname: str = "otherhost") -> list[str]:
+    """``argv`` run as on a second host: its own hostname (a UTS namespace) and its own, empty
+    /dev/shm (a mount namespace); the same kernel, pids and run directory. Needs root."""
+    return ["unshare", "-u", "-m", "--propagation", "private", "sh", "-c", _OTHER_HOST_SHELL, hostname, *argv]
+
+
+def other_host_unavailable() -> str | None:
+    """Why ``as_other_host`` cannot work here (for pytest.skip), or None when it can."""
+    try:
+        result = subprocess.run(as_other_host(["true"]), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unshare cannot run: {err}"
+    if result.returncode != 0:
+        return f"unshare -u -m cannot make a second host here: {result.stderr.strip()[:200]}"
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone)."""
     try:

@@ -172,19 +172,21 @@ def test_a_job_recovered_between_claim_rename_and_lease_start_is_let_go(queue, r
     queue.put_job("000001_001", {}, created_step=1)
     backdate(run.queue / "000001_000_pending.pt", 2 * LEASE_S)  # it waited longer than a lease
     presence = WorkerPresence(run, 1).start()
-    real_set_mtime = fileops.set_mtime
+    real_stamp_now = fileops.stamp_now
     ps_side = JobQueue(run)
 
-    def recovery_runs_first(path, mtime):
-        monkeypatch.setattr(fileops, "set_mtime", real_set_mtime)
+    def recovery_runs_first(path):
+        if "_processing_" not in os.fspath(path):
+            return real_stamp_now(path)  # a heartbeat
+        monkeypatch.setattr(fileops, "stamp_now", real_stamp_now)
         [action] = ps_side.recover(lease_s=LEASE_S)
         assert action.what == "requeue" and "moved on" in action.why
-        real_set_mtime(path, mtime)
+        return real_stamp_now(path)
 
     try:
         presence.update(job_id="000000_009")  # the job it finished before
         presence.beat()
-        monkeypatch.setattr(fileops, "set_mtime", recovery_runs_first)
+        monkeypatch.setattr(fileops, "stamp_now", recovery_runs_first)
         job = queue.claim(1)
         assert job.job_id == "000001_001"  # it let the recovered one go and took the next
         assert queue_files(run) == ["000001_000_pending_a2.pt", "000001_001_processing_by_dev1.pt"]
@@ -276,7 +278,7 @@ def test_worker_on_another_host_is_judged_by_heartbeat_age(queue, run):
     assert queue.recover(lease_s=LEASE_S) == []  # no local lock, but a fresh remote heartbeat
     backdate(run.workers / "dev7.json", 2 * LEASE_S)
     [action] = queue.recover(lease_s=LEASE_S)
-    assert action.what == "requeue" and "dead" in action.why
+    assert action.what == "requeue" and "went silent: heartbeat 60s old" in action.why
 
 
 def test_one_worker_per_device(run):

@@ -1,12 +1,17 @@
 """Run one worker:
 
     python -m worker --device N --run_dir RUN [config flags, the same as the PS's]
+    python -m worker --join --device N --run_dir RUN [...]   # on a host other than the PS's
     python -m worker --help       # every flag
 
 launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit status: 0
 stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that device, or a
 model that cannot take the PS's weights (another base model under a LoRA adapter, ...),
 3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
+
+``--join`` (what ``launch.sh --join`` passes): the worker's id carries this host's id,
+``dev{N}.{host id}`` (asyncgrpo/jobqueue/hosts.py), so that worker N of every host has names
+of its own; RUN must already be a run directory.
 """
 
 import argparse
@@ -14,7 +19,9 @@ import logging
 import sys
 
 from asyncgrpo.config import ConfigError, parse_config
-from asyncgrpo.jobqueue import RunDir, WorkerAlreadyRunning
+from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
+from asyncgrpo.jobqueue.hosts import HOST_ID
+from asyncgrpo.jobqueue.names import worker_id
 from asyncgrpo.weights.layout import WeightsMismatch
 from worker.loop import run_worker
 
@@ -29,18 +36,21 @@ def main(argv=None) -> int:
         parse_config(["--help"], prog="python -m worker --device N", description=DESCRIPTION)  # prints, exits 0
     own = argparse.ArgumentParser(prog="python -m worker", add_help=False)
     own.add_argument("--device", type=int, required=True, help="this worker's device number (dev N in file names)")
+    own.add_argument("--join", action="store_true", help="a worker on another host than the PS's")
     own.error = _bad_input
     args, rest = own.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.device} %(levelname)s %(message)s")
+    device = worker_id(args.device, HOST_ID if args.join else None)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{device} %(levelname)s %(message)s")
     try:
         cfg = parse_config(rest)
         if cfg.run_dir is None:
             raise ConfigError("--run_dir is required for a worker")
         # create, not open: a worker may start before its PS has made the layout (both are
-        # idempotent); it then waits for the PS's ps.json and first weights.
-        run = RunDir.create(cfg.run_dir)
-        return run_worker(cfg, run, args.device)
-    except (ConfigError, OSError, WorkerAlreadyRunning, WeightsMismatch) as err:
+        # idempotent); it then waits for the PS's ps.json and first weights. One that joins
+        # from another host joins a run that exists.
+        run = RunDir.open(cfg.run_dir) if args.join else RunDir.create(cfg.run_dir)
+        return run_worker(cfg, run, device)
+    except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 

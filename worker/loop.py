@@ -42,6 +42,7 @@ from asyncgrpo.jobqueue import (
     WorkerPresence,
     describe_error,
 )
+from asyncgrpo.jobqueue.names import WorkerId
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
 from worker.generate import build_trainer, completion_logs, error_record, generate_and_score, job_seed
@@ -53,13 +54,13 @@ FAILURE_BACKOFF_S = 0.1  # wait after a failed job before the next claim, double
 FAILURE_BACKOFF_MAX_S = 1.0  # ... up to this
 
 
-def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
+def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     stop = threading.Event()
-    presence = WorkerPresence(run, device).start()
+    presence = WorkerPresence(run, device, lease_s=cfg.lease_s).start()
     watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
 
     def request_stop(signum, _frame):
-        log.info("[worker] dev%d got signal %d: finishing the job in hand, then exiting", device, signum)
+        log.info("[worker] dev%s got signal %d: finishing the job in hand, then exiting", device, signum)
         stop.set()
         watcher.wake()
 
@@ -68,10 +69,10 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
-        log.info("[queue] dev%d recovered its own leftover: %s", device, action.line())
+        log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
     trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
-    subscriber = make_subscriber(run)
+    subscriber = make_subscriber(run, on_read=presence.announce_read)
     version = None
     status = 0
     failures_in_a_row = 0
@@ -91,7 +92,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
             presence.update(state="busy", job_id=job.job_id)
             queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3
             events.emit("job_claimed", job_id=job.job_id, attempt=job.attempt, queue_wait_ms=queue_wait_ms)
-            log.info("[queue] dev%d claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
+            log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
                      queue_wait_ms)
             version = _sync(subscriber, trainer.model, device, events) or version
             if version < job.data["min_weights_version"]:
@@ -115,7 +116,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
     except Exception as err:
         if not is_broken_device_error(err):
             raise
-        log.error("[worker] dev%d exits (status %d): its GPU failed with %s; a new process gets a new CUDA "
+        log.error("[worker] dev%s exits (status %d): its GPU failed with %s; a new process gets a new CUDA "
                   "context", device, EXIT_DEVICE_BROKEN, first_line(err))
         status = EXIT_DEVICE_BROKEN
     finally:
@@ -123,11 +124,11 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: int) -> int:
         try:
             subscriber.close()  # frees IPC mappings: on a broken device that may fail too
         except Exception as err:
-            log.warning("[weights] dev%d closing the weights reader: %s", device, first_line(err))
+            log.warning("[weights] dev%s closing the weights reader: %s", device, first_line(err))
         presence.stop()
         events.close()
     if status == 0:
-        log.info("[worker] dev%d stopped", device)
+        log.info("[worker] dev%s stopped", device)
     return status
 
 
@@ -146,13 +147,13 @@ def _device_label(cfg: AsyncGRPOConfig) -> str:
     return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}"  # the physical GPU launch.sh chose
 
 
-def _sync(subscriber, model, device: int, events: EventLog) -> int | None:
+def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
     start = time.monotonic()
     version = subscriber.sync(model)
     if version is not None:
         sync_ms = (time.monotonic() - start) * 1e3
         events.emit("weights_synced", weights_version=version, dur_ms=sync_ms, bytes=subscriber.synced_bytes)
-        log.info("[weights] dev%d synced version=%d sync_ms=%.1f", device, version, sync_ms)
+        log.info("[weights] dev%s synced version=%d sync_ms=%.1f", device, version, sync_ms)
     return version
 
 
@@ -185,7 +186,7 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, job, trainer, version: int, 
     events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
                 dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
                 tokens=int(batch["completion_mask"].sum()))
-    log.info("[gen] dev%d job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
+    log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
              version, (done - started) * 1e3, metrics.get("reward", float("nan")), published)
     return True
 
@@ -202,11 +203,11 @@ def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: i
     outcome = "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}"
     key = (error["type"], error["message"], error["reward_function"])
     if key in _errors_logged or len(_errors_logged) >= ERRORS_WITH_TRACEBACK:  # one line, not another traceback
-        log.error("[gen] dev%d job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
+        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
                   cfg.max_attempts, what, outcome)
     else:
         _errors_logged.add(key)
-        log.error("[gen] dev%d job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
+        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
                   cfg.max_attempts, what, outcome, error["traceback"].rstrip())
     events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=what[:500], given_up=given_up)
     try:
@@ -216,7 +217,7 @@ def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: i
 
 
 def _release_unwritable(queue: JobQueue, job, err: QueueWriteError, events: EventLog) -> None:
-    log.error("[queue] dev%d cannot write the outcome of %s: %s; giving the job back", job.name.device,
+    log.error("[queue] dev%s cannot write the outcome of %s: %s; giving the job back", job.name.device,
               job.job_id, err)
     queue.release(job)
     events.emit("job_released", job_id=job.job_id)

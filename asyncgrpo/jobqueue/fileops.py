@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import io
 import json
 import os
-import socket
 import stat
 import uuid
+
+from asyncgrpo.jobqueue.hosts import HOST_ID  # temp names say who writes them
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -230,8 +230,16 @@ def touch(path: str | os.PathLike) -> float:
         os.close(fd)
 
 
-def set_mtime(path: str | os.PathLike, mtime: float) -> None:
-    os.utime(path, (mtime, mtime), follow_symlinks=False)
+def stamp_now(path: str | os.PathLike) -> float:
+    """Sets ``path``'s mtime to now by the file server's clock and returns it.
+
+    ``utime(path, None)`` asks the filesystem for "now" (on NFS the server sets its own
+    time); a time passed in would be this host's clock, which may be off by seconds. Every
+    mtime recovery compares (claims, fences, heartbeats) is set this way, so all of them are
+    on one clock: the one ``liveness.fs_now`` reads.
+    """
+    os.utime(path, None, follow_symlinks=False)
+    return os.lstat(path).st_mtime
 
 
 def truncate_archived(path: str | os.PathLike, expected: os.stat_result) -> int:
@@ -265,12 +273,10 @@ def truncate_archived(path: str | os.PathLike, expected: os.stat_result) -> int:
         os.close(fd)
 
 
-HOST_ID = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]  # temp names say who writes them
-
-
 def temp_writer_is_dead(name: str) -> bool:
-    """True only for a temp file named by a process of this host that no longer exists; such
-    a file can never be finished, whatever its age."""
+    """True only for a temp file named by a process of this host (same HOST_ID: same kernel
+    and PID namespace) that no longer exists; such a file can never be finished, whatever
+    its age. Another host's temp files are judged by their age alone."""
     parts = name.split("-")
     if len(parts) != 3 or parts[0] != HOST_ID or not parts[1].isdigit():
         return False

@@ -1,11 +1,21 @@
 """Worker liveness: an flock held for the worker's whole life, plus a heartbeat file.
 
-On one host "the lock is free" means "the worker is dead" with no false positive: the
-kernel drops an flock when its process dies, whatever killed it. A worker on another
-host is judged by its heartbeat's mtime, compared with a probe file touched on the same
-filesystem (never with the local clock, which may disagree with the file server's).
-A worker that is alive but stopped (SIGSTOP, a hung host) keeps its lock but stops
-beating; recovery treats a heartbeat older than the lease as stale too.
+Which rule applies depends on the heartbeat's ``host_id`` (hosts.py: hostname, boot id and
+PID namespace). On the same host, "the lock is free" means "the worker is dead" with no false
+positive: the kernel drops an flock when its process dies, whatever killed it. A worker on
+another host (or in another container or PID namespace) is never judged by its pid or its
+lock, which mean nothing here: it is alive while its heartbeat's mtime is younger than the
+lease, measured against a probe file touched on the same filesystem (never the local clock,
+which may disagree with the file server's). A worker that is alive but stopped (SIGSTOP, a
+hung host) keeps its lock but stops beating; recovery treats a heartbeat older than the
+lease as stale too.
+
+Every timestamp recovery compares is the file server's: a heartbeat is stamped with
+``os.utime(path, None)`` after it is written (and so are claims and fences, queue.py), so a
+worker whose clock is off loses nothing to recovery.
+
+The heartbeat also says which safetensors snapshot the worker is reading, if any
+(``announce_read``): the PS keeps a snapshot a live worker names (weights/snapshot.py).
 
 ``pid_alive`` is the same question for processes that record a pid and host instead of
 holding a lock (the PS's weight publishers, their /dev/shm buffer folders).
@@ -23,18 +33,22 @@ import time
 from dataclasses import dataclass
 
 from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.hosts import HOST_ID, same_host
+from asyncgrpo.jobqueue.names import WORKER_ID, WorkerId, parse_worker_id
 from asyncgrpo.jobqueue.rundir import RunDir
 
 HEARTBEAT_INTERVAL_S = 1.0  # well under any sensible lease, cheap (one small file replace)
 _LOCK_RETRY_S = 1.0  # a recovery probe holds a free lock for microseconds; ride over it
 
 log = logging.getLogger("asyncgrpo.queue")
-_HEARTBEAT_RE = re.compile(r"^dev(0|[1-9]\d{0,2})\.json$")
+_HEARTBEAT_RE = re.compile(rf"^dev({WORKER_ID})\.json$")
+CLOCK_SKEW_WARN_S = 1.0  # a worker whose clock is further off than this says so once
 
 
-def pid_alive(pid: object, host: object) -> bool:
-    """False only when ``pid`` is certainly dead on this host (another host: unknown, True)."""
-    if host != socket.gethostname():
+def pid_alive(pid: object, host: object, host_id: object = None) -> bool:
+    """False only when ``pid`` is certainly dead on this host (another host: unknown, True).
+    ``host_id`` decides when given; ``host`` (a hostname) only for records without one."""
+    if not same_host({"host": host} if host_id is None else {"host_id": host_id}):
         return True
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -51,11 +65,11 @@ class WorkerAlreadyRunning(RuntimeError):
     pass
 
 
-def lock_path(run: RunDir, device: int):
+def lock_path(run: RunDir, device: WorkerId):
     return run.workers / f"dev{device}.lock"
 
 
-def heartbeat_path(run: RunDir, device: int):
+def heartbeat_path(run: RunDir, device: WorkerId):
     return run.workers / f"dev{device}.json"
 
 
@@ -75,12 +89,17 @@ class WorkerPresence:
     next beat (within ``interval_s``) writes it. Writing on every update would cost a
     file replace per job state change on the hot path, and recovery only needs the job
     id to be right within the lease, which is many intervals long.
+
+    ``start`` refuses (WorkerAlreadyRunning) when the lock is held, or when the heartbeat
+    of this worker id is fresh and written on another host: an flock need not reach across
+    hosts, so two hosts started with the same id would otherwise share every name.
     """
 
-    def __init__(self, run: RunDir, device: int, interval_s: float = HEARTBEAT_INTERVAL_S):
-        self.run, self.device, self.interval_s = run, device, interval_s
-        self._fields = {"device": device, "pid": os.getpid(), "host": socket.gethostname(),
-                        "job_id": None, "weights_version": None, "state": "starting",
+    def __init__(self, run: RunDir, device: WorkerId, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 lease_s: float = 30.0):
+        self.run, self.device, self.interval_s, self.lease_s = run, device, interval_s, lease_s
+        self._fields = {"device": device, "pid": os.getpid(), "host": socket.gethostname(), "host_id": HOST_ID,
+                        "job_id": None, "weights_version": None, "reading": None, "state": "starting",
                         "started_at": time.time()}
         self._lock_fd: int | None = None
         self._stop = threading.Event()
@@ -102,6 +121,17 @@ class WorkerPresence:
                         f"worker dev{self.device} is already running on {self.run.root} "
                         f"(pid {other.get('pid', '?')} on {other.get('host', '?')})") from None
                 time.sleep(0.01)
+        try:
+            now = fs_now(self.run)
+            self._refuse_if_live_elsewhere(now)
+        except BaseException:
+            os.close(fd)
+            raise
+        skew = now - time.time()
+        if abs(skew) > CLOCK_SKEW_WARN_S:
+            log.warning("[queue] dev%s: this host's clock is %.1f s %s the run directory's filesystem; leases are "
+                        "timed on the filesystem's clock, only the times in logs and events are off", self.device,
+                        abs(skew), "behind" if skew > 0 else "ahead of")
         self._lock_fd = fd
         self.update(state="idle")
         self.beat()
@@ -109,29 +139,54 @@ class WorkerPresence:
         self._thread.start()
         return self
 
+    def _refuse_if_live_elsewhere(self, now: float) -> None:
+        path = heartbeat_path(self.run, self.device)
+        other = fileops.read_json(path)
+        if other is None or same_host(other) or other.get("state") == "stopped":
+            return
+        try:
+            age = now - os.stat(path).st_mtime
+        except FileNotFoundError:
+            return
+        if age <= self.lease_s:
+            raise WorkerAlreadyRunning(
+                f"worker dev{self.device} is already running on {self.run.root} from host {other.get('host', '?')} "
+                f"(host id {other.get('host_id', '?')}, heartbeat {age:.0f}s ago); workers on other hosts join "
+                "with launch.sh --join, which gives them names of their own")
+
     def update(self, **fields) -> None:
         with self._mutex:
             self._fields.update(fields)
 
     def beat(self) -> None:
-        """Writes the heartbeat now."""
+        """Writes the heartbeat now, stamped with the file server's time."""
         with self._mutex:
             self._fields["last_beat"] = time.time()
-            fileops.write_json(heartbeat_path(self.run, self.device), self._fields)
+            path = heartbeat_path(self.run, self.device)
+            fileops.write_json(path, self._fields)
+            fileops.stamp_now(path)
+
+    def announce_read(self, snapshot: tuple[str, int] | None) -> None:
+        """``(publisher_id, version)``: this worker is about to read that weights snapshot
+        (written at once: the PS keeps a snapshot a live worker names). None: it is done
+        (written with the next beat; keeping it a second longer costs nothing)."""
+        self.update(reading=None if snapshot is None else list(snapshot))
+        if snapshot is not None:
+            self.beat()
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
             except OSError as err:  # a full disk must not kill the worker; the lease will tell
-                log.warning("[queue] dev%d heartbeat failed: %s", self.device, err)
+                log.warning("[queue] dev%s heartbeat failed: %s", self.device, err)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         if self._lock_fd is not None:
-            self.update(state="stopped", job_id=None)
+            self.update(state="stopped", job_id=None, reading=None)
             self.beat()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -139,7 +194,7 @@ class WorkerPresence:
 
 @dataclass
 class WorkerStatus:
-    device: int
+    device: WorkerId
     alive: bool
     pid: int | None
     host: str | None
@@ -147,6 +202,8 @@ class WorkerStatus:
     job_id: str | None
     weights_version: int | None
     heartbeat_age_s: float | None  # None: never beat
+    remote: bool = False  # on another host: judged by its heartbeat's age alone
+    reading: list | None = None  # [publisher_id, version] of the snapshot it reads, while alive
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -166,24 +223,32 @@ def _lock_is_held(path) -> bool:
     return False
 
 
-def worker_status(run: RunDir, device: int, now: float, lease_s: float) -> WorkerStatus:
+def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> WorkerStatus:
+    """``now``: the filesystem's clock (``fs_now``), which heartbeat mtimes are stamped with."""
     hb_path = heartbeat_path(run, device)
     heartbeat = fileops.read_json(hb_path) or {}
     try:
         age = round(max(0.0, now - os.stat(hb_path).st_mtime), 3)
     except FileNotFoundError:
         age = None
-    host = heartbeat.get("host")
-    if host is None or host == socket.gethostname():
-        alive = _lock_is_held(lock_path(run, device))
-    else:
+    remote = bool(heartbeat) and not same_host(heartbeat)
+    if remote:  # its pid and its lock mean nothing here
         alive = age is not None and age <= lease_s and heartbeat.get("state") != "stopped"
-    return WorkerStatus(device=device, alive=alive, pid=heartbeat.get("pid"), host=host,
+    else:
+        alive = _lock_is_held(lock_path(run, device))
+    reading = heartbeat.get("reading")
+    return WorkerStatus(device=device, alive=alive, pid=heartbeat.get("pid"), host=heartbeat.get("host"),
                         state=heartbeat.get("state") if alive or heartbeat.get("state") == "stopped" else "dead",
                         job_id=heartbeat.get("job_id") if alive else None,
-                        weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age)
+                        weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age, remote=remote,
+                        reading=reading if alive and isinstance(reading, list) and len(reading) == 2 else None)
 
 
 def list_workers(run: RunDir, now: float, lease_s: float) -> list[WorkerStatus]:
-    devices = sorted(int(m[1]) for e in fileops.scan(run.workers) if (m := _HEARTBEAT_RE.match(e.name)))
-    return [worker_status(run, d, now, lease_s) for d in devices]
+    ids = [parse_worker_id(m[1]) for e in fileops.scan(run.workers) if (m := _HEARTBEAT_RE.match(e.name))]
+    return [worker_status(run, w, now, lease_s) for w in sorted(ids, key=_by_host_then_number)]
+
+
+def _by_host_then_number(worker: WorkerId) -> tuple[str, int]:
+    number, _, host = str(worker).partition(".")
+    return host, int(number)

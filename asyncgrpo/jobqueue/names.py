@@ -3,16 +3,18 @@
 Active files live in ``RUN/queue/``::
 
     {job_id}_pending[_a{k}].pt                   written by the PS, waiting for a worker
-    {job_id}_processing_by_dev{N}[_a{k}].pt      claimed by worker N
-    {job_id}_committing_by_dev{N}[_a{k}].pt      worker N fenced it and is publishing its result
-    {job_id}_complete_from_dev{N}.pt             worker N's result, waiting for the PS
+    {job_id}_processing_by_dev{W}[_a{k}].pt      claimed by worker W
+    {job_id}_committing_by_dev{W}[_a{k}].pt      worker W fenced it and is publishing its result
+    {job_id}_complete_from_dev{W}.pt             worker W's result, waiting for the PS
     {job_id}_collected.pt                        claimed by the PS collector
 
-``job_id`` is ``{created_step:06d}_{job_index:03d}``. ``_a{k}`` is the attempt number
-and only appears from the second attempt on (a job requeued by recovery), so a first
-attempt has exactly the names above. Archived files live in ``RUN/done/`` as
-``{job_id}_{reason}[_a{k}][.{n}].pt`` (``.{n}`` only when an earlier file of the same job
-and reason is already there). The states and their transitions: docs/design.md, "File
+``job_id`` is ``{created_step:06d}_{job_index:03d}``. A worker id ``W`` is its device number
+``N`` (an int), or ``N.{host id}`` (a str) for a worker that joined from another host
+(``launch.sh --join``): two hosts' worker 1 are ``dev1`` and ``dev1.3f9a2c1d``, never one name.
+``_a{k}`` is the attempt number and only appears from the second attempt on (a job
+requeued by recovery), so a first attempt has exactly the names above. Archived files live
+in ``RUN/done/`` as ``{job_id}_{reason}[_a{k}][.{n}].pt`` (``.{n}`` only when an earlier
+file of the same job and reason is already there). The states and their transitions: docs/design.md, "File
 names and states".
 
 A name that does not match is never parsed further: ``parse_queue_name`` returns None.
@@ -21,6 +23,7 @@ A name that does not match is never parsed further: ``parse_queue_name`` returns
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -54,12 +57,13 @@ _HAS_ATTEMPT = {JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING}
 
 # Attempt 1 has no suffix and "_a0"/"_a1" are rejected, so each job state has one spelling.
 _ATTEMPT = r"[2-9]|[1-9]\d{1,2}"
-_DEVICE = r"0|[1-9]\d{0,2}"
+# A worker id: a device number, then ".{host id}" for a worker that joined from another host.
+WORKER_ID = r"(?:0|[1-9]\d{0,2})(?:\.[A-Za-z0-9]{1,16})?"
 _QUEUE_NAME_RE = re.compile(
     r"^(?P<job_id>\d{6}_\d{3})_(?:"
     rf"pending(?:_a(?P<pending_attempt>{_ATTEMPT}))?"
-    rf"|(?P<owned>processing|committing)_by_dev(?P<owner>{_DEVICE})(?:_a(?P<owned_attempt>{_ATTEMPT}))?"
-    rf"|complete_from_dev(?P<producer>{_DEVICE})"
+    rf"|(?P<owned>processing|committing)_by_dev(?P<owner>{WORKER_ID})(?:_a(?P<owned_attempt>{_ATTEMPT}))?"
+    rf"|complete_from_dev(?P<producer>{WORKER_ID})"
     r"|(?P<collected>collected)"
     r")\.pt$"
 )
@@ -70,14 +74,35 @@ _DONE_NAME_RE = re.compile(
 )
 
 
-@dataclass(frozen=True, order=True)
+WorkerId = int | str  # 3, or "3.{host id}" for a worker that joined from another host
+
+
+def worker_id(device: int, host_id: str | None = None) -> WorkerId:
+    """The id of worker ``device``; with ``host_id``, of that worker on a joined host."""
+    return device if host_id is None else f"{device}.{host_id}"
+
+
+def parse_worker_id(text: str) -> WorkerId | None:
+    """``"3"`` -> 3, ``"3.3f9a2c1d"`` -> itself, anything else -> None."""
+    if not re.fullmatch(WORKER_ID, text):
+        return None
+    return text if "." in text else int(text)
+
+
+@functools.total_ordering
+@dataclass(frozen=True)
 class QueueName:
     """One parsed active-queue file name. Sorting orders by job id, then attempt (FIFO)."""
 
     job_id: str
     attempt: int = 1
     state: JobState = JobState.PENDING
-    device: int | None = None
+    device: WorkerId | None = None
+
+    def __lt__(self, other: QueueName) -> bool:
+        # Worker ids mix ints and strs: compare them as text (they only break ties).
+        return ((self.job_id, self.attempt, self.state.value, str(self.device))
+                < (other.job_id, other.attempt, other.state.value, str(other.device)))
 
     @property
     def filename(self) -> str:
@@ -88,7 +113,7 @@ class QueueName:
             name += f"_a{self.attempt}"
         return name + ".pt"
 
-    def moved_to(self, state: JobState, device: int | None = None, attempt: int | None = None) -> QueueName:
+    def moved_to(self, state: JobState, device: WorkerId | None = None, attempt: int | None = None) -> QueueName:
         return QueueName(
             job_id=self.job_id,
             attempt=self.attempt if attempt is None else attempt,
@@ -104,9 +129,9 @@ def parse_queue_name(name: str) -> QueueName | None:
         return None
     job_id = m["job_id"]
     if m["owned"]:
-        return QueueName(job_id, int(m["owned_attempt"] or 1), JobState(m["owned"]), int(m["owner"]))
+        return QueueName(job_id, int(m["owned_attempt"] or 1), JobState(m["owned"]), parse_worker_id(m["owner"]))
     if m["producer"] is not None:
-        return QueueName(job_id, 1, JobState.COMPLETE, int(m["producer"]))
+        return QueueName(job_id, 1, JobState.COMPLETE, parse_worker_id(m["producer"]))
     if m["collected"]:
         return QueueName(job_id, 1, JobState.COLLECTED)
     return QueueName(job_id, int(m["pending_attempt"] or 1), JobState.PENDING)

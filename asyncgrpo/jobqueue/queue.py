@@ -27,6 +27,7 @@ from asyncgrpo.jobqueue.names import (
     ArchiveReason,
     JobState,
     QueueName,
+    WorkerId,
     done_name,
     invalid_name_stem,
     is_job_id,
@@ -171,7 +172,7 @@ class JobQueue:
 
     # ---------------------------------------------------------------- worker
 
-    def claim(self, device: int) -> ClaimedJob | None:
+    def claim(self, device: WorkerId) -> ClaimedJob | None:
         """Claims the oldest pending job for worker ``device``, or returns None if there is none.
 
         Candidates come from one sorted scan and are tried in order until that list is
@@ -194,7 +195,7 @@ class JobQueue:
                 continue
             claimed_at = time.time()
             try:
-                fileops.set_mtime(self.path(name), claimed_at)  # the lease counts from the claim
+                fileops.stamp_now(self.path(name))  # the lease counts from the claim, on the file server's clock
             except FileNotFoundError:
                 # Until this mtime is set the file keeps the job's creation time, and while our
                 # heartbeat still names another job, recovery may take it as a leftover: it was
@@ -250,7 +251,7 @@ class JobQueue:
                         job.name.filename, device)
             return False
         try:
-            fileops.set_mtime(self.path(fence), time.time())
+            fileops.stamp_now(self.path(fence))
         except FileNotFoundError:
             pass  # recovered after the fence: our result is published anyway; the PS keeps one per job
         try:
@@ -353,12 +354,12 @@ class JobQueue:
     # ---------------------------------------------------------------- recovery
 
     def recover(self, *, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                dry_run: bool = False, own_device: int | None = None,
+                dry_run: bool = False, own_device: WorkerId | None = None,
                 requeue: bool = True) -> list[RecoveryAction]:
         """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk.
 
         A processing or committing file is stale when its worker is dead (its lock is
-        free, or on another host its heartbeat is older than the lease), when the
+        free, or on another host its heartbeat is older than the lease: liveness.py), when the
         worker's heartbeat is older than the lease (stopped, hung), or when the worker
         has moved on to another job and the file is older than the lease. A stale job
         whose result exists is archived ``processed`` (the result wins), one whose job is
@@ -463,6 +464,9 @@ class JobQueue:
 
 
 def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> str | None:
+    if not status.alive and status.remote and status.state != "stopped":
+        return (f"worker dev{name.device} on host {status.host} went silent: heartbeat "
+                f"{status.heartbeat_age_s or 0:.0f}s old (lease {lease_s:g}s)")
     if not status.alive:
         return f"worker dev{name.device} is dead"
     if status.heartbeat_age_s is not None and status.heartbeat_age_s > lease_s:

@@ -2,8 +2,9 @@
 
 inotify drops events when its queue overflows and sees nothing on NFS, so a waiter
 never trusts events alone: ``wait`` returns at the latest after ``rescan_s`` and the
-caller scans the directory again. With ``use_events=False`` (NFS and other filesystems
-without events) it is a plain poll every ``rescan_s``.
+caller scans the directory again. With ``use_events=False`` (``--poll_only``) it is a plain
+poll every ``rescan_s``; so it is, with one log line, on a filesystem where other hosts'
+changes raise no event here (NFS, CIFS, cluster and FUSE filesystems: hosts.py).
 
 Why watchdog's ``InotifyFD`` and not its ``Observer``: the Observer asks inotify for
 IN_MOVED_FROM too (to pair moves), holds each one up to 0.5 s waiting for its partner,
@@ -18,13 +19,18 @@ calls us straight from its one reader thread. Tested against watchdog 7.x
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterable
 
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 
+from asyncgrpo.jobqueue.hosts import network_filesystem
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
+
+log = logging.getLogger("asyncgrpo.queue")
+_said_polling: set[str] = set()  # queue dirs this process logged its switch to polling for
 
 RESCAN_S = 1.0  # safety-net rescan with events on; a missed event costs at most this
 POLL_S = 0.05  # poll interval with events off
@@ -37,6 +43,12 @@ class QueueWatcher:
     def __init__(self, queue_dir: str | os.PathLike, states: Iterable[JobState], *,
                  use_events: bool = True, rescan_s: float | None = None):
         self.states = frozenset(states)
+        if use_events and (kind := network_filesystem(queue_dir)):
+            use_events = False
+            if os.fspath(queue_dir) not in _said_polling:
+                _said_polling.add(os.fspath(queue_dir))
+                log.info("[queue] %s is on %s, where inotify cannot see other hosts' changes: polling every "
+                         "%.0f ms (as with --poll_only)", queue_dir, kind, POLL_S * 1e3)
         self.use_events = use_events
         self.rescan_s = rescan_s if rescan_s is not None else (RESCAN_S if use_events else POLL_S)
         self._wake = threading.Event()

@@ -10,7 +10,7 @@ sync them into their model.
     subscriber   the worker side, for every transport
     mmap_file    CPU: two files in /dev/shm mapped by every process (torch.from_file, shared)
     cuda_ipc     GPU: two buffers on the PS's GPU, IPC handles exported once as JSON
-    snapshot     multi-node: one safetensors file per version on the shared filesystem
+    snapshot     other hosts: one safetensors file per version on the shared filesystem
 
 On the PS, after each optimizer step::
 
@@ -95,11 +95,13 @@ def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto")
     raise ValueError(f"unknown weights transport {transport!r} (auto, mmap, cuda_ipc, safetensors)")
 
 
-def make_subscriber(run: RunDir) -> WeightSubscriber:
-    """The transport and layout come from the version file, re-read when the PS restarts."""
+def make_subscriber(run: RunDir, on_read=None) -> WeightSubscriber:
+    """The transport and layout come from the version file, re-read when the PS restarts.
+    ``on_read((publisher_id, version))`` before reading a safetensors snapshot, ``on_read(None)``
+    after (a worker records it in its heartbeat: ``WorkerPresence.announce_read``)."""
     from asyncgrpo.weights.subscriber import Subscriber
 
-    return Subscriber(run)
+    return Subscriber(run, on_read)
 
 
 __all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher", "WeightsMismatch",

@@ -4,7 +4,7 @@ Files (all under ``RUN/weights/``):
 
 * ``published_version.json``: the newest published version (small; rewritten atomically
   with ``fileops.write_json`` on every publish): version, step, transport, publisher_id, pid,
-  host, written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
+  host, host_id (jobqueue/hosts.py), written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
   fields. Its name before was ``ps_ipc_handle_version.json`` (it serves every transport,
   not only CUDA IPC): readers fall back to that name when the new one does not exist, so a
   worker started on a run whose PS still writes the old name finds its weights.
@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 
 from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.hosts import HOST_ID
 from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.adapter import layout_of, shared_tensors
 from asyncgrpo.weights.layout import Layout, layout_path  # noqa: F401 (Layout: imported from here by the transports)
@@ -261,7 +262,8 @@ class SlotPublisher:
                rewriting: bool = False) -> None:
         fileops.write_json(version_path(self.run), {
             "version": version, "step": step, "transport": self.transport, "publisher_id": self.publisher_id,
-            "pid": os.getpid(), "host": socket.gethostname(), "written_at": time.time(), "buffer": slot,
+            "pid": os.getpid(), "host": socket.gethostname(), "host_id": HOST_ID, "written_at": time.time(),
+            "buffer": slot,
             "closed": closed, "rewriting": rewriting, "layout_file": layout_path(self.run, self.publisher_id).name,
             "total_bytes": self.layout.total_bytes, "num_tensors": len(self.layout.entries), **self._fields()})
 

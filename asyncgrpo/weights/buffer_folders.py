@@ -69,7 +69,7 @@ def dead_folders(run: RunDir, bases: tuple[Path, ...], keep: Path | None = None)
             if folder == keep or not folder.is_dir():
                 continue
             owner = fileops.read_json(folder / "owner.json")
-            if owner is not None and pid_alive(owner.get("pid"), owner.get("host")):
+            if owner is not None and pid_alive(owner.get("pid"), owner.get("host"), owner.get("host_id")):
                 continue
             try:
                 if owner is None and time.time() - folder.stat().st_mtime < ORPHAN_GRACE_S:

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 
+from asyncgrpo.jobqueue.hosts import same_host
 from asyncgrpo.jobqueue.liveness import pid_alive
 from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.adapter import shared_tensors
@@ -177,10 +177,10 @@ class CudaIpcReader:
 
     def __init__(self, run: RunDir, info: dict, layout: Layout):
         self.layout = layout
-        if info.get("host") != socket.gethostname():
+        if not same_host(info):
             raise TransportUnavailable(f"the PS runs on {info.get('host')}: CUDA IPC works within one host "
                                        "(publish with transport='safetensors' for other hosts)")
-        if not pid_alive(info.get("pid"), info.get("host")):
+        if not pid_alive(info.get("pid"), info.get("host"), info.get("host_id")):
             raise TransportUnavailable(f"the PS (pid {info.get('pid')}) is gone")  # its handles are invalid
         if not torch.cuda.is_available():
             raise TransportUnavailable("CUDA is not available in this process")
@@ -204,7 +204,7 @@ class CudaIpcReader:
         self.views = [layout.views(s) for s in slots]
 
     def usable(self, info: dict) -> bool:
-        return pid_alive(info.get("pid"), info.get("host"))
+        return pid_alive(info.get("pid"), info.get("host"), info.get("host_id"))
 
     def copy_out(self, info: dict, dsts: list[torch.Tensor], idx: list[int]) -> None:
         views = self.views[info["buffer"]]

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.hosts import HOST_ID
 from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, log
 from asyncgrpo.weights.buffer_folders import PREFIX, SHM_ROOT, buffer_dir, remove_dead_folders  # noqa: F401 (PREFIX: bench)
@@ -82,7 +83,7 @@ class MmapPublisher(SlotPublisher):
         self.dir.mkdir()
         try:
             fileops.write_json(self.dir / "owner.json", {"pid": os.getpid(), "host": socket.gethostname(),
-                                                         "run": str(run.root)})
+                                                         "host_id": HOST_ID, "run": str(run.root)})
             self.paths = [self.dir / f"slot{i}.bin" for i in range(NUM_SLOTS)]
             self._set_slots([_create(p, self.layout.total_bytes) for p in self.paths])
         except BaseException:

@@ -4,7 +4,12 @@ A Subscriber keeps one open reader per PS run (publisher_id): mmap files mapped 
 CUDA IPC handles opened once. A new publisher_id (the PS restarted) drops it and opens
 the new one. When a reader cannot be opened (the PS died, its buffers are gone, the GPU
 is not visible) ``sync`` returns None, the model keeps its weights, and the same
-publisher is retried at most every RETRY_S seconds; a new publisher is tried at once.
+publisher is retried at most every RETRY_S seconds; a new publisher is tried at once. A
+worker on another host than the PS reads only safetensors snapshots (mmap buffers and CUDA
+IPC handles exist on the PS's host alone): for any other transport it logs one line saying
+so and waits, without weights, never claiming a job.
+``on_read`` is told which snapshot is about to be read, and when the read is over (the
+worker records it in its heartbeat, so that the PS does not delete it meanwhile).
 See base.py for why a copy is never torn. A copy that fails because this process's own
 GPU is broken is not caught here: it propagates to the worker, which exits.
 
@@ -19,9 +24,11 @@ import fcntl
 import importlib
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
+from asyncgrpo.jobqueue.hosts import same_host
 from asyncgrpo.jobqueue.rundir import RunDir
 from asyncgrpo.weights.adapter import check_model, shared_tensors
 from asyncgrpo.weights.base import (
@@ -42,8 +49,9 @@ _READERS = {"mmap": "asyncgrpo.weights.mmap_file:MmapReader",
 
 
 class Subscriber:
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, on_read: Callable[[tuple[str, int] | None], None] | None = None):
         self.run = run
+        self._on_read = on_read or (lambda _snapshot: None)
         self._lock_fds: dict[int, int] = {}
         self._reader = None
         self._reader_id: str | None = None
@@ -79,7 +87,11 @@ class Subscriber:
                                 continue  # the PS moved on (or closed): read the file again
                             reader.copy_out(info, dsts, idx)
                     else:
-                        reader.copy_out(info, dsts, idx)
+                        self._on_read((info["publisher_id"], info["version"]))
+                        try:
+                            reader.copy_out(info, dsts, idx)
+                        finally:
+                            self._on_read(None)
             except FileNotFoundError:
                 continue  # a snapshot was pruned under us: a newer one is named now
             except TransportUnavailable as err:
@@ -107,6 +119,11 @@ class Subscriber:
         if self._failed is not None and self._failed[0] == pid and time.monotonic() < self._failed[1]:
             return None
         self._drop_reader()
+        if info["transport"] != "safetensors" and not same_host(info):
+            self._give_up(info, f"the PS on host {info.get('host')} publishes through {info['transport']}, which "
+                                "only its own host can read: workers on other hosts need the PS started with "
+                                "--weight_transport safetensors")
+            return None
         module, _, cls = _READERS[info["transport"]].partition(":")
         try:
             layout = Layout.load(self.run, pid)

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Start and supervise workers only, on a host other than the PS's, against a run directory
+# this host mounts (NFS, ...). Run through launch.sh:
+#
+#   bash launch.sh --join RUN [--workers N] [--device cpu|cuda] [config flags, the same as the PS's]
+#
+# The PS must publish safetensors snapshots (start it with --weight_transport safetensors): a
+# worker on another host cannot read the PS's /dev/shm buffers or GPU memory. Worker i is
+# dev{i}.{host id} in the queue's file names (host id: asyncgrpo/jobqueue/hosts.py,
+# $ASYNCGRPO_HOST_ID overrides it) and runs on GPU (i-1) mod G. Logs: RUN/logs/
+# log_worker_{i}.{host id}.txt and launch-{host id}.txt. A worker that exits is restarted (its
+# job returns through recovery); when the PS finishes (RUN/ps.json says so), or on Ctrl-C,
+# the workers are stopped: each finishes, or gives back, the job in hand.
+set -uo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+say() { echo "[launch --join] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch-$HOST_ID.txt"; return 0; }
+
+# ---- 1. arguments ------------------------------------------------------------------------
+RUN="" WORKERS=1 DEVICE=auto PASS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --join)      [ $# -ge 2 ] || die "--join needs a run directory"; RUN="$2"; shift 2 ;;
+        --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
+        --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
+        --run-dir)   die "--run-dir: with --join the run directory is the one after --join" ;;
+        --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
+        -h|--help)   sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *)           PASS+=("$1"); shift ;;
+    esac
+done
+[[ "$WORKERS" =~ ^[1-9][0-9]{0,2}$ ]] || die "--workers needs an integer from 1 to 999, got '$WORKERS'"
+[[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
+[ -d "$RUN/queue" ] && [ -d "$RUN/done" ] || die "$RUN is not an asyncgrpo run directory (no queue/ and done/ inside)"
+RUN="$(cd "$RUN" && pwd)"
+
+# ---- 2. environment and input checks, before any process starts -------------------------------
+source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
+cd "$REPO_ROOT"
+if [ "$DEVICE" = auto ]; then
+    DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+fi
+NGPU=0
+[ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
+[ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
+"$VENV_PY" -m ps --check_only "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
+HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.jobqueue.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
+LOGS="$RUN/logs"
+
+if [ "$DEVICE" = cpu ]; then
+    THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1
+    export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# ---- 3. start the workers -------------------------------------------------------------------
+declare -A WORKER_PID
+start_worker() {
+    local gpus=""
+    [ "$NGPU" -gt 0 ] && gpus=$(( ($1 - 1) % NGPU ))
+    CUDA_VISIBLE_DEVICES=$gpus "$VENV_PY" -m worker --join --device "$1" "${ARGS[@]}" \
+        >> "$LOGS/log_worker_$1.$HOST_ID.txt" 2>&1 &
+    WORKER_PID[$1]=$!
+}
+# The PS finished when ps.json says so and is not the file we found at start (a finished run
+# may be relaunched to train further: then its new PS rewrites ps.json).
+PS_JSON_AT_START=$(cat "$RUN/ps.json" 2>/dev/null)
+ps_finished() {
+    local now
+    now=$(cat "$RUN/ps.json" 2>/dev/null) || return 1
+    [ "$now" != "$PS_JSON_AT_START" ] && [[ "$now" == *'"state": "finished"'* ]]
+}
+say "joining $RUN from $(hostname) (host id $HOST_ID, $DEVICE, $WORKERS worker(s) dev1.$HOST_ID...); logs in $LOGS"
+[[ "$PS_JSON_AT_START" == *'"state": "finished"'* ]] && say "its PS has finished; the workers wait for it to be relaunched"
+for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
+
+stop_workers() {
+    local pids=("${WORKER_PID[@]}")
+    kill -TERM "${pids[@]}" 2>/dev/null
+    for _ in $(seq 1 300); do  # they finish or release the job in hand
+        kill -0 "${pids[@]}" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}" 2>/dev/null
+}
+on_interrupt() {
+    say "interrupted: stopping the workers"
+    stop_workers
+    exit 130
+}
+trap on_interrupt INT TERM
+
+# ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
+while ! ps_finished; do
+    for i in "${!WORKER_PID[@]}"; do
+        if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
+            wait "${WORKER_PID[$i]}"; status=$?
+            why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
+            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
+            start_worker "$i"
+        fi
+    done
+    sleep 1
+done
+say "the parameter server finished: stopping the workers"
+stop_workers
+exit 0

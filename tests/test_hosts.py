@@ -1,0 +1,362 @@
+"""Workers on several hosts: worker ids of their own per host, a host id that is more than
+the hostname (and can be set), liveness of a worker on another host by its heartbeat alone,
+safetensors snapshots kept while a live worker reads them, polling on network filesystems,
+and launch.sh --join's refusal of a directory that is not a run.
+
+The end-to-end runs with a simulated second host are in tests/test_second_host.py."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import PROCESS_ENV, REPO, backdate, fill, held_values, pid_alive, read_json
+
+from asyncgrpo.jobqueue import QueueWatcher, RunDir, WorkerAlreadyRunning, WorkerPresence, fileops, watcher
+from asyncgrpo.jobqueue.hosts import HOST_ID, filesystem_type, host_id, network_filesystem
+from asyncgrpo.jobqueue.liveness import fs_now, heartbeat_path, list_workers, lock_path, worker_status
+from asyncgrpo.jobqueue.names import JobState, QueueName, parse_queue_name, worker_id
+from asyncgrpo.weights import make_publisher, make_subscriber, snapshot
+from asyncgrpo.weights.snapshot import READER_LEASE_S, snapshot_dir
+
+LEASE_S = 30.0
+OTHER = "0badc0de"  # another host's id
+
+
+def remote_heartbeat(run, device, *, host_id=OTHER, **fields):
+    """A heartbeat as a worker on another host writes it. Its hostname is ours on purpose:
+    two hosts (or containers) may share one."""
+    fileops.write_json(heartbeat_path(run, device), {"device": device, "pid": dead_pid(), "host": socket.gethostname(),
+                                                     "host_id": host_id, "state": "busy", **fields})
+
+
+def dead_pid() -> int:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(gone.stdout)  # that process has exited
+
+
+# ---------------------------------------------------------------------- identities
+
+
+def test_worker_1_of_two_hosts_has_names_of_its_own():
+    here, joined = worker_id(1), worker_id(1, "3f9a2c1d")
+    assert (here, joined) == (1, "1.3f9a2c1d")
+    job = QueueName("000042_003")
+    names = {w: [job.moved_to(s, w).filename for s in (JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE)]
+             for w in (here, joined)}
+    assert names[joined] == ["000042_003_processing_by_dev1.3f9a2c1d.pt", "000042_003_committing_by_dev1.3f9a2c1d.pt",
+                             "000042_003_complete_from_dev1.3f9a2c1d.pt"]
+    assert not set(names[here]) & set(names[joined])
+    for name in names[here] + names[joined]:  # the grammar parses both, old names as before
+        assert parse_queue_name(name).filename == name
+    assert parse_queue_name("000042_003_processing_by_dev1.pt").device == 1
+    assert parse_queue_name("000042_003_processing_by_dev1.3f9a2c1d_a2.pt").device == "1.3f9a2c1d"
+    assert parse_queue_name("000042_003_processing_by_dev1.3f9a_2c1d.pt") is None  # "_" is the separator
+    assert parse_queue_name("000042_003_processing_by_dev1.pt.pt").device == "1.pt"  # a tag like any other
+
+
+def test_results_of_two_hosts_workers_for_one_job_sort_without_error():
+    # A job recovered from a worker that had fenced it gets two results; collect sorts them.
+    names = [parse_queue_name("000001_000_complete_from_dev1.3f9a2c1d.pt"),
+             parse_queue_name("000001_000_complete_from_dev2.pt"), parse_queue_name("000000_009_pending.pt")]
+    assert [n.filename for n in sorted(names)] == [
+        "000000_009_pending.pt", "000001_000_complete_from_dev1.3f9a2c1d.pt", "000001_000_complete_from_dev2.pt"]
+
+
+def test_two_hosts_worker_1_claims_complete_and_beat_side_by_side(run, queue):
+    joined = worker_id(1, OTHER)
+    for i in range(2):
+        queue.put_job(f"000001_00{i}", {}, created_step=1)
+    here = WorkerPresence(run, 1).start()
+    there = WorkerPresence(run, joined).start()  # no clash over the lock or the heartbeat
+    try:
+        jobs = [queue.claim(1), queue.claim(joined)]
+        assert [j.path.name for j in jobs] == ["000001_000_processing_by_dev1.pt",
+                                               f"000001_001_processing_by_dev1.{OTHER}.pt"]
+        for job in jobs:
+            assert queue.complete(job, {}, weights_version=0)
+        assert sorted(n.filename for n in queue.scan()[0]) == [
+            "000001_000_complete_from_dev1.pt", f"000001_001_complete_from_dev1.{OTHER}.pt"]
+        assert [w.device for w in list_workers(run, fs_now(run), LEASE_S)] == [1, joined]
+    finally:
+        here.stop(), there.stop()
+
+
+# ---------------------------------------------------------------------- host id
+
+
+def test_host_id_is_more_than_the_hostname_and_can_be_set():
+    assert len(HOST_ID) == 8 and int(HOST_ID, 16) >= 0
+    assert host_id({}) == HOST_ID
+    assert host_id({"ASYNCGRPO_HOST_ID": "node07"}) == "node07"
+    hashed = host_id({"ASYNCGRPO_HOST_ID": "gpu-node_07"})  # not usable in a file name as it is
+    assert len(hashed) == 8 and hashed == host_id({"ASYNCGRPO_HOST_ID": "gpu-node_07"}) != host_id(
+        {"ASYNCGRPO_HOST_ID": "gpu-node_08"})
+    # The same hostname in another PID namespace (a container) is another host.
+    other_namespace = subprocess.run(
+        ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
+         "from asyncgrpo.jobqueue.hosts import HOST_ID; print(HOST_ID)"],
+        capture_output=True, text=True, cwd=REPO, env=PROCESS_ENV)
+    if other_namespace.returncode == 0:
+        assert other_namespace.stdout.strip() != HOST_ID
+
+
+def test_the_environment_variable_names_the_host_of_a_process(run):
+    env = {**PROCESS_ENV, "ASYNCGRPO_HOST_ID": "node07"}
+    code = ("from asyncgrpo.jobqueue import fileops; from asyncgrpo.jobqueue.hosts import HOST_ID; "
+            f"print(HOST_ID, fileops.stage_bytes({str(run.tmp)!r}, b'x'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, check=True)
+    host, temp_file = out.stdout.split()
+    assert host == "node07" and os.path.basename(temp_file).startswith("node07-")
+
+
+# ---------------------------------------------------------------------- liveness
+
+
+def test_a_worker_on_another_host_is_alive_while_it_beats_whatever_its_pid(run, queue):
+    device = worker_id(1, OTHER)
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(device)
+    remote_heartbeat(run, device, job_id=job.job_id)  # our hostname, a pid dead here, no lock held
+    status = worker_status(run, device, fs_now(run), LEASE_S)
+    assert status.alive and status.remote and status.job_id == job.job_id
+    assert queue.recover(lease_s=LEASE_S) == []
+    backdate(heartbeat_path(run, device), 2 * LEASE_S)
+    assert not worker_status(run, device, fs_now(run), LEASE_S).alive
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "requeue" and action.why == (
+        f"worker dev1.{OTHER} on host {status.host} went silent: heartbeat 60s old (lease 30s)")
+
+
+def test_a_worker_of_this_host_is_judged_by_its_lock_at_once(run, queue):
+    queue.put_job("000001_000", {}, created_step=1)
+    job = queue.claim(1)
+    remote_heartbeat(run, 1, host_id=HOST_ID, job_id=job.job_id)  # fresh, but nobody holds dev1's lock
+    assert not worker_status(run, 1, fs_now(run), LEASE_S).alive
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.why == "worker dev1 is dead"
+
+
+def test_temp_files_of_another_host_are_judged_by_age_alone(run, queue):
+    pid = dead_pid()
+    mine, theirs = f"{HOST_ID}-{pid}-{'a' * 32}.tmp", f"{OTHER}-{pid}-{'b' * 32}.tmp"
+    for name in (mine, theirs):
+        (run.tmp / name).write_bytes(b"x")
+    assert [a.src for a in queue.recover(lease_s=LEASE_S)] == [f".tmp/{mine}"]
+    backdate(run.tmp / theirs, 2 * LEASE_S)
+    assert [a.src for a in queue.recover(lease_s=LEASE_S)] == [f".tmp/{theirs}"]
+
+
+def test_a_worker_id_beating_on_another_host_is_not_started_twice(run):
+    remote_heartbeat(run, 1, state="idle")
+    with pytest.raises(WorkerAlreadyRunning, match="from host .* heartbeat 0s ago.*launch.sh --join"):
+        WorkerPresence(run, 1, lease_s=LEASE_S).start()
+    assert os.path.exists(lock_path(run, 1))
+    backdate(heartbeat_path(run, 1), 2 * LEASE_S)  # that worker is gone
+    WorkerPresence(run, 1, lease_s=LEASE_S).start().stop()
+
+
+def test_claims_and_fences_are_stamped_by_the_filesystem_clock(run, queue, monkeypatch):
+    """A worker whose clock is 10 s behind stamps no claim or fence 10 s old. (A heartbeat is a new
+    file, stamped by the filesystem when written; its extra utime matters where a client caches
+    writes, on NFS, and is not tested here.)"""
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - 10.0)
+    queue.put_job("000001_000", {}, created_step=1)
+    presence = WorkerPresence(run, 1, interval_s=3600).start()
+    try:
+        job = queue.claim(1)
+        assert fs_now(run) - os.stat(job.path).st_mtime < 5, "the claim was stamped with the local clock"
+        assert queue.complete(job, {}, weights_version=0)
+        fence = run.done / "000001_000_processed.pt"  # the fenced file, archived: a link keeps its mtime
+        assert fs_now(run) - os.stat(fence).st_mtime < 5, "the fence was stamped with the local clock"
+        assert time.time() < fs_now(run) - 9  # the clock really was off
+    finally:
+        presence.stop()
+
+
+# ---------------------------------------------------------------------- safetensors snapshots
+
+
+def tiny_model(value: int) -> torch.nn.Module:
+    model = torch.nn.Linear(4, 4)
+    fill(model, value)
+    return model
+
+
+def snapshots(run) -> list[str]:
+    return sorted(n for n in os.listdir(snapshot_dir(run)) if not n.startswith("."))
+
+
+def test_a_snapshot_a_live_worker_reads_is_kept(run):
+    publisher = make_publisher(run, tiny_model(1), "safetensors")
+    presence = WorkerPresence(run, 1, interval_s=3600).start()
+    try:
+        publisher.publish(1, 1)
+        presence.announce_read((publisher.publisher_id, 1))
+        remote_heartbeat(run, worker_id(1, OTHER), reading=[publisher.publisher_id, 2], state="idle")
+        for version in range(2, 6):
+            publisher.publish(version, version)
+        # the newest two, and the two a local and a remote live worker are reading
+        assert snapshots(run) == [f"v0000000{v}.safetensors" for v in (1, 2, 4, 5)]
+        presence.announce_read(None)
+        presence.beat()
+        backdate(heartbeat_path(run, worker_id(1, OTHER)), 2 * READER_LEASE_S)  # that worker went silent
+        publisher.publish(6, 6)
+        assert snapshots(run) == ["v00000005.safetensors", "v00000006.safetensors"]
+    finally:
+        presence.stop()
+        publisher.close()
+
+
+def test_a_reader_announces_each_snapshot_before_opening_it(run):
+    publisher = make_publisher(run, tiny_model(3), "safetensors")
+    announced = []
+
+    def on_read(snapshot):
+        if snapshot is not None:
+            assert os.path.exists(snapshot_dir(run) / f"v{snapshot[1]:08d}.safetensors")
+        announced.append(snapshot)
+
+    subscriber = make_subscriber(run, on_read=on_read)
+    worker = tiny_model(0)
+    try:
+        publisher.publish(7, 7)
+        assert subscriber.sync(worker) == 7 and held_values(worker) == [3.0]
+        assert announced == [(publisher.publisher_id, 7), None]
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def test_a_snapshot_deleted_under_a_reader_sends_it_to_the_newer_one(run, monkeypatch):
+    publisher = make_publisher(run, tiny_model(4), "safetensors")
+    subscriber = make_subscriber(run)  # announces nothing: the PS does not know it reads v1
+    worker = tiny_model(0)
+
+    def open_after_the_ps_moved_on(path, *args, **kwargs):
+        if str(path).endswith("v00000001.safetensors"):  # the PS publishes and prunes meanwhile
+            fill(publisher.model, 5)
+            publisher.publish(2, 2), publisher.publish(3, 3)
+        return open(path, *args, **kwargs)
+
+    try:
+        publisher.publish(1, 1)
+        monkeypatch.setattr(snapshot, "open", open_after_the_ps_moved_on, raising=False)
+        assert subscriber.sync(worker) == 3 and held_values(worker) == [5.0]
+    finally:
+        subscriber.close()
+        publisher.close()
+
+
+def test_a_worker_on_another_host_says_in_one_line_that_it_needs_safetensors(run, caplog):
+    publisher = make_publisher(run, tiny_model(1), "mmap")
+    try:
+        publisher.publish(1, 1)
+        version_file = run.weights / "published_version.json"
+        fileops.write_json(version_file, {**fileops.read_json(version_file), "host_id": OTHER})
+        subscriber = make_subscriber(run)
+        worker = tiny_model(0)
+        assert subscriber.sync(worker) is None and held_values(worker) == [0.0]
+        assert subscriber.sync(worker) is None  # said once
+        lines = [r.getMessage() for r in caplog.records if "weight_transport safetensors" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "publishes through mmap" in lines[0]
+        subscriber.close()
+    finally:
+        publisher.close()
+
+
+# ---------------------------------------------------------------------- polling
+
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+server:/export /mnt/shared nfs4 rw,hard,lookupcache=positive 0 0
+tmpfs /mnt/shared/scratch tmpfs rw 0 0
+sshfs#me@box: /mnt/my\\040box fuse.sshfs rw 0 0
+fuse-overlayfs /var/lib/overlay fuse.fuse-overlayfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize("path, kind, network", [
+    ("/home/me/runs", "ext4", None),
+    ("/mnt/shared/runs/r1", "nfs4", "nfs4"),
+    ("/mnt/shared", "nfs4", "nfs4"),
+    ("/mnt/sharedother", "ext4", None),
+    ("/mnt/shared/scratch/r1", "tmpfs", None),
+    ("/mnt/my box/r1", "fuse.sshfs", "fuse.sshfs"),
+    ("/var/lib/overlay/r1", "fuse.fuse-overlayfs", None),
+])
+def test_network_filesystems_are_told_from_the_mount_table(path, kind, network):
+    assert filesystem_type(path, MOUNTS) == kind
+    assert network_filesystem(path, MOUNTS) == network
+
+
+def test_the_watcher_polls_on_a_network_filesystem_and_says_so(run, monkeypatch, caplog):
+    assert network_filesystem(run.queue) is None
+    with QueueWatcher(run.queue, {JobState.PENDING}) as local:
+        assert local.use_events
+    monkeypatch.setattr(watcher, "network_filesystem", lambda path: "nfs4")
+    for _ in range(2):
+        with QueueWatcher(run.queue, {JobState.PENDING}) as shared:
+            assert not shared.use_events and shared.rescan_s == watcher.POLL_S
+    lines = [r.getMessage() for r in caplog.records if "inotify cannot see" in r.getMessage()]
+    assert len(lines) == 1 and "nfs4" in lines[0]
+
+
+# ---------------------------------------------------------------------- launch.sh --join
+
+
+@pytest.mark.parametrize("make", ["missing", "plain folder"])
+def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
+    target = tmp_path / "target"
+    if make == "plain folder":
+        target.mkdir()
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--join", str(target), "--workers", "2"], cwd=REPO,
+                            env=PROCESS_ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"launch.sh: error: {target} is not an asyncgrpo run directory (no queue/ and done/ " \
+                            "inside)\n"
+    assert not (target / "workers").exists()
+
+
+def heartbeat_pid(run, device, not_pid=None) -> int:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        pid = read_json(heartbeat_path(run, device)).get("pid")
+        if pid and pid != not_pid:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"worker {device} did not beat (with a pid other than {not_pid})")
+
+
+@pytest.mark.slow
+def test_join_restarts_a_dead_worker_and_ctrl_c_stops_them(tmp_path):
+    run = RunDir.create(tmp_path / "run")  # its PS has not started: the workers wait for it
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), "--join", str(run.root), "--workers", "2",
+                             "--device", "cpu"], cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    one, two = worker_id(1, HOST_ID), worker_id(2, HOST_ID)
+    pids = []
+    try:
+        first = heartbeat_pid(run, one)
+        pids += [first, heartbeat_pid(run, two)]
+        os.kill(first, signal.SIGKILL)
+        pids.append(heartbeat_pid(run, one, not_pid=first))  # restarted: it beats with its own pid
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out, out
+    assert "interrupted: stopping the workers" in out
+    assert not [pid for pid in pids if pid_alive(pid)]
+    assert sorted(p.name for p in (run.root / "logs").glob("log_worker_*")) == [
+        f"log_worker_1.{HOST_ID}.txt", f"log_worker_2.{HOST_ID}.txt"]

@@ -1,0 +1,151 @@
+"""A worker on a simulated second host: its own hostname (UTS namespace) and its own /dev/shm
+(mount namespace), so it cannot map the PS's weight buffers and reads safetensors snapshots;
+it polls queue/ as it would on NFS. Beside a worker on the PS's host with the same device
+number, it is SIGKILLed while it holds a job: the job comes back through the lease (not a
+lock or a pid, which mean nothing across hosts), and every job is trained on exactly once.
+With its clock 10 s behind, under launch.sh --join, it loses no job to recovery.
+
+Skipped only where unshare cannot make the second host (it needs root)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import (
+    CLOCK_SKEW_DIR,
+    PROCESS_ENV,
+    REPO,
+    as_other_host,
+    assert_exactly_once,
+    ledger,
+    other_host_unavailable,
+    start_process,
+)
+
+STEPS = 12
+FLAGS = ["--max_steps", str(STEPS), "--lease_s", "5", "--weight_transport", "safetensors", "--save_strategy",
+         "steps", "--save_steps", "4", "--seed", "0"]
+TIMEOUT_S = 300
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _second_host():
+    if (why := other_host_unavailable()) is not None:
+        pytest.skip(why)
+
+
+def start_ps(root: Path):
+    ps = start_process(root, root.parent / "ps.log", "ps", *FLAGS)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ((root / "queue").is_dir() and (root / "done").is_dir()):  # a run to join
+        assert ps.poll() is None and time.monotonic() < deadline, (root.parent / "ps.log").read_text()[-3000:]
+        time.sleep(0.05)
+    return ps
+
+
+def kill_while_holding_a_job(root: Path, worker: subprocess.Popen, ps: subprocess.Popen) -> str:
+    """SIGKILLs ``worker`` (the only worker, of the joined host) at a moment it holds a job, checked
+    with the process stopped; returns that job's file name."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert worker.poll() is None, f"the second host's worker exited ({worker.returncode})"
+        assert ps.poll() is None, "the PS finished before the second host's worker held a job of its own name"
+        held = [n for n in os.listdir(root / "queue") if re.search(r"_(processing|committing)_by_dev1\.[0-9a-f]{8}", n)]
+        if held:
+            os.kill(worker.pid, signal.SIGSTOP)
+            while Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                time.sleep(0.001)
+            if still := [n for n in held if (root / "queue" / n).exists()]:
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.wait()
+                return still[0]
+            os.kill(worker.pid, signal.SIGCONT)  # it finished that one meanwhile: wait for the next
+        time.sleep(0.005)
+    raise AssertionError("the second host's worker never held a job")
+
+
+def wait_for_ps(ps: subprocess.Popen, workers: list[subprocess.Popen], log: Path) -> int:
+    """The PS's exit status; fails at once if a worker exits first (the PS would wait for it forever)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while ps.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        assert all(w.poll() is None for w in workers), f"a worker exited: {[w.returncode for w in workers]}"
+        time.sleep(0.1)
+    return ps.returncode
+
+
+def stop(procs) -> list[int]:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    return [proc.wait(timeout=120) for proc in procs]
+
+
+def heartbeats(root: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in (root / "workers").glob("dev*.json")}
+
+
+def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
+    root = tmp_path / "run"
+    ps = start_ps(root)
+    remote_log = open(tmp_path / "remote.log", "ab")
+    remote = subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1", "--run_dir",
+                                             str(root), *FLAGS, "--poll_only"]),
+                              cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT)
+    workers = [remote]
+    try:
+        held = kill_while_holding_a_job(root, remote, ps)
+        local = start_process(root, tmp_path / "local.log", "worker", "--device", "1", *FLAGS)
+        workers.append(local)
+        assert wait_for_ps(ps, [local], tmp_path / "ps.log") == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        ps.kill() if ps.poll() is None else None
+        stop(workers)
+    ps_log = (tmp_path / "ps.log").read_text()
+    # Worker 1 of each host had names of its own: two heartbeats, one per host.
+    beats = heartbeats(root)
+    [there] = [b for b in beats.values() if b["host"] == "otherhost"]
+    assert beats["dev1.json"]["host"] != "otherhost" and there["host_id"] != beats["dev1.json"]["host_id"], beats
+    assert there["device"] == f"1.{there['host_id']}" and f"_by_dev1.{there['host_id']}" in held
+    # The job it held came back through the lease: its heartbeat went silent or, killed before its
+    # heartbeat named the job, the file outlived the lease. Never as "dead" by a lock or a pid.
+    recovered = [line for line in ps_log.splitlines() if f"recover: requeue {held} -> " in line]
+    assert len(recovered) == 1, recovered
+    assert re.search(r"on host otherhost went silent: heartbeat|moved on to \S+ and this file is", recovered[0])
+    assert held[:10] in ledger(root)
+    # It read safetensors snapshots (a mapping of the PS's /dev/shm is impossible from its host).
+    assert "opened safetensors weights" in (tmp_path / "remote.log").read_text()
+    assert_exactly_once(root, jobs=STEPS)
+
+
+def test_a_second_host_whose_clock_is_behind_loses_no_job_to_recovery(tmp_path):
+    root = tmp_path / "run"
+    ps = start_ps(root)
+    skewed = {**PROCESS_ENV, "ASYNCGRPO_TEST_CLOCK_OFFSET_S": "-10",
+              "PYTHONPATH": os.pathsep.join(filter(None, [str(CLOCK_SKEW_DIR), PROCESS_ENV.get("PYTHONPATH")]))}
+    join = subprocess.Popen(as_other_host(["bash", str(REPO / "launch.sh"), "--join", str(root), "--workers", "1",
+                                           "--device", "cpu", *FLAGS, "--poll_only"]),
+                            cwd=REPO, env=skewed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        out, _ = join.communicate(timeout=120)  # it stops its workers once the PS has finished
+    finally:
+        ps.kill() if ps.poll() is None else None
+        if join.poll() is None:
+            join.send_signal(signal.SIGINT)
+            join.wait(timeout=120)
+    assert join.returncode == 0, out
+    assert "the parameter server finished: stopping the workers" in out
+    [worker_log] = (root / "logs").glob("log_worker_1.*.txt")
+    assert re.search(r"this host's clock is 10\.\d s behind", worker_log.read_text())
+    assert [line for line in (tmp_path / "ps.log").read_text().splitlines() if "recover:" in line] == []
+    assert [n for n in os.listdir(root / "done") if "_a2" in n] == []  # every job had one attempt
+    assert_exactly_once(root, jobs=STEPS)
