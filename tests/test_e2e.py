@@ -30,7 +30,8 @@ from asyncgrpo.jobqueue.names import done_reason
 from queue_tools.report import make_report
 
 TIMEOUT_S = 600
-FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3", "--seed", "0"]
+SAVE_STEPS = 3
+FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--seed", "0"]
 
 
 def start(run_root, log_name, module, *args):
@@ -49,6 +50,24 @@ def wait_for_steps(run_root, n, proc):
         assert proc.poll() is None, f"the PS exited ({proc.returncode}) before step {n}"
         assert time.monotonic() < deadline, f"no step {n} within {TIMEOUT_S}s"
         time.sleep(0.1)
+
+
+def stop_between_checkpoints(run_root, n, proc):
+    """SIGSTOPs the PS once it logged at least n steps, the last of them after its newest complete checkpoint:
+    a PS killed while it saves leaves no lines for a resume to remove, and a save takes longer than a step, so
+    a stop at a random moment lands there most often."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the PS never ran between two checkpoints"
+        logged = len(metrics(run_root))
+        if logged >= n and logged % SAVE_STEPS:
+            proc.send_signal(signal.SIGSTOP)
+            saved = [int(p.name.split("-")[1]) for p in (run_root / "checkpoints").glob("checkpoint-*")
+                     if (p / "asyncgrpo_state.json").is_file()]
+            if len(metrics(run_root)) > max(saved, default=0):
+                return
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.005)
 
 
 def assert_queue_drained(run_root):
@@ -116,11 +135,11 @@ def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):
 
 def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     run_root = tmp_path / "run"
-    args = ["--max_steps", "12", *FAST]
+    args = ["--max_steps", "20", *FAST]  # room to stop the PS between two checkpoints more than once
     ps = start(run_root, "ps.log", "ps", *args)
     workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *args) for i in (1, 2)]
     try:
-        wait_for_steps(run_root, 7, ps)
+        stop_between_checkpoints(run_root, 7, ps)
         ps.send_signal(signal.SIGKILL)
         assert ps.wait(timeout=60) == -signal.SIGKILL
         killed_at = time.time()
@@ -140,10 +159,10 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     assert resumed_at == max(saved)  # the newest complete checkpoint, not the partial one
     assert not partial.exists()
     # Each step once: the killed PS's lines after the checkpoint were removed, as their training was lost.
-    assert before > resumed_at and [m["step"] for m in lines] == list(range(1, 13))
+    assert before > resumed_at and [m["step"] for m in lines] == list(range(1, 21))
     # Every archived consumption is in the final model's ledger, once, including the jobs the killed
     # PS had consumed after its last checkpoint (they were trained again by the resumed one).
-    assert_exactly_once(run_root, jobs=12)
+    assert_exactly_once(run_root, jobs=20)
     assert_queue_drained(run_root)
     # queue_tools report: the time between the two PS lives is downtime, left out of the training span.
     report = make_report(run_root)
