@@ -23,8 +23,8 @@ Per setting (median [min-max] over seeds), definitions as in e2e_vs_trl.py:
                        trained on, their prompts thrown again), and their share of the results the trainer took:
                        stale / (consumed + stale + duplicate)
     trainer_idle       sum(trainer_wait_s) / wall span over steps WARMUP.. (the trainer waiting for a result)
-Note: the PS keeps at most S + 1 jobs in flight (fewer while one is older; README, "Staleness, admission and the
-off-policy correction"), so at S = 1 no more than 2 workers are busy.
+Note: the PS keeps at most S + 1 jobs in flight (fewer while one is older; docs/design.md, "Staleness and
+admission control"), so at S = 1 no more than 2 workers are busy.
 
 The PNG (--png) has two panels, samples to target and wall clock to target versus max_staleness, one line per
 correction. A point is the median over seeds, a run that did not reach the target counted at its cap (cap x 32

@@ -3,9 +3,9 @@
 # Sourced by scripts/test.sh and launch.sh; afterwards $VENV_PY is the interpreter.
 # Returns non-zero on failure and leaves the caller's shell options alone.
 #
-# torch is installed first and pinned (torch==2.13.0 resolves to a local CPU build on
-# the project's machines); installed later without a pin, pip would fetch the newest
-# release with several GB of CUDA packages.
+# torch is installed first and pinned (torch==2.13.0, or $ASYNCGRPO_TORCH_SPEC, e.g. a
+# +cpu build from a CPU index), so that installing asyncgrpo finds it satisfied; installed
+# later without a pin, pip would fetch the newest release with several GB of CUDA packages.
 _bootstrap() {
     local repo_root venv torch_spec stamp want
     repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
