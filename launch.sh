@@ -10,6 +10,7 @@
 #                   defaulting to ~/asyncgrpo-runs); relaunching on it resumes from its newest checkpoint
 #   --max-steps N   the same as --max_steps
 #   --device D      cpu, cuda or auto (default: cuda when torch sees a GPU)
+#   --join RUN      workers only, against RUN whose PS runs on another host (bash launch.sh --join RUN --help)
 #   -h, --help      this help
 #
 # Every other flag goes to the PS and the workers unchanged: TRL's GRPOConfig, ModelConfig
@@ -79,6 +80,7 @@ gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
     if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
 }
 declare -A WORKER_PID
+source "$REPO_ROOT/scripts/supervise.sh"  # stop_workers, restart_dead_workers
 start_worker() {
     CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" \
         >> "$LOGS/log_worker_$1.txt" 2>&1 &
@@ -94,16 +96,6 @@ tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null |
     grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: ' &
 TAIL_PID=$!
 
-stop_workers() {
-    local pids=("${WORKER_PID[@]}")
-    kill -TERM "${pids[@]}" 2>/dev/null
-    for _ in $(seq 1 300); do  # they finish or release the job in hand
-        kill -0 "${pids[@]}" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "${pids[@]}" 2>/dev/null
-    wait "${pids[@]}" 2>/dev/null
-}
 on_interrupt() {
     say "interrupted: stopping the parameter server and the workers"
     kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
@@ -114,14 +106,7 @@ trap on_interrupt INT TERM
 
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
 while kill -0 "$PS_PID" 2>/dev/null; do
-    for i in "${!WORKER_PID[@]}"; do
-        if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
-            wait "${WORKER_PID[$i]}"; status=$?
-            why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
-            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
-            start_worker "$i"
-        fi
-    done
+    restart_dead_workers
     sleep 1
 done
 wait "$PS_PID"; PS_STATUS=$?

@@ -28,7 +28,7 @@ TRL's clipped ratio current/behaviour, no weight).
 
 Equivalence: ``token_truncate`` with cap c and ``loss_type dapo`` has the same gradient as
 TRL's ``loss_type cispo`` with ``epsilon_high c`` and the behaviour log-probs as
-``old_per_token_logps`` (tests/test_offpolicy.py proves it); the modes here work with every
+``old_per_token_logps`` (tests/ps/test_offpolicy.py proves it); the modes here work with every
 loss type.
 """
 

@@ -84,7 +84,7 @@ print(" ".join(m for m in ("pytest", "watchdog", "trl", "datasets", "transformer
 [ -n "$MISSING" ] && echo "[gpu_check] not importable: $MISSING (bring them with scripts/fetch_gpu_wheels.sh)"
 
 # ---- 2. pytest -m gpu -------------------------------------------------------------------------
-mapfile -t GPU_TEST_FILES < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+mapfile -t GPU_TEST_FILES < <(grep -rl --include="test_*.py" "pytest.mark.gpu" tests | sort)
 echo "[gpu_check] pytest -m gpu ${GPU_TEST_FILES[*]}"
 t0=$SECONDS
 timeout -k 20 "$(cap 270)" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${GPU_TEST_FILES[@]}" \

@@ -36,7 +36,8 @@ RUN="$(cd "$RUN" && pwd)"
 
 # ---- 2. environment and input checks, before any process starts -------------------------------
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
-cd "$REPO_ROOT"
+# As launch.sh: the processes run in this folder (relative paths, reward modules), the repository first on the path.
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 if [ "$DEVICE" = auto ]; then
     DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 fi
@@ -56,6 +57,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # ---- 3. start the workers -------------------------------------------------------------------
 declare -A WORKER_PID
+source "$REPO_ROOT/scripts/supervise.sh"  # stop_workers, restart_dead_workers
 start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=$(( ($1 - 1) % NGPU ))
@@ -75,16 +77,6 @@ say "joining $RUN from $(hostname) (host id $HOST_ID, $DEVICE, $WORKERS worker(s
 [[ "$PS_JSON_AT_START" == *'"state": "finished"'* ]] && say "its PS has finished; the workers wait for it to be relaunched"
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 
-stop_workers() {
-    local pids=("${WORKER_PID[@]}")
-    kill -TERM "${pids[@]}" 2>/dev/null
-    for _ in $(seq 1 300); do  # they finish or release the job in hand
-        kill -0 "${pids[@]}" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "${pids[@]}" 2>/dev/null
-    wait "${pids[@]}" 2>/dev/null
-}
 on_interrupt() {
     say "interrupted: stopping the workers"
     stop_workers
@@ -94,14 +86,7 @@ trap on_interrupt INT TERM
 
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
 while ! ps_finished; do
-    for i in "${!WORKER_PID[@]}"; do
-        if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
-            wait "${WORKER_PID[$i]}"; status=$?
-            why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
-            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
-            start_worker "$i"
-        fi
-    done
+    restart_dead_workers
     sleep 1
 done
 say "the parameter server finished: stopping the workers"

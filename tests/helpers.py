@@ -20,6 +20,7 @@ from pathlib import Path
 from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 # One thread per process: the tests start several on a machine with few cores.
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 # A short real run: steps, a lease short enough to recover a killed worker's job quickly, checkpoints.
@@ -38,6 +39,16 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
         return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
                                 cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
                                 stderr=subprocess.STDOUT)
+
+
+def start_script(script, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """``python script args...`` (a test file that is also its subprocesses' script, ...), stdout piped as text.
+    PROCESS_ENV plus ``env``; tests/ and the repository on the path, so the script imports helpers and
+    asyncgrpo as a test does. ``env`` values of None remove a variable."""
+    env = {**PROCESS_ENV, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env, **popen)
 
 
 def launch_sh(cwd, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@ the hostname (and can be set), liveness of a worker on another host by its heart
 safetensors snapshots kept while a live worker reads them, polling on network filesystems,
 and launch.sh --join's refusal of a directory that is not a run.
 
-The end-to-end runs with a simulated second host are in tests/test_second_host.py."""
+The end-to-end runs with a simulated second host are in tests/e2e/test_second_host.py."""
 
 import os
 import signal

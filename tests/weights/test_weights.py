@@ -2,9 +2,9 @@
 PS restarts and crashes, no PS at all. GPU (cuda_ipc) tests run only where CUDA is.
 
 This file is also the script its subprocesses run:
-    python tests/test_weights.py publish RUN TRANSPORT DEVICE SECONDS MAX_VERSIONS SYNC_DIR READERS
-    python tests/test_weights.py read RUN DEVICE SYNC_DIR SEED
-    python tests/test_weights.py crash RUN [TRANSPORT]
+    python tests/weights/test_weights.py publish RUN TRANSPORT DEVICE SECONDS MAX_VERSIONS SYNC_DIR READERS
+    python tests/weights/test_weights.py read RUN DEVICE SYNC_DIR SEED
+    python tests/weights/test_weights.py crash RUN [TRANSPORT]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values
+from helpers import fill, held_values, start_script
 
 from asyncgrpo.jobqueue import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, mmap_file, read_version_file
@@ -68,10 +68,9 @@ def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def run_script(*args: str) -> subprocess.Popen:
-    # One intra-op thread each: three processes share two cores here, and idle OpenMP
+    # One intra-op thread each (PROCESS_ENV): three processes share two cores here, and idle OpenMP
     # threads waking up cost milliseconds per op on a small VM.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(HERE), *args], stdout=subprocess.PIPE, text=True, env=env)
+    return start_script(HERE, *args)
 
 
 # ---------------------------------------------------------------- round trips

@@ -9,12 +9,12 @@ transport (no device numbering, no IPC): a check of the tests themselves where t
 GPU, not of the GPU path.
 
 This file is also the script its subprocesses run:
-    python tests/test_gpu_path.py ps_exact RUN SYNC_DIR VERSIONS
-    python tests/test_gpu_path.py worker_exact RUN SYNC_DIR VERSIONS
-    python tests/test_gpu_path.py ps_race RUN SYNC_DIR SECONDS MAX_VERSIONS
-    python tests/test_gpu_path.py worker_race RUN SYNC_DIR
-    python tests/test_gpu_path.py ps_close RUN SYNC_DIR VALUE
-    python tests/test_gpu_path.py worker_close RUN SYNC_DIR
+    python tests/weights/test_gpu_path.py ps_exact RUN SYNC_DIR VERSIONS
+    python tests/weights/test_gpu_path.py worker_exact RUN SYNC_DIR VERSIONS
+    python tests/weights/test_gpu_path.py ps_race RUN SYNC_DIR SECONDS MAX_VERSIONS
+    python tests/weights/test_gpu_path.py worker_race RUN SYNC_DIR
+    python tests/weights/test_gpu_path.py ps_close RUN SYNC_DIR VALUE
+    python tests/weights/test_gpu_path.py worker_close RUN SYNC_DIR
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values
+from helpers import fill, held_values, start_script
 
 from asyncgrpo.jobqueue import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -90,10 +90,7 @@ def wait_for(path: Path, timeout: float = STEP_TIMEOUT_S) -> None:
 
 
 def start(role: str, visible_devices: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": visible_devices}
-    if ON_CPU:
-        env.pop("CUDA_VISIBLE_DEVICES")
-    return subprocess.Popen([sys.executable, str(HERE), role, *args], stdout=subprocess.PIPE, text=True, env=env)
+    return start_script(HERE, role, *args, env={"CUDA_VISIBLE_DEVICES": None if ON_CPU else visible_devices})
 
 
 def finish(*procs: subprocess.Popen) -> list[dict]:

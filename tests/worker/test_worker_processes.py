@@ -13,18 +13,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import PROCESS_ENV, REPO, TESTS, start_script
 
 from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
 
-WORKER = Path(__file__).with_name("queue_worker.py")
+WORKER = TESTS / "queue_worker.py"
 LEASE_S = 30.0
 PROCESS_TIMEOUT_S = 180
 
 
 def start_worker(run, device, *args, **popen):
-    return subprocess.Popen([sys.executable, str(WORKER), str(run.root), "--device", str(device), *args],
-                            stdout=subprocess.PIPE, text=True, **popen)
+    return start_script(WORKER, str(run.root), "--device", str(device), *args, **popen)
 
 
 def finish(proc) -> list:
@@ -160,8 +160,6 @@ def test_worker_paused_past_its_lease_is_never_consumed_twice(run, stop_at):
 
 # ---------------------------------------------------------------- a worker whose GPU fails
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 # The real worker, except that generation fails the way a GPU with a broken CUDA context does.
 BROKEN_GPU_WORKER = """
 import sys
@@ -180,7 +178,8 @@ sys.exit(main(sys.argv[1:]))
 
 def start_demo_process(log_path, argv):
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=DEMO_ENV, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=PROCESS_ENV, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp_path):

@@ -3,7 +3,7 @@ the PS, which archives it `failed` with its errors, counts its prompts as droppe
 only when the failures are systematic (jobs in a row, in job order). What a worker's TRL trainer tells
 about the error (which reward function), and the completions-table rows a result carries.
 
-The same through real processes: tests/test_failures_e2e.py."""
+The same through real processes: tests/e2e/test_failures_e2e.py."""
 
 from types import SimpleNamespace
 

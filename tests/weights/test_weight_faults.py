@@ -4,9 +4,9 @@ a slot's lock, a PS that dies in the middle of an in-place rewrite, a SIGKILLed 
 The cuda_ipc variants run only where CUDA is.
 
 This file is also the script its subprocesses run:
-    python tests/test_weight_faults.py stuck_reader RUN DEVICE
-    python tests/test_weight_faults.py die_mid_rewrite RUN
-    python tests/test_weight_faults.py publish_and_wait RUN
+    python tests/weights/test_weight_faults.py stuck_reader RUN DEVICE
+    python tests/weights/test_weight_faults.py die_mid_rewrite RUN
+    python tests/weights/test_weight_faults.py publish_and_wait RUN
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values
+from helpers import fill, held_values, start_script
 
 from asyncgrpo.jobqueue import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -52,8 +52,7 @@ def mixed_model(device: str = "cpu") -> torch.nn.Module:
 
 
 def run_script(*args: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(HERE), *args], stdout=subprocess.PIPE, text=True, env=env, **popen)
+    return start_script(HERE, *args, **popen)
 
 
 def process_state(pid: int) -> str:
