@@ -1,0 +1,48 @@
+"""The PS as several data-parallel processes (torchrun, gloo on CPU): the first rank takes each job from
+the queue and every rank trains on its slice, so 2 ranks make the update 1 rank makes on the same jobs.
+
+Synchronous mode (--max_staleness 0) and seeded sampling make the jobs the same in both runs: job ids,
+prompts, and the weights each job is generated with (up to float rounding between the runs)."""
+
+from pathlib import Path
+
+import torch
+from helpers import assert_exactly_once, start_process, start_ps_ranks
+from safetensors.torch import load_file
+
+STEPS = 2
+GLOBAL_BATCH = 16  # completions per job: 2 prompts x 8 generations
+# Two ranks sum their gradients in another order than one rank: the updates agree to float32 rounding.
+RELATIVE_TOLERANCE = 1e-4
+
+
+def train(tmp_path: Path, processes: int) -> Path:
+    run = tmp_path / f"run{processes}"
+    flags = ["--device_type", "cpu", "--max_steps", str(STEPS), "--max_staleness", "0", "--seed", "0",
+             "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--save_strategy", "steps",
+             "--save_steps", "1", "--ddp_find_unused_parameters", "false"]
+    ps = start_ps_ranks(run, tmp_path / f"ps{processes}.log", processes, *flags)
+    worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
+                           "--ps_processes", str(processes), *flags)
+    try:
+        assert ps.wait(timeout=400) == 0, (tmp_path / f"ps{processes}.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    assert_exactly_once(run, jobs=STEPS)
+    return run
+
+
+def weights(run: Path, folder: str) -> dict[str, torch.Tensor]:
+    return load_file(str(run / folder / "model.safetensors"))
+
+
+def test_two_ranks_train_as_one(tmp_path):
+    one, two = train(tmp_path, 1), train(tmp_path, 2)
+    start = weights(one, "demo_model")
+    assert all(torch.equal(start[k], v) for k, v in weights(two, "demo_model").items())  # the same model
+    trained_one, trained_two = weights(one, "final_model"), weights(two, "final_model")
+    update = torch.cat([(trained_one[k] - start[k]).flatten() for k in start]).norm()
+    difference = torch.cat([(trained_two[k] - trained_one[k]).flatten() for k in start]).norm()
+    assert update > 0
+    assert difference / update < RELATIVE_TOLERANCE, f"relative difference {difference / update:.2e}"
