@@ -12,6 +12,9 @@ from safetensors.torch import load_file
 
 STEPS = 2
 GLOBAL_BATCH = 16  # completions per job: 2 prompts x 8 generations
+# Plain SGD without clipping: Adam and gradient clipping would hide a gradient of the wrong scale (each rank
+# training on the whole job instead of its slice doubles it).
+SCALE_SENSITIVE = ["--optim", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
 # Two ranks sum their gradients in another order than one rank: the updates agree to float32 rounding.
 RELATIVE_TOLERANCE = 1e-4
 
@@ -20,7 +23,7 @@ def train(tmp_path: Path, processes: int) -> Path:
     run = tmp_path / f"run{processes}"
     flags = ["--device_type", "cpu", "--max_steps", str(STEPS), "--max_staleness", "0", "--seed", "0",
              "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--save_strategy", "steps",
-             "--save_steps", "1", "--ddp_find_unused_parameters", "false"]
+             "--save_steps", "1", "--ddp_find_unused_parameters", "false", *SCALE_SENSITIVE]
     ps = start_ps_ranks(run, tmp_path / f"ps{processes}.log", processes, *flags)
     worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
                            "--ps_processes", str(processes), *flags)
