@@ -49,3 +49,22 @@ def test_two_ranks_train_as_one(tmp_path):
     difference = torch.cat([(trained_two[k] - trained_one[k]).flatten() for k in start]).norm()
     assert update > 0
     assert difference / update < RELATIVE_TOLERANCE, f"relative difference {difference / update:.2e}"
+
+
+def test_two_ranks_resume_from_their_checkpoint(tmp_path):
+    """A 2-rank PS stopped at its end (max_steps 1) and relaunched with max_steps 2 resumes from the checkpoint
+    both ranks saved, and trains the second job once."""
+    run = tmp_path / "run"
+    flags = ["--device_type", "cpu", "--max_staleness", "0", "--seed", "0", "--per_device_train_batch_size", "8",
+             "--save_strategy", "steps", "--save_steps", "1", "--ddp_find_unused_parameters", "false"]
+    worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--ps_processes", "2", *flags)
+    try:
+        for steps in (1, 2):
+            ps = start_ps_ranks(run, tmp_path / "ps.log", 2, "--max_steps", str(steps), *flags)
+            assert ps.wait(timeout=400) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    assert "resuming from" in (tmp_path / "ps.log").read_text()
+    assert (run / "checkpoints" / "checkpoint-2" / "asyncgrpo_state.json").exists()
+    assert_exactly_once(run, jobs=2)
