@@ -122,6 +122,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     ddp_timeout: int = field(default=7 * 24 * 3600, metadata={
         "help": "Timeout in seconds of the PS's process group (several --ps_processes): the other ranks wait in a "
                 "collective while the first waits for the workers' next result (default: 7 days)."})
+    # Every trainable parameter gets a gradient each step: DDP need not search the graph for unused ones.
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={
+        "help": "DDP's find_unused_parameters for a PS with several --ps_processes (default False: every trainable "
+                "parameter gets a gradient)."})
     # Flow control and staleness.
     max_pending: int = field(default=8, metadata={"help": "At most this many jobs wait in queue/ as pending."})
     max_outstanding: int = field(default=16, metadata={

@@ -7,7 +7,7 @@ prompts, and the weights each job is generated with (up to float rounding betwee
 from pathlib import Path
 
 import torch
-from helpers import assert_exactly_once, start_process, start_ps_ranks
+from helpers import assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
 from safetensors.torch import load_file
 
 STEPS = 2
@@ -23,7 +23,7 @@ def train(tmp_path: Path, processes: int) -> Path:
     run = tmp_path / f"run{processes}"
     flags = ["--device_type", "cpu", "--max_steps", str(STEPS), "--max_staleness", "0", "--seed", "0",
              "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--save_strategy", "steps",
-             "--save_steps", "1", "--ddp_find_unused_parameters", "false", *SCALE_SENSITIVE]
+             "--save_steps", "1", *SCALE_SENSITIVE]
     ps = start_ps_ranks(run, tmp_path / f"ps{processes}.log", processes, *flags)
     worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
                            "--ps_processes", str(processes), *flags)
@@ -56,7 +56,7 @@ def test_two_ranks_resume_from_their_checkpoint(tmp_path):
     both ranks saved, and trains the second job once."""
     run = tmp_path / "run"
     flags = ["--device_type", "cpu", "--max_staleness", "0", "--seed", "0", "--per_device_train_batch_size", "8",
-             "--save_strategy", "steps", "--save_steps", "1", "--ddp_find_unused_parameters", "false"]
+             "--save_strategy", "steps", "--save_steps", "1"]
     worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--ps_processes", "2", *flags)
     try:
         for steps in (1, 2):
@@ -68,3 +68,15 @@ def test_two_ranks_resume_from_their_checkpoint(tmp_path):
     assert "resuming from" in (tmp_path / "ps.log").read_text()
     assert (run / "checkpoints" / "checkpoint-2" / "asyncgrpo_state.json").exists()
     assert_exactly_once(run, jobs=2)
+
+
+def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
+    """launch.sh --ps-procs 2: two PS ranks (torchrun, gloo), two workers, every job trained on once."""
+    run = tmp_path / "run"
+    result = launch_sh(tmp_path, "--workers", "2", "--ps-procs", "2", "--device", "cpu", "--run-dir", str(run),
+                       "--max-steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--seed", "0")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]  # written once, by the first rank
+    assert_exactly_once(run, jobs=4)
+    ps_log = (run / "logs" / "log_parameter_server.txt").read_text()
+    assert ps_log.count("[model] loaded") == 2  # both ranks trained
