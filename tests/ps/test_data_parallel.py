@@ -4,10 +4,12 @@ the queue and every rank trains on its slice, so 2 ranks make the update 1 rank 
 Synchronous mode (--max_staleness 0) and seeded sampling make the jobs the same in both runs: job ids,
 prompts, and the weights each job is generated with (up to float rounding between the runs)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from helpers import assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
 from safetensors.torch import load_file
 
 STEPS = 2
@@ -80,3 +82,13 @@ def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
     assert_exactly_once(run, jobs=4)
     ps_log = (run / "logs" / "log_parameter_server.txt").read_text()
     assert ps_log.count("[model] loaded") == 2  # both ranks trained
+
+
+def test_ps_processes_other_than_the_ranks_started_is_refused(tmp_path):
+    """--ps_processes 2 given to one process: a one-line error, exit 2, nothing started in the run."""
+    result = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--device_type", "cpu",
+                             "--ps_processes", "2"], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--ps_processes 2, but the PS was started as 1 process(es)" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "queue").exists()
