@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# usage: bash launch.sh [--workers N] [--run-dir DIR] [--max-steps N] [--device cpu|cuda|auto] [flags...]
+# usage: bash launch.sh [--workers N] [--ps-procs K] [--run-dir DIR] [--max-steps N] [--device cpu|cuda|auto] [flags...]
 #
 # Starts a parameter server (PS) and N workers on one run directory, supervises them, and
 # stops them cleanly. With no model, dataset or reward flag: the built-in demo task (a tiny
 # Llama made offline learns to repeat a digit).
 #
 #   --workers N     worker processes (default 3); a worker that exits is restarted
+#   --ps-procs K    the PS as K data-parallel processes (torchrun; default 1): on CPU K gloo
+#                   processes, on GPU one GPU each (GPUs 0..K-1), the workers on the others
 #   --run-dir DIR   the run directory (default $ASYNCGRPO_RUNS/<date-time>, ASYNCGRPO_RUNS
 #                   defaulting to ~/asyncgrpo-runs); relaunching on it resumes from its newest checkpoint
 #   --max-steps N   the same as --max_steps
@@ -20,7 +22,8 @@
 # launch.sh from. The final model is saved to --output_dir, else to RUN/final_model. Logs:
 # RUN/logs/.
 
-# Placement (gpu_env below), with G GPUs: the PS sees GPU 0 only; worker i runs on GPU
+# Placement (gpu_env below), with G GPUs and --ps-procs 1 (K > 1: the PS sees GPUs 0..K-1, worker
+# i runs on GPU K + (i-1) mod (G-K) with CUDA_VISIBLE_DEVICES="that,0", or on GPU 0 when G = K): the PS sees GPU 0 only; worker i runs on GPU
 # i mod G with CUDA_VISIBLE_DEVICES="i mod G,0" (its cuda:0 is its own GPU, cuda:1 the PS's,
 # for CUDA IPC); a worker whose i mod G is 0 sees GPU 0 only and shares it with the PS (all
 # workers when G is 1; worker G, 2G, ... otherwise). GPU numbers are the machine's: a
@@ -36,10 +39,11 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch.txt"; return 0; }
 
 # ---- 1. arguments ------------------------------------------------------------------------
-WORKERS=3 RUN_DIR="" DEVICE=auto PASS=()
+WORKERS=3 PS_PROCS=1 RUN_DIR="" DEVICE=auto PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
+        --ps-procs)  [ $# -ge 2 ] || die "--ps-procs needs a value"; PS_PROCS="$2"; shift 2 ;;
         --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
@@ -48,6 +52,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || die "--workers needs a positive integer, got '$WORKERS'"
+[[ "$PS_PROCS" =~ ^[1-9][0-9]*$ ]] || die "--ps-procs needs a positive integer, got '$PS_PROCS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
 
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
@@ -59,8 +64,9 @@ fi
 NGPU=0
 [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
 [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+[ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
-ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")  # progress: [train] lines
+ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
 RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit 2  # it printed the one-line reason
 ARGS[1]="$RUN_DIR"
 LOGS="$RUN_DIR/logs"
@@ -68,7 +74,7 @@ mkdir -p "$LOGS" || die "cannot create $LOGS"
 
 # On CPU the processes share the cores: one thread each avoids oversubscription.
 if [ "$DEVICE" = cpu ]; then
-    THREADS=$(( $(nproc) / (WORKERS + 1) )); [ "$THREADS" -ge 1 ] || THREADS=1
+    THREADS=$(( $(nproc) / (WORKERS + PS_PROCS) )); [ "$THREADS" -ge 1 ] || THREADS=1
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -76,6 +82,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # ---- 3. start the PS and the workers -------------------------------------------------------
 gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
     if [ "$NGPU" -eq 0 ]; then echo ""; return; fi
+    if [ "$PS_PROCS" -gt 1 ]; then  # the PS's GPUs are 0..K-1; the workers' the others (GPU 0 when none is left)
+        if [ "$1" -eq 0 ]; then seq -s, 0 $(( PS_PROCS - 1 )); return; fi
+        if [ "$NGPU" -eq "$PS_PROCS" ]; then echo "0"; return; fi
+        echo "$(( PS_PROCS + ($1 - 1) % (NGPU - PS_PROCS) )),0"; return
+    fi
     local gpu=$(( $1 % NGPU ))
     if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
 }
@@ -86,8 +97,10 @@ start_worker() {
         >> "$LOGS/log_worker_$1.txt" 2>&1 &
     WORKER_PID[$1]=$!
 }
-say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s)); logs in $LOGS"
-CUDA_VISIBLE_DEVICES=$(gpu_env 0) "$VENV_PY" -m ps "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
+say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
+PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
+[ "$PS_PROCS" -gt 1 ] && PS_CMD=("$VENV_PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS" -m ps)
+CUDA_VISIBLE_DEVICES=$(gpu_env 0) "${PS_CMD[@]}" "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # Progress on the terminal: the PS's [train] and [eval] lines and its one-line reason if it stops on an

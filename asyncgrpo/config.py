@@ -112,6 +112,20 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     device_type: str = field(default="auto", metadata={
         "help": "'cpu', 'cuda' or 'auto' (cuda when available). On cpu, bf16 is turned off. (TrainingArguments "
                 "already has a 'device'.)"})
+    # Data-parallel PS (launch.sh --ps-procs K): the PS's processes, told to the workers too.
+    ps_processes: int = field(default=1, metadata={
+        "help": "Processes the parameter server trains with (torchrun / accelerate launch; launch.sh --ps-procs sets "
+                "it). A job is the global generation batch (per_device_train_batch_size x ps_processes x "
+                "steps_per_generation), which the workers generate whole; each PS rank trains on its slice."})
+    # A PS rank other than the first waits in a collective while the first waits for a result: the process
+    # group's timeout (TrainingArguments' ddp_timeout, 30 min there) must outlast the longest wait for a job.
+    ddp_timeout: int = field(default=7 * 24 * 3600, metadata={
+        "help": "Timeout in seconds of the PS's process group (several --ps_processes): the other ranks wait in a "
+                "collective while the first waits for the workers' next result (default: 7 days)."})
+    # Every trainable parameter gets a gradient each step: DDP need not search the graph for unused ones.
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={
+        "help": "DDP's find_unused_parameters for a PS with several --ps_processes (default False: every trainable "
+                "parameter gets a gradient)."})
     # Flow control and staleness.
     max_pending: int = field(default=8, metadata={"help": "At most this many jobs wait in queue/ as pending."})
     max_outstanding: int = field(default=16, metadata={
@@ -179,6 +193,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
             "off_policy_cap": (self.off_policy_cap > 0, "must be > 0"),
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
+            "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),
             "max_staleness": (self.max_staleness >= 0, "must be >= 0"),

@@ -8,6 +8,10 @@ launch.sh starts it together with the workers. With the same --run_dir it resume
 the newest checkpoint. At the end it saves the model and tokenizer to --output_dir, or to
 RUN/final_model when --output_dir was not given. Exit status: 0 trained, 1 the job pipeline
 failed (full disk, ...), 2 bad input, 3 another PS holds the run.
+
+Data-parallel (--ps_processes K): started K times by torchrun or accelerate launch
+(launch.sh --ps-procs K); the first rank holds the lock and is the queue client, every
+rank trains on its slice of each job (ps/trainer.py).
 """
 
 from __future__ import annotations
@@ -72,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))
             return 0
-        run = RunDir.create(run_root)
-        lock = hold_ps_lock(run)
+        if cfg.ps_processes != cfg.world_size:
+            raise ConfigError(f"--ps_processes {cfg.ps_processes}, but the PS was started as {cfg.world_size} "
+                              "process(es) (start it with torchrun --nproc_per_node K, or launch.sh --ps-procs K)")
+        first_rank = cfg.process_index == 0
+        run = RunDir.create(run_root)  # idempotent: every rank may create it
+        lock = hold_ps_lock(run) if first_rank else None
     except ConfigError as err:
         print(f"ps: error: {err}", file=sys.stderr)
         return 2
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
         return 130
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def _quiet_libraries() -> None:
@@ -121,18 +130,33 @@ def _interrupt(signum, _frame):
 
 
 def train(cfg, run: RunDir) -> int:
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
     from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
 
     # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
     final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.root / FINAL_MODEL_DIR)
     cfg.output_dir = str(run.checkpoints)
+    if cfg.model_name_or_path is None:
+        # The first rank writes the demo model (save_pretrained writes weights on the main process only).
+        if PartialState().is_main_process:
+            write_demo_model_once(run.root)
+        PartialState().wait_for_everyone()
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
     model, tokenizer = load_model_and_tokenizer(path, cfg)
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                eval_dataset=load_eval_dataset(cfg))
-    resume = last_complete_checkpoint(run.checkpoints)
-    fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
-                                              "started_at": time.time(), "state": "training", "resumed_from": resume})
+    first_rank = trainer.is_queue_client
+    # Rank 0 removes incomplete checkpoints first; then every rank resumes from the same one.
+    resume = last_complete_checkpoint(run.checkpoints) if first_rank else None
+    if trainer.accelerator.num_processes > 1:
+        resume = broadcast_object_list([resume], from_process=0)[0]
+    if first_rank:
+        fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
+                                                  "started_at": time.time(), "state": "training",
+                                                  "resumed_from": resume})
     log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
              f", resuming from {resume}" if resume else "")
     if resume and checkpoint_step(resume) >= cfg.max_steps:
@@ -144,10 +168,14 @@ def train(cfg, run: RunDir) -> int:
         trainer.train(resume_from_checkpoint=resume)
     trainer.finish()
     trainer.save_model(final_dir)  # model, tokenizer (save_pretrained) and training_args.bin, as trl grpo saves them
-    log.info("[train] final model saved to %s", final_dir)
-    fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
-                                              "finished_at": time.time(), "state": "finished",
-                                              "global_step": trainer.state.global_step, "final_model": final_dir})
+    if first_rank:
+        log.info("[train] final model saved to %s", final_dir)
+        fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
+                                                  "finished_at": time.time(), "state": "finished",
+                                                  "global_step": trainer.state.global_step, "final_model": final_dir})
+    if torch.distributed.is_initialized():  # every rank done before the group goes (else some abort at exit)
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
     return 0
 
 

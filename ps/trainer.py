@@ -25,6 +25,11 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
   pipeline's durable state (ledger, producer journal, rows owed a re-throw) and are saved
   only between jobs: a save that falls inside a job waits for the job's last step (the
   final save excepted), so the ledger never holds a job half trained and resume is exact.
+- Several processes (``--ps_processes``, started by torchrun / accelerate launch): the first rank
+  alone is the queue client (pipeline, events, metrics.jsonl) and publishes weights; it
+  broadcasts each result (TRL's own vLLM-server pattern) and every rank trains on its
+  ``process_slice`` with the job's ``num_items_in_batch``, so K ranks make the update one
+  rank would. A checkpoint's ledger is written once every rank has saved its part.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOTrainer
@@ -84,10 +90,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=cfg.peft_config())
         self.cfg, self.run = cfg, run
-        self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
-        self.queue = JobQueue(run, events=self.events)
-        self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
-        self.publisher = make_publisher(run, self.model, cfg.weight_transport)
+        self.is_queue_client = self.accelerator.is_main_process  # the other ranks only train
+        if self.is_queue_client:
+            self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
+            self.queue = JobQueue(run, events=self.events)
+            self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
+            self.publisher = make_publisher(run, self.model, cfg.weight_transport)
+        self._job: dict | None = None  # the job in training, on every rank: metrics, weights_version, steps_left
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self._step_record = _new_step_record()  # since the last logged step
@@ -103,12 +112,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
-            self.pipeline.stop()
-            if sys.exc_info()[0] is not None:  # interrupted: finish() will not run to free /dev/shm
-                self.publisher.close()
+            if self.is_queue_client:
+                self.pipeline.stop()
+                if sys.exc_info()[0] is not None:  # interrupted: finish() will not run to free /dev/shm
+                    self.publisher.close()
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
+        if not self.is_queue_client:
+            return
         state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
         self._forget_metrics_after(self.state.global_step)
         self._publish_weights()
@@ -129,6 +141,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def finish(self) -> None:
         """End of training: what is left in queue/ is archived 'unused'; buffers freed."""
+        if not self.is_queue_client:
+            return
         self.pipeline.finish()
         self.publisher.close()
         self.events.close()
@@ -139,21 +153,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.model.training:  # evaluation generates here, as TRL does
             return super()._generate_and_score_completions(inputs)
         started = time.monotonic()
-        result, staleness = self.pipeline.next_result(self.state.global_step)
+        job = self._take_job() if self.is_queue_client else None
+        if self.accelerator.num_processes > 1:  # the other ranks wait here while the first waits for a result
+            job = broadcast_object_list([job], from_process=0)[0]
         waited = time.monotonic() - started
-        step = self.state.global_step + 1  # the step this result trains
-        self.events.emit("wait_result", step=step, dur_ms=waited * 1e3)
-        batch = dict(result.data["batch"])
-        self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
-                         step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
-                         tokens=int(batch["completion_mask"].sum()))
+        batch = job.pop("batch")
+        self._job = {**job, "steps_left": self.cfg.steps_per_job}
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
         self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         self._add_job_metrics()
-        if self.log_completions:
-            self._add_completion_logs(result.data.get("logs"))
+        if self.log_completions and self.is_queue_client:
+            self._add_completion_logs(job["logs"])
+        batch = self._process_slice(batch)
         behaviour = batch.pop("old_per_token_logps", None)
         if behaviour is not None:
             batch[self.weighting.input_key] = behaviour
@@ -163,10 +176,34 @@ class AsyncGRPOTrainer(GRPOTrainer):
             batch["old_per_token_logps"] = self._proximal_logps(batch)
         return batch
 
+    def _take_job(self) -> dict:
+        """The next result from the pipeline (the queue client's part): its batch and what every rank logs."""
+        started = time.monotonic()
+        result, staleness = self.pipeline.next_result(self.state.global_step)
+        step = self.state.global_step + 1  # the step this result trains
+        self.events.emit("wait_result", step=step, dur_ms=(time.monotonic() - started) * 1e3)
+        batch = dict(result.data["batch"])
+        self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
+                         step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
+                         tokens=int(batch["completion_mask"].sum()))
+        return {"batch": batch, "metrics": result.data["metrics"], "logs": result.data.get("logs"),
+                "weights_version": result.payload["weights_version"]}
+
+    def _process_slice(self, batch: dict) -> dict:
+        """This rank's rows of the job, as TRL's process_slice; num_items_in_batch stays the job's token count
+        (TRL's loss divides every rank's sum by the global count)."""
+        if self.accelerator.num_processes == 1:
+            return batch
+        rows = batch["advantages"].size(0)
+        n = rows // self.accelerator.num_processes
+        part = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
+        return {k: v[part] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == rows else v
+                for k, v in batch.items()}
+
     def _add_job_metrics(self) -> None:
         """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains; num_tokens
         is the PS's own count (each worker's counts only the jobs it generated)."""
-        for name, value in self.pipeline.job_in_training.data["metrics"].items():
+        for name, value in self._job["metrics"].items():
             if name != "num_tokens":
                 self._metrics["train"][name].append(value)
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
@@ -213,16 +250,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def on_optimizer_step_begin(self) -> None:
         self._step_started, self._step_wait_s = time.monotonic(), 0.0
-        self.events.emit("train_step_start", step=self.state.global_step + 1)
-        if self.pipeline.job_in_training is not None:  # a later step of the same job: no result is taken
+        if self.is_queue_client:
+            self.events.emit("train_step_start", step=self.state.global_step + 1)
+        if self._job is not None:  # a later step of the same job: no result is taken
             self._add_job_metrics()
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        version = self.pipeline.job_in_training.payload["weights_version"]
+        version = self._job["weights_version"]
         staleness = step - 1 - version  # the weights this step started from, minus the behaviour's
         self._step_record["staleness"].append(staleness)
         self._step_record["weights_versions"].append(version)
+        self._job["steps_left"] -= 1
+        if self._job["steps_left"] == 0:
+            self._job = None
+        if not self.is_queue_client:
+            return
         self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
                          wait_ms=self._step_wait_s * 1e3, staleness=staleness)
         self._publish_weights()
@@ -231,7 +274,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def hold_save_until_job_ends(self, control) -> None:
         """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
-        inside_a_job = self.pipeline.job_in_training is not None
+        inside_a_job = self._job is not None  # known on every rank: they all save, or none
         if control.should_save and inside_a_job and self.state.global_step < self.state.max_steps:
             control.should_save, self._save_due_after_job = False, True
             log.info("[train] step=%d is inside a job: its checkpoint is saved when the job's last step has "
@@ -260,7 +303,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if "eval_loss" in logs:  # TRL's evaluation, on the PS's model (--eval_strategy)
             log.info("[eval] step=%d reward=%s loss=%.4f", self.state.global_step,
                      _fmt(logs.get("eval_reward")), logs["eval_loss"])
-        if not is_step_log:
+        if not is_step_log or not self.is_queue_client:
             return
         now = time.monotonic()
         line = {
@@ -299,6 +342,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint).
         super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's part (its RNG state, ...) is on disk
+        if not self.is_queue_client:
+            return
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         fileops.write_json(os.path.join(folder, LEDGER_FILE),
                            {"global_step": self.state.global_step, **self.pipeline.state_dict()}, fsync=True)

@@ -41,6 +41,16 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
                                 stderr=subprocess.STDOUT)
 
 
+def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess.Popen:
+    """The PS as ``processes`` data-parallel ranks: ``torchrun --standalone --nproc_per_node N -m ps`` (gloo on
+    CPU), with --ps_processes N; its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node", str(processes), "-m", "ps", "--run_dir", str(run_root),
+                                 "--ps_processes", str(processes), *args],
+                                cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
 def start_script(script, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """``python script args...`` (a test file that is also its subprocesses' script, ...), stdout piped as text.
     PROCESS_ENV plus ``env``; tests/ and the repository on the path, so the script imports helpers and

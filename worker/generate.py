@@ -59,6 +59,9 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     # one generation per optimizer step, TRL leaves old_per_token_logps to us (captured, not recomputed).
     args = copy.copy(cfg)
     args.steps_per_generation, args.num_iterations = cfg.gradient_accumulation_steps, 1
+    # A job is the PS's global generation batch: per_device_train_batch_size rows for each of its processes.
+    # TRL generates for every row it is given, but sizes its completions table by this (rows beyond it dropped).
+    args.generation_batch_size = cfg.generation_batch_size * cfg.ps_processes
     args.eval_strategy = "no"  # the PS evaluates (TRL's Trainer refuses an eval_strategy without eval data)
     # TRL fills its completions table (_logs) whatever this says; the PS prints it (worker/loop.py sends the rows).
     args.log_completions = False

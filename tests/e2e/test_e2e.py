@@ -178,6 +178,7 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     (["--reward_funcs", "no_such_module:fn"], "cannot import no_such_module"),
     (["--run-dir", "{tmp}/a_file/run"], "not writable"),
     (["--workers", "zero"], "--workers needs a positive integer"),
+    (["--ps-procs", "0"], "--ps-procs needs a positive integer"),
 ])
 def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, message):
     (tmp_path / "a_file").write_text("x")

@@ -1,0 +1,94 @@
+"""The PS as several data-parallel processes (torchrun, gloo on CPU): the first rank takes each job from
+the queue and every rank trains on its slice, so 2 ranks make the update 1 rank makes on the same jobs.
+
+Synchronous mode (--max_staleness 0) and seeded sampling make the jobs the same in both runs: job ids,
+prompts, and the weights each job is generated with (up to float rounding between the runs)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
+from safetensors.torch import load_file
+
+STEPS = 2
+GLOBAL_BATCH = 16  # completions per job: 2 prompts x 8 generations
+# Plain SGD without clipping: Adam and gradient clipping would hide a gradient of the wrong scale (each rank
+# training on the whole job instead of its slice doubles it).
+SCALE_SENSITIVE = ["--optim", "sgd", "--learning_rate", "0.1", "--max_grad_norm", "0"]
+# Two ranks sum their gradients in another order than one rank: the updates agree to float32 rounding.
+RELATIVE_TOLERANCE = 1e-4
+
+
+def train(tmp_path: Path, processes: int) -> Path:
+    run = tmp_path / f"run{processes}"
+    flags = ["--device_type", "cpu", "--max_steps", str(STEPS), "--max_staleness", "0", "--seed", "0",
+             "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--save_strategy", "steps",
+             "--save_steps", "1", *SCALE_SENSITIVE]
+    ps = start_ps_ranks(run, tmp_path / f"ps{processes}.log", processes, *flags)
+    worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
+                           "--ps_processes", str(processes), *flags)
+    try:
+        assert ps.wait(timeout=400) == 0, (tmp_path / f"ps{processes}.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    assert_exactly_once(run, jobs=STEPS)
+    return run
+
+
+def weights(run: Path, folder: str) -> dict[str, torch.Tensor]:
+    return load_file(str(run / folder / "model.safetensors"))
+
+
+def test_two_ranks_train_as_one(tmp_path):
+    one, two = train(tmp_path, 1), train(tmp_path, 2)
+    start = weights(one, "demo_model")
+    assert all(torch.equal(start[k], v) for k, v in weights(two, "demo_model").items())  # the same model
+    trained_one, trained_two = weights(one, "final_model"), weights(two, "final_model")
+    update = torch.cat([(trained_one[k] - start[k]).flatten() for k in start]).norm()
+    difference = torch.cat([(trained_two[k] - trained_one[k]).flatten() for k in start]).norm()
+    assert update > 0
+    assert difference / update < RELATIVE_TOLERANCE, f"relative difference {difference / update:.2e}"
+
+
+def test_two_ranks_resume_from_their_checkpoint(tmp_path):
+    """A 2-rank PS stopped at its end (max_steps 1) and relaunched with max_steps 2 resumes from the checkpoint
+    both ranks saved, and trains the second job once."""
+    run = tmp_path / "run"
+    flags = ["--device_type", "cpu", "--max_staleness", "0", "--seed", "0", "--per_device_train_batch_size", "8",
+             "--save_strategy", "steps", "--save_steps", "1"]
+    worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--ps_processes", "2", *flags)
+    try:
+        for steps in (1, 2):
+            ps = start_ps_ranks(run, tmp_path / "ps.log", 2, "--max_steps", str(steps), *flags)
+            assert ps.wait(timeout=400) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    assert "resuming from" in (tmp_path / "ps.log").read_text()
+    assert (run / "checkpoints" / "checkpoint-2" / "asyncgrpo_state.json").exists()
+    assert_exactly_once(run, jobs=2)
+
+
+def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
+    """launch.sh --ps-procs 2: two PS ranks (torchrun, gloo), two workers, every job trained on once."""
+    run = tmp_path / "run"
+    result = launch_sh(tmp_path, "--workers", "2", "--ps-procs", "2", "--device", "cpu", "--run-dir", str(run),
+                       "--max-steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--seed", "0")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3, 4]  # written once, by the first rank
+    assert_exactly_once(run, jobs=4)
+    ps_log = (run / "logs" / "log_parameter_server.txt").read_text()
+    assert ps_log.count("[model] loaded") == 2  # both ranks trained
+
+
+def test_ps_processes_other_than_the_ranks_started_is_refused(tmp_path):
+    """--ps_processes 2 given to one process: a one-line error, exit 2, nothing started in the run."""
+    result = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--device_type", "cpu",
+                             "--ps_processes", "2"], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--ps_processes 2, but the PS was started as 1 process(es)" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "queue").exists()
