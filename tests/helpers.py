@@ -8,6 +8,7 @@ never through the library code they check.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -250,3 +251,46 @@ def fill(model, value: int) -> None:
 def held_values(model) -> list[float]:
     """The distinct values in ``model``, sorted (one value per tensor is checked exactly)."""
     return sorted({float(v) for t in model.state_dict().values() for v in (t.min().item(), t.max().item())})
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def _fd_in(fd, directory) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory) + os.sep)
+    except OSError:
+        return False
+
+
+def inject_disk_full(m, run, where):
+    """Makes writes of temp files in ``run.tmp`` fail like a full disk (other fds untouched).
+
+    write:  a short write of half the first chunk, then ENOSPC (what a filling disk does)
+    quota:  the same with EDQUOT
+    fsync:  all data written, then fsync fails with ENOSPC (delayed allocation, NFS)
+    """
+    real_write, real_fsync = os.write, os.fsync
+    code = errno.EDQUOT if where == "quota" else errno.ENOSPC
+    state = {"writes": 0, "failed": 0}
+
+    def write(fd, data):
+        if where in ("write", "quota") and _fd_in(fd, run.tmp):
+            state["writes"] += 1
+            if state["writes"] == 1 and len(data) > 1:
+                return real_write(fd, memoryview(data)[: len(data) // 2])
+            state["failed"] += 1
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    def fsync(fd):
+        if where == "fsync" and _fd_in(fd, run.tmp):
+            state["failed"] += 1
+            raise OSError(code, os.strerror(code))
+        return real_fsync(fd)
+
+    from asyncgrpo.jobqueue import fileops
+
+    m.setattr(fileops.os, "write", write)
+    m.setattr(fileops.os, "fsync", fsync)
+    return state

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from helpers import entries
+from helpers import entries, inject_disk_full
 
 from asyncgrpo.jobqueue import JobQueue, QueueName, QueueWriteError, RunDir, WorkerPresence, fileops, make_job_id
 
@@ -32,44 +32,6 @@ def queue_logs(caplog, level=logging.WARNING):
 
 
 # --------------------------------------------------------------------------- full disk
-
-
-def _fd_in(fd, directory) -> bool:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory) + os.sep)
-    except OSError:
-        return False
-
-
-def inject_disk_full(m, run, where):
-    """Makes writes of temp files in ``run.tmp`` fail like a full disk (other fds untouched).
-
-    write:  a short write of half the first chunk, then ENOSPC (what a filling disk does)
-    quota:  the same with EDQUOT
-    fsync:  all data written, then fsync fails with ENOSPC (delayed allocation, NFS)
-    """
-    real_write, real_fsync = os.write, os.fsync
-    code = errno.EDQUOT if where == "quota" else errno.ENOSPC
-    state = {"writes": 0, "failed": 0}
-
-    def write(fd, data):
-        if where in ("write", "quota") and _fd_in(fd, run.tmp):
-            state["writes"] += 1
-            if state["writes"] == 1 and len(data) > 1:
-                return real_write(fd, memoryview(data)[: len(data) // 2])
-            state["failed"] += 1
-            raise OSError(code, os.strerror(code))
-        return real_write(fd, data)
-
-    def fsync(fd):
-        if where == "fsync" and _fd_in(fd, run.tmp):
-            state["failed"] += 1
-            raise OSError(code, os.strerror(code))
-        return real_fsync(fd)
-
-    m.setattr(fileops.os, "write", write)
-    m.setattr(fileops.os, "fsync", fsync)
-    return state
 
 
 def assert_disk_full_error(err, code=errno.ENOSPC):

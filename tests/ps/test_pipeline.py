@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from test_full_disk import inject_disk_full
+from helpers import inject_disk_full
 
 from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState, fileops
