@@ -183,10 +183,7 @@ def model_load_kwargs(cfg: AsyncGRPOConfig | None) -> dict:
     kwargs.update(cfg.model_init_kwargs or {})
     if "torch_dtype" in kwargs:  # from_pretrained's older name
         kwargs["dtype"] = kwargs.pop("torch_dtype")
-    quantization = cfg.quantization_kwargs()  # --load_in_4bit / --load_in_8bit (QLoRA)
-    if quantization and kwargs["dtype"] in (None, "auto"):
-        kwargs["dtype"] = cfg.quantized_dtype()
-    kwargs.update(quantization)
+    kwargs.update(cfg.quantization_kwargs())  # --load_in_4bit / --load_in_8bit (QLoRA)
     return kwargs
 
 

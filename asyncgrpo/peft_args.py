@@ -82,14 +82,6 @@ class PeftArgs:
 
         return get_peft_config(self)
 
-    def quantized_dtype(self) -> str:
-        """The dtype a quantized base computes in and loads its other modules (embeddings, norms, head) in:
-        --dtype, or bfloat16 for 'auto'. TRL casts a quantized model's adapter (and --lora_modules_to_save)
-        to bfloat16; a base computing in float32 meets those bfloat16 weights when a worker generates, outside
-        autocast, and the matmul fails ('expected mat1 and mat2 to have the same dtype')."""
-        dtype = getattr(self, "dtype", None)
-        return "bfloat16" if dtype in (None, "auto") else dtype
-
     def quantization_kwargs(self) -> dict:
         """Extra ``from_pretrained`` kwargs: the base model quantized with bitsandbytes (QLoRA), by TRL's
         ``get_quantization_config`` (computing in ``--dtype``, as TRL does), placed on this process's GPU;
@@ -99,8 +91,10 @@ class PeftArgs:
         import torch
         from trl import get_quantization_config
 
-        args = copy.copy(self)
-        args.dtype = self.quantized_dtype()
+        args = self
+        if getattr(self, "dtype", None) == "auto":  # no compute dtype of that name: bitsandbytes' default (float32)
+            args = copy.copy(self)
+            args.dtype = None
         # A quantized model cannot be moved after loading: it is loaded onto the GPU this process trains or
         # generates on (launch.sh makes it this process's first visible one).
         return {"quantization_config": get_quantization_config(args), "device_map": {"": torch.cuda.current_device()}}
