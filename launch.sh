@@ -58,12 +58,8 @@ done
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-if [ "$DEVICE" = auto ]; then
-    DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
-fi
-NGPU=0
-[ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
-[ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, restart_dead_workers
+resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
@@ -91,7 +87,6 @@ gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
     if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
 }
 declare -A WORKER_PID
-source "$REPO_ROOT/scripts/supervise.sh"  # stop_workers, restart_dead_workers
 start_worker() {
     CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" \
         >> "$LOGS/log_worker_$1.txt" 2>&1 &

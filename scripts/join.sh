@@ -38,12 +38,8 @@ RUN="$(cd "$RUN" && pwd)"
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 # As launch.sh: the processes run in this folder (relative paths, reward modules), the repository first on the path.
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-if [ "$DEVICE" = auto ]; then
-    DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
-fi
-NGPU=0
-[ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
-[ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, restart_dead_workers
+resolve_device
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
 "$VENV_PY" -m ps --check_only "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
 HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.jobqueue.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
@@ -57,7 +53,6 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # ---- 3. start the workers -------------------------------------------------------------------
 declare -A WORKER_PID
-source "$REPO_ROOT/scripts/supervise.sh"  # stop_workers, restart_dead_workers
 start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=$(( ($1 - 1) % NGPU ))

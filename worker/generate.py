@@ -111,7 +111,10 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
 
     setattr(trainer, GENERATE, timed_generate)
     try:
-        with torch.no_grad():
+        # The PS's forward passes run under the trainer's mixed precision (accelerate wraps the model it
+        # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
+        # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
+        with torch.no_grad(), trainer.accelerator.autocast():
             batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
             if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
                 _add_behaviour_logps(trainer, batch, capture)

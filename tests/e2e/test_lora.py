@@ -132,6 +132,23 @@ def test_qlora_on_a_gpu_without_bitsandbytes_names_the_package():
     assert problem == "--load_in_4bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
 
 
+def test_a_worker_generates_under_the_trainers_mixed_precision(tmp_path):
+    """TRL casts a quantized base's adapter (and --lora_modules_to_save) to bfloat16 while the base computes
+    in float32; the PS trains under bf16 autocast, and a worker must generate under it too (on a GPU every
+    QLoRA generation failed: 'expected mat1 and mat2 to have the same dtype'). The same on CPU: bf16
+    autocast, the adapter and head cast as TRL casts them."""
+    cfg = lora_config(tmp_path)
+    cfg.bf16, cfg.mixed_precision = True, "bf16"  # as parsed on a GPU (off for CPU runs; CPU autocast has bf16 too)
+    _, worker = trainers(cfg)
+    for param in worker.model.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    dataset = build_dataset(n=40)
+    rows = [dataset[i // cfg.num_generations] for i in range(cfg.generation_batch_size)]
+    batch, _ = generate_and_score(worker, rows, EventLog.off(), seed=0)
+    assert batch["completion_ids"].shape[0] == cfg.generation_batch_size
+
+
 def test_qlora_loads_the_base_as_trl_quantizes_it_onto_this_process_s_gpu(monkeypatch):
     cfg = parse_config(["--use_peft", "--device_type", "cpu", "--dtype", "bfloat16"])
     assert cfg.quantization_kwargs() == {}

@@ -1,5 +1,16 @@
-# The workers' supervision, shared by launch.sh and scripts/join.sh (sourced, not run). Expects
-# WORKER_PID (an associative array: worker number -> pid), start_worker N and say.
+# What launch.sh and scripts/join.sh share (sourced, not run): the device, and the workers' supervision.
+# Expects VENV_PY and die; the supervision also WORKER_PID (an associative array: worker number -> pid),
+# start_worker N and say.
+
+resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch sees on cuda, else 0)
+    if [ "$DEVICE" = auto ]; then
+        DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+    fi
+    NGPU=0
+    [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
+    [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+    return 0
+}
 
 stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGKILL after 30 s
     local pids=("${WORKER_PID[@]}")
