@@ -205,7 +205,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         for name, (ok, why) in checks.items():
             if not ok:
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
-        if problem := self.peft_args_problem(self.device_type):
+        mixed_precision = bool(self.fp16) or self.bf16 is not False  # GRPOConfig: bf16 unless fp16 or set off
+        if problem := self.peft_args_problem(self.device_type, mixed_precision):
             raise ConfigError(problem)
         super().__post_init__()  # parses --model_init_kwargs '{...}' into a dict
         if not isinstance(self.model_init_kwargs, (dict, type(None))):
@@ -216,6 +217,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 f"--steps_per_generation {self.steps_per_generation} x --num_iterations {self.num_iterations} must be "
                 f"a multiple of --gradient_accumulation_steps {self.gradient_accumulation_steps}: asyncgrpo trains "
                 "each generated batch for whole optimizer steps")
+        fsdp_version = (self.fsdp_plugin_args or {}).get("fsdp_version")
+        if fsdp_version not in (None, 2):
+            raise ConfigError(f"--fsdp_config version {fsdp_version}: asyncgrpo publishes the weights of FSDP2 "
+                              "only (version 2, the default)")
 
     @property
     def steps_per_job(self) -> int:

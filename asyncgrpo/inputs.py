@@ -290,6 +290,8 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
         notes.append(_check_model(cfg))
     elif cfg.dtype != "auto":
         notes.append(_half_dtype_note(cfg.dtype, cfg.device_type)[0])
+    if cfg.fsdp_plugin_args and cfg.device_type == "cpu":
+        notes.append("--fsdp: accelerate shards a model on GPUs only; on CPU every PS process holds the whole model")
     load_train_dataset(cfg)
     load_eval_dataset(cfg)
     root = Path(os.path.abspath(os.path.expanduser(run_root)))

@@ -49,8 +49,9 @@ class PeftArgs:
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Whether to use nested quantization."})
     bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "Quantization storage dtype"})
 
-    def peft_args_problem(self, device_type: str) -> str | None:
-        """What is wrong with these flags, as one line for ConfigError, or None. Also normalises
+    def peft_args_problem(self, device_type: str, mixed_precision: bool = True) -> str | None:
+        """What is wrong with these flags, as one line for ConfigError, or None (``mixed_precision``: the run
+        computes under bf16 or fp16 autocast, TRL's default on a GPU). Also normalises
         ``lora_target_modules`` as TRL's ModelConfig does (one value, e.g. all-linear, is a string)."""
         if isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) == 1:
             self.lora_target_modules = self.lora_target_modules[0]
@@ -72,6 +73,11 @@ class PeftArgs:
             return f"{quantized}: a quantized base model can only train an adapter; add --use_peft"
         if device_type != "cuda":
             return f"{quantized}: bitsandbytes quantization needs a CUDA GPU, and this run is on {device_type}"
+        if self.lora_modules_to_save and not mixed_precision:
+            # TRL casts a quantized model's trainable modules to bfloat16; without autocast a bfloat16 head meets
+            # float32 hidden states and every generation fails (TRL's own generation too).
+            return (f"{quantized} with --lora_modules_to_save needs --bf16 or --fp16 (TRL trains those modules in "
+                    "bfloat16 on a quantized base; without mixed precision every generation fails)")
         if importlib.util.find_spec("bitsandbytes") is None:
             return f"{quantized} needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
         return None

@@ -26,7 +26,8 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
   only between jobs: a save that falls inside a job waits for the job's last step (the
   final save excepted), so the ledger never holds a job half trained and resume is exact.
 - Several processes (``--ps_processes``, started by torchrun / accelerate launch): the first rank
-  alone is the queue client (pipeline, events, metrics.jsonl) and publishes weights; it
+  alone is the queue client (pipeline, events, metrics.jsonl) and publishes weights (under FSDP2 the
+  ranks first gather each tensor whole together: adapter.gather_full_tensors); it
   broadcasts each result (TRL's own vLLM-server pattern) and every rank trains on its
   ``process_slice`` with the job's ``num_items_in_batch``, so K ranks make the update one
   rank would. A checkpoint's ledger is written once every rank has saved its part.
@@ -54,6 +55,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
 from asyncgrpo.jobqueue.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
 from asyncgrpo.weights import make_publisher
+from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
 from ps.pipeline import JobPipeline
 
@@ -95,7 +97,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
             self.queue = JobQueue(run, events=self.events)
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
-            self.publisher = make_publisher(run, self.model, cfg.weight_transport)
+            # The model's device may not be its training device yet (FSDP moves it when training starts).
+            self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
         self._job: dict | None = None  # the job in training, on every rank: metrics, weights_version, steps_left
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
@@ -119,11 +122,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
+        self._publish_weights()
         if not self.is_queue_client:
             return
         state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
         self._forget_metrics_after(self.state.global_step)
-        self._publish_weights()
         self.pipeline.start(state, published_version=self.state.global_step)
 
     def _forget_metrics_after(self, step: int) -> None:
@@ -264,11 +267,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._job["steps_left"] -= 1
         if self._job["steps_left"] == 0:
             self._job = None
+        if self.is_queue_client:
+            self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
+                             wait_ms=self._step_wait_s * 1e3, staleness=staleness)
+        self._publish_weights()
         if not self.is_queue_client:
             return
-        self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
-                         wait_ms=self._step_wait_s * 1e3, staleness=staleness)
-        self._publish_weights()
         fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
         self.pipeline.on_step_end(step)
 
@@ -283,9 +287,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             control.should_save, self._save_due_after_job = True, False
 
     def _publish_weights(self) -> None:
+        """On every rank: under FSDP2 each holds a shard, and they gather the whole tensors together for the
+        first rank to publish."""
         step = self.state.global_step
         started = time.monotonic()
-        self.publisher.publish(version=step, step=step)
+        whole = gather_full_tensors(self.model, keep=self.is_queue_client) if self.is_fsdp_enabled else None
+        if not self.is_queue_client:
+            return
+        self.publisher.publish(version=step, step=step, tensors=whole)
         publish_ms = (time.monotonic() - started) * 1e3
         self.events.emit("weights_published", weights_version=step, dur_ms=publish_ms,
                          bytes=self.publisher.layout.total_bytes)

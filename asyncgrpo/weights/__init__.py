@@ -16,6 +16,9 @@ On the PS, after each optimizer step::
 
     publisher = make_publisher(run, model)          # once; "auto": cuda_ipc on GPU, else mmap
     publisher.publish(version=step, step=step)      # versions must increase
+    # sharded by FSDP2: every rank gathers (adapter.gather_full_tensors), the first publishes
+    full = gather_full_tensors(model, keep=rank == 0)
+    if rank == 0: publisher.publish(version=step, step=step, tensors=full)
     publisher.close()                               # at exit
 
 On a worker, before each job::
@@ -52,10 +55,10 @@ class WeightPublisher(Protocol):
     publisher_id: str
     transport: str
 
-    def publish(self, version: int, step: int) -> bool:
-        """Copies the model's current parameters into the transport, then atomically
-        rewrites RUN/weights/published_version.json to name them. False: not published
-        (both slots held by stopped readers; see base.py)."""
+    def publish(self, version: int, step: int, tensors: dict[str, torch.Tensor] | None = None) -> bool:
+        """Copies the model's current parameters (or ``tensors``: a sharded model's, gathered whole)
+        into the transport, then atomically rewrites RUN/weights/published_version.json to name
+        them. False: not published (both slots held by stopped readers; see base.py)."""
 
     def close(self) -> None: ...
 
@@ -71,15 +74,17 @@ class WeightSubscriber(Protocol):
     def close(self) -> None: ...
 
 
-def _on_cuda(model: torch.nn.Module) -> bool:
+def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto",
+                   device: torch.device | None = None) -> WeightPublisher:
+    """``device``: where the model trains, when it is not there yet (a model FSDP shards is moved to its GPU
+    only when training starts); the model's own device otherwise."""
+    import torch
+
     from asyncgrpo.weights.cuda_ipc import model_device
 
-    return model_device(model).type == "cuda"
-
-
-def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto") -> WeightPublisher:
+    device = torch.device(device) if device is not None else model_device(model)
     if transport == "auto":
-        transport = "cuda_ipc" if _on_cuda(model) else "mmap"
+        transport = "cuda_ipc" if device.type == "cuda" else "mmap"
     if transport == "mmap":
         from asyncgrpo.weights.mmap_file import MmapPublisher
 
@@ -87,7 +92,7 @@ def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto")
     if transport == "cuda_ipc":
         from asyncgrpo.weights.cuda_ipc import CudaIpcPublisher
 
-        return CudaIpcPublisher(run, model)
+        return CudaIpcPublisher(run, model, device)
     if transport == "safetensors":
         from asyncgrpo.weights.snapshot import SnapshotPublisher
 

@@ -12,6 +12,7 @@ even for billions of parameters). A worker whose fingerprint differs is refused
 (``WeightsMismatch``) instead of generating from another model.
 
     shared_tensors(model)       # name -> tensor, what is published and synced
+    gather_full_tensors(model)  # the same, whole, from a model FSDP2 shards across ranks (every rank calls it)
     layout_of(model)            # the publisher's Layout (with the base fingerprint for an adapter)
     check_model(layout, model)  # on the worker, once per publisher: WeightsMismatch or nothing
 """
@@ -48,6 +49,26 @@ def shared_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if found is None:
         found = _adapter_params[model] = {name: p for name, p in model.named_parameters() if p.requires_grad}
     return found
+
+
+def gather_full_tensors(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """For a model sharded by FSDP2 (its parameters are DTensors, one shard per rank): the shared tensors,
+    whole. Each ``full_tensor()`` is an all-gather, so every rank calls this at the same point; only the
+    ranks that ``keep`` hold the result (the first rank, which publishes: it needs the memory for one whole
+    copy beside its shard). None for a model that is not sharded (publish it as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    # Not shared_tensors' cache: fully_shard replaces a model's Parameter objects with DTensor ones.
+    tensors = ({name: p for name, p in model.named_parameters() if p.requires_grad} if is_adapter_model(model)
+               else model.state_dict())
+    if not any(isinstance(t, DTensor) for t in tensors.values()):
+        return None
+    full = {}
+    for name, t in tensors.items():  # one tensor at a time: the other ranks never hold the whole model
+        whole = t.detach().full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            full[name] = whole
+    return full if keep else None
 
 
 def base_fingerprint(model: torch.nn.Module) -> dict:

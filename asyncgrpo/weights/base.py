@@ -211,16 +211,17 @@ class SlotPublisher:
     def _fields(self) -> dict:
         return {}
 
-    def publish(self, version: int, step: int) -> bool:
+    def publish(self, version: int, step: int, tensors: dict[str, torch.Tensor] | None = None) -> bool:
         """True once the version file names ``version``; False when both slots are held by
-        stopped readers (the workers keep the last published version; logged)."""
+        stopped readers (the workers keep the last published version; logged). ``tensors``: what
+        to publish when it is not the model's own (``gather_full_tensors`` of a sharded model)."""
         if self._closed:
             raise RuntimeError("publish() after close()")
         if self._version is not None and version <= self._version:
             raise ValueError(f"versions must increase: {version} after {self._version}")
         t0 = time.perf_counter()
         with torch.no_grad():
-            sources = self.layout.sources(shared_tensors(self.model))
+            sources = self.layout.sources(shared_tensors(self.model) if tensors is None else tensors)
             slot = self._lock_a_slot(version)
             if slot is None:
                 return False

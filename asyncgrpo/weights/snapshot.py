@@ -88,11 +88,11 @@ class SnapshotPublisher:
         remove_legacy_version_file(run)
         fileops.write_json(layout_path(run, self.publisher_id), self.layout.to_json())
 
-    def publish(self, version: int, step: int) -> bool:
+    def publish(self, version: int, step: int, tensors: dict[str, torch.Tensor] | None = None) -> bool:
         if self._version is not None and version <= self._version:
             raise ValueError(f"versions must increase: {version} after {self._version}")
         with torch.no_grad():
-            sources = self.layout.sources(shared_tensors(self.model))
+            sources = self.layout.sources(shared_tensors(self.model) if tensors is None else tensors)
             tensors = {e.name: t.detach().contiguous() for e, t in zip(self.layout.entries, sources, strict=True)}
         path = snapshot_path(self.run, version)
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"

@@ -132,6 +132,17 @@ def test_qlora_on_a_gpu_without_bitsandbytes_names_the_package():
     assert problem == "--load_in_4bit needs the bitsandbytes package, which is not installed (pip install bitsandbytes)"
 
 
+def test_qlora_training_saved_modules_without_mixed_precision_is_refused():
+    """TRL trains a quantized base's --lora_modules_to_save in bfloat16: without autocast every generation
+    fails on a dtype mismatch (seen with bitsandbytes on CPU, and TRL's own generation fails the same way)."""
+    qlora = PeftArgs(use_peft=True, load_in_4bit=True, lora_modules_to_save=["lm_head"])
+    assert "needs --bf16 or --fp16" in qlora.peft_args_problem("cuda", mixed_precision=False)
+    assert "needs --bf16 or --fp16" not in (qlora.peft_args_problem("cuda", mixed_precision=True) or "")
+    with pytest.raises(ConfigError, match="^--load_in_4bit with --lora_modules_to_save needs --bf16 or --fp16"):
+        parse_config(["--device_type", "cuda", "--use_peft", "--load_in_4bit", "--lora_modules_to_save", "lm_head",
+                      "--bf16", "False"])
+
+
 def test_a_worker_generates_under_the_trainers_mixed_precision(tmp_path):
     """TRL casts a quantized base's adapter (and --lora_modules_to_save) to bfloat16 while the base computes
     in float32; the PS trains under bf16 autocast, and a worker must generate under it too (on a GPU every

@@ -21,11 +21,11 @@ SCALE_SENSITIVE = ["--optim", "sgd", "--learning_rate", "0.1", "--max_grad_norm"
 RELATIVE_TOLERANCE = 1e-4
 
 
-def train(tmp_path: Path, processes: int) -> Path:
+def train(tmp_path: Path, processes: int, *extra: str, steps: int = STEPS, jobs: int = STEPS) -> Path:
     run = tmp_path / f"run{processes}"
-    flags = ["--device_type", "cpu", "--max_steps", str(STEPS), "--max_staleness", "0", "--seed", "0",
+    flags = ["--device_type", "cpu", "--max_steps", str(steps), "--max_staleness", "0", "--seed", "0",
              "--per_device_train_batch_size", str(GLOBAL_BATCH // processes), "--save_strategy", "steps",
-             "--save_steps", "1", *SCALE_SENSITIVE]
+             "--save_steps", "1", *SCALE_SENSITIVE, *extra]
     ps = start_ps_ranks(run, tmp_path / f"ps{processes}.log", processes, *flags)
     worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
                            "--ps_processes", str(processes), *flags)
@@ -34,23 +34,42 @@ def train(tmp_path: Path, processes: int) -> Path:
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-    assert_exactly_once(run, jobs=STEPS)
+    assert_exactly_once(run, jobs=jobs)
     return run
 
 
-def weights(run: Path, folder: str) -> dict[str, torch.Tensor]:
-    return load_file(str(run / folder / "model.safetensors"))
+def weights(run: Path, folder: str, file: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(run / folder / file))
+
+
+def relative_difference(start: dict, one: dict, two: dict) -> tuple[float, float]:
+    """The update one rank made (its norm), and how far the two-rank weights are from it, relative to it."""
+    update = torch.cat([(one[k] - start[k]).flatten() for k in start]).norm()
+    difference = torch.cat([(two[k] - one[k]).flatten() for k in start]).norm()
+    return float(update), float(difference / update)
 
 
 def test_two_ranks_train_as_one(tmp_path):
     one, two = train(tmp_path, 1), train(tmp_path, 2)
     start = weights(one, "demo_model")
     assert all(torch.equal(start[k], v) for k, v in weights(two, "demo_model").items())  # the same model
-    trained_one, trained_two = weights(one, "final_model"), weights(two, "final_model")
-    update = torch.cat([(trained_one[k] - start[k]).flatten() for k in start]).norm()
-    difference = torch.cat([(trained_two[k] - trained_one[k]).flatten() for k in start]).norm()
+    update, difference = relative_difference(start, weights(one, "final_model"), weights(two, "final_model"))
     assert update > 0
-    assert difference / update < RELATIVE_TOLERANCE, f"relative difference {difference / update:.2e}"
+    assert difference < RELATIVE_TOLERANCE, f"relative difference {difference:.2e}"
+
+
+def test_two_ranks_train_a_lora_adapter_over_several_iterations_as_one(tmp_path):
+    """--use_peft and --num_iterations 2 (each job trains 2 optimizer steps, the second against the proximal
+    log-probs each rank computes on its slice): 2 jobs, 4 steps, the same adapter from 1 and 2 ranks."""
+    lora = ["--use_peft", "--lora_r", "4", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
+            "--num_iterations", "2"]
+    one, two = (train(tmp_path, n, *lora, steps=4, jobs=2) for n in (1, 2))
+    adapter = "adapter_model.safetensors"
+    trained_one, trained_two = weights(one, "final_model", adapter), weights(two, "final_model", adapter)
+    start = weights(one, "checkpoints/checkpoint-2", adapter)  # after the first job (lora_B starts at zero)
+    update, difference = relative_difference(start, trained_one, trained_two)
+    assert update > 0
+    assert difference < RELATIVE_TOLERANCE, f"relative difference {difference:.2e}"
 
 
 def test_two_ranks_resume_from_their_checkpoint(tmp_path):
