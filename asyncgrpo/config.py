@@ -218,6 +218,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 f"a multiple of --gradient_accumulation_steps {self.gradient_accumulation_steps}: asyncgrpo trains "
                 "each generated batch for whole optimizer steps")
         fsdp_version = (self.fsdp_plugin_args or {}).get("fsdp_version")
+        if fsdp_version is not None and self.ps_processes == 1:
+            raise ConfigError("--fsdp shards the PS's model across its processes: give it several (launch.sh "
+                              "--ps-procs K, or --ps_processes K under torchrun)")
         if fsdp_version not in (None, 2):
             raise ConfigError(f"--fsdp_config version {fsdp_version}: asyncgrpo publishes the weights of FSDP2 "
                               "only (version 2, the default)")

@@ -65,6 +65,9 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     args.eval_strategy = "no"  # the PS evaluates (TRL's Trainer refuses an eval_strategy without eval data)
     # TRL fills its completions table (_logs) whatever this says; the PS prints it (worker/loop.py sends the rows).
     args.log_completions = False
+    # --fsdp shards the PS's model across its processes; a worker is one process holding the whole model
+    # (transformers' Trainer refuses fsdp outside distributed training).
+    args.fsdp, args.fsdp_plugin_args = False, None
     # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
     # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,

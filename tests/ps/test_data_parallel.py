@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import PROCESS_ENV, REPO, assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
 from safetensors.torch import load_file
@@ -111,3 +112,26 @@ def test_ps_processes_other_than_the_ranks_started_is_refused(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--ps_processes 2, but the PS was started as 1 process(es)" in result.stderr.splitlines()[-1]
     assert not (tmp_path / "run" / "queue").exists()
+
+
+def test_fsdp_flags_shard_the_ps_only(tmp_path):
+    """--fsdp: refused for a PS of one process and for FSDP1 (one line each); on CPU a note says nothing is
+    sharded (accelerate shards on GPUs only); a worker given the same flags builds its trainer unsharded
+    (transformers' Trainer refuses fsdp in a single process)."""
+    from asyncgrpo.config import ConfigError, parse_config
+    from asyncgrpo.inputs import check_inputs
+    from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
+    from worker.generate import build_trainer
+
+    cpu = ["--device_type", "cpu", "--output_dir", str(tmp_path / "out"), "--fsdp", "full_shard"]
+    with pytest.raises(ConfigError, match="^--fsdp shards the PS's model across its processes"):
+        parse_config(cpu)
+    with pytest.raises(ConfigError, match="^--fsdp_config version 1: asyncgrpo publishes the weights of FSDP2 only"):
+        parse_config([*cpu, "--ps_processes", "2", "--fsdp_config", '{"version": 1}'])
+    cfg = parse_config([*cpu, "--ps_processes", "2"])
+    assert any(note.startswith("--fsdp: accelerate shards a model on GPUs only") for note in
+               check_inputs(cfg, tmp_path / "run"))
+    tokenizer = build_tokenizer()
+    worker = build_trainer(cfg, build_model(tokenizer=tokenizer), tokenizer, [repeat_digit_reward],
+                           build_dataset(n=40))
+    assert not worker.is_fsdp_enabled and cfg.fsdp  # the worker's copy of the flags, not the PS's
