@@ -61,6 +61,12 @@ def hold_ps_lock(run: RunDir) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # accelerate's is_cuda_available() (Trainer.train calls it first thing) sets this variable and removes it
+    # again, while TRL's telemetry thread resolves a host name, which reads the environment in C (getenv). Adding
+    # or removing a variable can make glibc move the environment array and free the old one under that reader:
+    # a SIGSEGV in getenv, rarely. Present from the start, the variable is only ever replaced in place.
+    # "0" is torch's default (only "1" selects its NVML-based check).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "0")
     argv = list(sys.argv[1:] if argv is None else argv)
     check_only = "--check_only" in argv
     argv = [a for a in argv if a != "--check_only"]
