@@ -95,7 +95,10 @@ start_worker() {
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
 [ "$PS_PROCS" -gt 1 ] && PS_CMD=("$VENV_PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS" -m ps)
-CUDA_VISIBLE_DEVICES=$(gpu_env 0) "${PS_CMD[@]}" "${ARGS[@]}" >> "$LOGS/log_parameter_server.txt" 2>&1 &
+# torchrun exits 1 whatever status a rank exits with: the first rank writes its own here (ps/__main__.py).
+PS_STATUS_FILE=$(mktemp)
+CUDA_VISIBLE_DEVICES=$(gpu_env 0) ASYNCGRPO_PS_STATUS_FILE="$PS_STATUS_FILE" "${PS_CMD[@]}" "${ARGS[@]}" \
+    >> "$LOGS/log_parameter_server.txt" 2>&1 &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # Progress on the terminal: the PS's [train] and [eval] lines and its one-line reason if it stops on an
@@ -108,6 +111,7 @@ on_interrupt() {
     say "interrupted: stopping the parameter server and the workers"
     kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
     stop_workers; wait "$TAIL_PID" 2>/dev/null
+    rm -f "$PS_STATUS_FILE"
     exit 130
 }
 trap on_interrupt INT TERM
@@ -118,6 +122,8 @@ while kill -0 "$PS_PID" 2>/dev/null; do
     sleep 1
 done
 wait "$PS_PID"; PS_STATUS=$?
+[ "$PS_STATUS" -ne 0 ] && [ -s "$PS_STATUS_FILE" ] && PS_STATUS=$(cat "$PS_STATUS_FILE")
+rm -f "$PS_STATUS_FILE"
 
 # ---- 5. stop the workers; report ------------------------------------------------------------
 stop_workers

@@ -185,5 +185,16 @@ def train(cfg, run: RunDir) -> int:
     return 0
 
 
+def leave_status_for_the_launcher(status: int) -> None:
+    """torchrun exits 1 whatever status its ranks exit with: the first rank writes its own (2 bad input,
+    3 another PS, ...) to the file launch.sh names, which reports that instead."""
+    path = os.environ.get("ASYNCGRPO_PS_STATUS_FILE")
+    if status and path and os.environ.get("RANK", "0") == "0":
+        with open(path, "w") as f:
+            f.write(f"{status}\n")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_status = main()
+    leave_status_for_the_launcher(exit_status)
+    sys.exit(exit_status)

@@ -135,3 +135,22 @@ def test_fsdp_flags_shard_the_ps_only(tmp_path):
     worker = build_trainer(cfg, build_model(tokenizer=tokenizer), tokenizer, [repeat_digit_reward],
                            build_dataset(n=40))
     assert not worker.is_fsdp_enabled and cfg.fsdp  # the worker's copy of the flags, not the PS's
+
+
+def test_launch_with_two_ps_processes_exits_with_the_first_ranks_status(tmp_path):
+    """torchrun exits 1 whatever its ranks exit with; launch.sh reports the first rank's own status: 3 when
+    another PS holds the run (its lock held here), with the PS's one-line reason."""
+    import fcntl
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = os.open(run / "ps.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        result = launch_sh(tmp_path, "--workers", "1", "--ps-procs", "2", "--device", "cpu", "--run-dir", str(run),
+                           "--max-steps", "2")
+    finally:
+        os.close(lock)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "ps: error: another parameter server is running on" in result.stdout + result.stderr
