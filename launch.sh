@@ -86,10 +86,10 @@ gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
     local gpu=$(( $1 % NGPU ))
     if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
 }
-declare -A WORKER_PID
+declare -A WORKER_PID WORKER_LOG
 start_worker() {
-    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" \
-        >> "$LOGS/log_worker_$1.txt" 2>&1 &
+    WORKER_LOG[$1]="$LOGS/log_worker_$1.txt"
+    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
     WORKER_PID[$1]=$!
 }
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
@@ -119,6 +119,13 @@ trap on_interrupt INT TERM
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
 while kill -0 "$PS_PID" 2>/dev/null; do
     restart_dead_workers
+    if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input: nothing would generate
+        say "no worker left (each exited with bad input): stopping the parameter server"
+        kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null; wait "$TAIL_PID" 2>/dev/null
+        rm -f "$PS_STATUS_FILE"
+        echo "$WORKER_ERROR" >&2
+        exit 2
+    fi
     sleep 1
 done
 wait "$PS_PID"; PS_STATUS=$?

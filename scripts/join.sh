@@ -52,12 +52,12 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # ---- 3. start the workers -------------------------------------------------------------------
-declare -A WORKER_PID
+declare -A WORKER_PID WORKER_LOG
 start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=$(( ($1 - 1) % NGPU ))
-    CUDA_VISIBLE_DEVICES=$gpus "$VENV_PY" -m worker --join --device "$1" "${ARGS[@]}" \
-        >> "$LOGS/log_worker_$1.$HOST_ID.txt" 2>&1 &
+    WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
+    CUDA_VISIBLE_DEVICES=$gpus "$VENV_PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
     WORKER_PID[$1]=$!
 }
 # The PS finished when ps.json says so and is not the file we found at start (a finished run
@@ -82,6 +82,10 @@ trap on_interrupt INT TERM
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
 while ! ps_finished; do
     restart_dead_workers
+    if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input
+        echo "$WORKER_ERROR" >&2
+        exit 2
+    fi
     sleep 1
 done
 say "the parameter server finished: stopping the workers"

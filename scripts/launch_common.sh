@@ -1,6 +1,6 @@
 # What launch.sh and scripts/join.sh share (sourced, not run): the device, and the workers' supervision.
-# Expects VENV_PY and die; the supervision also WORKER_PID (an associative array: worker number -> pid),
-# start_worker N and say.
+# Expects VENV_PY and die; the supervision also WORKER_PID and WORKER_LOG (associative arrays: worker
+# number -> pid, log file), start_worker N and say.
 
 resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch sees on cuda, else 0)
     if [ "$DEVICE" = auto ]; then
@@ -14,6 +14,7 @@ resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch see
 
 stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGKILL after 30 s
     local pids=("${WORKER_PID[@]}")
+    [ "${#pids[@]}" -gt 0 ] || return 0
     kill -TERM "${pids[@]}" 2>/dev/null
     for _ in $(seq 1 300); do
         kill -0 "${pids[@]}" 2>/dev/null || break
@@ -23,11 +24,21 @@ stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGK
     wait "${pids[@]}" 2>/dev/null
 }
 
-restart_dead_workers() {  # one pass: a worker that exited is started again (its job returns through recovery)
+# One pass: a worker that exited is started again (its job returns through recovery), unless it exited 2:
+# bad input (a flag, a reward module it cannot import, a model that is not the PS's) that a restart would
+# only repeat. It is then dropped from WORKER_PID, and WORKER_ERROR keeps its one-line reason.
+restart_dead_workers() {
     local i status why
     for i in "${!WORKER_PID[@]}"; do
         if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
             wait "${WORKER_PID[$i]}"; status=$?
+            if [ "$status" -eq 2 ]; then
+                WORKER_ERROR=$(grep -a '^worker: error: ' "${WORKER_LOG[$i]}" | tail -n 1)
+                WORKER_ERROR=${WORKER_ERROR:-"worker: error: worker $i exited with status 2 (see ${WORKER_LOG[$i]})"}
+                say "worker $i (pid ${WORKER_PID[$i]}) exited with status 2, bad input: not restarted"
+                unset "WORKER_PID[$i]"
+                continue
+            fi
             why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
             say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
             start_worker "$i"

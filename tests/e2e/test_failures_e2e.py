@@ -178,3 +178,38 @@ def test_log_completions_prints_trls_table_with_the_rows_the_workers_generated(f
     assert set(tables) == {str(step) for step in range(1, 9)}
     assert log.count("┃ Prompt ┃ Completion ┃ raises_on_digit_0 ┃ Advantage ┃") == len(tables)
     assert len(re.findall(r"^│ │ \d:\s+│", log, flags=re.MULTILINE)) == 32 * len(tables)  # every row, every time
+
+
+# A reward module whose dependency exists on the trainer's host only: the PS (and launch.sh's input check)
+# imports it; every worker fails to, and exits 2 (bad input).
+PS_HOST_ONLY_REWARDS = '''\
+import sys
+
+if "worker" in sys.argv[0]:
+    raise ImportError("No module named 'judge_client'")
+
+
+def ones(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+'''
+
+
+def test_workers_that_exit_with_bad_input_are_not_restarted_and_the_run_stops_with_their_reason(tmp_path):
+    (tmp_path / "host_rewards.py").write_text(PS_HOST_ONLY_REWARDS)
+    run_root = tmp_path / "run"
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
+         *DEMO_FLAGS, "--reward_funcs", "host_rewards:ones"],
+        cwd=tmp_path, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # restarted forever
+        kill_run(run_root, launcher)
+        raise
+    assert launcher.returncode == 2, out + err
+    assert err.strip().splitlines()[-1] == ("worker: error: --reward_funcs 'host_rewards:ones': cannot import "
+                                            "host_rewards: No module named 'judge_client'")
+    assert out.count("exited with status 2, bad input: not restarted") == 2, out
+    assert "restarting it" not in out
+    assert "stopping the parameter server" in out
+    assert metrics(run_root) == []
