@@ -6,7 +6,8 @@
 
 launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit status: 0
 stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that device, or a
-model that cannot take the PS's weights (another base model under a LoRA adapter, ...),
+model that cannot take the PS's weights (another base model under a LoRA adapter, ...) or
+that cannot be built (a library refusing a flag, ...: a restart would fail the same way),
 3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
 
 ``--join`` (what ``launch.sh --join`` passes): the worker's id carries this host's id,
@@ -23,7 +24,7 @@ from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
 from asyncgrpo.jobqueue.hosts import HOST_ID
 from asyncgrpo.jobqueue.names import worker_id
 from asyncgrpo.weights.layout import WeightsMismatch
-from worker.loop import run_worker
+from worker.loop import WorkerSetupError, run_worker
 
 DESCRIPTION = ("An asyncgrpo worker: claims generation jobs from RUN/queue, generates and scores them with TRL's "
                "code and the PS's newest weights. --device N (required): this worker's device number (devN in file "
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
         # from another host joins a run that exists.
         run = RunDir.open(cfg.run_dir) if args.join else RunDir.create(cfg.run_dir)
         return run_worker(cfg, run, device)
-    except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch) as err:
+    except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WorkerSetupError) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import (
@@ -54,6 +54,10 @@ FAILURE_BACKOFF_S = 0.1  # wait after a failed job before the next claim, double
 FAILURE_BACKOFF_MAX_S = 1.0  # ... up to this
 
 
+class WorkerSetupError(RuntimeError):
+    """Loading the model, the reward functions or TRL's trainer failed: the worker cannot start."""
+
+
 def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     stop = threading.Event()
     presence = WorkerPresence(run, device, lease_s=cfg.lease_s).start()
@@ -71,7 +75,19 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
         log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
-    trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
+    try:
+        trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
+    except Exception as err:
+        watcher.close()
+        presence.stop()
+        events.close()
+        if isinstance(err, ConfigError) or is_broken_device_error(err):
+            raise
+        # Deterministic for this config and model (a library refusing a flag, a model that does not fit): a
+        # restart would fail the same way, so this is bad input (exit 2), not a crash to restart.
+        log.exception("[worker] dev%s could not build its model and trainer", device)
+        raise WorkerSetupError(f"could not build its model and trainer: {first_line(err)} "
+                               "(traceback in the worker's log)") from None
     subscriber = make_subscriber(run, on_read=presence.announce_read)
     version = None
     status = 0

@@ -17,6 +17,7 @@ from helpers import PROCESS_ENV, REPO, TESTS, start_script
 
 from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.tasks.demo import write_demo_model
 
 WORKER = TESTS / "queue_worker.py"
 LEASE_S = 30.0
@@ -213,3 +214,35 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
     assert not [n for n in done if "_failed" in n], done
     # Not failed: recovery gave it back (attempt 2), the next process generated it, the PS trained on it.
     assert f"{held}_processed_a2.pt" in done and f"{held}_consumed.pt" in done, done
+
+
+# ---------------------------------------------------------------- a worker that cannot build its trainer
+
+# The real worker, except that TRL's trainer refuses to be built the way transformers refuses a flag.
+UNBUILDABLE_WORKER = """
+import sys
+import worker.loop
+
+def refuse(*args, **kwargs):
+    raise ValueError("Using fsdp only works in distributed training.")
+
+worker.loop.build_trainer = refuse
+from worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_worker_that_cannot_build_its_trainer_exits_2_with_one_line(tmp_path):
+    """Not a crash to restart (exit 1): the same config fails the same way, so bad input (exit 2), which
+    launch.sh does not restart; the traceback stays in the worker's log."""
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "ps.json").write_text("{}")  # a worker waits for its PS (which writes the demo model) before loading it
+    write_demo_model(root / "demo_model")
+    worker = subprocess.run([sys.executable, "-c", UNBUILDABLE_WORKER, "--device", "1", "--run_dir", str(root)],
+                            cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 2, worker.stderr[-3000:]
+    assert worker.stderr.strip().splitlines()[-1] == (
+        "worker: error: could not build its model and trainer: ValueError: Using fsdp only works in distributed "
+        "training. (traceback in the worker's log)")
+    assert "Traceback" in worker.stderr
