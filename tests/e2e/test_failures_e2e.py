@@ -30,6 +30,21 @@ LAUNCH_TIMEOUT_S = 300  # start-up included; on an idle 2-core machine the run s
 MAX_FAILED_IN_A_ROW, MAX_ATTEMPTS, MAX_OUTSTANDING = 8, 3, 16  # the defaults
 
 
+def launch_until_it_stops(cwd, run_root, reward: str, stderr=subprocess.PIPE) -> tuple[int, str, str]:
+    """launch.sh with 2 workers, the demo task scored by ``reward``, run from ``cwd`` until it stops by itself
+    (killed, and the test failed, if it does not within LAUNCH_TIMEOUT_S): (status, stdout, stderr)."""
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
+         *DEMO_FLAGS, "--reward_funcs", reward],
+        cwd=cwd, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        out, err = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_run(run_root, launcher)
+        raise
+    return launcher.returncode, out, err or ""
+
+
 def done_by_reason(run_root) -> dict[str, list[str]]:
     by_reason = defaultdict(list)
     for name in (Path(run_root) / "done").iterdir():
@@ -54,16 +69,8 @@ def worker_events(run_root) -> dict[int, list[dict]]:
 ])
 def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_path, reward, error):
     run_root = tmp_path / "run"
-    launcher = subprocess.Popen(
-        ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
-         *DEMO_FLAGS, "--reward_funcs", f"tests.reward_faults:{reward}"],
-        cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:  # the run did not stop by itself
-        kill_run(run_root, launcher)
-        raise
-    assert launcher.returncode == 1, out
+    status, out, _ = launch_until_it_stops(REPO, run_root, f"tests.reward_faults:{reward}", stderr=subprocess.STDOUT)
+    assert status == 1, out
     # The terminal names the function and its exception on one line, once; no wait loop.
     [line] = [line for line in out.splitlines() if error in line]
     assert line.startswith(f"ps: error: {MAX_FAILED_IN_A_ROW} jobs in a row failed on all {MAX_ATTEMPTS} attempt(s)")
@@ -197,16 +204,8 @@ def ones(prompts, completions, **kwargs):
 def test_workers_that_exit_with_bad_input_are_not_restarted_and_the_run_stops_with_their_reason(tmp_path):
     (tmp_path / "host_rewards.py").write_text(PS_HOST_ONLY_REWARDS)
     run_root = tmp_path / "run"
-    launcher = subprocess.Popen(
-        ["bash", str(REPO / "launch.sh"), "--workers", "2", "--run-dir", str(run_root), "--max-steps", "100",
-         *DEMO_FLAGS, "--reward_funcs", "host_rewards:ones"],
-        cwd=tmp_path, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:  # restarted forever
-        kill_run(run_root, launcher)
-        raise
-    assert launcher.returncode == 2, out + err
+    status, out, err = launch_until_it_stops(tmp_path, run_root, "host_rewards:ones")
+    assert status == 2, out + err
     assert err.strip().splitlines()[-1] == ("worker: error: --reward_funcs 'host_rewards:ones': cannot import "
                                             "host_rewards: No module named 'judge_client'")
     assert out.count("exited with status 2, bad input: not restarted") == 2, out
