@@ -30,6 +30,12 @@ from asyncgrpo.peft_args import PeftArgs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The flags a worker must share with the PS: each changes what a job's result holds (its size, sampling, the
+# rewards' weights and advantages, the reference log-probs). The PS puts its values in every job.
+GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_processes", "num_generations",
+                    "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
+                    "use_peft")
 
 
 class ConfigError(ValueError):
@@ -230,6 +236,23 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         """Optimizer steps one job (one generation batch) trains: TRL splits it into steps_per_generation
         micro-batches and goes over them num_iterations times."""
         return self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+
+    def generation_settings(self) -> dict:
+        """This config's GENERATION_FLAGS, as JSON values (what a job carries)."""
+        return json.loads(json.dumps({name: getattr(self, name) for name in GENERATION_FLAGS}, default=str))
+
+    def generation_mismatch(self, theirs: dict | None) -> str | None:
+        """How this config's generation settings differ from ``theirs`` (a job's: the PS's), as one line for a
+        ConfigError; None when they agree (or the job carries none)."""
+        if not theirs:
+            return None
+        mine = self.generation_settings()
+        differ = [f"--{name} {mine.get(name)!r} (the parameter server's: {theirs[name]!r})"
+                  for name in GENERATION_FLAGS if name in theirs and mine.get(name) != theirs[name]]
+        if not differ:
+            return None
+        return (f"this worker's flags are not the parameter server's: {', '.join(differ)}; start it with the "
+                "parameter server's config flags")
 
     @property
     def is_demo(self) -> bool:

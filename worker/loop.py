@@ -104,6 +104,9 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 presence.update(state="idle", job_id=None)
                 watcher.wait()
                 continue
+            if mismatch := cfg.generation_mismatch(job.data.get("generation")):
+                queue.release(job)  # for a worker started with the PS's flags
+                raise ConfigError(mismatch)
             claimed = time.monotonic()
             presence.update(state="busy", job_id=job.job_id)
             queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_ENV, REPO, TESTS, start_script
+from helpers import PROCESS_ENV, REPO, TESTS, assert_exactly_once, start_script
 
 from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
@@ -246,3 +246,30 @@ def test_worker_that_cannot_build_its_trainer_exits_2_with_one_line(tmp_path):
         "worker: error: could not build its model and trainer: ValueError: Using fsdp only works in distributed "
         "training. (traceback in the worker's log)")
     assert "Traceback" in worker.stderr
+
+
+def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_back_and_exits_2(tmp_path):
+    """Each job carries the PS's generation flags: a worker whose own differ (another host's, typed again by
+    hand) releases the job it claimed (no attempt used) and exits 2 naming the flag; a worker started with the
+    PS's flags then trains every job once."""
+    root = tmp_path / "run"
+    flags = ["--run_dir", str(root), "--max_steps", "2", "--seed", "0"]
+    ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
+    healthy = None
+    try:
+        odd = subprocess.run([sys.executable, "-m", "worker", "--device", "1", *flags, "--temperature", "0.5"],
+                             cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
+        assert odd.returncode == 2, odd.stderr[-3000:]
+        assert odd.stderr.strip().splitlines()[-1] == (
+            "worker: error: this worker's flags are not the parameter server's: --temperature 0.5 (the parameter "
+            "server's: 1.0); start it with the parameter server's config flags")
+        healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
+        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        for proc in (ps, healthy):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    assert_exactly_once(root, jobs=2)
+    done = os.listdir(root / "done")
+    assert not [n for n in done if "_failed" in n or "_retried" in n or "_a2" in n], done
