@@ -31,7 +31,7 @@ from asyncgrpo.peft_args import PeftArgs
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The flags a worker must share with the PS: each changes what a job's result holds (its size, sampling, the
-# rewards' weights and advantages, the reference log-probs). The PS puts its values in every job.
+# rewards' weights and advantages, the reference log-probs). The PS writes its values in RUN/ps.json.
 GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_processes", "num_generations",
                     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
@@ -242,8 +242,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         return json.loads(json.dumps({name: getattr(self, name) for name in GENERATION_FLAGS}, default=str))
 
     def generation_mismatch(self, theirs: dict | None) -> str | None:
-        """How this config's generation settings differ from ``theirs`` (a job's: the PS's), as one line for a
-        ConfigError; None when they agree (or the job carries none)."""
+        """How this config's generation settings differ from ``theirs`` (the running PS's), as one line for a
+        ConfigError; None when they agree (or there are none to compare with)."""
         if not theirs:
             return None
         mine = self.generation_settings()

@@ -162,7 +162,8 @@ def train(cfg, run: RunDir) -> int:
     if first_rank:
         fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
                                                   "started_at": time.time(), "state": "training",
-                                                  "resumed_from": resume})
+                                                  "resumed_from": resume,
+                                                  "generation": cfg.generation_settings()})  # workers match it
     log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
              f", resuming from {resume}" if resume else "")
     if resume and checkpoint_step(resume) >= cfg.max_steps:

@@ -164,6 +164,5 @@ class JobProducer(WatchedThread):
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
                                created_step=created_step)
         self.version_floor[job_id] = self.pipeline.published_version  # before a worker can claim it
-        self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version,
-                                    "generation": self.cfg.generation_settings()}, created_step=created_step)
+        self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version}, created_step=created_step)
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)

@@ -41,6 +41,7 @@ from asyncgrpo.jobqueue import (
     RunDir,
     WorkerPresence,
     describe_error,
+    fileops,
 )
 from asyncgrpo.jobqueue.names import WorkerId
 from asyncgrpo.weights import make_subscriber
@@ -104,7 +105,9 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 presence.update(state="idle", job_id=None)
                 watcher.wait()
                 continue
-            if mismatch := cfg.generation_mismatch(job.data.get("generation")):
+            # The running PS's flags (a PS relaunched with other flags also trains the jobs it left in the queue).
+            ps_flags = (fileops.read_json(run.root / "ps.json") or {}).get("generation")
+            if mismatch := cfg.generation_mismatch(ps_flags):
                 queue.release(job)  # for a worker started with the PS's flags
                 raise ConfigError(mismatch)
             claimed = time.monotonic()

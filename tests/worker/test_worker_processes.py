@@ -249,7 +249,7 @@ def test_worker_that_cannot_build_its_trainer_exits_2_with_one_line(tmp_path):
 
 
 def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_back_and_exits_2(tmp_path):
-    """Each job carries the PS's generation flags: a worker whose own differ (another host's, typed again by
+    """The PS writes its generation flags in ps.json: a worker whose own differ (another host's, typed again by
     hand) releases the job it claimed (no attempt used) and exits 2 naming the flag; a worker started with the
     PS's flags then trains every job once."""
     root = tmp_path / "run"
