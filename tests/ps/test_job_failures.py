@@ -5,6 +5,7 @@ about the error (which reward function), and the completions-table rows a result
 
 The same through real processes: tests/e2e/test_failures_e2e.py."""
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -174,9 +175,15 @@ def worker_trainer(tmp_path_factory):
     return trainer, rows
 
 
-def with_reward(trainer, reward):
-    """The trainer scoring with ``reward`` instead (TRL keeps functions and their names side by side)."""
+@contextlib.contextmanager
+def scoring_with(trainer, reward):
+    """The trainer scores with ``reward`` instead of the demo reward inside the block (TRL keeps functions and
+    their names side by side)."""
     trainer.reward_funcs, trainer.reward_func_names = [reward], [reward.__name__]
+    try:
+        yield
+    finally:
+        trainer.reward_funcs, trainer.reward_func_names = [repeat_digit_reward], [repeat_digit_reward.__name__]
 
 
 def error_of(trainer, rows) -> dict:
@@ -187,22 +194,16 @@ def error_of(trainer, rows) -> dict:
 
 def test_the_error_names_the_reward_function_that_raised(worker_trainer):
     trainer, rows = worker_trainer
-    with_reward(trainer, always_raises)
-    try:
+    with scoring_with(trainer, always_raises):
         error = error_of(trainer, rows)
-    finally:
-        with_reward(trainer, repeat_digit_reward)
     assert (error["type"], error["message"], error["stage"]) == ("RuntimeError", "the reward server is down", "scoring")
     assert error["reward_function"] == "always_raises" and "in always_raises" in error["traceback"]
 
 
 def test_the_error_names_the_reward_function_that_returned_too_few_rewards(worker_trainer):
     trainer, rows = worker_trainer
-    with_reward(trainer, one_reward_too_few)
-    try:
+    with scoring_with(trainer, one_reward_too_few):
         error = error_of(trainer, rows)
-    finally:
-        with_reward(trainer, repeat_digit_reward)
     assert (error["type"], error["reward_function"]) == ("ValueError", "one_reward_too_few")
     assert error["message"].startswith("The reward function 'one_reward_too_few' returned 31 rewards, but 32")
 
@@ -226,13 +227,10 @@ def reward_logging_extra_columns(prompts, completions, log_extra, **kwargs):
 
 def test_a_result_carries_the_rows_of_trls_completions_table(worker_trainer, run):
     trainer, rows = worker_trainer
-    with_reward(trainer, reward_logging_extra_columns)
-    try:
+    with scoring_with(trainer, reward_logging_extra_columns):
         for seed in (0, 1):  # the second job's rows only: the table is emptied before each job
             batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=seed)
             logs = completion_logs(trainer)
-    finally:
-        with_reward(trainer, repeat_digit_reward)
     assert logs["prompt"] == [row["prompt"] for row in rows]
     assert len(logs["completion"]) == len(rows) and all(isinstance(c, str) for c in logs["completion"])
     assert list(logs["rewards"]) == ["reward_logging_extra_columns"]
