@@ -151,6 +151,16 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "1 +- epsilon instead."})
     off_policy_cap: float = field(default=2.0, metadata={
         "help": "The cap of off_policy_correction's importance ratio (truncated to it, or masked above it)."})
+    # How workers generate.
+    worker_decoding: str = field(default="auto", metadata={
+        "help": "'eager': TRL's generate (a dynamic KV cache, one Python-launched forward per token); 'compiled': a "
+                "static KV cache and the decoding step compiled with torch.compile (CUDA graphs on a GPU), compiled "
+                "at worker start before the first job; 'auto': compiled on CUDA, eager on CPU (where compiling "
+                "costs tens of seconds per batch shape and saves little)."})
+    jobs_per_generate: int = field(default=2, metadata={
+        "help": "A worker claims up to this many pending jobs at once (never waiting for more) and generates their "
+                "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "
+                "A larger batch costs little more per call where decoding is bound by kernel launches."})
     # Recovery.
     lease_s: float = field(default=30.0, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
@@ -200,6 +210,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
+            "worker_decoding": (self.worker_decoding in ("auto", "eager", "compiled"),
+                                "must be auto, eager or compiled"),
+            "jobs_per_generate": (self.jobs_per_generate >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),
             "max_staleness": (self.max_staleness >= 0, "must be >= 0"),

@@ -226,7 +226,9 @@ def format_report(r: dict) -> str:
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
                      f"{(w['state'] or '-'):<8} job {w['job_id'] or '-':<11} heartbeat {_age(w['heartbeat_age_s'])} ago"
-                     + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else ""))
+                     + (f" +{len(w['job_ids']) - 1} more" if len(w.get("job_ids") or []) > 1 else "")
+                     + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else "")
+                     + (f"  recompiles {w['recompiles']}" if w.get("recompiles") else ""))
     lines.append(f"stale: {len(r['stale'])}")
     lines += [f"  {detail}" for detail in r["stale_details"]]
     if r["junk"]:

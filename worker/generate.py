@@ -8,7 +8,7 @@ by newer weights, so the worker supplies them, from the weights it generated wit
 PS weights each token by the truncated ratio current/behaviour (ps/offpolicy.py): stale
 samples are corrected, not ignored.
 
-The behaviour log-probs are captured during generation (BehaviourCapture): generate's
+The behaviour log-probs are captured during generation (worker/behaviour.py): generate's
 own forward passes already compute every sampled token's logits, so the second forward
 pass over every completion (TRL's ``_get_per_token_logps_and_entropies``) only runs
 where capture does not apply. Except in synchronous mode (``max_staleness == 0``):
@@ -16,6 +16,10 @@ there the PS trains with the weights the worker generated with, so without captu
 key is left out and the PS uses its own current log-probs.
 
 Generation and scoring are timed apart by wrapping TRL's ``_generate`` for the call.
+
+Several jobs share one generate call (generate_jobs, ``--jobs_per_generate``): where decoding is
+bound by kernel launches, a larger batch costs little more per call. Each job is then scored
+by its own TRL call, whose ``_generate_single_turn`` returns that job's completions.
 
 A job that raises is described by ``error_record`` (which reward function, from TRL's frames in
 the traceback), and with ``--log_completions`` the rows TRL logged for its completions table
@@ -29,13 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
 import logging
 import statistics
 import time
 import traceback
 import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,10 +48,14 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
+from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
+from worker.behaviour import BehaviourCapture
+from worker.decoding import CompiledDecoding
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
 GENERATE = "_generate"
+GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over token ids
 CALCULATE_REWARDS = "_calculate_rewards"  # its loop variable reward_func_name names the function being called
 COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, rewards (per function), advantages, extra
 
@@ -84,8 +92,97 @@ def job_seed(seed: int, job_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(job_id.encode())) % 2**63
 
 
+@dataclass
+class JobInput:
+    """One job to generate: its rows, sampling seed (job_seed), the PS's step when thrown, and the fields its
+    events carry (job_id, weights_version)."""
+
+    rows: list[dict]
+    seed: int
+    ps_step: int = 0
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass
+class Pregenerated:
+    """One job's share of a generate call made for several jobs: what TRL's ``_generate_single_turn`` returns for
+    its rows, and the behaviour log-probs captured for them."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    capture: BehaviourCapture
+
+
+def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
+                  decoding: CompiledDecoding | None = None, with_logs: bool = False
+                  ) -> list[tuple[dict, dict, dict | None] | Exception]:
+    """Several jobs, generated in one generate call where that applies, each scored on its own: for each job, its
+    ``(batch, metrics)`` as generate_and_score returns them and, ``with_logs``, its completions table
+    (completion_logs; else None), or the exception its generation or scoring raised (one job's reward function
+    raising fails that job alone). An error that says the device is broken is raised.
+
+    The rows of all the jobs (filled up to compiled decoding's fixed batch) go through TRL's
+    ``_generate_single_turn`` once, sampled with the first job's seed: a job's samples then depend on which jobs
+    shared its call (with one job per call, on its seed alone). If that call raises, the jobs are generated one
+    by one, so that only a job that fails on its own fails."""
+    shared: list[Pregenerated | None] = [None] * len(jobs)
+    if len(jobs) > 1 or decoding is not None:
+        try:
+            shared = _generate_together(trainer, jobs, events, decoding) or shared
+        except Exception as err:
+            if is_broken_device_error(err):
+                raise
+            _log_once(f"[gen] generating {len(jobs)} jobs in one call raised {first_line(err)}; generating them "
+                      "one by one")
+    outcomes: list[tuple[dict, dict, dict | None] | Exception] = []
+    for job, pregenerated in zip(jobs, shared, strict=True):
+        try:
+            batch, metrics = generate_and_score(trainer, job.rows, events, seed=job.seed, ps_step=job.ps_step,
+                                                pregenerated=pregenerated, **job.fields)
+            outcomes.append((batch, metrics, completion_logs(trainer) if with_logs else None))
+        except Exception as err:
+            if is_broken_device_error(err):
+                raise
+            outcomes.append(err)
+    return outcomes
+
+
+def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
+                       decoding: CompiledDecoding | None) -> list[Pregenerated] | None:
+    """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
+    (see BehaviourCapture._unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
+    if BehaviourCapture._unsupported(trainer) not in (None, "num_beams > 1"):
+        return None
+    prompt_ids = []
+    for job in jobs:
+        # What TRL's _generate does with a job's prompts before it generates.
+        ids, images, multimodal_fields = trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in job.rows]))
+        if images is not None or multimodal_fields:
+            return None
+        prompt_ids.append([list(x) for x in ids])
+    batch = [ids for per_job in prompt_ids for ids in per_job]
+    if decoding is not None:
+        batch = decoding.pad_batch(batch)
+    torch.manual_seed(jobs[0].seed)
+    capture = BehaviourCapture(trainer)
+    for job in jobs:
+        events.emit("generate_start", jobs_in_call=len(jobs), **job.fields)
+    started = time.monotonic()
+    with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate():
+        completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
+    dur_ms = (time.monotonic() - started) * 1e3
+    for job in jobs:
+        events.emit("generate_end", dur_ms=dur_ms, jobs_in_call=len(jobs), **job.fields)
+    shares, start = [], 0
+    for ids in prompt_ids:
+        stop = start + len(ids)
+        shares.append(Pregenerated(ids, completion_ids[start:stop], capture.rows(start, stop)))
+        start = stop
+    return shares
+
+
 def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int, ps_step: int = 0,
-                       **job_fields) -> tuple[dict, dict]:
+                       pregenerated: Pregenerated | None = None, **job_fields) -> tuple[dict, dict]:
     """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics).
 
     The behaviour log-probs are left out only in synchronous mode when they could not be
@@ -96,18 +193,25 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...).
 
     ``ps_step`` is the PS's step when the job was thrown: reward functions see it as
-    ``trainer_state.global_step``, as they would in TRL (a worker never trains)."""
+    ``trainer_state.global_step``, as they would in TRL (a worker never trains).
+
+    ``pregenerated``: the job's completions from a generate call shared with other jobs (generate_jobs); TRL's
+    ``_generate_single_turn`` returns them instead of generating."""
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
     _clear_completion_logs(trainer)  # and its completions table rows only
     generate = getattr(trainer, GENERATE)
     generated_at = []
-    capture = BehaviourCapture(trainer)
+    capture = BehaviourCapture(trainer) if pregenerated is None else pregenerated.capture
 
     def timed_generate(*args, **kwargs):
-        with events.span("generate", **job_fields), capture.watching_generate():
-            out = generate(*args, **kwargs)
+        if pregenerated is None:
+            with events.span("generate", **job_fields), capture.watching_generate():
+                out = generate(*args, **kwargs)
+        else:
+            with _replaying(trainer, pregenerated):
+                out = generate(*args, **kwargs)
         generated_at.append(time.monotonic())
         events.emit("score_start", **job_fields)
         return out
@@ -129,6 +233,23 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     trainer._metrics["train"].clear()
     on_cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return on_cpu, metrics
+
+
+@contextlib.contextmanager
+def _replaying(trainer: GRPOTrainer, pregenerated: Pregenerated):
+    """For the span of one job's TRL ``_generate``: ``_generate_single_turn`` returns the job's share of the shared
+    call, after checking that TRL asks for the prompts that call generated for."""
+
+    def replay(prompt_ids, *_args, **_kwargs):
+        if [list(x) for x in prompt_ids] != pregenerated.prompt_ids:
+            raise RuntimeError("the job's prompts tokenized otherwise than for the shared generate call")
+        return pregenerated.completion_ids, None
+
+    setattr(trainer, GENERATE_SINGLE_TURN, replay)
+    try:
+        yield
+    finally:
+        delattr(trainer, GENERATE_SINGLE_TURN)
 
 
 def error_record(err: BaseException) -> dict:
@@ -214,168 +335,3 @@ def _log_once(line: str) -> None:
     if line not in _logged:
         _logged.add(line)
         log.info(line)
-
-
-class BehaviourCapture:
-    """The log-prob of each sampled token under the weights that sampled it, read off generate's own forwards.
-
-    TRL recomputes behaviour log-probs as ``log_softmax(logits / temperature)`` at each
-    completion token, from the model's logits before any logits processor (no top-k, top-p
-    or repetition penalty), and the PS's loss compares them with its own computed the same
-    way. The logits the decoding loop feeds to its processors are those same raw logits, so
-    the quantity is captured here without a second forward pass.
-
-    While TRL's ``_generate`` runs (``watching_generate``), the model TRL generates with
-    gets ``generate`` wrapped as an instance attribute, and while that runs, a forward hook.
-    Each decoding forward's last-position logits are kept until the next forward, whose
-    input_ids end with the token they sampled; the last token's come from generate's output.
-    That keeps one (batch, vocab) row set alive, not one per step.
-
-    Anything unexpected (generate called twice or not at all, decoding forwards that do not
-    match the generated tokens one to one, rows that do not line up with TRL's batch) leaves
-    ``per_token_logps`` returning None, with the reason in ``why_not``; the caller then
-    falls back to the forward pass. Configurations known not to generate through a single
-    ``model.generate`` call are not watched at all.
-    """
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-        self.temperature = trainer.args.temperature  # what TRL's fused LM head divides by
-        self.why_not: str | None = self._unsupported(trainer)
-        self.generate_calls = 0
-        self.logps: torch.Tensor | None = None  # (B, new tokens)
-        self.tokens: torch.Tensor | None = None  # (B, new tokens), the tokens they were gathered at
-        # During one generate call: the previous forward's last-position logits, and what was gathered so far.
-        self._pending: torch.Tensor | None = None
-        self._step_logps: list[torch.Tensor] = []
-        self._step_tokens: list[torch.Tensor] = []
-
-    @staticmethod
-    def _unsupported(trainer: GRPOTrainer) -> str | None:
-        # TRL's other generation paths do not call model.generate once over the batch (or return
-        # completions spliced with tool output); beam search feeds batch x beams rows to the model.
-        if trainer.use_vllm:
-            return "use_vllm"
-        if trainer.use_transformers_continuous_batching:
-            return "use_transformers_continuous_batching"
-        if trainer.rollout_func is not None:
-            return "rollout_func"
-        if trainer.tools:
-            return "tools"
-        if (getattr(trainer.generation_config, "num_beams", None) or 1) > 1:  # None: transformers' default, 1
-            return "num_beams > 1"
-        return None
-
-    # ------------------------------------------------------------------ during generation
-
-    @contextlib.contextmanager
-    def watching_generate(self):
-        """For the span of TRL's ``_generate``: the generating model's ``generate`` is wrapped."""
-        if self.why_not is not None:  # not a single model.generate call: nothing to watch
-            yield
-            return
-        model = self._model()
-        own = model.__dict__.get("generate")  # an instance attribute someone else set, if any
-        model.generate = functools.partial(self._generate, model, model.generate)
-        try:
-            yield
-        finally:
-            if own is None:
-                del model.generate  # back to the class's method
-            else:
-                model.generate = own
-
-    def _generate(self, model, original, *args, **kwargs):
-        self.generate_calls += 1
-        if self.generate_calls > 1:
-            self.why_not = self.why_not or "generate was called more than once in one job"
-        if self.why_not is not None:
-            return original(*args, **kwargs)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(input_ids, torch.Tensor):
-            self.why_not = "generate was called without input_ids"
-            return original(*args, **kwargs)
-        handle = model.register_forward_hook(self._on_forward, with_kwargs=True)
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            handle.remove()
-        self._finish(out, input_ids.size(1))
-        return out
-
-    def _on_forward(self, _module, args, kwargs, output):
-        if self.why_not is not None:
-            return
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = getattr(output, "logits", None)
-        if not isinstance(input_ids, torch.Tensor) or not isinstance(logits, torch.Tensor):
-            self.why_not = "a forward pass inside generate had no input_ids or no logits"
-            return
-        if self._pending is not None:
-            # This forward's last input token is the one sampled from the previous forward's logits.
-            if input_ids.size(0) != self._pending.size(0):
-                self.why_not = "the decoding forwards' batch size changed"
-                return
-            self._gather(input_ids[:, -1])
-        # A copy (in float32, as generate samples from): the output, and its large first-step logits, go away.
-        self._pending = logits[:, -1, :].to(dtype=torch.float32, copy=True)
-
-    def _gather(self, tokens: torch.Tensor) -> None:
-        tokens = tokens.to(self._pending.device)
-        # What TRL's fused LM head computes, in float32 (trl's selective_log_softmax is the same sum, ~4x slower
-        # per decoding step on small batches: it checks for its Triton kernel and loops over rows).
-        logps = torch.log_softmax(self._pending / self.temperature, dim=-1).gather(1, tokens[:, None])[:, 0]
-        self._step_logps.append(logps)
-        self._step_tokens.append(tokens)
-        self._pending = None
-
-    def _finish(self, out, prompt_length: int) -> None:
-        if self.why_not is not None:
-            return
-        if not isinstance(out, torch.Tensor):
-            self.why_not = "generate did not return a tensor of token ids"
-            return
-        new_tokens = out[:, prompt_length:]
-        steps = len(self._step_logps) + (self._pending is not None)
-        if steps != new_tokens.size(1) or self._pending is None or self._pending.size(0) != out.size(0):
-            # e.g. chunked prefill, assisted decoding, deferred stop checks, or rows other than the output's
-            self.why_not = "generate's forward passes do not match the generated tokens one to one"
-            return
-        self._gather(out[:, -1])
-        tokens = torch.stack(self._step_tokens, dim=1)
-        if not torch.equal(tokens, new_tokens.to(tokens.device)):
-            self.why_not = "the tokens seen by generate's forward passes are not the generated ones"
-            return
-        self.logps, self.tokens = torch.stack(self._step_logps, dim=1), tokens
-        self._step_logps, self._step_tokens = [], []
-
-    def _model(self) -> torch.nn.Module:
-        # The model TRL's transformers path generates with (unwrap_model_for_generation's).
-        return self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
-
-    # ------------------------------------------------------------------ after scoring
-
-    def per_token_logps(self, batch: dict) -> torch.Tensor | None:
-        """The captured log-probs shaped as TRL's ``old_per_token_logps`` for ``batch``, or None (see why_not)."""
-        if self.why_not is None and self.generate_calls == 0:
-            self.why_not = "generate was not called"
-        if self.why_not is not None:
-            return None
-        completion_ids, mask = batch["completion_ids"], batch["completion_mask"].bool()
-        if completion_ids.size(0) != self.logps.size(0):
-            self.why_not = "TRL's batch does not have one row per generated sequence"
-            return None
-        # TRL cuts each completion after its EOS and right-pads to the longest (or to pad_to_multiple_of).
-        width, captured = completion_ids.size(1), self.logps.size(1)
-        logps = self.logps.to(completion_ids.device)[:, :width]
-        tokens = self.tokens.to(completion_ids.device)[:, :width]
-        if width > captured:  # padding only: beyond every completion, so masked out
-            logps = torch.nn.functional.pad(logps, (0, width - captured))
-            tokens = torch.nn.functional.pad(tokens, (0, width - captured))
-        # TRL keeps the generate call's row order; were that to change, this would notice.
-        if not bool(((tokens == completion_ids) | ~mask).all()):
-            self.why_not = "TRL's completions are not the generated rows in order"
-            return None
-        # Masked-out positions as TRL's forward pass gives them: 0.
-        return torch.where(mask, logps, torch.zeros_like(logps))
-

@@ -46,7 +46,8 @@ from asyncgrpo.jobqueue import (
 from asyncgrpo.jobqueue.names import WorkerId
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
-from worker.generate import build_trainer, completion_logs, error_record, generate_and_score, job_seed
+from worker.decoding import CompiledDecoding, resolve_mode
+from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
@@ -78,6 +79,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
 
     try:
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
+        decoding = _compile_decoding(cfg, trainer, device, events)
     except Exception as err:
         watcher.close()
         presence.stop()
@@ -102,7 +104,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 continue
             job = queue.claim(device)
             if job is None:
-                presence.update(state="idle", job_id=None)
+                presence.update(state="idle", job_id=None, job_ids=[])
                 watcher.wait()
                 continue
             # The running PS's flags (a PS relaunched with other flags also trains the jobs it left in the queue).
@@ -110,31 +112,39 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             if mismatch := cfg.generation_mismatch(ps_flags):
                 queue.release(job)  # for a worker started with the PS's flags
                 raise ConfigError(mismatch)
+            jobs = [job]
+            while len(jobs) < cfg.jobs_per_generate and (more := queue.claim(device)) is not None:
+                jobs.append(more)  # only jobs already pending: a job in hand never waits for another
             claimed = time.monotonic()
-            presence.update(state="busy", job_id=job.job_id)
-            queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3
-            events.emit("job_claimed", job_id=job.job_id, attempt=job.attempt, queue_wait_ms=queue_wait_ms)
-            log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
-                     queue_wait_ms)
+            presence.update(state="busy", job_id=job.job_id, job_ids=[j.job_id for j in jobs])
+            for j in jobs:
+                queue_wait_ms = (j.claimed_at - j.payload["created_at"]) * 1e3
+                events.emit("job_claimed", job_id=j.job_id, attempt=j.attempt, queue_wait_ms=queue_wait_ms)
+                log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, j.job_id, j.attempt,
+                         queue_wait_ms)
             version = _sync(subscriber, trainer.model, device, events) or version
-            if version < job.data["min_weights_version"]:
+            needed = max(j.data["min_weights_version"] for j in jobs)
+            if version < needed:
                 waited_from = time.monotonic()
-                while version < job.data["min_weights_version"] and not stop.is_set():
+                while version < needed and not stop.is_set():
                     time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
                     version = _sync(subscriber, trainer.model, device, events) or version
                 events.emit("weights_wait", job_id=job.job_id, weights_version=version,
                             dur_ms=(time.monotonic() - waited_from) * 1e3)
-            if stop.is_set() and version < job.data["min_weights_version"]:
-                queue.release(job)
-                events.emit("job_released", job_id=job.job_id)
+            if stop.is_set() and version < needed:
+                for j in jobs:
+                    queue.release(j)
+                    events.emit("job_released", job_id=j.job_id)
                 break
             presence.update(weights_version=version)
-            if _process(cfg, queue, job, trainer, version, events, claimed):
+            if _process(cfg, queue, jobs, trainer, version, events, claimed, decoding):
                 failures_in_a_row = 0
             else:
                 failures_in_a_row += 1
-                presence.update(state="backoff", job_id=None)
+                presence.update(state="backoff", job_id=None, job_ids=[])
                 stop.wait(min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (failures_in_a_row - 1)))
+            if decoding is not None:
+                presence.update(recompiles=decoding.recompiles())
     except Exception as err:
         if not is_broken_device_error(err):
             raise
@@ -163,6 +173,23 @@ def _wait_and_build_trainer(cfg, run, stop, watcher):
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
 
 
+def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: EventLog) -> CompiledDecoding | None:
+    """With compiled decoding, compiles it now, before the first claim (worker/decoding.py)."""
+    if resolve_mode(cfg.worker_decoding, cfg.device_type) != "compiled":
+        return None
+    dataset = trainer.train_dataset
+    rows = [dataset[i] for i in range(min(len(dataset), 1024))]
+    prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
+    decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
+    log.info("[gen] dev%s compiling its decoding step (batch %d rows, cache %d tokens) before its first job", device,
+             decoding.rows_per_call, trainer.generation_config.max_cache_len)
+    seconds = decoding.warm_up(prompt_ids)
+    events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
+                rows=decoding.rows_per_call)
+    log.info("[gen] dev%s decoding compiled in %.1f s", device, seconds)
+    return decoding
+
+
 def _device_label(cfg: AsyncGRPOConfig) -> str:
     if cfg.device_type == "cpu":
         return "cpu"
@@ -179,38 +206,42 @@ def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
     return version
 
 
-def _process(cfg: AsyncGRPOConfig, queue: JobQueue, job, trainer, version: int, events: EventLog,
-             claimed: float) -> bool:
-    """Generates, scores and publishes one job; False if it raised (it is thrown again or reported failed)."""
-    device = job.name.device
+def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version: int, events: EventLog,
+             claimed: float, decoding: CompiledDecoding | None) -> bool:
+    """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
+    any of them raised (it is thrown again or reported failed)."""
+    device = jobs[0].name.device
     started = time.time()
-    try:
-        batch, metrics = generate_and_score(trainer, job.data["rows"], events,
-                                            seed=job_seed(trainer.args.seed, job.job_id),
-                                            ps_step=job.payload["created_step"],
-                                            job_id=job.job_id, weights_version=version)
-    except Exception as err:  # a bad prompt or reward function must not kill the worker
-        if is_broken_device_error(err):
-            raise  # not this job's failure alone: run_worker exits, recovery retries the job
-        _fail(cfg, queue, job, err, version, events)
-        return False
+    inputs = [JobInput(job.data["rows"], job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
+                       {"job_id": job.job_id, "weights_version": version}) for job in jobs]
+    # A bad prompt or reward function fails its job, not the worker (an error of a broken device is raised).
+    outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions)
     done = time.time()
-    data = {"batch": batch, "metrics": metrics, "rows": job.data["rows"]}
-    if cfg.log_completions:
-        data["logs"] = completion_logs(trainer)  # the PS prints TRL's completions table from these
-    try:
-        published = queue.complete(
-            job, data, weights_version=version, queue_time=job.claimed_at - job.payload["created_at"],
-            processing_time=done - started, job_age=done - job.payload["created_at"])
-    except QueueWriteError as err:
-        _release_unwritable(queue, job, err, events)
-        return True
-    events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
-                dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
-                tokens=int(batch["completion_mask"].sum()))
-    log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s", device, job.job_id,
-             version, (done - started) * 1e3, metrics.get("reward", float("nan")), published)
-    return True
+    recompiles = decoding.recompiles() if decoding is not None else 0
+    all_done = True
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            _fail(cfg, queue, job, outcome, version, events)
+            all_done = False
+            continue
+        batch, metrics, logs = outcome
+        data = {"batch": batch, "metrics": metrics, "rows": job.data["rows"]}
+        if logs is not None:
+            data["logs"] = logs  # the PS prints TRL's completions table from these
+        try:
+            published = queue.complete(
+                job, data, weights_version=version, queue_time=job.claimed_at - job.payload["created_at"],
+                processing_time=done - started, job_age=done - job.payload["created_at"])
+        except QueueWriteError as err:
+            _release_unwritable(queue, job, err, events)
+            continue
+        events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
+                    dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
+                    tokens=int(batch["completion_mask"].sum()), jobs_in_call=len(jobs), recompiles=recompiles)
+        log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s%s", device, job.job_id,
+                 version, (done - started) * 1e3, metrics.get("reward", float("nan")), published,
+                 f" jobs_in_call={len(jobs)}" if len(jobs) > 1 else "")
+    return all_done
 
 
 _errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback

@@ -30,7 +30,7 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.hosts import HOST_ID, same_host
@@ -99,7 +99,7 @@ class WorkerPresence:
                  lease_s: float = 30.0):
         self.run, self.device, self.interval_s, self.lease_s = run, device, interval_s, lease_s
         self._fields = {"device": device, "pid": os.getpid(), "host": socket.gethostname(), "host_id": HOST_ID,
-                        "job_id": None, "weights_version": None, "reading": None, "state": "starting",
+                        "job_id": None, "job_ids": [], "weights_version": None, "reading": None, "state": "starting",
                         "started_at": time.time()}
         self._lock_fd: int | None = None
         self._stop = threading.Event()
@@ -204,6 +204,11 @@ class WorkerStatus:
     heartbeat_age_s: float | None  # None: never beat
     remote: bool = False  # on another host: judged by its heartbeat's age alone
     reading: list | None = None  # [publisher_id, version] of the snapshot it reads, while alive
+    job_ids: list[str] = field(default_factory=list)  # every job in its hand (several per generate call)
+    recompiles: int = 0  # compiled decoding's graphs made after its warm-up
+
+    def holds(self, job_id: str) -> bool:
+        return job_id == self.job_id or job_id in self.job_ids
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -241,7 +246,9 @@ def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> 
                         state=heartbeat.get("state") if alive or heartbeat.get("state") == "stopped" else "dead",
                         job_id=heartbeat.get("job_id") if alive else None,
                         weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age, remote=remote,
-                        reading=reading if alive and isinstance(reading, list) and len(reading) == 2 else None)
+                        reading=reading if alive and isinstance(reading, list) and len(reading) == 2 else None,
+                        job_ids=[str(j) for j in heartbeat.get("job_ids") or []] if alive else [],
+                        recompiles=int(heartbeat.get("recompiles") or 0))
 
 
 def list_workers(run: RunDir, now: float, lease_s: float) -> list[WorkerStatus]:

@@ -471,6 +471,6 @@ def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> s
         return f"worker dev{name.device} is dead"
     if status.heartbeat_age_s is not None and status.heartbeat_age_s > lease_s:
         return f"worker dev{name.device} heartbeat is {status.heartbeat_age_s:.0f}s old (lease {lease_s:g}s)"
-    if status.job_id != name.job_id and file_age > lease_s:
+    if not status.holds(name.job_id) and file_age > lease_s:
         return f"worker dev{name.device} moved on to {status.job_id} and this file is {file_age:.0f}s old"
     return None

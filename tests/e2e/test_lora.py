@@ -190,9 +190,12 @@ def test_an_adapter_only_sync_gives_the_worker_the_ps_log_probs(tmp_path, transp
     assert [n for n in adapter] == [n for n in shared_tensors(worker.model)]
     run = RunDir.create(tmp_path / "run")
     publisher, subscriber = make_publisher(run, ps.model, transport), make_subscriber(run)
+    addresses = [t.data_ptr() for t in shared_tensors(worker.model).values()]
     try:
         assert publisher.publish(1, 1)
         assert subscriber.sync(worker.model) == 1
+        # Into the adapter's own storage: compiled decoding's graphs (CUDA graphs) hold these addresses.
+        assert [t.data_ptr() for t in shared_tensors(worker.model).values()] == addresses
         # Only the adapter went through the transport: its bytes, not the model's.
         assert publisher.layout.total_bytes == subscriber.synced_bytes == aligned_bytes(adapter)
         assert aligned_bytes(adapter) < aligned_bytes(ps.model.state_dict()) / 2

@@ -81,6 +81,7 @@ def test_round_trip(run, transport, factory):
     ps, worker = factory(0), factory(1)
     assert not same_state(ps, worker)
     publisher, subscriber = make_publisher(run, ps, transport), make_subscriber(run)
+    addresses = {name: t.data_ptr() for name, t in worker.state_dict().items()}
     try:
         publisher.publish(version=3, step=3)
         assert subscriber.latest_version() == 3
@@ -96,6 +97,8 @@ def test_round_trip(run, transport, factory):
         assert subscriber.sync(worker) == 4
         assert same_state(ps, worker)
         assert subscriber.sync(worker) is None
+        # Every sync copied into the worker's own storage: compiled decoding's graphs hold these addresses.
+        assert {name: t.data_ptr() for name, t in worker.state_dict().items()} == addresses
         if factory is tiny_llama:  # the tie survives: one tensor, both names
             assert worker.lm_head.weight.data_ptr() == worker.model.embed_tokens.weight.data_ptr()
     finally:

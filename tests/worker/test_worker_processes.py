@@ -171,7 +171,7 @@ def generate_on_a_broken_gpu(*args, **kwargs):
     raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered\\n"
                                  "CUDA kernel errors might be asynchronously reported at some other API call")
 
-worker.generate.generate_and_score = generate_on_a_broken_gpu
+worker.generate.generate_jobs = generate_on_a_broken_gpu
 from worker.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

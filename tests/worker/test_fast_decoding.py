@@ -1,0 +1,232 @@
+"""Fast generation on a worker: several jobs in one generate call, and compiled decoding.
+
+Compiling takes seconds to tens of seconds on this CPU: one compiled trainer is shared by the
+tests of this module, and each test leaves its weights as it found them or syncs new ones in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import closing
+
+import pytest
+import torch
+
+import worker.generate as generate_module
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.tasks.demo import (
+    DEMO_DEFAULTS,
+    build_dataset,
+    build_model,
+    build_tokenizer,
+    cpu_overrides,
+    repeat_digit_reward,
+)
+from asyncgrpo.weights import make_publisher, make_subscriber
+from worker.decoding import CompiledDecodeStep, CompiledDecoding, generating_model
+from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_jobs
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# Prompts of 2 to 9 tokens (one token per character): the shared call left-pads them to the longest.
+VARIED_PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:"]
+SAMPLING = {"top_k": 5, "top_p": 0.9}
+
+
+class Events:
+    """An EventLog that keeps what it is given."""
+
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, event, **fields):
+        self.emitted.append((event, fields))
+
+    @contextlib.contextmanager
+    def span(self, name, **fields):
+        self.emit(f"{name}_start", **fields)
+        yield {}
+        self.emit(f"{name}_end", **fields)
+
+
+def make_trainer(tmp_path, reward=repeat_digit_reward, **overrides):
+    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
+                             "disable_tqdm": True, "device_type": "cpu", **SAMPLING, **overrides})
+    tok = build_tokenizer()
+    return build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [reward], build_dataset(n=40))
+
+
+def job(index: int, prompts: list[str], trainer) -> JobInput:
+    rows = [{"prompt": p} for p in prompts for _ in range(trainer.num_generations)]
+    return JobInput(rows, seed=index, fields={"job_id": f"000000_{index:03d}"})
+
+
+def two_jobs(trainer) -> list[JobInput]:
+    return [job(0, VARIED_PROMPTS, trainer), job(1, ["3:", "45 6:", "8:", "1 1 1:"], trainer)]
+
+
+def counted(trainer, obj, name) -> list:
+    """Counts calls of ``obj.name`` (an instance attribute over the method, removed by the caller)."""
+    calls, method = [], getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+def trl_logps(trainer, batch) -> torch.Tensor:
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = getattr(type(trainer), BEHAVIOUR_LOGPS)(trainer, trainer.model, ids, mask,
+                                                            batch["completion_ids"].size(1))
+    return logps
+
+
+def assert_captured_equal_trls(trainer, outcomes):
+    for outcome in outcomes:
+        assert not isinstance(outcome, Exception), outcome
+        batch, _, _ = outcome
+        diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
+        assert diff.max().item() < 1e-4
+
+
+@pytest.fixture(autouse=True)
+def fresh_once_log(monkeypatch):
+    monkeypatch.setattr(generate_module, "_logged", set())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A trainer with compiled decoding for two jobs per call, warmed up."""
+    trainer = make_trainer(tmp_path_factory.mktemp("compiled"))
+    dataset = trainer.train_dataset
+    prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
+    decoding = CompiledDecoding(trainer, 2, prompt_ids)
+    decoding.warm_up(prompt_ids)
+    return trainer, decoding
+
+
+# ---------------------------------------------------------------- several jobs per generate call
+
+def test_two_jobs_share_one_generate_call_and_each_gets_its_own_result(tmp_path):
+    trainer = make_trainer(tmp_path)
+    model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+    generate_calls = counted(trainer, model, "generate")
+    forward_passes = counted(trainer, trainer, BEHAVIOUR_LOGPS)
+    events = Events()
+    jobs = two_jobs(trainer)
+    outcomes = generate_jobs(trainer, jobs, events, with_logs=True)
+    assert len(generate_calls) == 1 and forward_passes == []  # one call; log-probs captured, not recomputed
+    assert_captured_equal_trls(trainer, outcomes)
+    for j, (batch, metrics, logs) in zip(jobs, outcomes, strict=True):
+        assert batch["completion_ids"].size(0) == len(j.rows)
+        assert logs["prompt"] == [row["prompt"] for row in j.rows]  # its own completions table
+        assert "reward" in metrics
+    # Each job's reward is its own: the first job's prompts are not the second's.
+    ends = [fields["job_id"] for event, fields in events.emitted if event == "generate_end"]
+    assert ends == ["000000_000", "000000_001"]
+
+
+def test_a_reward_that_raises_on_one_job_fails_that_job_alone(tmp_path):
+    def reward(prompts, completions, **kwargs):
+        if any(p.startswith("45") for p in prompts):
+            raise ValueError("no reward for 45")
+        return repeat_digit_reward(prompts, completions, **kwargs)
+
+    trainer = make_trainer(tmp_path, reward=reward)
+    first, second = generate_jobs(trainer, two_jobs(trainer), Events())
+    assert not isinstance(first, Exception)
+    assert isinstance(second, ValueError) and "no reward for 45" in str(second)
+
+
+def test_a_shared_call_that_raises_is_done_job_by_job(tmp_path, caplog):
+    trainer = make_trainer(tmp_path)
+    model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+    original = model.generate
+    sizes = []
+
+    def generate(*args, **kwargs):
+        sizes.append(kwargs["input_ids"].size(0))
+        if kwargs["input_ids"].size(0) > 32:
+            raise RuntimeError("out of memory for 64 rows")
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    outcomes = generate_jobs(trainer, two_jobs(trainer), Events())
+    assert sizes == [64, 32, 32]
+    assert_captured_equal_trls(trainer, outcomes)
+    assert "generating 2 jobs in one call raised RuntimeError: out of memory for 64 rows" in caplog.text
+
+
+# ---------------------------------------------------------------- compiled decoding
+
+def test_compiled_decoding_compiles_before_the_first_job_and_not_after(compiled):
+    trainer, decoding = compiled
+    assert decoding.graphs_after_warm_up >= 1
+    step = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))._compiled_call
+    assert isinstance(step, CompiledDecodeStep)
+    original, calls = step.compiled, []
+
+    def compiled_step(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    step.compiled = compiled_step
+    try:  # one job (filled up to the fixed batch), two jobs, other prompt lengths: no new graph
+        generate_jobs(trainer, [job(0, VARIED_PROMPTS, trainer)], Events(), decoding)
+        generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
+    finally:
+        step.compiled = original
+    assert len(calls) >= 2 * (trainer.max_completion_length - 1)  # generate decoded through the compiled step
+    assert decoding.recompiles() == 0
+
+
+def test_compiled_decoding_captures_log_probs_equal_to_trls(compiled):
+    trainer, decoding = compiled
+    forward_passes = counted(trainer, trainer, BEHAVIOUR_LOGPS)
+    try:
+        outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
+    finally:
+        delattr(trainer, BEHAVIOUR_LOGPS)
+    assert forward_passes == []  # captured under the compiled step, not recomputed
+    assert_captured_equal_trls(trainer, outcomes)
+
+
+def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights(compiled, tmp_path):
+    trainer, decoding = compiled
+    model = trainer.model
+    new_weights = build_model(seed=0, tokenizer=build_tokenizer())  # what the PS trained: each logit negated
+    with torch.no_grad():
+        new_weights.model.norm.weight.neg_()
+    run = RunDir.create(tmp_path / "run")
+    addresses = [p.data_ptr() for p in model.parameters()]
+    with closing(make_publisher(run, new_weights, "mmap")) as publisher, closing(make_subscriber(run)) as subscriber:
+        publisher.publish(version=1, step=1)
+        assert subscriber.sync(model) == 1
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+
+    prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts(VARIED_PROMPTS * 16)[0]]
+    trainer.generation_config.do_sample = False
+    try:
+        with torch.no_grad():
+            compiled_ids, _ = trainer._generate_single_turn(decoding.pad_batch(prompts), None, {}, 8)
+    finally:
+        trainer.generation_config.do_sample = True
+    assert decoding.recompiles() == 0
+    eager = make_trainer(tmp_path / "eager")
+    eager.model.load_state_dict(new_weights.state_dict())
+    eager.generation_config.do_sample = False
+    with torch.no_grad():
+        eager_ids, _ = eager._generate_single_turn(prompts, None, {}, 8)
+    assert compiled_ids[: len(prompts)] == eager_ids
+    # A graph still holding the old weights would not: they decode otherwise.
+    old = make_trainer(tmp_path / "old")
+    old.generation_config.do_sample = False
+    with torch.no_grad():
+        old_ids, _ = old._generate_single_turn(prompts, None, {}, 8)
+    assert old_ids != eager_ids

@@ -1,0 +1,116 @@
+"""How a worker decodes: eager or compiled (``--worker_decoding``).
+
+eager: TRL's own ``generate`` call as TRL configures it (a dynamic KV cache, compilation off):
+one forward per token, each a few hundred kernel launches from Python.
+
+compiled: a static KV cache and the decoding step compiled with ``torch.compile`` (CUDA graphs
+on a GPU: one launch per token). The shapes are kept few, so a run compiles a handful of graphs:
+
+- the static cache is sized once, for the longest prompt seen at start-up rounded up to
+  PROMPT_BUCKET tokens plus ``max_completion_length`` (transformers' ``max_cache_len``), so a
+  decoding step's shapes do not depend on the prompt's length (the prefill runs eagerly);
+  a prompt beyond that still generates correctly, with a larger cache and a new graph;
+- the batch is fixed: a call generates ``jobs_per_generate`` jobs' rows, a call with fewer
+  jobs is filled up with copies of its first row (their completions are thrown away).
+
+``warm_up`` compiles before the worker's first claim, so a job never waits on compilation;
+graphs compiled after it are counted (``compiled_graphs``) into the worker's events, its
+heartbeat (queue_tools ls) and the report.
+
+CUDA graphs hold the parameters' addresses: weight syncs copy into the parameters' storage
+(asyncgrpo/weights), never replace it, so the graphs stay valid across syncs.
+
+transformers compiles ``model.__call__``, hooks included; the worker compiles ``model.forward``
+instead and hands the result to generate as the model's compiled call (CompiledDecodeStep):
+behaviour-log-prob capture (worker/behaviour.py) observes each step outside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import CompileConfig
+
+log = logging.getLogger("asyncgrpo.worker")
+
+DECODING_MODES = ("auto", "eager", "compiled")
+PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
+COMPILED_CALL = "_compiled_call"  # what transformers' get_compiled_call returns when it is set (with the config below)
+LAST_COMPILE_CONFIG = "_last_compile_config"
+
+
+def resolve_mode(mode: str, device_type: str) -> str:
+    """``auto``: compiled on CUDA, eager on CPU. Measured on the 2-core CPU machine (docs/performance.md): a compiled
+    decoding step saves 8-15% of a generate call there and costs 12-35 s of compilation per batch shape."""
+    if mode == "auto":
+        return "compiled" if device_type == "cuda" else "eager"
+    return mode
+
+
+def generating_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose generate runs the decoding loop: a PEFT model's base model (with the adapter
+    layers in it), else the model itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompiledDecodeStep:
+    """The compiled forward generate calls for each decoding step, with an observer called after each call."""
+
+    def __init__(self, model: torch.nn.Module, compile_config: CompileConfig):
+        self.compiled = torch.compile(model.forward, **compile_config.to_dict())
+        self.observer = None  # callable(kwargs, output), set by BehaviourCapture for the span of a generate call
+
+    def __call__(self, *args, **kwargs):
+        output = self.compiled(*args, **kwargs)
+        if self.observer is not None:
+            self.observer(kwargs, output)
+        return output
+
+
+class CompiledDecoding:
+    """Compiled decoding on a worker's trainer (see the module's docstring)."""
+
+    def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]]):
+        self.trainer = trainer
+        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
+        longest = max((len(ids) for ids in prompt_ids), default=1)
+        self.prompt_tokens = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        gen = trainer.generation_config
+        gen.cache_implementation = "static"
+        gen.max_cache_len = self.prompt_tokens + trainer.max_completion_length
+        gen.disable_compile = False
+        on_cuda = trainer.accelerator.device.type == "cuda"
+        gen.compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if on_cuda else None)
+        gen.compile_config._compile_all_devices = not on_cuda  # transformers compiles on accelerators only otherwise
+        trainer.generation_kwargs["cache_implementation"] = "static"  # what TRL sets on the model while generating
+        model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        setattr(model, COMPILED_CALL, CompiledDecodeStep(model, gen.compile_config))
+        setattr(model, LAST_COMPILE_CONFIG, gen.compile_config)
+        self.graphs_after_warm_up: int | None = None
+
+    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
+        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
+
+    def warm_up(self, prompt_ids: list[list[int]]) -> float:
+        """Compiles by generating one full batch of ``prompt_ids`` twice (the first call compiles the step, the
+        second the step after a fresh cache); returns the seconds it took."""
+        start = time.monotonic()
+        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
+        for _ in range(2):
+            with torch.no_grad(), self.trainer.accelerator.autocast():
+                self.trainer._generate_single_turn(batch, None, {}, self.trainer.num_generations)
+        self.graphs_after_warm_up = compiled_graphs()
+        return time.monotonic() - start
+
+    def recompiles(self) -> int:
+        """Graphs compiled since the warm-up."""
+        return compiled_graphs() - (self.graphs_after_warm_up or 0)
