@@ -12,7 +12,11 @@ measures learning). bf16 autocast on both sides (GRPOConfig's default on a GPU),
 
 Configs (every run real processes started from here, all on cuda:0):
     trl          plain TRL: one process that generates, scores and trains in turn
-    asyncN       `python -m ps` + N `python -m worker`, placed as launch.sh places them on one GPU
+    asyncN       `python -m ps` + N `python -m worker`, placed as launch.sh places them on one GPU, with the
+                 workers' defaults (--worker_decoding auto: compiled on a GPU; --jobs_per_generate's default)
+    asyncN_eager the same with the workers as they were before compiled decoding: --worker_decoding eager
+                 --jobs_per_generate 1
+    asyncN_kK    the same as asyncN with --jobs_per_generate K
     *_cb         the same with --use_transformers_continuous_batching true (TRL's generation engine)
 
 Per run, from step --warmup to the last step: step_ms (median time between logged steps), samples_per_s
@@ -102,12 +106,24 @@ def run_trl(model_dir: Path, hp: dict, steps: int, work: Path) -> list[float]:
     return [x["t"] for x in e2e.read_jsonl(events) if x["event"] == "step"]
 
 
-def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str) -> tuple[list[dict], Path]:
+def worker_settings(name: str) -> tuple[int, list[str]]:
+    """An asyncN config name: (N workers, the worker flags its suffix names)."""
+    base, _, setting = name.partition("_")
+    workers = int(base.removeprefix("async"))
+    if setting == "eager":
+        return workers, ["--worker_decoding", "eager", "--jobs_per_generate", "1"]
+    if setting.startswith("k"):
+        return workers, ["--jobs_per_generate", setting[1:]]
+    return workers, []
+
+
+def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str,
+              extra: list[str]) -> tuple[list[dict], Path]:
     """PS + workers until the PS reaches max_steps; returns metrics.jsonl's lines and the run directory."""
     run = work / "run"
     (run / "logs").mkdir(parents=True)
     flags = ["--run_dir", str(run), "--device_type", device, "--model_name_or_path", str(model_dir)]
-    flags += [f"--{k}={v}" for k, v in hp.items()]
+    flags += [f"--{k}={v}" for k, v in hp.items()] + extra
 
     def start(name, *cmd):
         logf = open(run / "logs" / name, "ab")
@@ -168,8 +184,8 @@ def main() -> int:
             if base == "trl":
                 res = throughput(run_trl(root / "model", hp, args.steps, root / name), args.warmup, batch)
             else:
-                lines, run = run_async(root / "model", hp, int(base.removeprefix("async")), root / name,
-                                      args.device)
+                workers, extra = worker_settings(base)
+                lines, run = run_async(root / "model", hp, workers, root / name, args.device, extra)
                 res = throughput([x["time"] for x in lines], args.warmup, batch)
                 after = lines[args.warmup + 1:]
                 if after:

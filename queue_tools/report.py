@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -194,10 +195,15 @@ def utilisation(track: Track, downtime=()) -> dict:
 
     def frac(x):
         return x / life if life > 0 else None
+    written = [e for e in track.events if e["event"] == "result_written"]
+    compiled = [e for e in track.events if e["event"] == "decoding_compiled"]
     return {"process": track.process, "pid": track.pid, "device": track.device, "life_s": life,
             "busy_s": busy, "syncing_s": syncing, "idle_s": idle, "busy_fraction": frac(busy),
-            "syncing_fraction": frac(syncing), "idle_fraction": frac(idle),
-            "jobs": sum(1 for e in track.events if e["event"] == "result_written")}
+            "syncing_fraction": frac(syncing), "idle_fraction": frac(idle), "jobs": len(written),
+            # several jobs per generate call (--jobs_per_generate); compiled decoding's start-up and later graphs
+            "jobs_per_call": statistics.fmean(e.get("jobs_in_call", 1) for e in written) if written else None,
+            "compile_s": sum(e.get("dur_ms", 0) for e in compiled) / 1e3 if compiled else None,
+            "recompiles": max((e.get("recompiles", 0) for e in written), default=0)}
 
 
 def ps_lives(tracks: list[Track]) -> list[list]:
@@ -367,7 +373,10 @@ def format_text(r: dict) -> str:
     for w in r["workers"]:
         lines.append(f"  {w['process']:<14} pid {w['pid']!s:<8} {w['device']:<7} life {w['life_s']:6.1f} s  "
                      f"jobs {w['jobs']:<5} busy {pct(w['busy_fraction'] or 0):>4}  "
-                     f"syncing {pct(w['syncing_fraction'] or 0):>4}  idle {pct(w['idle_fraction'] or 0):>4}")
+                     f"syncing {pct(w['syncing_fraction'] or 0):>4}  idle {pct(w['idle_fraction'] or 0):>4}"
+                     + (f"  jobs/call {w['jobs_per_call']:.1f}" if (w.get("jobs_per_call") or 1) > 1 else "")
+                     + (f"  compiled in {w['compile_s']:.0f} s, recompiles {w['recompiles']}"
+                        if w.get("compile_s") is not None else ""))
     if r["workers_total"]:
         w = r["workers_total"]
         lines.append(f"  all workers: busy {pct(w['busy_fraction'])}, syncing {pct(w['syncing_fraction'])}, "

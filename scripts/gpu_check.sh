@@ -6,7 +6,8 @@
 #   1. pytest -m gpu      the CUDA IPC tests (tests/ files with gpu-marked tests)
 #   2. weights bench      bench/weights_bench.py --gpu: sync of a 1.5B bf16 model through CUDA
 #                         IPC against a raw device-to-device copy of the same bytes, and publish
-#   3. launch.sh          bash launch.sh --workers 1 --device cuda, a short demo run
+#   3. launch.sh          bash launch.sh --workers 1 --device cuda, a short demo run (the worker decodes
+#                         compiled, the default on CUDA: it must compile at start and not after)
 #
 # then one summary block (each part PASS/FAIL and its figures). Exit status 0 when every part
 # passed, 1 when one failed, 2 when there is no GPU here. The whole run fits in about 10
@@ -178,10 +179,15 @@ except (OSError, ValueError, KeyError):
     transport = "?"
 syncs = [float(x) for x in re.findall(r"synced version=\d+ sync_ms=([\d.]+)", read("run/logs/log_worker_1.txt"))]
 restarts = read("run/logs/launch.txt").count("exited with status")
-ok = launch_rc == 0 and done == steps and transport == "cuda_ipc" and restarts == 0
+compiled = re.search(r"decoding compiled in ([\d.]+) s", read("run/logs/log_worker_1.txt"))
+recompiles = max([json.loads(x).get("recompiles", 0) for x in read("run/logs/events-worker-dev1.jsonl").splitlines()
+                  if '"result_written"' in x] or [0])
+ok = launch_rc == 0 and done == steps and transport == "cuda_ipc" and restarts == 0 and compiled and recompiles == 0
 rows.append(("launch.sh", ok, f"{done}/{steps} steps in {launch_s} s{timed_out(launch_rc)}, exit {launch_rc}, "
              f"transport {transport}, {len(syncs)} worker syncs"
              + (f" (median {statistics.median(syncs):.1f} ms)" if syncs else "") + f", {restarts} worker restarts"
+             + (f", decoding compiled in {compiled[1]} s, {recompiles} recompiles" if compiled else
+                ", decoding NOT compiled")
              + ("" if ok else f"; see {work}/launch.log and {run}/logs/")))
 
 print()

@@ -17,3 +17,18 @@ def raises_on_digit_0(prompts, completions, **kwargs):
         raise ValueError("cannot score the prompt '0:'")
     return [sum(c == p[0] for c in completion) / max(len(completion), 1)
             for p, completion in zip(prompts, completions, strict=True)]
+
+
+def hangs_where_told(prompts, completions, **kwargs):
+    """The demo reward, except in a process whose environment names a marker file in ASYNCGRPO_TEST_HANG: there it
+    creates that file and hangs (until the test kills the process), holding every job it claimed."""
+    import os
+    import time
+
+    marker = os.environ.get("ASYNCGRPO_TEST_HANG")
+    if marker:
+        open(marker, "w").close()
+        while True:
+            time.sleep(1)
+    return [sum(c == p[0] for c in completion) / max(len(completion), 1)
+            for p, completion in zip(prompts, completions, strict=True)]

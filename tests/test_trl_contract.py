@@ -20,7 +20,15 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.peft_args import PeftArgs
-from worker.generate import BEHAVIOUR_LOGPS, CALCULATE_REWARDS, COMPLETION_LOGS, GENERATE, GENERATE_AND_SCORE
+from worker.decoding import COMPILED_CALL, LAST_COMPILE_CONFIG
+from worker.generate import (
+    BEHAVIOUR_LOGPS,
+    CALCULATE_REWARDS,
+    COMPLETION_LOGS,
+    GENERATE,
+    GENERATE_AND_SCORE,
+    GENERATE_SINGLE_TURN,
+)
 
 P = inspect.Parameter
 REQUIRED = P.empty  # a parameter the callers always pass
@@ -55,6 +63,11 @@ SIGNATURES = {
                                       ("batch_size", ANY)], False),
     # the worker wraps it with (*args, **kwargs) to time generation apart from scoring
     (GRPOTrainer, GENERATE): ([("self", REQUIRED), ("prompts", REQUIRED)], False),
+    # worker/generate.py generate_jobs: several jobs' prompts tokenized as TRL's _generate does, generated in one
+    # call; each job's own _generate then gets its share from a replacement taking the same arguments
+    (GRPOTrainer, "_tokenize_prompts"): ([("self", REQUIRED), ("prompts", REQUIRED)], False),
+    (GRPOTrainer, GENERATE_SINGLE_TURN): ([("self", REQUIRED), ("prompt_ids", REQUIRED), ("images", REQUIRED),
+                                          ("multimodal_fields", REQUIRED), ("num_generations", REQUIRED)], False),
     # PS override: log(logs, start_time=None) -> super().log(logs, start_time)
     (GRPOTrainer, "log"): ([("self", REQUIRED), ("logs", REQUIRED), ("start_time", None)], False),
     # PS override: super()._save_checkpoint(model, trial), then the ledger into the folder it names
@@ -256,6 +269,32 @@ def test_transformers_sampling_loop_samples_from_the_raw_last_logits():
         "capture behaviour log-probs with may no longer see them")
     assert "input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)" in source, (
         "transformers' _sample no longer appends one sampled token per forward")
+
+
+def test_trl_generates_a_jobs_prompts_as_generate_jobs_does():
+    source = inspect.getsource(getattr(GRPOTrainer, GENERATE))
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in source and (
+        "completion_ids, logprobs = self._generate_single_turn(" in source), (
+        "GRPOTrainer._generate no longer tokenizes with _tokenize_prompts and generates with _generate_single_turn: "
+        "worker/generate.py generate_jobs does both for several jobs at once")
+    assert "return completion_ids, logprobs" in inspect.getsource(getattr(GRPOTrainer, GENERATE_SINGLE_TURN))
+    assert "disable_compile=True" in inspect.getsource(GRPOTrainer.__init__), (
+        "GRPOTrainer no longer turns compilation off in its generation config: see worker/decoding.py")
+
+
+def test_generate_takes_the_compiled_call_compiled_decoding_sets():
+    from transformers import PreTrainedModel
+
+    source = inspect.getsource(PreTrainedModel.get_compiled_call)
+    assert f"not hasattr(self, \"{COMPILED_CALL}\")" in source and (
+        f"getattr(self, \"{LAST_COMPILE_CONFIG}\", default_config) != compile_config" in source) and (
+        f"return self.{COMPILED_CALL}" in source), (
+        "transformers' get_compiled_call no longer returns the model's _compiled_call when _last_compile_config is "
+        "the generation's compile_config: worker/decoding.py sets both to compile forward, not __call__")
+    sample = inspect.getsource(GenerationMixin._sample)
+    assert "self.get_compiled_call(generation_config.compile_config)" in sample and (
+        "model_forward(**model_inputs, return_dict=True)" in sample), (
+        "transformers' _sample no longer decodes through get_compiled_call: compiled decoding would not run")
 
 
 # LoRA (--use_peft): asyncgrpo/peft_args.py copies TRL's ModelConfig flags and hands them to TRL's helpers.

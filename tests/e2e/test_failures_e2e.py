@@ -86,9 +86,18 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
     assert len(done["retried"]) <= (MAX_ATTEMPTS - 1) * thrown
     errors = fileops.load_payload(run_root / "done" / sorted(done["failed"])[0])["data"]["errors"]
     assert [e["reward_function"] for e in errors] == [reward] * MAX_ATTEMPTS
-    # No spinning: after its k-th failure in a row a worker waits before it claims again.
+    # No spinning: after its k-th failed generate call in a row (the jobs of one call, --jobs_per_generate, fail
+    # together) a worker waits before it claims again.
     for events in worker_events(run_root).values():
-        failures = [e["mono"] for e in events if e["event"] == "job_failed"]
+        failures, claiming, failed = [], False, False  # the first failure of each call that failed
+        for e in events:
+            if e["event"] == "job_claimed" and not claiming:
+                claiming, failed = True, False  # a call's claims come before any of its outcomes
+            elif e["event"] == "job_failed":
+                claiming = False
+                if not failed:
+                    failures.append(e["mono"])
+                failed = True
         for k, (earlier, later) in enumerate(zip(failures, failures[1:], strict=False), start=1):
             assert later - earlier >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3
 

@@ -165,6 +165,21 @@ def test_leftover_of_a_live_worker_that_moved_on_is_recovered(queue, run):
         presence.stop()
 
 
+def test_every_job_a_live_worker_holds_for_one_generate_call_is_left_to_it(queue, run):
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.put_job("000001_001", {}, created_step=1)
+    presence = WorkerPresence(run, 1).start()
+    try:
+        first, second = queue.claim(1), queue.claim(1)  # --jobs_per_generate 2: one call generates both
+        presence.update(job_id=first.job_id, job_ids=[first.job_id, second.job_id])
+        presence.beat()
+        backdate(first.path, 2 * LEASE_S)  # a long call: both files older than the lease
+        backdate(second.path, 2 * LEASE_S)
+        assert queue.recover(lease_s=LEASE_S) == []
+    finally:
+        presence.stop()
+
+
 def test_a_job_recovered_between_claim_rename_and_lease_start_is_let_go(queue, run, monkeypatch):
     """Until the claim sets its mtime, a processing file carries the job's creation time; a PS
     recovery then, while the heartbeat still names the worker's previous job, requeues it."""

@@ -79,12 +79,13 @@ def counted(trainer, obj, name) -> list:
 
 
 def trl_logps(trainer, batch) -> torch.Tensor:
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    device = trainer.accelerator.device
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1).to(device)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).to(device)
     with torch.no_grad():
         logps, _, _ = getattr(type(trainer), BEHAVIOUR_LOGPS)(trainer, trainer.model, ids, mask,
                                                             batch["completion_ids"].size(1))
-    return logps
+    return logps.cpu()
 
 
 def assert_captured_equal_trls(trainer, outcomes):
@@ -230,3 +231,25 @@ def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights
     with torch.no_grad():
         old_ids, _ = old._generate_single_turn(prompts, None, {}, 8)
     assert old_ids != eager_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_decoding_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+    # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
+    # difference there, where a wrong token or a stale weight differs by whole units.
+    trainer = make_trainer(tmp_path, use_cpu=False, device_type="cuda", bf16=True)
+    trainer.model.to("cuda")
+    dataset = trainer.train_dataset
+    prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
+    decoding = CompiledDecoding(trainer, 2, prompt_ids)
+    decoding.warm_up(prompt_ids)
+    assert trainer.generation_config.compile_config.mode == "reduce-overhead"  # CUDA graphs
+    outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
+    assert decoding.recompiles() == 0
+    for outcome in outcomes:
+        assert not isinstance(outcome, Exception), outcome
+        batch, _, _ = outcome
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
+        assert diff.max().item() < 0.05

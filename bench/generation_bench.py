@@ -1,0 +1,197 @@
+"""A worker's generation speed: eager, compiled, and compiled with several jobs per generate call.
+
+    .venv/bin/python bench/generation_bench.py [--shapes demo,larger,qwen0.5b,qwen1.5b] [--device cpu|cuda]
+        [--jobs 1,4] [--completion 64] [--batch 32] [--reps 5] [--peak-gbs N] [--out results.json]
+
+Each shape is a randomly initialised Llama built from a config (no download), run through the worker's own
+code: a GRPOTrainer built as a worker builds it, and worker/generate.py generate_jobs over K jobs of --batch
+rows each, prompts of the demo task. Every completion runs to --completion tokens (min_new_tokens), so the work
+per call is fixed. Settings, per shape:
+
+    eager       TRL's generate (dynamic cache), one job per call
+    eagerK      the same, K jobs per call (the last of --jobs)
+    compiled    static cache and compiled decoding step (worker/decoding.py), one job per call
+    compiledK   the same, K jobs per call
+
+For each: ms per generated token (one decoding step over the whole call's batch: call time / completion
+length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
+of a decoding step is the bytes it must read (every weight once, and the KV cache so far) over the device's
+peak bandwidth (--peak-gbs; on CUDA a table of known GPUs, on CPU measured here with a large copy). Ratios
+to eager are measured in this run. bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out),
+a table on stderr. Compilation (warm-up) time is reported apart, not counted in the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {  # hidden, layers, heads, KV heads, MLP, vocabulary
+    "demo": None,  # asyncgrpo.tasks.demo's own model
+    "larger": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                   intermediate_size=448, vocab_size=16),
+    "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864, vocab_size=151936, attention_bias=True, tie_word_embeddings=True),
+    "qwen1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                     intermediate_size=8960, vocab_size=151936, attention_bias=True, tie_word_embeddings=True),
+}
+PEAK_GBS = {"H100": 3350, "H200": 4800, "A100": 2039, "L40S": 864, "A10": 600}  # HBM/GDDR peak, GB/s
+
+
+def log(msg: str) -> None:
+    print(f"[generation_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def peak_gbs(device: str, given: float | None) -> float:
+    if given:
+        return given
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, gbs in PEAK_GBS.items():
+            if key in name:
+                return gbs
+        raise SystemExit(f"generation_bench: no peak bandwidth known for {name}: pass --peak-gbs")
+    src = torch.empty(256 << 20, dtype=torch.uint8)  # 256 MB, far beyond the caches
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 2 * 5 * src.numel() / (time.perf_counter() - start) / 1e9  # read + write
+
+
+def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path):
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
+    from worker.decoding import CompiledDecoding
+    from worker.generate import build_trainer
+
+    tok = build_tokenizer()
+    if SHAPES[shape] is None:
+        model = build_model(seed=0, tokenizer=tok)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096,
+                                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                             pad_token_id=tok.pad_token_id))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = model.to(device=device, dtype=dtype)
+    on_cpu = {"use_cpu": True, "bf16": False} if device == "cpu" else {"bf16": True}
+    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **on_cpu, "device_type": device, "output_dir": str(work),
+                             "per_device_train_batch_size": batch, "max_completion_length": completion,
+                             "generation_kwargs": {"min_new_tokens": completion}, "disable_tqdm": True,
+                             "jobs_per_generate": jobs, "report_to": "none"})
+    trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
+    compiled, warm_s = None, 0.0
+    if decoding == "compiled":
+        dataset = trainer.train_dataset
+        prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
+        compiled = CompiledDecoding(trainer, jobs, prompt_ids)
+        warm_s = compiled.warm_up(prompt_ids)
+    return trainer, compiled, warm_s, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_step(shape: str, model, rows: int, seq: int) -> int:
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * rows * c.num_key_value_heads * head_dim * seq * model.dtype.itemsize
+
+
+class NoEvents:
+    def emit(self, *_args, **_fields):
+        pass
+
+
+def measure(shape: str, device: str, jobs: int, decoding: str, a, work: Path) -> dict:
+    from worker.generate import JobInput, generate_jobs
+
+    trainer, compiled, warm_s, weight_bytes = build(shape, device, jobs, a.completion, a.batch, decoding, work)
+    dataset = trainer.train_dataset
+    inputs = [JobInput([dataset[(j * a.batch + i) // 8] for i in range(a.batch)], seed=j) for j in range(jobs)]
+    times = []
+    for rep in range(a.reps + 1):  # the first call warms the allocator and caches: not counted
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outcomes = generate_jobs(trainer, inputs, NoEvents(), compiled)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - start)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
+    call_s = statistics.median(times)
+    rows = jobs * a.batch
+    model = trainer.model
+    prompt = max(len(x) for x in trainer._tokenize_prompts([r["prompt"] for r in inputs[0].rows])[0])
+    step_bytes = weight_bytes + kv_bytes_per_step(shape, model, rows, prompt + a.completion // 2)
+    return {"shape": shape, "decoding": decoding, "jobs_per_call": jobs, "rows": rows,
+            "ms_per_token": round(call_s / a.completion * 1e3, 3), "ms_per_job": round(call_s / jobs * 1e3, 1),
+            "samples_per_s": round(rows / call_s, 1), "tokens_per_s": round(rows * a.completion / call_s),
+            "bandwidth_limit_ms_per_token": round(step_bytes / (a.peak_gbs * 1e9) * 1e3, 4),
+            "warm_up_s": round(warm_s, 1), "recompiles": compiled.recompiles() if compiled else 0,
+            "weight_mb": round(weight_bytes / 1e6, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=None, help="default: demo,larger on CPU; all four on CUDA")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--jobs", default="1,4", help="jobs per generate call: 1 and the K to compare")
+    p.add_argument("--completion", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--peak-gbs", type=float, default=None)
+    p.add_argument("--settings", default="eager,compiled", help="eager, compiled or both")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    shapes = (a.shapes or ("demo,larger" if a.device == "cpu" else ",".join(SHAPES))).split(",")
+    a.peak_gbs = peak_gbs(a.device, a.peak_gbs)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            for decoding in a.settings.split(","):
+                for jobs in (int(k) for k in a.jobs.split(",")):
+                    log(f"{shape} {decoding} jobs_per_call={jobs}")
+                    rows.append(measure(shape, a.device, jobs, decoding, a, Path(tmp)))
+                    log(json.dumps(rows[-1]))
+    for row in rows:
+        base = next(r for r in rows if r["shape"] == row["shape"] and r["decoding"] == "eager"
+                    and r["jobs_per_call"] == 1)
+        row["job_speedup_vs_eager"] = round(base["ms_per_job"] / row["ms_per_job"], 2)
+        row["samples_per_s_vs_eager"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
+        row["x_bandwidth_limit"] = round(row["ms_per_token"] / row["bandwidth_limit_ms_per_token"], 1)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
+    doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
+           "peak_gbs": round(a.peak_gbs, 1), "torch": torch.__version__, "completion": a.completion,
+           "batch": a.batch, "results": rows}
+    print(f"{'shape':<9} {'decoding':<9} {'K':>2} {'ms/token':>9} {'ms/job':>8} {'samples/s':>10} {'vs eager':>9} "
+          f"{'x limit':>8} {'warm-up s':>9}", file=sys.stderr)
+    for r in rows:
+        print(f"{r['shape']:<9} {r['decoding']:<9} {r['jobs_per_call']:>2} {r['ms_per_token']:>9.2f} "
+              f"{r['ms_per_job']:>8.1f} {r['samples_per_s']:>10.1f} {r['job_speedup_vs_eager']:>8.2f}x "
+              f"{r['x_bandwidth_limit']:>8.1f} {r['warm_up_s']:>9.1f}", file=sys.stderr)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
