@@ -135,12 +135,18 @@ class AsyncGRPOTrainer(GRPOTrainer):
         path = self.run.root / "metrics.jsonl"
         if not path.exists():
             return
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        kept, torn = [], 0
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut short by a crash (or written over by hand)
+                torn += 1
         if len(kept) < len(lines):
             fileops.replace_file(path, "".join(f"{line}\n" for line in kept).encode())
-            log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)",
-                     len(lines) - len(kept), step)
+            log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)%s",
+                     len(lines) - len(kept) - torn, step, f", {torn} unreadable line(s) removed" if torn else "")
 
     def finish(self) -> None:
         """End of training: what is left in queue/ is archived 'unused'; buffers freed."""

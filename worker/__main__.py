@@ -22,7 +22,7 @@ import sys
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
 from asyncgrpo.jobqueue.hosts import HOST_ID
-from asyncgrpo.jobqueue.names import worker_id
+from asyncgrpo.jobqueue.names import parse_worker_id, worker_id
 from asyncgrpo.weights.layout import WeightsMismatch
 from worker.loop import WorkerSetupError, run_worker
 
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     own.error = _bad_input
     args, rest = own.parse_known_args(argv)
     device = worker_id(args.device, HOST_ID if args.join else None)
+    if parse_worker_id(str(device)) is None:  # its files would be outside the grammar, and archived as junk
+        _bad_input(f"--device {args.device}: must be a number from 0 to 999 (it names the worker's files: devN)")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{device} %(levelname)s %(message)s")
     try:
         cfg = parse_config(rest)

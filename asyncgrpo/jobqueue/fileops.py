@@ -194,14 +194,14 @@ def replace_file(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, memoryview(data))
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        try:
+            _write_all(fd, memoryview(data))
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)  # status files are meant to be replaced
-    except OSError:
+    except BaseException:  # a full disk fails the write as often as the rename: no temp file left either way
         _unlink_quietly(tmp)
         raise
 
@@ -210,11 +210,16 @@ def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> 
     replace_file(path, json.dumps(obj, sort_keys=True).encode(), fsync=fsync)
 
 
+JSON_MAX_BYTES = 256 << 20  # the producer's journal holds whole generation batches of prompts
+
+
 def read_json(path: str | os.PathLike) -> dict | None:
-    """A small JSON status file, or None when it is missing or unreadable."""
+    """A JSON status file (or the producer's journal), or None when it is missing, unreadable or larger than
+    JSON_MAX_BYTES."""
     try:
         with open(path, "rb") as f:
-            obj = json.loads(f.read(1 << 16))
+            data = f.read(JSON_MAX_BYTES + 1)
+            obj = None if len(data) > JSON_MAX_BYTES else json.loads(data)
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None

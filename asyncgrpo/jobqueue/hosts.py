@@ -41,7 +41,7 @@ def _read(path: str) -> str:
 def host_id(environ: dict | None = None) -> str:
     """This process's host identity (see the module docstring)."""
     override = (os.environ if environ is None else environ).get(HOST_ID_ENV, "")
-    if override and _PLAIN_ID_RE.match(override):
+    if override and _PLAIN_ID_RE.fullmatch(override):
         return override
     if override:
         seed = override

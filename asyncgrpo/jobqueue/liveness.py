@@ -58,7 +58,16 @@ def pid_alive(pid: object, host: object, host_id: object = None) -> bool:
         return False
     except PermissionError:
         return True  # alive, owned by another user
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that exited and was not reaped yet still answers kill(pid, 0): it is dead all the same."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): kill's answer stands
 
 
 class WorkerAlreadyRunning(RuntimeError):
@@ -252,7 +261,7 @@ def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> 
 
 
 def list_workers(run: RunDir, now: float, lease_s: float) -> list[WorkerStatus]:
-    ids = [parse_worker_id(m[1]) for e in fileops.scan(run.workers) if (m := _HEARTBEAT_RE.match(e.name))]
+    ids = [parse_worker_id(m[1]) for e in fileops.scan(run.workers) if (m := _HEARTBEAT_RE.fullmatch(e.name))]
     return [worker_status(run, w, now, lease_s) for w in sorted(ids, key=_by_host_then_number)]
 
 

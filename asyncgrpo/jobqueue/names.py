@@ -124,7 +124,7 @@ class QueueName:
 
 def parse_queue_name(name: str) -> QueueName | None:
     """The parsed name, or None for anything outside the grammar (dot-files included)."""
-    m = _QUEUE_NAME_RE.match(name)
+    m = _QUEUE_NAME_RE.fullmatch(name)
     if m is None:
         return None
     job_id = m["job_id"]
@@ -144,7 +144,7 @@ def make_job_id(created_step: int, job_index: int) -> str:
 
 
 def is_job_id(value: object) -> bool:
-    return isinstance(value, str) and JOB_ID_RE.match(value) is not None
+    return isinstance(value, str) and JOB_ID_RE.fullmatch(value) is not None
 
 
 def done_name(job_id: str, reason: ArchiveReason, attempt: int = 1, collision: int = 0) -> str:
@@ -158,7 +158,7 @@ def done_name(job_id: str, reason: ArchiveReason, attempt: int = 1, collision: i
 
 def done_reason(name: str) -> ArchiveReason | None:
     """The archive reason encoded in a ``done/`` file name, or None for foreign files."""
-    m = _DONE_NAME_RE.match(name)
+    m = _DONE_NAME_RE.fullmatch(name)
     return ArchiveReason(m["reason"]) if m else None
 
 

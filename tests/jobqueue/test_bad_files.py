@@ -505,10 +505,31 @@ JUNK_NAMES = [
     "000001_000_PENDING.pt",
     "evil name.pt",
     "evil\nname.pt",
+    "999999_999_pending.pt\n",  # a regex's "$" matches before a final newline: names are matched whole
+    "000001_000_complete_from_dev1.pt\n",
     "ünïcødé.pt",
     "x" * 250 + ".pt",
     "invalid_x_failed_load.pt",
 ]
+
+
+def test_a_pending_name_with_a_trailing_newline_is_not_claimed_and_claims_do_not_spin(tmp_path, monkeypatch):
+    q = JobQueue(RunDir.create(tmp_path / "run"))
+    _write(q.run.queue / (pending_name(OTHER) + "\n"), b"junk")
+    scans = []
+    real_scan = q.scan
+
+    def counted_scan():
+        scans.append(1)
+        assert len(scans) < 100, "claim() rescans the queue without end"
+        return real_scan()
+
+    monkeypatch.setattr(q, "scan", counted_scan)
+    assert q.claim(1) is None
+    assert len(scans) == 1
+    [action] = q.recover()
+    assert action.what == "archive" and done_reason(action.dst.removeprefix("done/")) is ArchiveReason.FAILED_LOAD
+    assert entries(q.run.queue) == set()
 
 
 def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_path, caplog):

@@ -183,3 +183,24 @@ def test_heartbeat_thread_survives_oserror(tmp_path, monkeypatch, caplog):
         presence.stop()
     assert not any(t.name == "heartbeat-dev3" for t in threading.enumerate())
     assert fileops.read_json(heartbeat)["state"] == "stopped"
+
+
+@pytest.mark.parametrize("fails", ["write", "fsync", "rename"])
+def test_a_status_file_whose_write_fails_leaves_no_temp_file(tmp_path, monkeypatch, fails):
+    # A heartbeat rewrites its file every second: one temp file left per failed write would pile up on a full disk.
+    path = tmp_path / "dev1.json"
+    fileops.write_json(path, {"beat": 1})
+    disk_full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def failing(*_args):
+        raise disk_full
+
+    monkeypatch.setattr(fileops if fails == "write" else os, {"write": "_write_all", "fsync": "fsync",
+                                                             "rename": "replace"}[fails], failing)
+    for _ in range(3):
+        with pytest.raises(OSError) as raised:
+            fileops.write_json(path, {"beat": 2}, fsync=True)
+        assert raised.value is disk_full
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["dev1.json"]
+    assert fileops.read_json(path) == {"beat": 1}

@@ -39,6 +39,23 @@ def dead_pid() -> int:
     return int(gone.stdout)  # that process has exited
 
 
+def test_a_process_that_exited_and_was_not_reaped_is_dead():
+    from asyncgrpo.jobqueue.liveness import pid_alive as library_pid_alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert library_pid_alive(child.pid, socket.gethostname(), HOST_ID)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # not reaped: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not library_pid_alive(child.pid, socket.gethostname(), HOST_ID)
+    finally:
+        child.kill()
+        child.wait()
+
+
 # ---------------------------------------------------------------------- identities
 
 

@@ -187,9 +187,11 @@ def thrown_jobs(queue):
             for n in queue.scan()[0] if n.state is JobState.PENDING}
 
 
-def test_a_job_id_reserved_before_a_crash_is_not_reused_and_its_rows_are_thrown_again(run):
-    """The old PS wrote its journal for job 000000_001 and died before the job file existed."""
-    lost_rows = [{"prompt": "lost"}] * ROWS
+@pytest.mark.parametrize("prompt_chars", [4, 20_000], ids=["short", "journal_over_64KiB"])
+def test_a_job_id_reserved_before_a_crash_is_not_reused_and_its_rows_are_thrown_again(run, prompt_chars):
+    """The old PS wrote its journal for job 000000_001 and died before the job file existed. Realistic prompts make
+    the journal (whole batches of rows) far larger than a status file: it is read whole."""
+    lost_rows = [{"prompt": "lost"[:prompt_chars] + "x" * (prompt_chars - 4)}] * ROWS
     fileops.write_json(run.root / "producer.json", {"batches_drawn": 2, "last_job_id": "000000_001",
                                                     "last_rows": lost_rows, "owed": []})
     pipeline = make_pipeline(run, max_pending=1, max_staleness=0)

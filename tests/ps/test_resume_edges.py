@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload
@@ -44,3 +45,16 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     final_after = load_file(run_root / "final_model" / "model.safetensors")
     assert final_after.keys() == final_before.keys()
     assert all(torch.equal(final_after[name], final_before[name]) for name in final_before)
+
+
+def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog):
+    # A PS killed while appending a step's line leaves it cut short, without its newline.
+    from ps.trainer import AsyncGRPOTrainer
+
+    lines = [json.dumps({"step": step, "reward": 0.5}) for step in (1, 2, 3, 4)]
+    path = run.root / "metrics.jsonl"
+    path.write_text("".join(f"{line}\n" for line in lines) + '{"step": 5, "rew')
+    caplog.set_level("INFO", logger="asyncgrpo.ps")
+    AsyncGRPOTrainer._forget_metrics_after(SimpleNamespace(run=run), 3)
+    assert path.read_text() == "".join(f"{line}\n" for line in lines[:3])
+    assert "1 line(s) of steps after 3 removed (they are trained again), 1 unreadable line(s) removed" in caplog.text

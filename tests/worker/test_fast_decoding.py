@@ -233,6 +233,27 @@ def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights
     assert old_ids != eager_ids
 
 
+def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(compiled, tmp_path):
+    trainer, decoding = compiled
+    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
+    prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts([long_prompt, "7:"] * 16)[0]]
+    assert len(prompts[0]) > decoding.prompt_tokens
+    before = decoding.recompiles()
+    trainer.generation_config.do_sample = False
+    try:
+        with torch.no_grad():
+            compiled_ids, _ = trainer._generate_single_turn(decoding.pad_batch(prompts), None, {}, 8)
+    finally:
+        trainer.generation_config.do_sample = True
+    assert decoding.recompiles() > before  # counted: a larger cache is a new graph
+    eager = make_trainer(tmp_path)
+    eager.model.load_state_dict(trainer.model.state_dict())
+    eager.generation_config.do_sample = False
+    with torch.no_grad():
+        eager_ids, _ = eager._generate_single_turn(prompts, None, {}, 8)
+    assert compiled_ids[: len(prompts)] == eager_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_decoding_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):

@@ -202,7 +202,8 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
             "ERROR [worker] dev1 exits (status 3): its GPU failed with AcceleratorError: CUDA error: an illegal "
             "memory access was encountered; a new process gets a new CUDA context")
         assert "Traceback" not in log and "job_failed" not in log
-        [held] = re.findall(r"claimed job=(\S+) attempt=1", log)
+        held = re.findall(r"claimed job=(\S+) attempt=1", log)  # one generate call's jobs (--jobs_per_generate)
+        assert held
         healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
         assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
@@ -212,8 +213,9 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
                 proc.wait(timeout=120)
     done = os.listdir(root / "done")
     assert not [n for n in done if "_failed" in n], done
-    # Not failed: recovery gave it back (attempt 2), the next process generated it, the PS trained on it.
-    assert f"{held}_processed_a2.pt" in done and f"{held}_consumed.pt" in done, done
+    # Not failed: recovery gave them back (attempt 2), the next process generated them, the PS trained on them.
+    for job_id in held:
+        assert f"{job_id}_processed_a2.pt" in done and f"{job_id}_consumed.pt" in done, done
 
 
 # ---------------------------------------------------------------- a worker that cannot build its trainer
@@ -273,3 +275,16 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
     assert_exactly_once(root, jobs=2)
     done = os.listdir(root / "done")
     assert not [n for n in done if "_failed" in n or "_retried" in n or "_a2" in n], done
+
+
+@pytest.mark.parametrize("device", ["1000", "-1"])
+def test_a_worker_id_outside_the_file_name_grammar_is_refused_at_start(tmp_path, capsys, device):
+    # Its files (devN) would not parse: its jobs would be archived failed_load without a word.
+    from worker.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--device", device, "--run_dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"worker: error: --device {device}: must be a number from 0 to 999 (it names the worker's files: devN)"]
+    assert not (tmp_path / "run").exists()
