@@ -24,6 +24,7 @@ a table on stderr. Compilation (warm-up) time is reported apart, not counted in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -113,6 +114,10 @@ def kv_bytes_per_step(shape: str, model, rows: int, seq: int) -> int:
 class NoEvents:
     def emit(self, *_args, **_fields):
         pass
+
+    @contextlib.contextmanager
+    def span(self, *_args, **_fields):
+        yield {}
 
 
 def measure(shape: str, device: str, jobs: int, decoding: str, a, work: Path) -> dict:

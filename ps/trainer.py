@@ -48,6 +48,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import rotate_checkpoints
 from trl import GRPOTrainer
 
 from asyncgrpo.config import AsyncGRPOConfig
@@ -355,14 +356,23 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                                   wait_ms=f"{line['trainer_wait_s'] * 1e3:.0f}", refresh=False)
 
     def _save_checkpoint(self, model, trial):
-        # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint).
-        super()._save_checkpoint(model, trial)
+        # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint). transformers
+        # deletes older checkpoints (save_total_limit) inside _save_checkpoint, before the ledger would be written:
+        # a PS killed in between would leave no complete checkpoint. So older ones are deleted after the ledger.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's part (its RNG state, ...) is on disk
         if not self.is_queue_client:
             return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        fileops.write_json(os.path.join(folder, LEDGER_FILE),
+        run_dir = self._get_output_dir(trial=trial)
+        fileops.write_json(os.path.join(run_dir, f"checkpoint-{self.state.global_step}", LEDGER_FILE),
                            {"global_step": self.state.global_step, **self.pipeline.state_dict()}, fsync=True)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
 
 
 class _PipelineCallback(TrainerCallback):

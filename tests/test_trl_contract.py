@@ -271,6 +271,13 @@ def test_transformers_sampling_loop_samples_from_the_raw_last_logits():
         "transformers' _sample no longer appends one sampled token per forward")
 
 
+def test_transformers_deletes_older_checkpoints_as_ps_trainer_expects():
+    source = inspect.getsource(Trainer._save_checkpoint)
+    assert "rotate_checkpoints(" in source and "save_total_limit=self.args.save_total_limit" in source, (
+        "transformers' _save_checkpoint no longer deletes older checkpoints by args.save_total_limit: ps/trainer.py "
+        "turns that off while it saves and deletes them itself once the new checkpoint's ledger is written")
+
+
 def test_trl_generates_a_jobs_prompts_as_generate_jobs_does():
     source = inspect.getsource(getattr(GRPOTrainer, GENERATE))
     assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in source and (

@@ -218,8 +218,7 @@ def read_json(path: str | os.PathLike) -> dict | None:
     JSON_MAX_BYTES."""
     try:
         with open(path, "rb") as f:
-            data = f.read(JSON_MAX_BYTES + 1)
-            obj = None if len(data) > JSON_MAX_BYTES else json.loads(data)
+            obj = None if os.fstat(f.fileno()).st_size > JSON_MAX_BYTES else json.loads(f.read())
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None

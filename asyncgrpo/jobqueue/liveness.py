@@ -223,18 +223,46 @@ class WorkerStatus:
         return dict(self.__dict__)
 
 
-def _lock_is_held(path) -> bool:
+def _lock_is_held(path) -> bool | None:
+    """True: a live process holds the lock; False: it is free (its worker is dead); None: this host cannot tell.
+
+    The file is opened for writing where we may: on NFS, flock is emulated with POSIX locks, and an exclusive
+    one on a file opened read-only fails with EBADF. Any other error of the probe (no lock manager, ...) is
+    None too: the caller then judges the worker by its heartbeat's age, as a worker on another host."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return False
+    except PermissionError:  # another user's lock file
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            return _cannot_probe(path, err)
+    except OSError as err:
+        return _cannot_probe(path, err)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
+    except OSError as err:
+        return _cannot_probe(path, err)
     finally:
         os.close(fd)  # closing also drops the lock if we took it
     return False
+
+
+_probe_failures_logged: set[str] = set()
+
+
+def _cannot_probe(path, err: OSError) -> None:
+    key = f"{type(err).__name__}:{err.errno}"
+    if key not in _probe_failures_logged:
+        _probe_failures_logged.add(key)
+        log.warning("[queue] cannot probe the worker lock %s (%s: %s); workers are judged by their heartbeats' age",
+                    path, type(err).__name__, err)
+    return None
 
 
 def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> WorkerStatus:
@@ -246,10 +274,11 @@ def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> 
     except FileNotFoundError:
         age = None
     remote = bool(heartbeat) and not same_host(heartbeat)
-    if remote:  # its pid and its lock mean nothing here
+    held = None if remote else _lock_is_held(lock_path(run, device))  # another host's lock means nothing here
+    if held is None:
         alive = age is not None and age <= lease_s and heartbeat.get("state") != "stopped"
     else:
-        alive = _lock_is_held(lock_path(run, device))
+        alive = held
     reading = heartbeat.get("reading")
     return WorkerStatus(device=device, alive=alive, pid=heartbeat.get("pid"), host=heartbeat.get("host"),
                         state=heartbeat.get("state") if alive or heartbeat.get("state") == "stopped" else "dead",

@@ -39,6 +39,35 @@ def dead_pid() -> int:
     return int(gone.stdout)  # that process has exited
 
 
+def test_a_worker_whose_lock_cannot_be_probed_is_judged_by_its_heartbeat(run, queue, monkeypatch, caplog):
+    # On NFS flock is emulated with POSIX locks: the probe can fail (EBADF, ENOLCK, ...) where it works locally.
+    import errno
+
+    from asyncgrpo.jobqueue import liveness
+
+    queue.put_job("000001_000", {}, created_step=1)
+    presence = WorkerPresence(run, 1, interval_s=3600).start()  # beats once, now
+    try:
+        job = queue.claim(1)
+        presence.update(job_id=job.job_id, job_ids=[job.job_id])
+        presence.beat()
+
+        def nfs_flock(fd, operation):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        monkeypatch.setattr(liveness.fcntl, "flock", nfs_flock)
+        assert liveness.worker_status(run, 1, fs_now(run), LEASE_S).alive  # a fresh heartbeat
+        assert queue.recover(lease_s=LEASE_S) == []
+        backdate(heartbeat_path(run, 1), 2 * LEASE_S)
+        assert not liveness.worker_status(run, 1, fs_now(run), LEASE_S).alive
+        [action] = queue.recover(lease_s=LEASE_S)
+        assert action.what == "requeue" and action.job_id == job.job_id
+        assert "cannot probe the worker lock" in caplog.text
+    finally:
+        monkeypatch.undo()
+        presence.stop()
+
+
 def test_a_process_that_exited_and_was_not_reaped_is_dead():
     from asyncgrpo.jobqueue.liveness import pid_alive as library_pid_alive
 

@@ -4,12 +4,13 @@ a run that already reached max_steps."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import torch
-from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload
+from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload, start_process
 from safetensors.torch import load_file
 
 from asyncgrpo.jobqueue import JobQueue, fileops
@@ -58,3 +59,53 @@ def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog)
     AsyncGRPOTrainer._forget_metrics_after(SimpleNamespace(run=run), 3)
     assert path.read_text() == "".join(f"{line}\n" for line in lines[:3])
     assert "1 line(s) of steps after 3 removed (they are trained again), 1 unreadable line(s) removed" in caplog.text
+
+
+# The real PS, except that it is SIGKILLed right after transformers saved checkpoint-4, before its ledger is written.
+PS_KILLED_BEFORE_ITS_LEDGER = """
+import os
+import signal
+import sys
+
+from asyncgrpo.jobqueue import fileops
+from asyncgrpo.jobqueue.rundir import LEDGER_FILE
+
+real_write_json = fileops.write_json
+
+
+def write_json(path, obj, **kwargs):
+    if os.fspath(path).endswith(os.path.join("checkpoint-4", LEDGER_FILE)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_write_json(path, obj, **kwargs)
+
+
+fileops.write_json = write_json
+from ps.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_before(tmp_path):
+    # With --save_total_limit 1, transformers deletes checkpoint-2 as part of saving checkpoint-4: had it done so
+    # before checkpoint-4's ledger, no complete checkpoint would be left and the relaunch would start from step 0.
+    root = tmp_path / "run"
+    flags = ["--run_dir", str(root), "--max_steps", "6", "--lease_s", "4", "--save_strategy", "steps",
+             "--save_steps", "2", "--save_total_limit", "1", "--seed", "0"]
+    with open(tmp_path / "ps.log", "ab") as log:
+        killed = subprocess.Popen([sys.executable, "-c", PS_KILLED_BEFORE_ITS_LEDGER, *flags], cwd=REPO,
+                                  env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+    worker = start_process(root, tmp_path / "worker.log", "worker", "--device", "1", *flags[2:])
+    try:
+        assert killed.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]
+        checkpoints = sorted(p.name for p in (root / "checkpoints").glob("checkpoint-*"))
+        assert checkpoints == ["checkpoint-2", "checkpoint-4"]  # 4 without its ledger: incomplete
+        relaunched = start_process(root, tmp_path / "ps2.log", "ps", *flags[2:])
+        assert relaunched.wait(timeout=600) == 0, (tmp_path / "ps2.log").read_text()[-3000:]
+    finally:
+        for proc in (killed, worker):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    assert "resuming from " + str(root / "checkpoints" / "checkpoint-2") in (tmp_path / "ps2.log").read_text()
+    assert sorted(p.name for p in (root / "checkpoints").glob("checkpoint-*")) == ["checkpoint-6"]
+    assert_exactly_once(root, jobs=6)
