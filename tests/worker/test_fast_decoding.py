@@ -88,6 +88,25 @@ def trl_logps(trainer, batch) -> torch.Tensor:
     return logps.cpu()
 
 
+def greedy(trainer, prompt_ids, decoding=None) -> list[list[int]]:
+    """The trainer's greedy completions of ``prompt_ids`` (with compiled decoding: in its fixed batch)."""
+    trainer.generation_config.do_sample = False
+    try:
+        with torch.no_grad():
+            batch = decoding.pad_batch(prompt_ids) if decoding is not None else prompt_ids
+            completion_ids, _ = trainer._generate_single_turn(batch, None, {}, 8)
+    finally:
+        trainer.generation_config.do_sample = True
+    return completion_ids[: len(prompt_ids)]
+
+
+def eager_greedy(tmp_path, state_dict, prompt_ids) -> list[list[int]]:
+    """Greedy completions of an eager trainer whose model holds ``state_dict``."""
+    eager = make_trainer(tmp_path)
+    eager.model.load_state_dict(state_dict)
+    return greedy(eager, prompt_ids)
+
+
 def assert_captured_equal_trls(trainer, outcomes):
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
@@ -212,25 +231,12 @@ def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights
     assert [p.data_ptr() for p in model.parameters()] == addresses
 
     prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts(VARIED_PROMPTS * 16)[0]]
-    trainer.generation_config.do_sample = False
-    try:
-        with torch.no_grad():
-            compiled_ids, _ = trainer._generate_single_turn(decoding.pad_batch(prompts), None, {}, 8)
-    finally:
-        trainer.generation_config.do_sample = True
+    compiled_ids = greedy(trainer, prompts, decoding)
     assert decoding.recompiles() == 0
-    eager = make_trainer(tmp_path / "eager")
-    eager.model.load_state_dict(new_weights.state_dict())
-    eager.generation_config.do_sample = False
-    with torch.no_grad():
-        eager_ids, _ = eager._generate_single_turn(prompts, None, {}, 8)
-    assert compiled_ids[: len(prompts)] == eager_ids
+    eager_ids = eager_greedy(tmp_path / "eager", new_weights.state_dict(), prompts)
+    assert compiled_ids == eager_ids
     # A graph still holding the old weights would not: they decode otherwise.
-    old = make_trainer(tmp_path / "old")
-    old.generation_config.do_sample = False
-    with torch.no_grad():
-        old_ids, _ = old._generate_single_turn(prompts, None, {}, 8)
-    assert old_ids != eager_ids
+    assert greedy(make_trainer(tmp_path / "old"), prompts) != eager_ids
 
 
 def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(compiled, tmp_path):
@@ -239,19 +245,9 @@ def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(
     prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts([long_prompt, "7:"] * 16)[0]]
     assert len(prompts[0]) > decoding.prompt_tokens
     before = decoding.recompiles()
-    trainer.generation_config.do_sample = False
-    try:
-        with torch.no_grad():
-            compiled_ids, _ = trainer._generate_single_turn(decoding.pad_batch(prompts), None, {}, 8)
-    finally:
-        trainer.generation_config.do_sample = True
+    compiled_ids = greedy(trainer, prompts, decoding)
     assert decoding.recompiles() > before  # counted: a larger cache is a new graph
-    eager = make_trainer(tmp_path)
-    eager.model.load_state_dict(trainer.model.state_dict())
-    eager.generation_config.do_sample = False
-    with torch.no_grad():
-        eager_ids, _ = eager._generate_single_turn(prompts, None, {}, 8)
-    assert compiled_ids[: len(prompts)] == eager_ids
+    assert compiled_ids == eager_greedy(tmp_path, trainer.model.state_dict(), prompts)
 
 
 @pytest.mark.gpu
