@@ -174,6 +174,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     archive_keep_mb: float = field(default=0.0, metadata={
         "help": "Keep at most this many MB (10^6 bytes) of payloads in done/, newest first; older files are emptied "
                 "as with archive_keep_files (whichever limit is reached first). 0 keeps all."})
+    max_payload_mb: float = field(default=0.0, metadata={
+        "help": "A job or result file larger than this many MB is archived failed_load without being read (0: derived "
+                "from the batch shape: 64 MB plus 64 bytes per token of every row at max_completion_length plus 4096 "
+                "prompt tokens)."})
     # Transport and events.
     weight_transport: str = field(default="auto", metadata={
         "help": "'auto' (cuda_ipc on GPU, mmap on CPU), 'cuda_ipc', 'mmap', or 'safetensors' "
@@ -220,6 +224,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
             "max_attempts": (self.max_attempts >= 1, "must be >= 1"),
             "archive_keep_files": (self.archive_keep_files >= 0, "must be >= 0 (0 keeps all)"),
             "archive_keep_mb": (self.archive_keep_mb >= 0, "must be >= 0 (0 keeps all)"),
+            "max_payload_mb": (self.max_payload_mb >= 0, "must be >= 0 (0: derived from the batch shape)"),
         }
         for name, (ok, why) in checks.items():
             if not ok:
@@ -243,6 +248,14 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         if fsdp_version not in (None, 2):
             raise ConfigError(f"--fsdp_config version {fsdp_version}: asyncgrpo publishes the weights of FSDP2 "
                               "only (version 2, the default)")
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The cap on a job or result file (--max_payload_mb, or derived from the batch shape)."""
+        if self.max_payload_mb > 0:
+            return int(self.max_payload_mb * 1e6)
+        rows = self.generation_batch_size * self.ps_processes
+        return (64 << 20) + rows * (self.max_completion_length + 4096) * 64
 
     @property
     def steps_per_job(self) -> int:

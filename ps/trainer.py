@@ -96,7 +96,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.is_queue_client = self.accelerator.is_main_process  # the other ranks only train
         if self.is_queue_client:
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
-            self.queue = JobQueue(run, events=self.events)
+            self.queue = JobQueue(run, events=self.events, max_payload_bytes=cfg.max_payload_bytes)
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)

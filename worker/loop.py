@@ -45,6 +45,7 @@ from asyncgrpo.jobqueue import (
 )
 from asyncgrpo.jobqueue.names import WorkerId
 from asyncgrpo.weights import make_subscriber
+from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
 from worker.decoding import CompiledDecoding, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
@@ -54,6 +55,27 @@ IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop reques
 EXIT_DEVICE_BROKEN = 3  # exit status of a worker whose GPU failed; launch.sh restarts it
 FAILURE_BACKOFF_S = 0.1  # wait after a failed job before the next claim, doubled for each failure in a row ...
 FAILURE_BACKOFF_MAX_S = 1.0  # ... up to this
+
+
+class Waiting:
+    """Says once every ``report_every_s`` what a worker waits for and since when. A worker keeps waiting (a stopped
+    PS may go on, a new one may start), but not silently."""
+
+    def __init__(self, device: WorkerId, report_every_s: float = WAIT_REPORT_S):
+        self.device, self.report_every_s = device, report_every_s
+        self.what: str | None = None
+        self.since = self.said = 0.0
+
+    def waiting_for(self, what: str) -> None:
+        now = time.monotonic()
+        if what != self.what:
+            self.what, self.since, self.said = what, now, now
+        elif now - self.said >= self.report_every_s:
+            self.said = now
+            log.info("[worker] dev%s has waited %.0f s for %s", self.device, now - self.since, what)
+
+    def over(self) -> None:
+        self.what = None
 
 
 class WorkerSetupError(RuntimeError):
@@ -73,12 +95,12 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
-    queue = JobQueue(run, events=events)
+    queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
         log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
     try:
-        trainer = _wait_and_build_trainer(cfg, run, stop, watcher)
+        trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
         decoding = _compile_decoding(cfg, trainer, device, events)
     except Exception as err:
         watcher.close()
@@ -95,18 +117,22 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     version = None
     status = 0
     failures_in_a_row = 0
+    waiting = Waiting(device)
     try:
         while not stop.is_set():
             if version is None:  # never claim a job before holding the PS's weights
                 version = _sync(subscriber, trainer.model, device, events)
                 if version is None:
+                    waiting.waiting_for("the parameter server's first weights")
                     watcher.wait(IDLE_WAIT_S)
                 continue
             job = queue.claim(device)
             if job is None:
                 presence.update(state="idle", job_id=None, job_ids=[])
+                waiting.waiting_for("a job from the parameter server")
                 watcher.wait()
                 continue
+            waiting.over()
             # The running PS's flags (a PS relaunched with other flags also trains the jobs it left in the queue).
             ps_flags = (fileops.read_json(run.root / "ps.json") or {}).get("generation")
             if mismatch := cfg.generation_mismatch(ps_flags):
@@ -127,6 +153,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             if version < needed:
                 waited_from = time.monotonic()
                 while version < needed and not stop.is_set():
+                    waiting.waiting_for(f"weights version {needed} (synchronous mode)")
                     time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
                     version = _sync(subscriber, trainer.model, device, events) or version
                 events.emit("weights_wait", job_id=job.job_id, weights_version=version,
@@ -164,9 +191,10 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     return status
 
 
-def _wait_and_build_trainer(cfg, run, stop, watcher):
+def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     path = model_path(cfg, run.root)
     while not (run.root / "ps.json").exists() and not stop.is_set():
+        waiting.waiting_for("the parameter server to start (RUN/ps.json)")
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
     model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output

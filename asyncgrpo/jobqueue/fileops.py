@@ -160,8 +160,9 @@ def unlink_second_name(path: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(os.fspath(path)))
 
 
-def load_payload(path: str | os.PathLike) -> dict:
-    """Loads a plain-data payload; refuses symlinks, non-regular files and pickled code."""
+def load_payload(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
+    """Loads a plain-data payload; refuses symlinks, non-regular files, pickled code and, before reading it, a file
+    larger than ``max_bytes``."""
     import torch
 
     try:
@@ -172,8 +173,12 @@ def load_payload(path: str | os.PathLike) -> dict:
             raise PayloadLoadError(f"{os.fspath(path)} is a symlink") from err
         raise
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise PayloadLoadError(f"{os.fspath(path)} is not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise PayloadLoadError(f"{os.fspath(path)} is {st.st_size / 1e6:,.1f} MB, over the "
+                                   f"{max_bytes / 1e6:,.1f} MB cap on a job or result file (--max_payload_mb)")
         data = f.read()
     try:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

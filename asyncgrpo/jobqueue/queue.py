@@ -127,9 +127,13 @@ class RecoveryAction:
 
 
 class JobQueue:
-    def __init__(self, run: RunDir, *, fsync: bool = True, events: EventLog | None = None):
+    def __init__(self, run: RunDir, *, fsync: bool = True, events: EventLog | None = None,
+                 max_payload_bytes: int | None = None):
         self.run = run
         self.fsync = fsync
+        # A job or result file larger than this is archived failed_load unread: one oversized file must not take
+        # the PS's memory (at every restart: it stays collected until it is archived).
+        self.max_payload_bytes = max_payload_bytes
         self.events = events or EventLog.off()  # every archive is a timeline event
         self._candidates: deque[QueueName] = deque()
 
@@ -203,7 +207,7 @@ class JobQueue:
                 log.info("[queue] %s was recovered as it was being claimed", name.filename)
                 continue
             try:
-                payload = fileops.load_payload(self.path(name))
+                payload = fileops.load_payload(self.path(name), self.max_payload_bytes)
                 validate_payload(payload, "job", name.job_id)
             except (fileops.PayloadLoadError, ValueError, OSError) as err:
                 log.error("[queue] job %s rejected: %s", name.filename, err)
@@ -298,7 +302,7 @@ class JobQueue:
             else:
                 continue
             try:
-                payload = fileops.load_payload(self.path(collected))
+                payload = fileops.load_payload(self.path(collected), self.max_payload_bytes)
                 validate_payload(payload, "result", name.job_id)
                 if validate is not None:
                     validate(payload)

@@ -34,7 +34,7 @@ from asyncgrpo.weights.adapter import check_model, shared_tensors
 from asyncgrpo.weights.base import (
     Layout,
     TransportUnavailable,
-    flocked,
+    flocked_patiently,
     key,
     log,
     open_lock,
@@ -82,7 +82,8 @@ class Subscriber:
             try:
                 with torch.no_grad():
                     if reader.uses_slots:
-                        with flocked(self._lock(info["buffer"]), fcntl.LOCK_SH):
+                        with flocked_patiently(self._lock(info["buffer"]), fcntl.LOCK_SH,
+                                               f"the parameter server to finish writing weights slot {info['buffer']}"):
                             if key(read_version_file(self.run)) != key(info):
                                 continue  # the PS moved on (or closed): read the file again
                             reader.copy_out(info, dsts, idx)

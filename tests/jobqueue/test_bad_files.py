@@ -583,3 +583,26 @@ def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_pa
     assert [(r.job_id, r.data) for r in results] == [(GOOD, {"text": "good"})]
     assert q.consume(results[0])
     assert os.listdir(queue) == [".tmp"]
+
+
+def test_an_oversized_result_is_archived_unread_and_the_next_one_collected(tmp_path, caplog):
+    import resource
+
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.tasks.demo import DEMO_DEFAULTS, cpu_overrides
+
+    cap = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out")}).max_payload_bytes
+    assert 64 << 20 < cap < 128 << 20  # the demo's: 64 MB and 32 rows of (8 + 4096) tokens at 64 bytes
+    q = JobQueue(RunDir.create(tmp_path / "run"), max_payload_bytes=cap)
+    real_result(q, GOOD, text="good")
+    huge = q.run.queue / complete_name(BAD)
+    with open(huge, "wb") as f:
+        f.truncate(20 << 30)  # a sparse 20 GB file: reading it would take 20 GB of memory
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results = q.collect()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb < 200_000  # never read
+    assert [(r.job_id, r.data) for r in results] == [(GOOD, {"text": "good"})]
+    [archived] = [n for n in os.listdir(q.run.done) if n.startswith(BAD)]
+    assert done_reason(archived) is ArchiveReason.FAILED_LOAD
+    assert any("21,474.8 MB, over the" in m and "--max_payload_mb" in m for m in queue_logs(caplog))
+    assert q.collect() == []  # archived once: a restarted PS does not meet it again

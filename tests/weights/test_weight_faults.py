@@ -313,3 +313,48 @@ if __name__ == "__main__":
     role, *argv = sys.argv[1:]
     {"stuck_reader": _stuck_reader_main, "die_mid_rewrite": _die_mid_rewrite_main,
      "publish_and_wait": _publish_and_wait_main}[role](*argv)
+
+
+def test_a_reader_blocked_by_a_stopped_writer_says_what_it_waits_for_and_goes_on_after(tmp_path, caplog):
+    # A PS stopped (SIGSTOP) while rewriting a slot holds its exclusive lock: the worker waits, saying so.
+    from asyncgrpo.weights.base import flocked_patiently, open_lock
+
+    run = RunDir.create(tmp_path / "run")
+    writer, reader = open_lock(run, 0), open_lock(run, 0)  # two open files: two lock owners
+    fcntl.flock(writer, fcntl.LOCK_EX)
+    got = threading.Event()
+
+    def read():
+        with flocked_patiently(reader, fcntl.LOCK_SH, "the parameter server to finish writing slot 0",
+                               report_every_s=0.05):
+            got.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "waiting" not in caplog.text:
+            assert time.monotonic() < deadline, "no line while blocked"
+            time.sleep(0.01)
+        assert not got.is_set()
+        assert "[weights] waiting 0 s so far for the parameter server to finish writing slot 0" in caplog.text
+    finally:
+        fcntl.flock(writer, fcntl.LOCK_UN)
+        thread.join(timeout=10)
+        os.close(writer)
+        os.close(reader)
+    assert got.is_set()
+
+
+def test_a_waiting_worker_says_what_it_waits_for_once_per_interval(caplog):
+    from worker.loop import Waiting
+
+    caplog.set_level("INFO", logger="asyncgrpo.worker")
+    waiting = Waiting(2, report_every_s=0.0)
+    waiting.waiting_for("the parameter server's first weights")  # starts the clock: nothing said yet
+    waiting.waiting_for("the parameter server's first weights")
+    waiting.waiting_for("a job from the parameter server")  # something else: its own clock
+    waiting.over()
+    waiting.waiting_for("a job from the parameter server")
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncgrpo.worker"]
+    assert lines == ["[worker] dev2 has waited 0 s for the parameter server's first weights"]
