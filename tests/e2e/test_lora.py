@@ -160,6 +160,25 @@ def test_a_worker_generates_under_the_trainers_mixed_precision(tmp_path):
     assert batch["completion_ids"].shape[0] == cfg.generation_batch_size
 
 
+def test_a_lora_worker_captures_behaviour_log_probs_without_a_second_forward_pass(tmp_path):
+    # Generation runs inside the PEFT wrapper's transformers model: the capture watches that model's forwards.
+    _, worker = trainers(lora_config(tmp_path))
+    perturb_adapter(worker.model)
+    forward_passes = []
+    recompute = worker._get_per_token_logps_and_entropies
+    worker._get_per_token_logps_and_entropies = lambda *a, **k: forward_passes.append(1) or recompute(*a, **k)
+    dataset = build_dataset(n=40)
+    rows = [dataset[i // worker.num_generations] for i in range(worker.args.generation_batch_size)]
+    batch, _ = generate_and_score(worker, rows, EventLog.off(), seed=0)
+    assert forward_passes == []
+    del worker._get_per_token_logps_and_entropies
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        trl, _, _ = worker._get_per_token_logps_and_entropies(worker.model, ids, mask, batch["completion_ids"].size(1))
+    assert ((batch["old_per_token_logps"] - trl).abs() * batch["completion_mask"]).max() < 1e-4
+
+
 def test_qlora_loads_the_base_as_trl_quantizes_it_onto_this_process_s_gpu(monkeypatch):
     cfg = parse_config(["--use_peft", "--device_type", "cpu", "--dtype", "bfloat16"])
     assert cfg.quantization_kwargs() == {}
