@@ -84,6 +84,9 @@ class CompiledDecoding:
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.prompt_tokens = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
         gen = trainer.generation_config
+        self._eager = {name: getattr(gen, name) for name in
+                       ("cache_implementation", "max_cache_len", "disable_compile", "compile_config")}
+        self._eager_cache_kwarg = trainer.generation_kwargs.get("cache_implementation")
         gen.cache_implementation = "static"
         gen.max_cache_len = self.prompt_tokens + trainer.max_completion_length
         gen.disable_compile = False
@@ -91,10 +94,18 @@ class CompiledDecoding:
         gen.compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if on_cuda else None)
         gen.compile_config._compile_all_devices = not on_cuda  # transformers compiles on accelerators only otherwise
         trainer.generation_kwargs["cache_implementation"] = "static"  # what TRL sets on the model while generating
-        model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-        setattr(model, COMPILED_CALL, CompiledDecodeStep(model, gen.compile_config))
-        setattr(model, LAST_COMPILE_CONFIG, gen.compile_config)
+        self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        setattr(self.model, COMPILED_CALL, CompiledDecodeStep(self.model, gen.compile_config))
+        setattr(self.model, LAST_COMPILE_CONFIG, gen.compile_config)
         self.graphs_after_warm_up: int | None = None
+
+    def undo(self) -> None:
+        """Back to TRL's eager generation (compilation failed)."""
+        for name, value in self._eager.items():
+            setattr(self.trainer.generation_config, name, value)
+        self.trainer.generation_kwargs["cache_implementation"] = self._eager_cache_kwarg
+        for name in (COMPILED_CALL, LAST_COMPILE_CONFIG):
+            self.model.__dict__.pop(name, None)
 
     def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """``prompt_ids`` filled up to the fixed batch with copies of the first row."""

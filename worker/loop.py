@@ -211,7 +211,15 @@ def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: E
     decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
     log.info("[gen] dev%s compiling its decoding step (batch %d rows, cache %d tokens) before its first job", device,
              decoding.rows_per_call, trainer.generation_config.max_cache_len)
-    seconds = decoding.warm_up(prompt_ids)
+    try:
+        seconds = decoding.warm_up(prompt_ids)
+    except Exception as err:  # torch.compile's backends fail in ways of their own: generation works without them
+        if is_broken_device_error(err):
+            raise
+        decoding.undo()
+        log.exception("[gen] dev%s compiled decoding failed to compile (%s); decoding eagerly", device,
+                      first_line(err))
+        return None
     events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
                 rows=decoding.rows_per_call)
     log.info("[gen] dev%s decoding compiled in %.1f s", device, seconds)

@@ -239,6 +239,25 @@ def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights
     assert greedy(make_trainer(tmp_path / "old"), prompts) != eager_ids
 
 
+def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, monkeypatch, caplog):
+    from worker import loop
+
+    trainer = make_trainer(tmp_path, worker_decoding="compiled")
+    eager_settings = trainer.generation_config.to_dict()
+
+    def backend_fails(self, prompt_ids):
+        raise RuntimeError("inductor: C++ compile error")
+
+    monkeypatch.setattr(CompiledDecoding, "warm_up", backend_fails)
+    assert loop._compile_decoding(trainer.args, trainer, 1, Events()) is None
+    assert "dev1 compiled decoding failed to compile (RuntimeError: inductor: C++ compile error); decoding eagerly" in (
+        caplog.text)
+    assert trainer.generation_config.to_dict() == eager_settings
+    assert "_compiled_call" not in generating_model(trainer.model).__dict__
+    [outcome] = generate_jobs(trainer, [job(0, VARIED_PROMPTS, trainer)], Events())
+    assert_captured_equal_trls(trainer, [outcome])
+
+
 def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(compiled, tmp_path):
     trainer, decoding = compiled
     long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
