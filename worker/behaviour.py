@@ -44,7 +44,7 @@ class BehaviourCapture:
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
         self.temperature = trainer.args.temperature  # what TRL's fused LM head divides by
-        self.why_not: str | None = self._unsupported(trainer)
+        self.why_not: str | None = self.unsupported(trainer)
         self.generate_calls = 0
         self.logps: torch.Tensor | None = None  # (B, new tokens)
         self.tokens: torch.Tensor | None = None  # (B, new tokens), the tokens they were gathered at
@@ -54,7 +54,7 @@ class BehaviourCapture:
         self._step_tokens: list[torch.Tensor] = []
 
     @staticmethod
-    def _unsupported(trainer: GRPOTrainer) -> str | None:
+    def unsupported(trainer: GRPOTrainer) -> str | None:
         # TRL's other generation paths do not call model.generate once over the batch (or return
         # completions spliced with tool output); beam search feeds batch x beams rows to the model.
         if trainer.use_vllm:

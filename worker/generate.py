@@ -150,8 +150,8 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
 def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
                        decoding: CompiledDecoding | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
-    (see BehaviourCapture._unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
-    if BehaviourCapture._unsupported(trainer) not in (None, "num_beams > 1"):
+    (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
+    if BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
         return None
     prompt_ids = []
     for job in jobs:

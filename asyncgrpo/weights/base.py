@@ -106,22 +106,13 @@ def open_lock(run: RunDir, slot: int) -> int:
     return os.open(lock_path(run, slot), os.O_RDWR | os.O_CREAT, 0o644)
 
 
-@contextlib.contextmanager
-def flocked(fd: int, mode: int):
-    fcntl.flock(fd, mode)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
 WAIT_REPORT_S = 60.0  # how often a process blocked on a lock says what it waits for
 
 
 @contextlib.contextmanager
 def flocked_patiently(fd: int, mode: int, what: str, report_every_s: float = WAIT_REPORT_S):
-    """``flocked``, saying every ``report_every_s`` what it waits for and since when: a holder stopped (SIGSTOP,
-    swapped out) holds the lock for as long, and is waited for, since it may go on."""
+    """Holds the flock for the block, saying every ``report_every_s`` what it waits for and since when: a holder
+    stopped (SIGSTOP, swapped out) holds the lock for as long, and is waited for, since it may go on."""
     started = time.monotonic()
     while not flock_within(fd, mode, report_every_s):
         log.warning("[weights] waiting %.0f s so far for %s", time.monotonic() - started, what)
