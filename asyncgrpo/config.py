@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import yaml
 from trl import GRPOConfig, TrlParser
 
+from asyncgrpo.jobqueue.queue import DEFAULT_MAX_ATTEMPTS
 from asyncgrpo.peft_args import PeftArgs
+from asyncgrpo.run.liveness import DEFAULT_LEASE_S
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -162,9 +164,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "
                 "A larger batch costs little more per call where decoding is bound by kernel launches."})
     # Recovery.
-    lease_s: float = field(default=30.0, metadata={
+    lease_s: float = field(default=DEFAULT_LEASE_S, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
-    max_attempts: int = field(default=3, metadata={
+    max_attempts: int = field(default=DEFAULT_MAX_ATTEMPTS, metadata={
         "help": "Attempts per job: a job whose worker raises (generating or scoring) or dies is thrown again, up to "
                 "this; then it is archived 'failed' (it raised) or 'orphaned' (its worker died) and not trained on."})
     # Archive retention (asyncgrpo/jobqueue/retention.py): names in done/ are the ledger and always stay.

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
+from asyncgrpo.run.rundir import RunDir
 
-DEMO_MODEL_DIR = "demo_model"  # inside the run directory, written by the PS for its workers
 SOURCE_TREE = Path(__file__).resolve().parents[1]  # the checkout (or site-packages) holding asyncgrpo/
 HALF_DTYPES = ("bfloat16", "float16")
 
@@ -154,7 +154,7 @@ def load_eval_dataset(cfg: AsyncGRPOConfig):
 def model_path(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> str:
     """Where the model comes from: the config's (a local folder made absolute), or the demo model in the run."""
     if cfg.model_name_or_path is None:
-        return str(Path(run_root) / DEMO_MODEL_DIR)
+        return str(RunDir(Path(run_root)).demo_model)
     name = os.path.expanduser(cfg.model_name_or_path)
     return os.path.abspath(name) if os.path.isdir(name) else name
 
@@ -163,7 +163,7 @@ def write_demo_model_once(run_root: str | os.PathLike) -> str:
     """The PS writes the demo model into the run once (tmp folder + rename: all or nothing)."""
     from asyncgrpo.tasks.demo import write_demo_model
 
-    target = Path(run_root) / DEMO_MODEL_DIR
+    target = RunDir(Path(run_root)).demo_model
     if not target.is_dir():
         tmp = Path(tempfile.mkdtemp(prefix=".demo_model.", dir=run_root))
         write_demo_model(tmp)

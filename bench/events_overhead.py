@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncgrpo.events import EventLog  # noqa: E402
-from asyncgrpo.jobqueue import RunDirError, latest_run  # noqa: E402
+from asyncgrpo.run import RunDirError, latest_run  # noqa: E402
 
 EMITS = 20_000
 

@@ -43,17 +43,9 @@ import sys
 import tempfile
 import time
 
-from asyncgrpo.jobqueue import (
-    ArchiveReason,
-    JobQueue,
-    JobState,
-    QueueWatcher,
-    RunDir,
-    WorkerPresence,
-    fileops,
-    make_job_id,
-)
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher, make_job_id
 from asyncgrpo.jobqueue.names import done_name, done_reason
+from asyncgrpo.run import RunDir, WorkerPresence, fileops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CTX = mp.get_context("spawn")

@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asyncgrpo.jobqueue import runs_dir  # noqa: E402
 from asyncgrpo.jobqueue.names import done_reason  # noqa: E402
+from asyncgrpo.run import runs_dir  # noqa: E402
 
 GOAL = 0.05
 STEPS_PER_S_CEILING = 200  # max_steps = minutes * 60 * this: the PS never reaches it before the end

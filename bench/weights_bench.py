@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.run import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber
 from asyncgrpo.weights.adapter import shared_tensors
 

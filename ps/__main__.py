@@ -20,7 +20,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import warnings
@@ -35,10 +34,10 @@ from asyncgrpo.inputs import (
     model_path,
     write_demo_model_once,
 )
-from asyncgrpo.jobqueue import RunDir, fileops, runs_dir
+from asyncgrpo.run import RunDir, runs_dir
+from asyncgrpo.run.rundir import PSStatus
 
 log = logging.getLogger("asyncgrpo.ps")
-FINAL_MODEL_DIR = "final_model"  # in the run directory, when --output_dir was not given
 DESCRIPTION = ("The asyncgrpo parameter server: trains with TRL's GRPOTrainer on results that workers generate. "
                "--check_only: check the inputs, print the run directory, start nothing. Every other flag below; "
                "--config FILE.yaml sets any of them.")
@@ -50,13 +49,13 @@ class PSAlreadyRunning(RuntimeError):
 
 def hold_ps_lock(run: RunDir) -> int:
     """One PS per run directory: an exclusive flock, held until this process exits."""
-    fd = os.open(run.root / "ps.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        other = fileops.read_json(run.root / "ps.json") or {}
+        other = run.read_ps_status()
         raise PSAlreadyRunning(f"another parameter server is running on {run.root} "
-                               f"(pid {other.get('pid', '?')} on {other.get('host', '?')})") from None
+                               f"(pid {other.pid if other else '?'} on {other.host if other else '?'})") from None
     return fd
 
 
@@ -143,7 +142,7 @@ def train(cfg, run: RunDir) -> int:
     from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
 
     # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
-    final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.root / FINAL_MODEL_DIR)
+    final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.final_model)
     cfg.output_dir = str(run.checkpoints)
     if cfg.model_name_or_path is None:
         # The first rank writes the demo model (save_pretrained writes weights on the main process only).
@@ -160,10 +159,8 @@ def train(cfg, run: RunDir) -> int:
     if trainer.accelerator.num_processes > 1:
         resume = broadcast_object_list([resume], from_process=0)[0]
     if first_rank:
-        fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
-                                                  "started_at": time.time(), "state": "training",
-                                                  "resumed_from": resume,
-                                                  "generation": cfg.generation_settings()})  # workers match it
+        status = PSStatus.starting(path, resume, cfg.generation_settings())  # workers match its generation
+        run.write_ps_status(status)
     log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
              f", resuming from {resume}" if resume else "")
     if resume and checkpoint_step(resume) >= cfg.max_steps:
@@ -177,9 +174,7 @@ def train(cfg, run: RunDir) -> int:
     trainer.save_model(final_dir)  # model, tokenizer (save_pretrained) and training_args.bin, as trl grpo saves them
     if first_rank:
         log.info("[train] final model saved to %s", final_dir)
-        fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "host": socket.gethostname(), "model": path,
-                                                  "finished_at": time.time(), "state": "finished",
-                                                  "global_step": trainer.state.global_step, "final_model": final_dir})
+        run.write_ps_status(status.finished(trainer.state.global_step, final_dir))
     if torch.distributed.is_initialized():  # every rank done before the group goes (else some abort at exit)
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()

@@ -32,8 +32,9 @@ import os
 import time
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, RunDir, fileops, is_failure_report
+from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
 from asyncgrpo.jobqueue.names import done_name
+from asyncgrpo.run import RunDir, fileops
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
 from ps.producer import IN_FLIGHT, JobProducer

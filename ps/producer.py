@@ -33,7 +33,8 @@ import threading
 from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, fileops
+from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
+from asyncgrpo.run import fileops
 from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -45,7 +46,7 @@ class JobProducer(WatchedThread):
         super().__init__("job producer", QueueWatcher(queue.run.queue, {JobState.PROCESSING},
                                                       use_events=not cfg.poll_only), on_error)
         self.cfg, self.queue, self.dataset, self.pipeline = cfg, queue, dataset, pipeline
-        self.journal_path = queue.run.root / "producer.json"
+        self.journal_path = queue.run.producer_journal
         self.lock = threading.Lock()  # the trainer adds owed rows while this thread throws
         self.batches_drawn = 0
         self.last_job_id: str | None = None

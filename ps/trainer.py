@@ -53,8 +53,9 @@ from trl import GRPOTrainer
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
-from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
-from asyncgrpo.jobqueue.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
+from asyncgrpo.jobqueue import JobQueue
+from asyncgrpo.run import RunDir, fileops
+from asyncgrpo.run.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
@@ -133,7 +134,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _forget_metrics_after(self, step: int) -> None:
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
         training lost with the old PS, and those steps are trained again."""
-        path = self.run.root / "metrics.jsonl"
+        path = self.run.metrics_file
         if not path.exists():
             return
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -280,7 +281,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._publish_weights()
         if not self.is_queue_client:
             return
-        fileops.replace_file(self.run.root / "global_step.txt", f"{step}\n".encode())
+        self.run.write_global_step(step)
         self.pipeline.on_step_end(step)
 
     def hold_save_until_job_ends(self, control) -> None:
@@ -337,7 +338,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         }
         self._last_step_end = now
         self._step_record = _new_step_record()
-        with open(self.run.root / "metrics.jsonl", "a") as f:
+        with open(self.run.metrics_file, "a") as f:
             f.write(json.dumps(line) + "\n")
         self._show_progress(line)
 

@@ -23,21 +23,11 @@ import signal
 import sys
 import time
 
-from asyncgrpo.jobqueue import (
-    DEFAULT_LEASE_S,
-    DEFAULT_MAX_ATTEMPTS,
-    JobQueue,
-    JobState,
-    RunDir,
-    RunDirError,
-    describe_error,
-    fileops,
-    latest_run,
-    list_workers,
-)
-from asyncgrpo.jobqueue.liveness import fs_now
+from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describe_error
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
+from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers
+from asyncgrpo.run.liveness import fs_now
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
@@ -128,11 +118,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
                 pass
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
     workers = [w.as_dict() for w in list_workers(run, now, lease_s)]
-    global_step = None
-    try:
-        global_step = int((run.root / "global_step.txt").read_text().strip())
-    except (OSError, ValueError):
-        pass
+    global_step = run.read_global_step()
     report = {
         "run_dir": str(run.root),
         **counts,
@@ -164,7 +150,7 @@ def failure_of(path) -> str | None:
 def last_logged_step(run: RunDir) -> dict | None:
     """The newest line of RUN/metrics.jsonl (step, reward, staleness, ...), read from its tail."""
     try:
-        with open(run.root / "metrics.jsonl", "rb") as f:
+        with open(run.metrics_file, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
             tail = f.read().splitlines()
     except OSError:

@@ -3,7 +3,6 @@ matplotlib raises ImportError, which the report turns into a one-line install hi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -12,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from queue_tools.report import num, span_of, worker_intervals  # noqa: E402
+from asyncgrpo.run import RunDir  # noqa: E402
+from queue_tools.timeline import load_metrics, num, span_of, worker_intervals  # noqa: E402
 
 STATES = ["pending", "processing", "committing", "complete", "collected"]
 COLORS = {"busy": "tab:green", "syncing": "tab:orange", "train step": "tab:blue", "trainer waits": "tab:red",
@@ -113,23 +113,6 @@ def timeline(rows: list[tuple[str, dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def load_metrics(run_root: Path) -> list[dict]:
-    """metrics.jsonl's lines; corrupt ones are skipped."""
-    rows = []
-    try:
-        lines = (run_root / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def timeline_rows(tracks: list, origin: float) -> list[tuple[str, dict]]:
     """Per process, its spans by kind as (start, width) in seconds from origin."""
     rows = []
@@ -147,8 +130,8 @@ def timeline_rows(tracks: list, origin: float) -> list[tuple[str, dict]]:
     return rows
 
 
-def make_plots(out_dir: Path, run_root: Path, tracks: list, origin: float) -> list[Path]:
-    metrics = load_metrics(run_root)
+def make_plots(out_dir: Path, run: RunDir, tracks: list, origin: float) -> list[Path]:
+    metrics = load_metrics(run)
     staleness = [v for t in tracks for e in t.events
                  if e["event"] == "result_consumed" and (v := num(e, "staleness")) is not None]
     rows = timeline_rows(tracks, origin)

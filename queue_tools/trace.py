@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from queue_tools.report import COMMON, Track, num, span_of, worker_intervals
+from queue_tools.timeline import COMMON, Track, num, span_of, worker_intervals
 
 # thread order within a process
 LANES = ["trainer", "publish", "producer", "collector", "consume", "jobs", "weights", "queue wait", "events"]

@@ -6,7 +6,7 @@
 #
 # The PS must publish safetensors snapshots (start it with --weight_transport safetensors): a
 # worker on another host cannot read the PS's /dev/shm buffers or GPU memory. Worker i is
-# dev{i}.{host id} in the queue's file names (host id: asyncgrpo/jobqueue/hosts.py,
+# dev{i}.{host id} in the queue's file names (host id: asyncgrpo/run/hosts.py,
 # $ASYNCGRPO_HOST_ID overrides it) and runs on GPU (i-1) mod G. Logs: RUN/logs/
 # log_worker_{i}.{host id}.txt and launch-{host id}.txt. A worker that exits is restarted (its
 # job returns through recovery); when the PS finishes (RUN/ps.json says so), or on Ctrl-C,
@@ -42,7 +42,7 @@ source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, re
 resolve_device
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
 "$VENV_PY" -m ps --check_only "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
-HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.jobqueue.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
+HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
 LOGS="$RUN/logs"
 
 if [ "$DEVICE" = cpu ]; then

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, start_process
 
-from asyncgrpo.jobqueue import JobQueue, RunDir
+from asyncgrpo.jobqueue import JobQueue
+from asyncgrpo.run import RunDir
 
 __all__ = ["DEMO_RUN_FLAGS", "PROCESS_ENV", "REPO"]  # also imported from here by some test modules
 

@@ -289,7 +289,7 @@ def inject_disk_full(m, run, where):
             raise OSError(code, os.strerror(code))
         return real_fsync(fd)
 
-    from asyncgrpo.jobqueue import fileops
+    from asyncgrpo.run import fileops
 
     m.setattr(fileops.os, "write", write)
     m.setattr(fileops.os, "fsync", fsync)

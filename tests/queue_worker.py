@@ -16,7 +16,8 @@ import signal
 import sys
 import threading
 
-from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher, RunDir, WorkerPresence, fileops
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher
+from asyncgrpo.run import RunDir, WorkerPresence, fileops
 
 
 def signal_self(sig):

@@ -11,7 +11,7 @@ that cannot be built (a library refusing a flag, ...: a restart would fail the s
 3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
 
 ``--join`` (what ``launch.sh --join`` passes): the worker's id carries this host's id,
-``dev{N}.{host id}`` (asyncgrpo/jobqueue/hosts.py), so that worker N of every host has names
+``dev{N}.{host id}`` (asyncgrpo/run/hosts.py), so that worker N of every host has names
 of its own; RUN must already be a run directory.
 """
 
@@ -20,9 +20,9 @@ import logging
 import sys
 
 from asyncgrpo.config import ConfigError, parse_config
-from asyncgrpo.jobqueue import RunDir, RunDirError, WorkerAlreadyRunning
-from asyncgrpo.jobqueue.hosts import HOST_ID
-from asyncgrpo.jobqueue.names import parse_worker_id, worker_id
+from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
+from asyncgrpo.run.hosts import HOST_ID
+from asyncgrpo.run.rundir import parse_worker_id, worker_id
 from asyncgrpo.weights.layout import WeightsMismatch
 from worker.loop import WorkerSetupError, run_worker
 

@@ -33,17 +33,9 @@ import time
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
-from asyncgrpo.jobqueue import (
-    JobQueue,
-    JobState,
-    QueueWatcher,
-    QueueWriteError,
-    RunDir,
-    WorkerPresence,
-    describe_error,
-    fileops,
-)
-from asyncgrpo.jobqueue.names import WorkerId
+from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, describe_error
+from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
+from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
@@ -134,7 +126,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 continue
             waiting.over()
             # The running PS's flags (a PS relaunched with other flags also trains the jobs it left in the queue).
-            ps_flags = (fileops.read_json(run.root / "ps.json") or {}).get("generation")
+            ps_flags = ps_status.generation if (ps_status := run.read_ps_status()) else None
             if mismatch := cfg.generation_mismatch(ps_flags):
                 queue.release(job)  # for a worker started with the PS's flags
                 raise ConfigError(mismatch)
@@ -193,7 +185,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
 
 def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     path = model_path(cfg, run.root)
-    while not (run.root / "ps.json").exists() and not stop.is_set():
+    while not run.ps_status_file.exists() and not stop.is_set():
         waiting.waiting_for("the parameter server to start (RUN/ps.json)")
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
     model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS

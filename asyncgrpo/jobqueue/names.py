@@ -27,6 +27,8 @@ import functools
 import re
 from dataclasses import dataclass
 
+from asyncgrpo.run.rundir import WORKER_ID, WorkerId, parse_worker_id
+
 JOB_ID_RE = re.compile(r"^\d{6}_\d{3}$")
 
 
@@ -57,8 +59,6 @@ _HAS_ATTEMPT = {JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING}
 
 # Attempt 1 has no suffix and "_a0"/"_a1" are rejected, so each job state has one spelling.
 _ATTEMPT = r"[2-9]|[1-9]\d{1,2}"
-# A worker id: a device number, then ".{host id}" for a worker that joined from another host.
-WORKER_ID = r"(?:0|[1-9]\d{0,2})(?:\.[A-Za-z0-9]{1,16})?"
 _QUEUE_NAME_RE = re.compile(
     r"^(?P<job_id>\d{6}_\d{3})_(?:"
     rf"pending(?:_a(?P<pending_attempt>{_ATTEMPT}))?"
@@ -72,21 +72,6 @@ _DONE_NAME_RE = re.compile(
     r"(?P<reason>" + "|".join(r.value for r in ArchiveReason) + r")"
     r"(?:_a\d{1,3})?(?:\.\d{1,6})?\.pt$"
 )
-
-
-WorkerId = int | str  # 3, or "3.{host id}" for a worker that joined from another host
-
-
-def worker_id(device: int, host_id: str | None = None) -> WorkerId:
-    """The id of worker ``device``; with ``host_id``, of that worker on a joined host."""
-    return device if host_id is None else f"{device}.{host_id}"
-
-
-def parse_worker_id(text: str) -> WorkerId | None:
-    """``"3"`` -> 3, ``"3.3f9a2c1d"`` -> itself, anything else -> None."""
-    if not re.fullmatch(WORKER_ID, text):
-        return None
-    return text if "." in text else int(text)
 
 
 @functools.total_ordering

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncgrpo.events import EventLog
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.liveness import fs_now, worker_status
 from asyncgrpo.jobqueue.names import (
     ArchiveReason,
     JobState,
@@ -33,10 +31,11 @@ from asyncgrpo.jobqueue.names import (
     is_job_id,
     parse_queue_name,
 )
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.liveness import DEFAULT_LEASE_S, fs_now, worker_status
+from asyncgrpo.run.rundir import RunDir
 
 SCHEMA_VERSION = 1
-DEFAULT_LEASE_S = 30.0  # a worker silent this long has its job recovered (30 heartbeats missed)
 DEFAULT_MAX_ATTEMPTS = 3  # a job recovered this many times is archived `orphaned`
 
 JOB_KEYS = ("schema", "kind", "job_id", "created_step", "created_at", "data")

@@ -41,9 +41,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
-from asyncgrpo.jobqueue.rundir import LEDGER_FILE, RunDir, newest_complete_checkpoint
+from asyncgrpo.run import fileops
+from asyncgrpo.run.rundir import LEDGER_FILE, RunDir, newest_complete_checkpoint
 
 MB = 1_000_000
 _CONSUMED_SUFFIX = f"_{ArchiveReason.CONSUMED.value}.pt"

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 
-from asyncgrpo.jobqueue.hosts import network_filesystem
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
+from asyncgrpo.run.hosts import network_filesystem
 
 log = logging.getLogger("asyncgrpo.queue")
 _said_polling: set[str] = set()  # queue dirs this process logged its switch to polling for

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from asyncgrpo.jobqueue.rundir import RunDir
+    from asyncgrpo.run.rundir import RunDir
 
 # Loaded on first use, so that importing a torch-free submodule (buffer_folders, for
 # queue_tools) does not import torch through this package.

@@ -4,7 +4,7 @@ Files (all under ``RUN/weights/``):
 
 * ``published_version.json``: the newest published version (small; rewritten atomically
   with ``fileops.write_json`` on every publish): version, step, transport, publisher_id, pid,
-  host, host_id (jobqueue/hosts.py), written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
+  host, host_id (run/hosts.py), written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
   fields. Its name before was ``ps_ipc_handle_version.json`` (it serves every transport,
   not only CUDA IPC): readers fall back to that name when the new one does not exist, so a
   worker started on a run whose PS still writes the old name finds its weights.
@@ -73,9 +73,9 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.hosts import HOST_ID
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.hosts import HOST_ID
+from asyncgrpo.run.rundir import RunDir
 from asyncgrpo.weights.adapter import layout_of, shared_tensors
 from asyncgrpo.weights.layout import Layout, layout_path  # noqa: F401 (Layout: imported from here by the transports)
 from asyncgrpo.weights.memcopy import copy_tensors

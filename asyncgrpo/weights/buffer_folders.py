@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.liveness import pid_alive
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.liveness import pid_alive
+from asyncgrpo.run.rundir import RunDir
 
 SHM_ROOT = Path("/dev/shm")
 PREFIX = "asyncgrpo-weights-"

@@ -36,9 +36,9 @@ import os
 
 import torch
 
-from asyncgrpo.jobqueue.hosts import same_host
-from asyncgrpo.jobqueue.liveness import pid_alive
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run.hosts import same_host
+from asyncgrpo.run.liveness import pid_alive
+from asyncgrpo.run.rundir import RunDir
 from asyncgrpo.weights.adapter import shared_tensors
 from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, TransportUnavailable, log
 from asyncgrpo.weights.device_errors import is_sticky_cuda_error

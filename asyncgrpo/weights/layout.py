@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run.rundir import RunDir
 
 ALIGN = 256  # byte alignment of every tensor in a slot: any dtype view, vectorised copies
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.hosts import HOST_ID
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.hosts import HOST_ID
+from asyncgrpo.run.rundir import RunDir
 from asyncgrpo.weights.base import NUM_SLOTS, Layout, SlotPublisher, log
 from asyncgrpo.weights.buffer_folders import PREFIX, SHM_ROOT, buffer_dir, remove_dead_folders  # noqa: F401 (PREFIX: bench)
 from asyncgrpo.weights.memcopy import copy_tensors

@@ -34,11 +34,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.hosts import HOST_ID
-from asyncgrpo.jobqueue.liveness import fs_now, list_workers
-from asyncgrpo.jobqueue.queue import DEFAULT_LEASE_S
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.hosts import HOST_ID
+from asyncgrpo.run.liveness import DEFAULT_LEASE_S, fs_now, list_workers
+from asyncgrpo.run.rundir import RunDir
 from asyncgrpo.weights.adapter import layout_of, shared_tensors
 from asyncgrpo.weights.base import (
     Layout,

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from asyncgrpo.jobqueue.hosts import same_host
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run.hosts import same_host
+from asyncgrpo.run.rundir import RunDir
 from asyncgrpo.weights.adapter import check_model, shared_tensors
 from asyncgrpo.weights.base import (
     Layout,

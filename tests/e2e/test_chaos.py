@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 from helpers import LEDGER_FILE, assert_exactly_once, pid_alive, read_json, start_process
 
-from asyncgrpo.jobqueue import JobQueue, JobState, RunDir, parse_queue_name
+from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
+from asyncgrpo.run import RunDir
 
 MAX_STEPS = 200
 SAVE_STEPS = 5  # small, so that a killed PS loses few steps

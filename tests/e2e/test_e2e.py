@@ -25,8 +25,9 @@ from helpers import (
     start_process,
 )
 
-from asyncgrpo.jobqueue import JobQueue, RunDir, fileops
+from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.run import RunDir, fileops
 from queue_tools.report import make_report
 
 TIMEOUT_S = 600
@@ -165,7 +166,7 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     assert_exactly_once(run_root, jobs=20)
     assert_queue_drained(run_root)
     # queue_tools report: the time between the two PS lives is downtime, left out of the training span.
-    report = make_report(run_root)
+    report = make_report(RunDir(run_root))
     steps = ps_events(run_root, "train_step_start") + ps_events(run_root, "train_step_end")
     first_to_last = max(e["mono"] for e in steps) - min(e["mono"] for e in steps)
     assert report["downtime"]["restarts"] == 1 and report["downtime"]["down_s"] > 0

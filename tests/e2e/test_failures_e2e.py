@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, ps_events, start_process
 
-from asyncgrpo.jobqueue import fileops
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
+from asyncgrpo.run import fileops
 from asyncgrpo.tasks.demo import DEMO_DEFAULTS
 from queue_tools.cli import main as queue_tools
 from worker.loop import FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S

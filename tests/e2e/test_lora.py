@@ -22,8 +22,8 @@ from trl import GRPOTrainer, ModelConfig, get_peft_config
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError, parse_config
 from asyncgrpo.events import EventLog
-from asyncgrpo.jobqueue import RunDir, fileops
 from asyncgrpo.peft_args import PeftArgs
+from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.tasks.demo import (
     DEMO_DEFAULTS,
     build_dataset,

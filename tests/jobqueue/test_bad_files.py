@@ -24,15 +24,9 @@ import pytest
 import torch
 from helpers import entries
 
-from asyncgrpo.jobqueue import (
-    ArchiveReason,
-    JobQueue,
-    JobState,
-    QueueName,
-    RunDir,
-    make_job_id,
-)
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueName, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.run import RunDir
 
 BAD = make_job_id(1, 0)  # "000001_000": the job id every bad file claims
 GOOD = make_job_id(2, 0)  # a good job next to it

@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import entries, inject_disk_full
 
-from asyncgrpo.jobqueue import JobQueue, QueueName, QueueWriteError, RunDir, WorkerPresence, fileops, make_job_id
+from asyncgrpo.jobqueue import JobQueue, QueueName, make_job_id
+from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence, fileops
 
 BAD = make_job_id(1, 0)  # the job whose write hits the full disk
 GOOD = make_job_id(2, 0)

@@ -16,10 +16,12 @@ import pytest
 import torch
 from helpers import PROCESS_ENV, REPO, backdate, fill, held_values, pid_alive, read_json
 
-from asyncgrpo.jobqueue import QueueWatcher, RunDir, WorkerAlreadyRunning, WorkerPresence, fileops, watcher
-from asyncgrpo.jobqueue.hosts import HOST_ID, filesystem_type, host_id, network_filesystem
-from asyncgrpo.jobqueue.liveness import fs_now, heartbeat_path, list_workers, lock_path, worker_status
-from asyncgrpo.jobqueue.names import JobState, QueueName, parse_queue_name, worker_id
+from asyncgrpo.jobqueue import QueueWatcher, watcher
+from asyncgrpo.jobqueue.names import JobState, QueueName, parse_queue_name
+from asyncgrpo.run import RunDir, WorkerAlreadyRunning, WorkerPresence, fileops
+from asyncgrpo.run.hosts import HOST_ID, filesystem_type, host_id, network_filesystem
+from asyncgrpo.run.liveness import fs_now, list_workers, worker_status
+from asyncgrpo.run.rundir import worker_id
 from asyncgrpo.weights import make_publisher, make_subscriber, snapshot
 from asyncgrpo.weights.snapshot import READER_LEASE_S, snapshot_dir
 
@@ -30,7 +32,7 @@ OTHER = "0badc0de"  # another host's id
 def remote_heartbeat(run, device, *, host_id=OTHER, **fields):
     """A heartbeat as a worker on another host writes it. Its hostname is ours on purpose:
     two hosts (or containers) may share one."""
-    fileops.write_json(heartbeat_path(run, device), {"device": device, "pid": dead_pid(), "host": socket.gethostname(),
+    fileops.write_json(run.heartbeat_file(device), {"device": device, "pid": dead_pid(), "host": socket.gethostname(),
                                                      "host_id": host_id, "state": "busy", **fields})
 
 
@@ -43,7 +45,7 @@ def test_a_worker_whose_lock_cannot_be_probed_is_judged_by_its_heartbeat(run, qu
     # On NFS flock is emulated with POSIX locks: the probe can fail (EBADF, ENOLCK, ...) where it works locally.
     import errno
 
-    from asyncgrpo.jobqueue import liveness
+    from asyncgrpo.run import liveness
 
     queue.put_job("000001_000", {}, created_step=1)
     presence = WorkerPresence(run, 1, interval_s=3600).start()  # beats once, now
@@ -58,7 +60,7 @@ def test_a_worker_whose_lock_cannot_be_probed_is_judged_by_its_heartbeat(run, qu
         monkeypatch.setattr(liveness.fcntl, "flock", nfs_flock)
         assert liveness.worker_status(run, 1, fs_now(run), LEASE_S).alive  # a fresh heartbeat
         assert queue.recover(lease_s=LEASE_S) == []
-        backdate(heartbeat_path(run, 1), 2 * LEASE_S)
+        backdate(run.heartbeat_file(1), 2 * LEASE_S)
         assert not liveness.worker_status(run, 1, fs_now(run), LEASE_S).alive
         [action] = queue.recover(lease_s=LEASE_S)
         assert action.what == "requeue" and action.job_id == job.job_id
@@ -69,7 +71,7 @@ def test_a_worker_whose_lock_cannot_be_probed_is_judged_by_its_heartbeat(run, qu
 
 
 def test_a_process_that_exited_and_was_not_reaped_is_dead():
-    from asyncgrpo.jobqueue.liveness import pid_alive as library_pid_alive
+    from asyncgrpo.run.liveness import pid_alive as library_pid_alive
 
     child = subprocess.Popen(["sleep", "30"])
     try:
@@ -145,7 +147,7 @@ def test_host_id_is_more_than_the_hostname_and_can_be_set():
     # The same hostname in another PID namespace (a container) is another host.
     other_namespace = subprocess.run(
         ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
-         "from asyncgrpo.jobqueue.hosts import HOST_ID; print(HOST_ID)"],
+         "from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)"],
         capture_output=True, text=True, cwd=REPO, env=PROCESS_ENV)
     if other_namespace.returncode == 0:
         assert other_namespace.stdout.strip() != HOST_ID
@@ -153,7 +155,7 @@ def test_host_id_is_more_than_the_hostname_and_can_be_set():
 
 def test_the_environment_variable_names_the_host_of_a_process(run):
     env = {**PROCESS_ENV, "ASYNCGRPO_HOST_ID": "node07"}
-    code = ("from asyncgrpo.jobqueue import fileops; from asyncgrpo.jobqueue.hosts import HOST_ID; "
+    code = ("from asyncgrpo.run import fileops; from asyncgrpo.run.hosts import HOST_ID; "
             f"print(HOST_ID, fileops.stage_bytes({str(run.tmp)!r}, b'x'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, check=True)
     host, temp_file = out.stdout.split()
@@ -171,7 +173,7 @@ def test_a_worker_on_another_host_is_alive_while_it_beats_whatever_its_pid(run, 
     status = worker_status(run, device, fs_now(run), LEASE_S)
     assert status.alive and status.remote and status.job_id == job.job_id
     assert queue.recover(lease_s=LEASE_S) == []
-    backdate(heartbeat_path(run, device), 2 * LEASE_S)
+    backdate(run.heartbeat_file(device), 2 * LEASE_S)
     assert not worker_status(run, device, fs_now(run), LEASE_S).alive
     [action] = queue.recover(lease_s=LEASE_S)
     assert action.what == "requeue" and action.why == (
@@ -201,8 +203,8 @@ def test_a_worker_id_beating_on_another_host_is_not_started_twice(run):
     remote_heartbeat(run, 1, state="idle")
     with pytest.raises(WorkerAlreadyRunning, match="from host .* heartbeat 0s ago.*launch.sh --join"):
         WorkerPresence(run, 1, lease_s=LEASE_S).start()
-    assert os.path.exists(lock_path(run, 1))
-    backdate(heartbeat_path(run, 1), 2 * LEASE_S)  # that worker is gone
+    assert os.path.exists(run.worker_lock_file(1))
+    backdate(run.heartbeat_file(1), 2 * LEASE_S)  # that worker is gone
     WorkerPresence(run, 1, lease_s=LEASE_S).start().stop()
 
 
@@ -251,7 +253,7 @@ def test_a_snapshot_a_live_worker_reads_is_kept(run):
         assert snapshots(run) == [f"v0000000{v}.safetensors" for v in (1, 2, 4, 5)]
         presence.announce_read(None)
         presence.beat()
-        backdate(heartbeat_path(run, worker_id(1, OTHER)), 2 * READER_LEASE_S)  # that worker went silent
+        backdate(run.heartbeat_file(worker_id(1, OTHER)), 2 * READER_LEASE_S)  # that worker went silent
         publisher.publish(6, 6)
         assert snapshots(run) == ["v00000005.safetensors", "v00000006.safetensors"]
     finally:
@@ -373,7 +375,7 @@ def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
 def heartbeat_pid(run, device, not_pid=None) -> int:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        pid = read_json(heartbeat_path(run, device)).get("pid")
+        pid = read_json(run.heartbeat_file(device)).get("pid")
         if pid and pid != not_pid:
             return pid
         time.sleep(0.1)

@@ -10,16 +10,9 @@ import sys
 import pytest
 from helpers import backdate, result_payload
 
-from asyncgrpo.jobqueue import (
-    ArchiveReason,
-    CollectedResult,
-    JobQueue,
-    WorkerAlreadyRunning,
-    WorkerPresence,
-    fileops,
-    make_job_id,
-)
+from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.run import WorkerAlreadyRunning, WorkerPresence, fileops
 
 LEASE_S = 30.0
 

@@ -3,8 +3,9 @@
 import threading
 import time
 
-from asyncgrpo.jobqueue import JobState, QueueWatcher, fileops
+from asyncgrpo.jobqueue import JobState, QueueWatcher
 from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
+from asyncgrpo.run import fileops
 
 NEVER_S = 600.0  # a rescan interval no test reaches: only an event can wake the waiter
 

@@ -15,7 +15,8 @@ from reward_faults import always_raises, one_reward_too_few
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
-from asyncgrpo.jobqueue import JobState, QueueName, describe_error, fileops
+from asyncgrpo.jobqueue import JobState, QueueName, describe_error
+from asyncgrpo.run import fileops
 from asyncgrpo.tasks.demo import (
     DEMO_DEFAULTS,
     build_dataset,

@@ -2,7 +2,7 @@
 
 import re
 
-from asyncgrpo.jobqueue import fileops
+from asyncgrpo.run import fileops
 
 
 def logged_dicts(ps_log: str) -> list[dict]:

@@ -11,7 +11,7 @@ from trl import GRPOTrainer
 from asyncgrpo.config import parse_config
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, write_demo_model_once
-from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.run import RunDir
 from ps.offpolicy import importance_weights
 from ps.trainer import AsyncGRPOTrainer
 

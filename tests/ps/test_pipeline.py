@@ -14,7 +14,8 @@ import torch
 from helpers import inject_disk_full
 
 from asyncgrpo.config import parse_config
-from asyncgrpo.jobqueue import JobQueue, JobState, fileops
+from asyncgrpo.jobqueue import JobQueue, JobState
+from asyncgrpo.run import fileops
 from ps.pipeline import JobPipeline, PipelineError
 
 ROWS = 4  # generation_batch_size: 2 prompts x 2 generations
@@ -489,7 +490,7 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
         "import errno\n"
-        "from asyncgrpo.jobqueue import fileops\n"
+        "from asyncgrpo.run import fileops\n"
         "_write = fileops.write_payload\n"
         "def write_payload(tmp_dir, path, payload, **kwargs):\n"
         "    if str(path).endswith('_pending.pt'):\n"

@@ -13,7 +13,8 @@ import torch
 from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, result_payload, start_process
 from safetensors.torch import load_file
 
-from asyncgrpo.jobqueue import JobQueue, fileops
+from asyncgrpo.jobqueue import JobQueue
+from asyncgrpo.run import fileops
 from ps.pipeline import readopt_rolled_back_results
 
 
@@ -67,8 +68,8 @@ import os
 import signal
 import sys
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.rundir import LEDGER_FILE
+from asyncgrpo.run import fileops
+from asyncgrpo.run.rundir import LEDGER_FILE
 
 real_write_json = fileops.write_json
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import backdate
 
-from asyncgrpo.jobqueue import ArchiveReason, RunDir, WorkerPresence, make_job_id
+from asyncgrpo.jobqueue import ArchiveReason, make_job_id
+from asyncgrpo.run import RunDir, WorkerPresence
 from queue_tools.cli import main
 
 LEASE_S = 30.0

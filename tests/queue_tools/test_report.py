@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.run import RunDir
 from queue_tools.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -271,7 +271,8 @@ def test_the_time_between_two_ps_lives_is_downtime_outside_every_figure(tmp_path
 
 
 def test_a_sync_inside_a_job_counts_as_syncing_not_busy(tmp_path):
-    from queue_tools.report import Track, utilisation
+    from queue_tools.report import utilisation
+    from queue_tools.timeline import Track
     events = make_track_events("worker", [
         ("job_claimed", 10.0, {"job_id": "000000_000", "queue_wait_ms": 1.0}),
         ("weights_synced", 10.5, {"dur_ms": 300.0}),           # 10.2 .. 10.5, inside the job

@@ -57,7 +57,7 @@ def _rank_main(run_root: str, what: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from asyncgrpo.jobqueue import RunDir
+    from asyncgrpo.run import RunDir
     from asyncgrpo.weights import make_publisher, make_subscriber
     from asyncgrpo.weights.adapter import gather_full_tensors, shared_tensors
 

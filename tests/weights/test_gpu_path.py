@@ -30,7 +30,7 @@ import pytest
 import torch
 from helpers import fill, held_values, start_script
 
-from asyncgrpo.jobqueue import RunDir, fileops
+from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
 
 HERE = Path(__file__).resolve()

@@ -28,7 +28,7 @@ import pytest
 import torch
 from helpers import fill, held_values, start_script
 
-from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.run import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
 from asyncgrpo.weights.base import lock_holders, lock_path, open_lock
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, remove_dead_folders

@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import fill, held_values, start_script
 
-from asyncgrpo.jobqueue import RunDir, fileops
+from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, mmap_file, read_version_file
 from asyncgrpo.weights.base import layout_path, version_path
 from asyncgrpo.weights.layout import Layout

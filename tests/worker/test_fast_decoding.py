@@ -14,7 +14,7 @@ import torch
 
 import worker.generate as generate_module
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import RunDir
+from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import (
     DEMO_DEFAULTS,
     build_dataset,

@@ -28,7 +28,7 @@ import os
 import stat
 import uuid
 
-from asyncgrpo.jobqueue.hosts import HOST_ID  # temp names say who writes them
+from asyncgrpo.run.hosts import HOST_ID  # temp names say who writes them
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100

@@ -32,12 +32,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from asyncgrpo.jobqueue import fileops
-from asyncgrpo.jobqueue.hosts import HOST_ID, same_host
-from asyncgrpo.jobqueue.names import WORKER_ID, WorkerId, parse_worker_id
-from asyncgrpo.jobqueue.rundir import RunDir
+from asyncgrpo.run import fileops
+from asyncgrpo.run.hosts import HOST_ID, same_host
+from asyncgrpo.run.rundir import WORKER_ID, RunDir, WorkerId, parse_worker_id
 
 HEARTBEAT_INTERVAL_S = 1.0  # well under any sensible lease, cheap (one small file replace)
+DEFAULT_LEASE_S = 30.0  # a worker silent this long has its jobs recovered (30 heartbeats missed)
 _LOCK_RETRY_S = 1.0  # a recovery probe holds a free lock for microseconds; ride over it
 
 log = logging.getLogger("asyncgrpo.queue")
@@ -74,14 +74,6 @@ class WorkerAlreadyRunning(RuntimeError):
     pass
 
 
-def lock_path(run: RunDir, device: WorkerId):
-    return run.workers / f"dev{device}.lock"
-
-
-def heartbeat_path(run: RunDir, device: WorkerId):
-    return run.workers / f"dev{device}.json"
-
-
 def fs_now(run: RunDir) -> float:
     """The run filesystem's idea of now (mtime of a freshly touched probe); the local
     clock where the run directory is read-only."""
@@ -105,7 +97,7 @@ class WorkerPresence:
     """
 
     def __init__(self, run: RunDir, device: WorkerId, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 lease_s: float = 30.0):
+                 lease_s: float = DEFAULT_LEASE_S):
         self.run, self.device, self.interval_s, self.lease_s = run, device, interval_s, lease_s
         self._fields = {"device": device, "pid": os.getpid(), "host": socket.gethostname(), "host_id": HOST_ID,
                         "job_id": None, "job_ids": [], "weights_version": None, "reading": None, "state": "starting",
@@ -116,7 +108,7 @@ class WorkerPresence:
         self._thread: threading.Thread | None = None
 
     def start(self) -> WorkerPresence:
-        fd = os.open(lock_path(self.run, self.device), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.run.worker_lock_file(self.device), os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + _LOCK_RETRY_S
         while True:
             try:
@@ -125,7 +117,7 @@ class WorkerPresence:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     os.close(fd)
-                    other = fileops.read_json(heartbeat_path(self.run, self.device)) or {}
+                    other = fileops.read_json(self.run.heartbeat_file(self.device)) or {}
                     raise WorkerAlreadyRunning(
                         f"worker dev{self.device} is already running on {self.run.root} "
                         f"(pid {other.get('pid', '?')} on {other.get('host', '?')})") from None
@@ -149,7 +141,7 @@ class WorkerPresence:
         return self
 
     def _refuse_if_live_elsewhere(self, now: float) -> None:
-        path = heartbeat_path(self.run, self.device)
+        path = self.run.heartbeat_file(self.device)
         other = fileops.read_json(path)
         if other is None or same_host(other) or other.get("state") == "stopped":
             return
@@ -171,7 +163,7 @@ class WorkerPresence:
         """Writes the heartbeat now, stamped with the file server's time."""
         with self._mutex:
             self._fields["last_beat"] = time.time()
-            path = heartbeat_path(self.run, self.device)
+            path = self.run.heartbeat_file(self.device)
             fileops.write_json(path, self._fields)
             fileops.stamp_now(path)
 
@@ -267,14 +259,14 @@ def _cannot_probe(path, err: OSError) -> None:
 
 def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> WorkerStatus:
     """``now``: the filesystem's clock (``fs_now``), which heartbeat mtimes are stamped with."""
-    hb_path = heartbeat_path(run, device)
+    hb_path = run.heartbeat_file(device)
     heartbeat = fileops.read_json(hb_path) or {}
     try:
         age = round(max(0.0, now - os.stat(hb_path).st_mtime), 3)
     except FileNotFoundError:
         age = None
     remote = bool(heartbeat) and not same_host(heartbeat)
-    held = None if remote else _lock_is_held(lock_path(run, device))  # another host's lock means nothing here
+    held = None if remote else _lock_is_held(run.worker_lock_file(device))  # another host's lock means nothing here
     if held is None:
         alive = age is not None and age <= lease_s and heartbeat.get("state") != "stopped"
     else:

@@ -1,0 +1,237 @@
+"""The run directory: one folder holds everything a run writes (docs/design.md, "The run directory").
+
+``RunDir`` names every file and folder at the top of a run, and reads and writes the small
+files there (``ps.json``, ``global_step.txt``). The names inside ``queue/`` and ``done/`` are
+the queue's grammar (asyncgrpo/jobqueue/names.py); the files inside ``weights/`` are the
+transports' (asyncgrpo/weights/base.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncgrpo.run import fileops
+
+# Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
+# looks for the most recent one. Outside the source tree on purpose.
+DEFAULT_RUNS_DIR = "~/asyncgrpo-runs"
+
+
+# The consumed-job ledger the PS writes into each checkpoint folder, last: a folder without
+# one is a save the PS did not finish.
+LEDGER_FILE = "asyncgrpo_state.json"
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+
+
+def checkpoint_folders(checkpoints: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-N`` folder, newest first."""
+    try:
+        names = os.listdir(checkpoints)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), Path(checkpoints) / n) for n in names if (m := _CHECKPOINT_RE.fullmatch(n))]
+    return sorted(found, reverse=True)
+
+
+def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
+    """The newest checkpoint folder holding its ledger. Read-only."""
+    for _, folder in checkpoint_folders(checkpoints):
+        if (folder / LEDGER_FILE).is_file():
+            return folder
+    return None
+
+
+# A worker id: a device number, then ".{host id}" for a worker that joined from another host.
+WORKER_ID = r"(?:0|[1-9]\d{0,2})(?:\.[A-Za-z0-9]{1,16})?"
+WorkerId = int | str  # 3, or "3.{host id}" for a worker that joined from another host
+
+
+def worker_id(device: int, host_id: str | None = None) -> WorkerId:
+    """The id of worker ``device``; with ``host_id``, of that worker on a joined host."""
+    return device if host_id is None else f"{device}.{host_id}"
+
+
+def parse_worker_id(text: str) -> WorkerId | None:
+    """``"3"`` -> 3, ``"3.3f9a2c1d"`` -> itself, anything else -> None."""
+    if not re.fullmatch(WORKER_ID, text):
+        return None
+    return text if "." in text else int(text)
+
+
+def runs_dir() -> Path:
+    """The runs folder: $ASYNCGRPO_RUNS, else DEFAULT_RUNS_DIR."""
+    return Path(os.environ.get("ASYNCGRPO_RUNS") or DEFAULT_RUNS_DIR).expanduser()
+
+
+@dataclass(frozen=True)
+class PSStatus:
+    """``RUN/ps.json``: which parameter server the run has (or had) and where it stands.
+
+    The PS writes it when it starts training (``state="training"``) and when it has saved the final
+    model (``state="finished"``); a worker waits for it before loading the model and refuses a job
+    whose ``generation`` settings differ from its own (AsyncGRPOConfig.generation_mismatch).
+    """
+
+    pid: int
+    host: str
+    model: str  # the model folder the PS loaded
+    state: str  # "training" | "finished"
+    started_at: float
+    resumed_from: str | None = None  # the checkpoint this PS life started from
+    generation: dict = field(default_factory=dict)  # AsyncGRPOConfig.generation_settings()
+    finished_at: float | None = None
+    global_step: int | None = None
+    final_model: str | None = None
+
+    @classmethod
+    def starting(cls, model: str, resumed_from: str | None, generation: dict) -> PSStatus:
+        """This process's status as it starts training."""
+        return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
+                   started_at=time.time(), resumed_from=resumed_from, generation=generation)
+
+    def finished(self, global_step: int, final_model: str) -> PSStatus:
+        return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,
+                                   final_model=final_model)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> PSStatus | None:
+        """The status a ps.json holds, or None for one this version cannot read."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in obj.items() if k in known})
+        except TypeError:  # a required field missing
+            return None
+
+
+class RunDirError(Exception):
+    """The path is missing or is not an asyncgrpo run directory."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "queue"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "queue" / ".tmp"
+
+    @property
+    def done(self) -> Path:
+        return self.root / "done"
+
+    @property
+    def workers(self) -> Path:
+        return self.root / "workers"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    # The files at the top of the run.
+    @property
+    def ps_status_file(self) -> Path:
+        return self.root / "ps.json"
+
+    @property
+    def ps_lock_file(self) -> Path:
+        """Held (flock) by the running PS: one PS per run directory."""
+        return self.root / "ps.lock"
+
+    @property
+    def metrics_file(self) -> Path:
+        """One JSON line per logged training step (reward, loss, staleness, waits), appended by the PS."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def global_step_file(self) -> Path:
+        return self.root / "global_step.txt"
+
+    @property
+    def producer_journal(self) -> Path:
+        """The PS producer's journal: the jobs it is about to throw (ps/producer.py)."""
+        return self.root / "producer.json"
+
+    @property
+    def demo_model(self) -> Path:
+        """The built-in demo model, written by the PS for its workers."""
+        return self.root / "demo_model"
+
+    @property
+    def final_model(self) -> Path:
+        """Where the PS saves the trained model when --output_dir is not given."""
+        return self.root / "final_model"
+
+    def heartbeat_file(self, device: WorkerId) -> Path:
+        return self.workers / f"dev{device}.json"
+
+    def worker_lock_file(self, device: WorkerId) -> Path:
+        """Held (flock) by the live worker ``device``: its liveness, next to its heartbeat."""
+        return self.workers / f"dev{device}.lock"
+
+    def read_ps_status(self) -> PSStatus | None:
+        """The PS's status, or None before a PS has written one (or when it cannot be read)."""
+        obj = fileops.read_json(self.ps_status_file)
+        return None if obj is None else PSStatus.from_json(obj)
+
+    def write_ps_status(self, status: PSStatus) -> None:
+        fileops.write_json(self.ps_status_file, dataclasses.asdict(status))
+
+    def read_global_step(self) -> int | None:
+        """The PS's last completed optimizer step, or None before the first."""
+        try:
+            return int(self.global_step_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def write_global_step(self, step: int) -> None:
+        fileops.replace_file(self.global_step_file, f"{step}\n".encode())
+
+    @classmethod
+    def create(cls, root: str | os.PathLike) -> RunDir:
+        """Creates the layout (idempotent) and returns it."""
+        run = cls(Path(root).expanduser().resolve())
+        for d in (run.tmp, run.done, run.workers, run.weights, run.logs, run.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+        return run
+
+    @classmethod
+    def open(cls, root: str | os.PathLike) -> RunDir:
+        """An existing run directory; RunDirError with a one-line reason otherwise."""
+        path = Path(root).expanduser()
+        if not path.exists():
+            raise RunDirError(f"run directory {path} does not exist")
+        if not path.is_dir():
+            raise RunDirError(f"{path} is not a directory")
+        run = cls(path.resolve())
+        if not run.queue.is_dir() or not run.done.is_dir():
+            raise RunDirError(f"{path} is not an asyncgrpo run directory (no queue/ and done/ inside)")
+        return run
+
+
+def latest_run() -> RunDir:
+    """The most recently modified run in the runs folder."""
+    folder = runs_dir()
+    if not folder.is_dir():
+        raise RunDirError(f"no run directory given and the runs folder {folder} does not exist")
+    runs = [p for p in folder.iterdir() if (p / "queue").is_dir()]
+    if not runs:
+        raise RunDirError(f"no run directory given and the runs folder {folder} holds no runs")
+    return RunDir(max(runs, key=lambda p: p.stat().st_mtime).resolve())
