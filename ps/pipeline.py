@@ -28,16 +28,14 @@ closest to going stale), then the lowest job id; ``fifo`` takes results in job o
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
-from asyncgrpo.jobqueue.names import done_name
-from asyncgrpo.run import RunDir, fileops
+from asyncgrpo.run import RunDir
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
-from ps.producer import IN_FLIGHT, JobProducer
+from ps.producer import JobProducer
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
@@ -71,7 +69,7 @@ class JobPipeline:
         the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
         self.published_version = self.next_take_step = published_version
-        readopt_rolled_back_results(self.run, self.consumed)
+        self.queue.roll_back_consumed(self.consumed)
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
             log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
@@ -155,8 +153,8 @@ class JobPipeline:
             return None
         if self.cfg.consume_order == "fifo":
             oldest = min(cached)
-            active = [n.job_id for n in self.queue.scan()[0] if n.state in IN_FLIGHT and n.job_id not in cached]
-            picked = None if active and min(active) < oldest else oldest  # an older job is still on its way
+            coming = self.queue.active_job_ids() - cached.keys()
+            picked = None if coming and min(coming) < oldest else oldest  # an older job is still on its way
         else:
             picked = min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
         self.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
@@ -201,24 +199,3 @@ class JobPipeline:
                 break
             time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
         log.info("[queue] finished: %s", self.queue.counts())
-
-
-def readopt_rolled_back_results(run: RunDir, consumed: set[str]) -> None:
-    """Results consumed after the checkpoint we resume from were trained into weights that
-    were lost with the old PS: put them back in the queue to be trained on again."""
-    for entry in fileops.scan(run.done):
-        if not entry.name.endswith("_consumed.pt"):
-            continue
-        job_id = entry.name[: -len("_consumed.pt")]
-        if job_id in consumed or entry.name != done_name(job_id, ArchiveReason.CONSUMED):
-            continue
-        collected = run.queue / f"{job_id}_collected.pt"
-        try:
-            fileops.move_to_other_dir(entry.path, collected)
-            log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
-        except FileExistsError:
-            if os.path.samefile(entry.path, collected):  # the old PS died inside consume()'s link + unlink
-                fileops.unlink_second_name(entry.path)
-                log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
-            else:
-                log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)

@@ -34,11 +34,11 @@ from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue.names import next_job_id
 from asyncgrpo.run import fileops
 from ps.background import WatchedThread
 
 log = logging.getLogger("asyncgrpo.ps")
-IN_FLIGHT = (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING, JobState.COMPLETE, JobState.COLLECTED)
 
 
 class JobProducer(WatchedThread):
@@ -70,9 +70,9 @@ class JobProducer(WatchedThread):
         self.batches_drawn = int(saved.get("batches_drawn", 0))
         self.last_job_id = saved.get("last_job_id")
         self.last_rows = saved.get("last_rows") or []
-        active = {name.job_id for name in self.queue.scan()[0]}
+        active = self.queue.active_job_ids()
         self.owed = [entry for entry in saved.get("owed", []) if entry["from_job"] not in active]
-        if self.last_job_id and self.last_rows and not self._job_exists(self.last_job_id, active):
+        if self.last_job_id and self.last_rows and not self.queue.has_files_of(self.last_job_id):
             log.info("[queue] job %s was reserved but never written: its rows are thrown again", self.last_job_id)
             self.owed.insert(0, {"from_job": self.last_job_id, "rows": self.last_rows})
         newest_in_queue = max(active, default=None)
@@ -81,9 +81,6 @@ class JobProducer(WatchedThread):
         self._batches = self._generation_batches()
         for _ in range(self.batches_drawn):  # skip what an earlier PS already threw
             next(self._batches)
-
-    def _job_exists(self, job_id: str, active: set[str]) -> bool:
-        return job_id in active or any(p.name.startswith(f"{job_id}_") for p in self.queue.run.done.iterdir())
 
     def owe(self, job_id: str, rows: list) -> None:
         """The result of ``job_id`` is being discarded: its rows go out again (journal first)."""
@@ -108,7 +105,7 @@ class JobProducer(WatchedThread):
         # Read before the scan: a job still pending in the scan is claimed after this read, and its
         # worker syncs at least these weights (published versions only grow).
         published = self.pipeline.published_version
-        names = [n for n in self.queue.scan()[0] if n.state in IN_FLIGHT]
+        names = self.queue.scan()[0]  # every job in queue/ is in flight
         cached = self.pipeline.cache.versions()
         # Then the result being judged, then next_take_step: a result taken from the cache since is either
         # still judging or already counted in next_take_step (the pipeline updates it before judging ends).
@@ -138,15 +135,6 @@ class JobProducer(WatchedThread):
             for start in range(0, len(indices) - size + 1, size):
                 yield [self.dataset[i] for i in indices[start:start + size]]
 
-    def _next_job_id(self) -> str:
-        step = self.pipeline.next_take_step
-        if self.last_job_id is not None:  # ids only grow, also across a PS restart
-            last_step, last_index = (int(part) for part in self.last_job_id.split("_"))
-            if step <= last_step:
-                step, index = (last_step, last_index + 1) if last_index < 999 else (last_step + 1, 0)
-                return f"{step:06d}_{index:03d}"
-        return f"{step:06d}_000"
-
     def _throw(self) -> None:
         with self.lock:
             if self.owed:
@@ -154,7 +142,7 @@ class JobProducer(WatchedThread):
             else:
                 rows = next(self._batches)
                 self.batches_drawn += 1
-            job_id = self._next_job_id()
+            job_id = next_job_id(self.last_job_id, self.pipeline.next_take_step)
             self.last_job_id, self.last_rows = job_id, rows
             self._write_journal()  # before the file exists: the id is taken and the rows accounted for
         # Synchronous mode (max_staleness 0) needs the newest weights; otherwise any are fine,

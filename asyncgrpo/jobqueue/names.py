@@ -68,7 +68,7 @@ _QUEUE_NAME_RE = re.compile(
     r")\.pt$"
 )
 _DONE_NAME_RE = re.compile(
-    r"^(?:\d{6}_\d{3}|invalid_[A-Za-z0-9_.-]{1,80})_"
+    r"^(?P<job_id>\d{6}_\d{3}|invalid_[A-Za-z0-9_.-]{1,80})_"
     r"(?P<reason>" + "|".join(r.value for r in ArchiveReason) + r")"
     r"(?:_a\d{1,3})?(?:\.\d{1,6})?\.pt$"
 )
@@ -128,6 +128,16 @@ def make_job_id(created_step: int, job_index: int) -> str:
     return f"{created_step:06d}_{job_index:03d}"
 
 
+def next_job_id(last: str | None, step: int) -> str:
+    """The id of a job created at ``step`` after job ``last``: ids only grow (also across a PS restart), so at
+    or before ``last``'s step it is ``last``'s next index."""
+    if last is not None:
+        last_step, last_index = (int(part) for part in last.split("_"))
+        if step <= last_step:
+            return make_job_id(last_step, last_index + 1) if last_index < 999 else make_job_id(last_step + 1, 0)
+    return make_job_id(step, 0)
+
+
 def is_job_id(value: object) -> bool:
     return isinstance(value, str) and JOB_ID_RE.fullmatch(value) is not None
 
@@ -141,10 +151,17 @@ def done_name(job_id: str, reason: ArchiveReason, attempt: int = 1, collision: i
     return name + ".pt"
 
 
+def parse_done_name(name: str) -> tuple[str, ArchiveReason] | None:
+    """``(job id, reason)`` of a ``done/`` file name (the job id may be an ``invalid_...`` stand-in), or None
+    for foreign files."""
+    m = _DONE_NAME_RE.fullmatch(name)
+    return (m["job_id"], ArchiveReason(m["reason"])) if m else None
+
+
 def done_reason(name: str) -> ArchiveReason | None:
     """The archive reason encoded in a ``done/`` file name, or None for foreign files."""
-    m = _DONE_NAME_RE.fullmatch(name)
-    return ArchiveReason(m["reason"]) if m else None
+    parsed = parse_done_name(name)
+    return parsed[1] if parsed else None
 
 
 def invalid_name_stem(name: str) -> str:

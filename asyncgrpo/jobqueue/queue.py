@@ -25,15 +25,15 @@ from asyncgrpo.jobqueue.names import (
     ArchiveReason,
     JobState,
     QueueName,
-    WorkerId,
     done_name,
     invalid_name_stem,
     is_job_id,
+    parse_done_name,
     parse_queue_name,
 )
 from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import DEFAULT_LEASE_S, fs_now, worker_status
-from asyncgrpo.run.rundir import RunDir
+from asyncgrpo.run.rundir import RunDir, WorkerId
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_ATTEMPTS = 3  # a job recovered this many times is archived `orphaned`
@@ -160,6 +160,15 @@ class JobQueue:
 
     def was_consumed(self, job_id: str) -> bool:
         return os.path.lexists(self.run.done / done_name(job_id, ArchiveReason.CONSUMED))
+
+    def active_job_ids(self) -> set[str]:
+        """The jobs with a file in queue/, in any state: thrown and not yet archived."""
+        return {name.job_id for name in self.scan()[0]}
+
+    def has_files_of(self, job_id: str) -> bool:
+        """Whether job ``job_id`` was ever written: a file of it is in queue/ or done/."""
+        return job_id in self.active_job_ids() or any(
+            (parsed := parse_done_name(entry.name)) and parsed[0] == job_id for entry in fileops.scan(self.run.done))
 
     # ---------------------------------------------------------------- PS: produce
 
@@ -329,6 +338,31 @@ class JobQueue:
             self.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
             return False
         return True
+
+    def roll_back_consumed(self, ledger: set[str]) -> list[str]:
+        """Results archived consumed whose job is not in ``ledger`` were trained into weights lost with an
+        earlier PS (after the checkpoint this one resumes from): they go back to queue/ as collected, to be
+        trained again. Returns their job ids."""
+        back = []
+        for entry in fileops.scan(self.run.done):
+            parsed = parse_done_name(entry.name)
+            if parsed is None or parsed[1] is not ArchiveReason.CONSUMED or parsed[0] in ledger:
+                continue
+            job_id = parsed[0]
+            if entry.name != done_name(job_id, ArchiveReason.CONSUMED):  # a .{n} copy: consumed is unique
+                continue
+            collected = self.path(QueueName(job_id, state=JobState.COLLECTED))
+            try:
+                fileops.move_to_other_dir(entry.path, collected, fsync=self.fsync)
+                log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
+            except FileExistsError:
+                if not os.path.samefile(entry.path, collected):
+                    log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
+                    continue
+                fileops.unlink_second_name(entry.path)  # an earlier PS died inside consume()'s link + unlink
+                log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
+            back.append(job_id)
+        return back
 
     def archive(self, path: str | os.PathLike, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path:
         """Moves ``path`` into done/ under its reason, never overwriting an archived file.

@@ -10,6 +10,8 @@ from asyncgrpo.jobqueue.names import (
     done_reason,
     invalid_name_stem,
     make_job_id,
+    next_job_id,
+    parse_done_name,
     parse_queue_name,
 )
 
@@ -78,3 +80,18 @@ def test_done_names_carry_reason_attempt_and_collision():
         is ArchiveReason.FAILED_LOAD
     assert "/" not in invalid_name_stem("../../etc/passwd")
     assert done_reason("notes.txt") is None
+
+
+def test_job_ids_only_grow_also_when_the_step_goes_back():
+    assert next_job_id(None, 7) == "000007_000"
+    assert next_job_id("000003_004", 7) == "000007_000"  # a later step starts its own indices
+    assert next_job_id("000007_004", 7) == "000007_005"
+    assert next_job_id("000009_004", 7) == "000009_005"  # a resumed PS behind the journal's last id
+    assert next_job_id("000007_999", 7) == "000008_000"
+
+
+def test_done_names_parse_to_job_id_and_reason():
+    assert parse_done_name("000001_002_consumed.pt") == ("000001_002", ArchiveReason.CONSUMED)
+    assert parse_done_name("000001_002_stale_a2.3.pt") == ("000001_002", ArchiveReason.STALE)
+    assert parse_done_name("invalid_x_failed_load.pt") == ("invalid_x", ArchiveReason.FAILED_LOAD)
+    assert parse_done_name("000001_002_consumed.pt.tmp") is None

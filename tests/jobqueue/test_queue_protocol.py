@@ -116,6 +116,43 @@ def test_consume_is_at_most_once_per_job_id(queue, run):
     assert sorted(done_reason(n).value for n in done_files(run)) == ["consumed", "duplicate"]
 
 
+def test_results_consumed_after_the_resumed_checkpoint_come_back_to_be_trained_again(queue, run):
+    for job_id in ("000001_000", "000002_000"):
+        fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev1.pt", result_payload(job_id, 1))
+    for result in queue.collect():
+        assert queue.consume(result)
+    # The PS resumes from a checkpoint whose ledger holds only the first: the second's training was lost.
+    assert queue.roll_back_consumed({"000001_000"}) == ["000002_000"]
+    assert queue_files(run) == ["000002_000_collected.pt"] and done_files(run) == ["000001_000_consumed.pt"]
+    [result] = queue.collect(readopt=True)
+    assert result.job_id == "000002_000" and queue.consume(result)
+    assert queue.roll_back_consumed({"000001_000", "000002_000"}) == []
+
+
+def test_a_consume_cut_between_link_and_unlink_is_trained_again(queue, run):
+    job_id = "000003_000"
+    collected = run.queue / f"{job_id}_collected.pt"
+    fileops.write_payload(run.tmp, collected, result_payload(job_id, device=1))
+    os.link(collected, run.done / f"{job_id}_consumed.pt")  # the old PS died here, before the unlink
+    assert queue.roll_back_consumed(set()) == [job_id]  # the checkpoint's ledger does not have the job
+    assert os.listdir(run.done) == [] and collected.stat().st_nlink == 1
+    [result] = queue.collect(readopt=True)  # no longer looks consumed: it is trained on again
+    assert result.job_id == job_id
+
+
+def test_a_job_has_files_while_queued_and_once_archived_only_then(queue, run):
+    queue.put_job("000005_001", {}, created_step=5)
+    assert queue.active_job_ids() == {"000005_001"} and queue.has_files_of("000005_001")
+    job = queue.claim(device=1)
+    queue.complete(job, {}, weights_version=0)
+    [result] = queue.collect()
+    assert queue.consume(result)
+    assert queue.active_job_ids() == set() and queue.has_files_of("000005_001")  # its files are in done/
+    # A file outside the grammar whose name merely starts with a job id is not that job's.
+    (run.done / "000005_000_notes.txt").write_bytes(b"")
+    assert not queue.has_files_of("000005_000")
+
+
 def test_archive_never_overwrites(queue, run):
     for i in range(3):
         path = run.queue / f"junk{i}"

@@ -181,7 +181,6 @@ def _train_on(queue, job_ids):
 
 
 def test_a_resumed_ps_readopts_only_results_that_compaction_never_touched(run, queue):
-    from ps.pipeline import readopt_rolled_back_results
     from ps.trainer import last_complete_checkpoint
 
     before = [make_job_id(1, i) for i in range(8)]
@@ -202,7 +201,7 @@ def test_a_resumed_ps_readopts_only_results_that_compaction_never_touched(run, q
     resume = last_complete_checkpoint(run.checkpoints)
     assert resume == str(newest_complete_checkpoint(run.checkpoints))
     ledger = set(json.loads((run.checkpoints / "checkpoint-8" / LEDGER_FILE).read_text())["consumed"])
-    readopt_rolled_back_results(run, ledger)
+    assert sorted(queue.roll_back_consumed(ledger)) == after
     readopted = queue.collect(readopt=True)
     assert sorted(r.job_id for r in readopted) == after
     assert [r.data["rows"] for r in sorted(readopted, key=lambda r: r.job_id)] == [[j] for j in after]
