@@ -4,7 +4,7 @@
     pipeline.start(checkpoint_state, published_version=step)   # re-adopt, then feed and collect
     result, staleness = pipeline.next_result(step)             # blocks; raises PipelineError
     pipeline.on_step_end(step)                                 # after the weights of step are published
-    pipeline.job_in_training                                   # the job whose steps are being trained
+    pipeline.in_training                                       # the job whose steps are being trained
     state = pipeline.state_dict()                              # saved in each checkpoint
     pipeline.finish()                                          # end of training: archive what is left
 
@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
 from asyncgrpo.run import RunDir
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
-from ps.producer import JobProducer
+from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
@@ -45,22 +46,34 @@ class PipelineError(RuntimeError):
     """A pipeline thread failed, or every job fails; training cannot go on."""
 
 
+@dataclass
+class JobInTraining:
+    """The job whose steps are being trained. The pipeline's (on the first rank) is the one that counts
+    for the ledger; under --ps-procs every other rank keeps the copy broadcast with its batch
+    (ps/trainer.py), counted down the same way."""
+
+    job_id: str
+    weights_version: int
+    metrics: dict  # the worker's TRL metrics, logged once per step the job trains
+    steps_left: int
+
+    def trained_one_step(self) -> bool:
+        """Counts a trained step; True when it was the job's last."""
+        self.steps_left -= 1
+        return self.steps_left == 0
+
+
 class JobPipeline:
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset):
         self.cfg, self.run, self.queue = cfg, run, queue
         self.consumed: set[str] = set()  # the ledger: job ids trained into the weights
-        self.job_in_training: CollectedResult | None = None
-        self.steps_left = 0  # of job_in_training
-        self.next_take_step = 0  # the trainer's step when it takes the next result
-        # A result out of the cache, not yet accounted for in next_take_step (or archived): still in flight
-        # for the producer's admission, which would otherwise see it nowhere for that moment.
-        self.judging: str | None = None
-        self.published_version = 0
+        self.in_training: JobInTraining | None = None
+        self.progress = TrainingProgress()  # what the producer's admission reads
         self.failure: PipelineError | None = None  # raised by next_result
         self.cache = ResultCache()
         self.failed = FailedJobs(cfg, queue, self._stop_training)
         self.collector = ResultCollector(cfg, queue, self.cache, self.failed, self._thread_failed)
-        self.producer = JobProducer(cfg, queue, dataset, self, self._thread_failed)
+        self.producer = JobProducer(cfg, queue, dataset, self.progress, self.cache, self._thread_failed)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -68,7 +81,7 @@ class JobPipeline:
         """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
         the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
-        self.published_version = self.next_take_step = published_version
+        self.progress.published_version = self.progress.next_take_step = published_version
         self.queue.roll_back_consumed(self.consumed)
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
@@ -79,7 +92,7 @@ class JobPipeline:
     def state_dict(self) -> dict:
         """Between jobs, the ledger; at the end of training a job cut short by max_steps counts as consumed
         (its rows were trained on, and no later step will train the rest)."""
-        consumed = self.consumed | ({self.job_in_training.job_id} if self.job_in_training else set())
+        consumed = self.consumed | ({self.in_training.job_id} if self.in_training else set())
         return {"consumed": sorted(consumed), "producer": self.producer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -111,9 +124,9 @@ class JobPipeline:
     def next_result(self, step: int) -> tuple[CollectedResult, int]:
         """The next result to train steps ``step + 1`` .. ``step + steps_per_job`` on, and its staleness;
         stale and duplicate results are archived on the way (a stale one's rows are thrown again)."""
-        if self.job_in_training is not None:
-            raise PipelineError(f"a result was asked for at step {step} while job {self.job_in_training.job_id} "
-                                f"has {self.steps_left} step(s) left to train")
+        if self.in_training is not None:
+            raise PipelineError(f"a result was asked for at step {step} while job {self.in_training.job_id} "
+                                f"has {self.in_training.steps_left} step(s) left to train")
         started = time.monotonic()
         while True:
             self._raise_failure()
@@ -126,7 +139,7 @@ class JobPipeline:
                 if self._accept(result, step):
                     return result, step - result.payload["weights_version"]
             finally:
-                self.judging = None
+                self.progress.judging = None
 
     def _accept(self, result: CollectedResult, step: int) -> bool:
         """True: ``result`` trains from step ``step + 1`` on (consumed); False: archived stale or duplicate."""
@@ -142,8 +155,9 @@ class JobPipeline:
             return False
         if not self.queue.consume(result):  # a duplicate, archived as such
             return False
-        self.job_in_training, self.steps_left = result, self.cfg.steps_per_job
-        self.next_take_step = step + self.cfg.steps_per_job  # before judging ends: see __init__
+        self.in_training = JobInTraining(result.job_id, result.payload["weights_version"], result.data["metrics"],
+                                         self.cfg.steps_per_job)
+        self.progress.next_take_step = step + self.cfg.steps_per_job  # before judging ends (TrainingProgress)
         self.producer.wake()
         return True
 
@@ -157,17 +171,15 @@ class JobPipeline:
             picked = None if coming and min(coming) < oldest else oldest  # an older job is still on its way
         else:
             picked = min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
-        self.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
+        self.progress.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
         return picked
 
     def on_step_end(self, step: int) -> None:
         """Step ``step`` has trained and its weights are published."""
-        if self.job_in_training is not None:
-            self.steps_left -= 1
-            if self.steps_left == 0:
-                self.consumed.add(self.job_in_training.job_id)
-                self.job_in_training = None
-        self.published_version = step
+        if self.in_training is not None and self.in_training.trained_one_step():
+            self.consumed.add(self.in_training.job_id)
+            self.in_training = None
+        self.progress.published_version = step
         self.producer.wake()
 
     # ------------------------------------------------------------------ end of training

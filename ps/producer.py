@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from trl.trainer.utils import RepeatSampler
 
@@ -37,15 +38,32 @@ from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
 from asyncgrpo.jobqueue.names import next_job_id
 from asyncgrpo.run import fileops
 from ps.background import WatchedThread
+from ps.collector import ResultCache
 
 log = logging.getLogger("asyncgrpo.ps")
 
 
+@dataclass
+class TrainingProgress:
+    """The trainer's progress as admission reads it; the pipeline writes it (ps/pipeline.py) from the
+    trainer's thread, this thread only reads.
+
+    ``judging`` is a result out of the cache not yet accounted for in ``next_take_step`` (or archived):
+    still in flight for admission, which would otherwise see it nowhere for that moment. The pipeline
+    moves ``next_take_step`` on before it clears ``judging``, and admission reads them the other way round.
+    """
+
+    published_version: int = 0  # the newest weights a worker can sync
+    next_take_step: int = 0  # the trainer's step when it takes its next result
+    judging: str | None = None
+
+
 class JobProducer(WatchedThread):
-    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, pipeline, on_error):
+    def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, progress: TrainingProgress,
+                 cache: ResultCache, on_error):
         super().__init__("job producer", QueueWatcher(queue.run.queue, {JobState.PROCESSING},
                                                       use_events=not cfg.poll_only), on_error)
-        self.cfg, self.queue, self.dataset, self.pipeline = cfg, queue, dataset, pipeline
+        self.cfg, self.queue, self.dataset, self.progress, self.cache = cfg, queue, dataset, progress, cache
         self.journal_path = queue.run.producer_journal
         self.lock = threading.Lock()  # the trainer adds owed rows while this thread throws
         self.batches_drawn = 0
@@ -104,13 +122,13 @@ class JobProducer(WatchedThread):
     def _may_throw(self) -> bool:
         # Read before the scan: a job still pending in the scan is claimed after this read, and its
         # worker syncs at least these weights (published versions only grow).
-        published = self.pipeline.published_version
+        published = self.progress.published_version
         names = self.queue.scan()[0]  # every job in queue/ is in flight
-        cached = self.pipeline.cache.versions()
+        cached = self.cache.versions()
         # Then the result being judged, then next_take_step: a result taken from the cache since is either
         # still judging or already counted in next_take_step (the pipeline updates it before judging ends).
-        judging = self.pipeline.judging
-        next_take_step = self.pipeline.next_take_step
+        judging = self.progress.judging
+        next_take_step = self.progress.next_take_step
         floors = {}
         for name in names:
             if name.state is JobState.PENDING:
@@ -142,16 +160,16 @@ class JobProducer(WatchedThread):
             else:
                 rows = next(self._batches)
                 self.batches_drawn += 1
-            job_id = next_job_id(self.last_job_id, self.pipeline.next_take_step)
+            job_id = next_job_id(self.last_job_id, self.progress.next_take_step)
             self.last_job_id, self.last_rows = job_id, rows
             self._write_journal()  # before the file exists: the id is taken and the rows accounted for
         # Synchronous mode (max_staleness 0) needs the newest weights; otherwise any are fine,
         # since a worker syncs before each job anyway.
-        created_step = self.pipeline.next_take_step
+        created_step = self.progress.next_take_step
         min_version = max(0, created_step - self.cfg.max_staleness)
         # Before the put: a worker may claim the job the moment its file appears.
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
                                created_step=created_step)
-        self.version_floor[job_id] = self.pipeline.published_version  # before a worker can claim it
+        self.version_floor[job_id] = self.progress.published_version  # before a worker can claim it
         self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version}, created_step=created_step)
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)

@@ -59,7 +59,7 @@ from asyncgrpo.run.rundir import LEDGER_FILE, checkpoint_folders, newest_complet
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import JobPipeline
+from ps.pipeline import JobInTraining, JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
 
@@ -101,7 +101,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
-        self._job: dict | None = None  # the job in training, on every rank: metrics, weights_version, steps_left
+        self._job_copy: JobInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self._step_record = _new_step_record()  # since the last logged step
@@ -168,8 +168,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:  # the other ranks wait here while the first waits for a result
             job = broadcast_object_list([job], from_process=0)[0]
         waited = time.monotonic() - started
-        batch = job.pop("batch")
-        self._job = {**job, "steps_left": self.cfg.steps_per_job}
+        batch = job["batch"]
+        if not self.is_queue_client:
+            self._job_copy = job["in_training"]
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
@@ -197,8 +198,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
                          step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
                          tokens=int(batch["completion_mask"].sum()))
-        return {"batch": batch, "metrics": result.data["metrics"], "logs": result.data.get("logs"),
-                "weights_version": result.payload["weights_version"]}
+        return {"batch": batch, "logs": result.data.get("logs"), "in_training": self.pipeline.in_training}
+
+    @property
+    def job(self) -> JobInTraining | None:
+        """The job in training: the pipeline's on the first rank, the copy broadcast with the batch on the others
+        (each counts its steps down after every optimizer step)."""
+        return self.pipeline.in_training if self.is_queue_client else self._job_copy
 
     def _process_slice(self, batch: dict) -> dict:
         """This rank's rows of the job, as TRL's process_slice; num_items_in_batch stays the job's token count
@@ -214,7 +220,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _add_job_metrics(self) -> None:
         """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains; num_tokens
         is the PS's own count (each worker's counts only the jobs it generated)."""
-        for name, value in self._job["metrics"].items():
+        for name, value in self.job.metrics.items():
             if name != "num_tokens":
                 self._metrics["train"][name].append(value)
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
@@ -263,18 +269,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_started, self._step_wait_s = time.monotonic(), 0.0
         if self.is_queue_client:
             self.events.emit("train_step_start", step=self.state.global_step + 1)
-        if self._job is not None:  # a later step of the same job: no result is taken
+        if self.job is not None:  # a later step of the same job: no result is taken
             self._add_job_metrics()
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        version = self._job["weights_version"]
+        version = self.job.weights_version
         staleness = step - 1 - version  # the weights this step started from, minus the behaviour's
         self._step_record["staleness"].append(staleness)
         self._step_record["weights_versions"].append(version)
-        self._job["steps_left"] -= 1
-        if self._job["steps_left"] == 0:
-            self._job = None
+        if not self.is_queue_client and self._job_copy.trained_one_step():
+            self._job_copy = None  # (the first rank's pipeline counts its own in on_step_end, below)
         if self.is_queue_client:
             self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
                              wait_ms=self._step_wait_s * 1e3, staleness=staleness)
@@ -286,7 +291,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def hold_save_until_job_ends(self, control) -> None:
         """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
-        inside_a_job = self._job is not None  # known on every rank: they all save, or none
+        inside_a_job = self.job is not None  # known on every rank: they all save, or none
         if control.should_save and inside_a_job and self.state.global_step < self.state.max_steps:
             control.should_save, self._save_due_after_job = False, True
             log.info("[train] step=%d is inside a job: its checkpoint is saved when the job's last step has "

@@ -331,7 +331,7 @@ def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(run)
         # The trainer, in the middle of next_result: the result is out of the cache and archived consumed
         # (out of queue/), and next_take_step is not yet 1.
         result = pipeline.cache.take(pipeline._pick, timeout=WAIT_S)
-        assert pipeline.queue.consume(result) and pipeline.next_take_step == 0
+        assert pipeline.queue.consume(result) and pipeline.progress.next_take_step == 0
         assert pipeline.producer._may_throw() is False
     finally:
         pipeline.stop()
@@ -426,11 +426,11 @@ def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained
         result, staleness = pipeline.next_result(step=0)
         assert (result.job_id, staleness) == (job.job_id, 0)
         pipeline.on_step_end(1)
-        assert pipeline.consumed == set() and pipeline.job_in_training.job_id == job.job_id
+        assert pipeline.consumed == set() and pipeline.in_training.job_id == job.job_id
         with pytest.raises(PipelineError, match=f"while job {job.job_id} has 1 step"):
             pipeline.next_result(step=1)  # the trainer's steps and the jobs are out of step: stop, loudly
         pipeline.on_step_end(2)
-        assert pipeline.consumed == {job.job_id} and pipeline.job_in_training is None
+        assert pipeline.consumed == {job.job_id} and pipeline.in_training is None
     finally:
         pipeline.stop()
 
