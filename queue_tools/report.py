@@ -4,7 +4,7 @@ Reads every ``RUN/logs/events-*.jsonl`` (schema: asyncgrpo/events.py) and ``RUN/
 prints a summary, writes ``RUN/report/trace.json`` (Chrome trace event format, for Perfetto; trace.py)
 and, with matplotlib, PNG plots in ``RUN/report/``.
 
-Definitions (README, "queue_tools report" has them all):
+Definitions (docs/operations.md, "queue_tools report", has them all):
 - Percentiles are nearest-rank: the p-th of n sorted values is the ceil(p/100 * n)-th smallest.
 - PS lives: each PS process (pid) is one life; a resumed run has several. A life's training span
   is its first ``train_step_start`` to its last ``train_step_end`` (monotonic clock: one host);

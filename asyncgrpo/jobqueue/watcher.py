@@ -14,7 +14,7 @@ threads. A file arriving in ``queue/`` is all a waiter needs to know, which is
 IN_CREATE (our writes link into place) or IN_MOVED_TO (claims, fences, collects,
 requeues): with only those in the mask there is nothing to pair, and ``InotifyFD``
 calls us straight from its one reader thread. Tested against watchdog 7.x
-(tests/jobqueue/test_watcher.py); pyproject pins that range.
+(tests/asyncgrpo/jobqueue/test_watcher.py); pyproject pins that range.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ transport (no device numbering, no IPC): a check of the tests themselves where t
 GPU, not of the GPU path.
 
 This file is also the script its subprocesses run:
-    python tests/weights/test_gpu_path.py ps_exact RUN SYNC_DIR VERSIONS
-    python tests/weights/test_gpu_path.py worker_exact RUN SYNC_DIR VERSIONS
-    python tests/weights/test_gpu_path.py ps_race RUN SYNC_DIR SECONDS MAX_VERSIONS
-    python tests/weights/test_gpu_path.py worker_race RUN SYNC_DIR
-    python tests/weights/test_gpu_path.py ps_close RUN SYNC_DIR VALUE
-    python tests/weights/test_gpu_path.py worker_close RUN SYNC_DIR
+    python tests/asyncgrpo/weights/test_gpu_path.py ps_exact RUN SYNC_DIR VERSIONS
+    python tests/asyncgrpo/weights/test_gpu_path.py worker_exact RUN SYNC_DIR VERSIONS
+    python tests/asyncgrpo/weights/test_gpu_path.py ps_race RUN SYNC_DIR SECONDS MAX_VERSIONS
+    python tests/asyncgrpo/weights/test_gpu_path.py worker_race RUN SYNC_DIR
+    python tests/asyncgrpo/weights/test_gpu_path.py ps_close RUN SYNC_DIR VALUE
+    python tests/asyncgrpo/weights/test_gpu_path.py worker_close RUN SYNC_DIR
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
   files): each goes to done/ as failed_load with a log line, nothing crashes, nothing is
   overwritten, and good files next to it still go through.
 
-Full disks are in tests/jobqueue/test_full_disk.py.
+Full disks are in tests/asyncgrpo/jobqueue/test_full_disk.py.
 
 No sleeps: bounded waits only (Event.wait / Thread.join with a timeout).
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[2]
 
 STEP_VERSION = 1
 

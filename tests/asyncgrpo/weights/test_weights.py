@@ -2,9 +2,9 @@
 PS restarts and crashes, no PS at all. GPU (cuda_ipc) tests run only where CUDA is.
 
 This file is also the script its subprocesses run:
-    python tests/weights/test_weights.py publish RUN TRANSPORT DEVICE SECONDS MAX_VERSIONS SYNC_DIR READERS
-    python tests/weights/test_weights.py read RUN DEVICE SYNC_DIR SEED
-    python tests/weights/test_weights.py crash RUN [TRANSPORT]
+    python tests/asyncgrpo/weights/test_weights.py publish RUN TRANSPORT DEVICE SECONDS MAX_VERSIONS SYNC_DIR READERS
+    python tests/asyncgrpo/weights/test_weights.py read RUN DEVICE SYNC_DIR SEED
+    python tests/asyncgrpo/weights/test_weights.py crash RUN [TRANSPORT]
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ a slot's lock, a PS that dies in the middle of an in-place rewrite, a SIGKILLed 
 The cuda_ipc variants run only where CUDA is.
 
 This file is also the script its subprocesses run:
-    python tests/weights/test_weight_faults.py stuck_reader RUN DEVICE
-    python tests/weights/test_weight_faults.py die_mid_rewrite RUN
-    python tests/weights/test_weight_faults.py publish_and_wait RUN
+    python tests/asyncgrpo/weights/test_weight_faults.py stuck_reader RUN DEVICE
+    python tests/asyncgrpo/weights/test_weight_faults.py die_mid_rewrite RUN
+    python tests/asyncgrpo/weights/test_weight_faults.py publish_and_wait RUN
 """
 
 from __future__ import annotations
