@@ -27,6 +27,7 @@ import yaml
 from trl import GRPOConfig, TrlParser
 
 from asyncgrpo.jobqueue.queue import DEFAULT_MAX_ATTEMPTS
+from asyncgrpo.messages import first_line
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run.liveness import DEFAULT_LEASE_S
 
@@ -327,5 +328,5 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:
-        raise ConfigError(str(err).strip().splitlines()[0]) from None
+        raise ConfigError(first_line(err, with_type=False)) from None
     return cfg

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
+from asyncgrpo.messages import first_line
 from asyncgrpo.run.rundir import RunDir
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]  # the checkout (or site-packages) holding asyncgrpo/
@@ -97,8 +98,11 @@ def _load_dataset(cfg: AsyncGRPOConfig):
         return datasets.load_dataset(name, name=cfg.dataset_config)
     except ConfigError:
         raise
+    except StopIteration:  # how datasets' file loaders say a file holds no rows
+        raise ConfigError(f"--dataset_name {cfg.dataset_name}: the dataset is empty (no rows)") from None
     except Exception as err:
-        raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {_first_line(err)}") from None
+        reason = first_line(err, with_type=False)
+        raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {reason}") from None
 
 
 def _split(cfg: AsyncGRPOConfig, loaded, split: str, flag: str):
@@ -234,7 +238,7 @@ def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
         tokenizer = AutoTokenizer.from_pretrained(path, revision=kwargs.get("revision"),
                                                   trust_remote_code=kwargs.get("trust_remote_code", False))
     except Exception as err:
-        raise ConfigError(f"--model_name_or_path {path}: cannot load: {_first_line(err)}") from None
+        raise ConfigError(f"--model_name_or_path {path}: cannot load: {first_line(err, with_type=False)}") from None
     if note:
         log.warning("[model] note: %s", note)
     if cfg is not None:
@@ -269,12 +273,13 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
     try:
         config = AutoConfig.from_pretrained(name, **where)
     except Exception as err:
-        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: bad config: {_first_line(err)}") from None
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: bad config: "
+                          f"{first_line(err, with_type=False)}") from None
     try:
         AutoTokenizer.from_pretrained(name, **where)
     except Exception as err:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
-                          f"{_first_line(err)}") from None
+                          f"{first_line(err, with_type=False)}") from None
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
     return _half_dtype_note(dtype, cfg.device_type)[0]
 
@@ -304,8 +309,3 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     except OSError as err:
         raise ConfigError(f"--run_dir {root}: not writable: {err.strerror or err}") from None
     return [note for note in notes if note]
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__

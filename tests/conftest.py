@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, start_process
 
+from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.run import RunDir
 
@@ -26,8 +27,9 @@ def queue(run) -> JobQueue:
 
 
 @pytest.fixture(autouse=True)
-def _queue_logs_visible(caplog):
+def _queue_logs_visible(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="asyncgrpo")
+    monkeypatch.setattr(messages, "_said", set())  # what a process logs once, each test sees logged
 
 
 # Tests send Ctrl-C (SIGINT) to processes they start. Started from a background shell job

@@ -48,7 +48,8 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
-from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
+from asyncgrpo.messages import first_line, log_once
+from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture
 from worker.decoding import CompiledDecoding
 
@@ -132,8 +133,8 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
         except Exception as err:
             if is_broken_device_error(err):
                 raise
-            _log_once(f"[gen] generating {len(jobs)} jobs in one call raised {first_line(err)}; generating them "
-                      "one by one")
+            log_once(log, f"[gen] generating {len(jobs)} jobs in one call raised {first_line(err)}; generating "
+                     "them one by one")
     outcomes: list[tuple[dict, dict, dict | None] | Exception] = []
     for job, pregenerated in zip(jobs, shared, strict=True):
         try:
@@ -315,23 +316,13 @@ def _add_behaviour_logps(trainer: GRPOTrainer, batch: dict, capture: BehaviourCa
         batch["old_per_token_logps"] = logps  # free, so always sent, synchronous mode included
         return
     if getattr(trainer.args, "max_staleness", None) == 0:
-        _log_once(f"[gen] behaviour log-probs not sent: {capture.why_not}; synchronous mode, the PS's current "
-                  f"weights are the behaviour weights")
+        log_once(log, f"[gen] behaviour log-probs not sent: {capture.why_not}; synchronous mode, the PS's current "
+                 f"weights are the behaviour weights")
         return
-    _log_once(f"[gen] behaviour log-probs from a second forward pass: {capture.why_not}")
+    log_once(log, f"[gen] behaviour log-probs from a second forward pass: {capture.why_not}")
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     logps, _, _ = getattr(trainer, BEHAVIOUR_LOGPS)(
         trainer.model, ids, mask, batch["completion_ids"].size(1),
         batch_size=trainer.args.per_device_train_batch_size)
     batch["old_per_token_logps"] = logps
-
-
-_logged: set[str] = set()
-
-
-def _log_once(line: str) -> None:
-    """Why capture did not apply is a property of the run's configuration: say it once per process."""
-    if line not in _logged:
-        _logged.add(line)
-        log.info(line)

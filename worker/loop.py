@@ -34,11 +34,12 @@ from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, describe_error
+from asyncgrpo.messages import first_line
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
-from asyncgrpo.weights.device_errors import first_line, is_broken_device_error
+from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.decoding import CompiledDecoding, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
 

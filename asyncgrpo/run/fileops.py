@@ -28,6 +28,7 @@ import os
 import stat
 import uuid
 
+from asyncgrpo.messages import first_line
 from asyncgrpo.run.hosts import HOST_ID  # temp names say who writes them
 
 _RENAME_NOREPLACE = 1
@@ -183,7 +184,7 @@ def load_payload(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
     try:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as err:  # torch raises several types for truncated/hostile input
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err, with_type=False)
         raise PayloadLoadError(f"{os.fspath(path)} is not a plain-data torch payload: {reason[:200]}") from err
     if not isinstance(payload, dict):
         raise PayloadLoadError(f"{os.fspath(path)} holds a {type(payload).__name__}, not a dict")

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from asyncgrpo.messages import log_once
 from asyncgrpo.run import fileops
 from asyncgrpo.run.hosts import HOST_ID, same_host
 from asyncgrpo.run.rundir import WORKER_ID, RunDir, WorkerId, parse_worker_id
@@ -245,15 +246,9 @@ def _lock_is_held(path) -> bool | None:
     return False
 
 
-_probe_failures_logged: set[str] = set()
-
-
 def _cannot_probe(path, err: OSError) -> None:
-    key = f"{type(err).__name__}:{err.errno}"
-    if key not in _probe_failures_logged:
-        _probe_failures_logged.add(key)
-        log.warning("[queue] cannot probe the worker lock %s (%s: %s); workers are judged by their heartbeats' age",
-                    path, type(err).__name__, err)
+    log_once(log, "[queue] cannot probe the worker lock %s (%s: %s); workers are judged by their heartbeats' age",
+             path, type(err).__name__, err, key=f"lock probe {type(err).__name__}:{err.errno}", level=logging.WARNING)
     return None
 
 

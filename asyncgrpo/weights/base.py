@@ -5,9 +5,7 @@ Files (all under ``RUN/weights/``):
 * ``published_version.json``: the newest published version (small; rewritten atomically
   with ``fileops.write_json`` on every publish): version, step, transport, publisher_id, pid,
   host, host_id (run/hosts.py), written_at, buffer (slot 0/1), closed, rewriting, layout_file, and the transport's
-  fields. Its name before was ``ps_ipc_handle_version.json`` (it serves every transport,
-  not only CUDA IPC): readers fall back to that name when the new one does not exist, so a
-  worker started on a run whose PS still writes the old name finds its weights.
+  fields.
 * ``layout-{publisher_id}.json``: names, dtypes, shapes, byte offsets, grouped per dtype;
   written once per PS run. It is a file of its own because it grows with the model (a
   large model's layout outgrows the 64 KiB that ``fileops.read_json`` reads) and does not
@@ -81,7 +79,6 @@ from asyncgrpo.weights.layout import Layout, layout_path  # noqa: F401 (Layout: 
 from asyncgrpo.weights.memcopy import copy_tensors
 
 VERSION_FILE = "published_version.json"
-LEGACY_VERSION_FILE = "ps_ipc_handle_version.json"  # its earlier name, read as a fallback
 SLOT_WAIT_S = 10.0  # longest wait for a slot's lock: a healthy reader holds it for one copy
 TRANSPORTS = ("mmap", "cuda_ipc", "safetensors")
 NUM_SLOTS = 2
@@ -158,22 +155,13 @@ def lock_holders(path: str | os.PathLike) -> list[int]:
 
 def read_version_file(run: RunDir) -> dict | None:
     """The version file, validated; None when missing, unreadable or malformed."""
-    path = version_path(run)
-    info = fileops.read_json(path)
-    if info is None and not path.exists():  # a run whose PS predates the rename
-        info = fileops.read_json(run.weights / LEGACY_VERSION_FILE)
+    info = fileops.read_json(version_path(run))
     if info is None:
         return None
     slot_ok = info.get("buffer") is None if info.get("transport") == "safetensors" else info.get("buffer") in (0, 1)
     ok = (isinstance(info.get("version"), int) and info.get("transport") in TRANSPORTS and slot_ok
           and isinstance(info.get("publisher_id"), str) and _ID_RE.match(info["publisher_id"]))
     return info if ok else None
-
-
-def remove_legacy_version_file(run: RunDir) -> None:
-    """A new PS writes the new name only; an old-name file left beside it would name a dead PS."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(run.weights / LEGACY_VERSION_FILE)
 
 
 def key(info: dict | None) -> tuple | None:
@@ -204,7 +192,6 @@ class SlotPublisher:
         self._held: set[int] = set()  # slots whose lock a reader kept past slot_wait_s
         self._closed = False
         remove_other_layouts(run, keep=self.publisher_id)
-        remove_legacy_version_file(run)
         fileops.write_json(layout_path(run, self.publisher_id), self.layout.to_json())
 
     def _set_slots(self, slots: list[torch.Tensor]) -> None:

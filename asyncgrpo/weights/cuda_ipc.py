@@ -36,6 +36,7 @@ import os
 
 import torch
 
+from asyncgrpo.messages import first_line
 from asyncgrpo.run.hosts import same_host
 from asyncgrpo.run.liveness import pid_alive
 from asyncgrpo.run.rundir import RunDir
@@ -198,7 +199,7 @@ class CudaIpcReader:
             try:
                 slots = [_open(h, index) for h in handles]
             except RuntimeError as err:  # a dead PS's handles, no peer access, ...
-                raise TransportUnavailable(f"cannot open the IPC handles: {str(err).splitlines()[0]}") from err
+                raise TransportUnavailable(f"cannot open the IPC handles: {first_line(err)}") from err
         if any(s.numel() < layout.total_bytes for s in slots):
             raise ValueError("IPC buffers are smaller than the layout")
         self.views = [layout.views(s) for s in slots]
@@ -216,7 +217,7 @@ class CudaIpcReader:
         except RuntimeError as err:
             if is_sticky_cuda_error(err):
                 raise  # this process's CUDA context is gone: the worker must exit, not keep syncing
-            raise TransportUnavailable(f"copy failed: {str(err).splitlines()[0]}") from err
+            raise TransportUnavailable(f"copy failed: {first_line(err)}") from err
 
     def close(self) -> None:
         self.views = []

@@ -65,8 +65,3 @@ def is_sticky_cuda_error(err: BaseException) -> bool:
             return True
         err = err.__cause__
     return False
-
-
-def first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"

@@ -44,7 +44,6 @@ from asyncgrpo.weights.base import (
     TransportUnavailable,
     layout_path,
     log,
-    remove_legacy_version_file,
     remove_other_layouts,
     version_path,
 )
@@ -84,7 +83,6 @@ class SnapshotPublisher:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
         remove_other_layouts(run, keep=self.publisher_id)
-        remove_legacy_version_file(run)
         fileops.write_json(layout_path(run, self.publisher_id), self.layout.to_json())
 
     def publish(self, version: int, step: int, tensors: dict[str, torch.Tensor] | None = None) -> bool:

@@ -24,6 +24,7 @@ def user_folder(tmp_path, monkeypatch):
     as the current folder."""
     folder = write_user_folder(tmp_path / "user")
     (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")
+    (folder / "empty.jsonl").write_text("")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
                       "no_weights": lambda m: (m / "model.safetensors").unlink(),
@@ -37,6 +38,7 @@ def user_folder(tmp_path, monkeypatch):
 USER_FLAGS = ["--model_name_or_path", "mymodel", "--dataset_name", "data", "--reward_funcs", "rewards:ones"]
 BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--dataset_name", "noprompt.jsonl"], "--dataset_name noprompt.jsonl: no 'prompt' column"),
+    (["--dataset_name", "empty.jsonl"], "--dataset_name empty.jsonl: the dataset is empty (no rows)"),
     (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),
     (["--model_name_or_path", "corrupt"], "--model_name_or_path corrupt: bad config"),
     (["--model_name_or_path", "unknown_type"], "--model_name_or_path unknown_type: bad config"),

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import worker.generate as generate_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.tasks.demo import (
@@ -70,11 +69,6 @@ def trl_logps(trainer, batch) -> torch.Tensor:
         logps, _, _ = getattr(type(trainer), BEHAVIOUR_LOGPS)(  # the class's: not counted
             trainer, trainer.model, ids, mask, batch["completion_ids"].size(1))
     return logps
-
-
-@pytest.fixture(autouse=True)
-def fresh_fallback_log(monkeypatch):
-    monkeypatch.setattr(generate_module, "_logged", set())  # "once per process" starts again in each test
 
 
 def fallback_lines(caplog) -> list[str]:

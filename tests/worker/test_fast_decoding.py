@@ -12,7 +12,6 @@ from contextlib import closing
 import pytest
 import torch
 
-import worker.generate as generate_module
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import (
@@ -113,11 +112,6 @@ def assert_captured_equal_trls(trainer, outcomes):
         batch, _, _ = outcome
         diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
         assert diff.max().item() < 1e-4
-
-
-@pytest.fixture(autouse=True)
-def fresh_once_log(monkeypatch):
-    monkeypatch.setattr(generate_module, "_logged", set())
 
 
 @pytest.fixture(scope="module")

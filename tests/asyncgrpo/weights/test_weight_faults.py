@@ -237,7 +237,8 @@ def test_queue_tools_cleanup_frees_the_buffers_of_a_sigkilled_ps_only(run, capsy
 # ---------------------------------------------------------------- which errors mean "the GPU is broken"
 
 def test_broken_device_errors_are_told_from_job_errors():
-    from asyncgrpo.weights.device_errors import first_line, is_broken_device_error, is_sticky_cuda_error
+    from asyncgrpo.messages import first_line
+    from asyncgrpo.weights.device_errors import is_broken_device_error, is_sticky_cuda_error
 
     illegal = torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
     assert is_broken_device_error(illegal) and is_sticky_cuda_error(illegal)

@@ -128,21 +128,6 @@ def test_auto_is_mmap_on_cpu_and_the_version_file_is_plain_json(run):
     assert make_subscriber(run).latest_version() is None
 
 
-def test_the_version_file_under_its_old_name_is_read_when_the_new_one_is_missing(run):
-    """A worker started on a run whose PS still writes ps_ipc_handle_version.json finds its weights."""
-    ps, worker = tiny_mlp(0), tiny_mlp(1)
-    with closing(make_publisher(run, ps, "mmap")) as publisher:
-        publisher.publish(1, 1)
-        assert version_path(run).name == "published_version.json"
-        os.rename(version_path(run), run.weights / "ps_ipc_handle_version.json")  # as an older PS wrote it
-        with closing(make_subscriber(run)) as subscriber:
-            assert subscriber.latest_version() == 1 and subscriber.sync(worker) == 1 and same_state(ps, worker)
-        with closing(make_publisher(run, tiny_mlp(2), "mmap")) as new:  # a new PS writes the new name only
-            new.publish(1, 1)
-            assert not (run.weights / "ps_ipc_handle_version.json").exists()
-            assert read_version_file(run)["publisher_id"] == new.publisher_id
-
-
 def test_layout_groups_dtypes_into_one_region_each(run):
     publisher = make_publisher(run, fill_model())
     try:

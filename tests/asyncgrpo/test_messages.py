@@ -1,0 +1,24 @@
+"""One-line messages: an error's first line, and a line logged once per process."""
+
+import logging
+
+from asyncgrpo.messages import first_line, log_once
+
+
+def test_first_line_names_the_type_and_keeps_one_line():
+    assert first_line(ValueError("bad value\n  at line 3\n")) == "ValueError: bad value"
+    assert first_line(ValueError("\n  bad value")) == "ValueError: bad value"
+    assert first_line(OSError("disk full"), with_type=False) == "disk full"
+    assert first_line(StopIteration()) == "StopIteration"  # an empty message: the type alone, either way
+    assert first_line(StopIteration(), with_type=False) == "StopIteration"
+
+
+def test_log_once_logs_each_key_once(caplog):
+    log = logging.getLogger("asyncgrpo.test")
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.test"):
+        for _ in range(3):
+            log_once(log, "capture off: %s", "a hook is missing")
+            log_once(log, "probe failed on %s", "/x", key="probe EIO", level=logging.WARNING)
+            log_once(log, "probe failed on %s", "/y", key="probe EIO", level=logging.WARNING)  # same key
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "capture off: a hook is missing"), ("WARNING", "probe failed on /x")]
