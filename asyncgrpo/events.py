@@ -24,6 +24,8 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      weights_published  weights_version, dur_ms, bytes
     ps      job_dropped        job_id, attempt, prompts, error: a job given up after its last attempt (archived
                                failed; error None when it was orphaned), its prompts never trained on
+    ps      job_straggling     job_id, held_s, worker: a worker has held the job far longer than jobs take;
+                               admission no longer waits for it (ps/producer.py)
     worker  job_claimed        job_id, attempt, queue_wait_ms (created -> claimed)
     worker  weights_synced     weights_version, dur_ms, bytes
     worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)

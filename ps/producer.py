@@ -19,6 +19,13 @@ weights version any job not yet collected can have been generated with. A pendin
 sync at least the version published when it was last seen pending, so that is its floor.
 Also at most ``max_pending`` pending and ``max_outstanding`` in flight.
 
+Stragglers: a job a worker has held STRAGGLER_FACTOR times longer than the typical job (the median
+of the last jobs, at least STRAGGLER_MIN_S) no longer holds admission back: its floor leaves the
+bound, so the other workers keep generating and the trainer keeps training. Nothing is lost or
+trained twice either way: its late result is trained if it is still within ``max_staleness`` when
+taken, else archived ``stale`` and its prompts thrown again; a worker that went silent has the job
+recovered when its lease expires (and its late result is then fenced out).
+
 The producer's journal, ``RUN/producer.json``, is written before each job file appears: the
 job id is reserved (ids never repeat, also across a PS crash) and the rows it carries are
 recorded, so a PS killed between the two throws them again instead of losing them. It also
@@ -28,7 +35,10 @@ holds the rows owed a re-throw.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from trl.trainer.utils import RepeatSampler
@@ -41,6 +51,10 @@ from ps.background import WatchedThread
 from ps.collector import ResultCache
 
 log = logging.getLogger("asyncgrpo.ps")
+STRAGGLER_FACTOR = 3.0  # held this many typical job times: a straggler
+STRAGGLER_MIN_S = 1.0
+TYPICAL_OF_LAST = 20  # jobs the typical time is the median of (none is judged a straggler before 3)
+HELD = (JobState.PROCESSING, JobState.COMMITTING)
 
 
 @dataclass
@@ -58,6 +72,46 @@ class TrainingProgress:
     judging: str | None = None
 
 
+class HoldTimes:
+    """How long workers hold jobs, from the producer's scans: since a job is first seen held until it is
+    first seen done. Knows the typical time and which jobs are held far longer (stragglers)."""
+
+    def __init__(self):
+        self.held_since: dict[str, float] = {}
+        self.recent: deque[float] = deque(maxlen=TYPICAL_OF_LAST)
+        self.reported: set[str] = set()  # stragglers already logged
+
+    def observe(self, names: list, now: float) -> None:
+        states = {name.job_id: name.state for name in names}
+        for job_id, state in states.items():
+            if state in HELD:
+                self.held_since.setdefault(job_id, now)
+        for job_id in [j for j in self.held_since if states.get(j) not in HELD]:
+            since = self.held_since.pop(job_id)
+            if states.get(job_id) is not JobState.PENDING:  # given back or recovered: not a generation time
+                self.recent.append(now - since)
+            self.reported.discard(job_id)
+
+    def straggler_after_s(self) -> float | None:
+        if len(self.recent) < 3:
+            return None
+        return max(STRAGGLER_MIN_S, STRAGGLER_FACTOR * statistics.median(self.recent))
+
+    def stragglers(self, now: float) -> dict[str, float]:
+        """Job id -> seconds held, of the jobs held past straggler_after_s."""
+        after = self.straggler_after_s()
+        if after is None:
+            return {}
+        return {job_id: now - since for job_id, since in self.held_since.items() if now - since > after}
+
+    def next_straggler_in_s(self, now: float) -> float | None:
+        """Seconds until the next held job turns straggler (None: none will without a new scan)."""
+        after = self.straggler_after_s()
+        if after is None:
+            return None
+        return min((since + after - now for since in self.held_since.values() if since + after > now), default=None)
+
+
 class JobProducer(WatchedThread):
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, progress: TrainingProgress,
                  cache: ResultCache, on_error):
@@ -71,6 +125,7 @@ class JobProducer(WatchedThread):
         self.last_rows: list = []
         self.owed: list[dict] = []  # {"from_job": id, "rows": [...]}, oldest first
         self.version_floor: dict[str, int] = {}
+        self.hold_times = HoldTimes()
 
     # ------------------------------------------------------------------ durable state
 
@@ -117,7 +172,7 @@ class JobProducer(WatchedThread):
         while not self.stop_event.is_set():
             while self._may_throw() and not self.stop_event.is_set():
                 self._throw()
-            self.watcher.wait()
+            self.watcher.wait(self.hold_times.next_straggler_in_s(time.monotonic()))
 
     def _may_throw(self) -> bool:
         # Read before the scan: a job still pending in the scan is claimed after this read, and its
@@ -129,6 +184,10 @@ class JobProducer(WatchedThread):
         # still judging or already counted in next_take_step (the pipeline updates it before judging ends).
         judging = self.progress.judging
         next_take_step = self.progress.next_take_step
+        now = time.monotonic()
+        self.hold_times.observe(names, now)
+        stragglers = self.hold_times.stragglers(now)
+        self._report(stragglers, names)
         floors = {}
         for name in names:
             if name.state is JobState.PENDING:
@@ -140,8 +199,19 @@ class JobProducer(WatchedThread):
         in_flight = len({n.job_id for n in names} | cached.keys() | ({judging} if judging else set()))
         if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
             return False
-        oldest = min(floors.values(), default=published)
+        oldest = min((floor for job_id, floor in floors.items() if job_id not in stragglers), default=published)
         return next_take_step + in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
+
+    def _report(self, stragglers: dict[str, float], names: list) -> None:
+        holders = {name.job_id: name.device for name in names if name.state in HELD}
+        for job_id in stragglers.keys() - self.hold_times.reported:
+            self.hold_times.reported.add(job_id)
+            log.warning("[queue] job %s: worker dev%s has held it %.1fs (typically %.1fs): a straggler; the other "
+                        "workers go on without it (its result is trained if still within max_staleness, else thrown "
+                        "again; a silent worker's job comes back after its lease)", job_id, holders.get(job_id, "?"),
+                        stragglers[job_id], statistics.median(self.hold_times.recent))
+            self.queue.events.emit("job_straggling", job_id=job_id, held_s=round(stragglers[job_id], 3),
+                                   worker=str(holders.get(job_id)))
 
     def _generation_batches(self):
         size = self.cfg.generation_batch_size

@@ -31,6 +31,7 @@ from asyncgrpo.run.liveness import fs_now
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
+SILENT_AFTER_S = 5.0  # a live worker whose heartbeat (every second) is this old while it holds jobs: said in health
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,14 +95,19 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
     names, junk = queue.scan()
     counts = {s.value: 0 for s in JobState}
     oldest_pending = None
+    held: dict[str, list] = {}  # worker id -> [job id, age in seconds since the job was thrown] of its jobs
     for name in names:
         counts[name.state.value] += 1
+        if name.state not in (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING):
+            continue
+        try:
+            age = now - os.lstat(queue.path(name)).st_mtime  # a claim's rename keeps the job file's mtime
+        except FileNotFoundError:
+            continue
         if name.state is JobState.PENDING:
-            try:
-                age = now - os.lstat(queue.path(name)).st_mtime
-            except FileNotFoundError:
-                continue
             oldest_pending = age if oldest_pending is None else max(oldest_pending, age)
+        else:
+            held.setdefault(str(name.device), []).append([name.job_id, round(age, 3)])
     done = {r.value: 0 for r in ArchiveReason}
     done_other = 0
     newest_failed = (0.0, None)  # (ctime, path) of the newest job archived failed
@@ -117,7 +123,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
             except FileNotFoundError:
                 pass
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
-    workers = [w.as_dict() for w in list_workers(run, now, lease_s)]
+    workers = [{**w.as_dict(), "held": sorted(held.get(str(w.device), []))} for w in list_workers(run, now, lease_s)]
     global_step = run.read_global_step()
     report = {
         "run_dir": str(run.root),
@@ -172,6 +178,10 @@ def _health(report: dict) -> str:
     alive = [w for w in report["workers"] if w["alive"]]
     if report["stale"]:
         problems.append(f"{len(report['stale'])} stale job(s)")
+    for w in alive:
+        if w["held"] and (w["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
+            problems.append(f"dev{w['device']} silent for {w['heartbeat_age_s']:.0f}s holding {len(w['held'])} "
+                            f"job(s) (stopped or swapped out? its jobs come back after the lease)")
     if dead:
         problems.append(f"{len(dead)} dead worker(s)")
     if report["junk"]:
@@ -211,8 +221,9 @@ def format_report(r: dict) -> str:
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
-                     f"{(w['state'] or '-'):<8} job {w['job_id'] or '-':<11} heartbeat {_age(w['heartbeat_age_s'])} ago"
-                     + (f" +{len(w['job_ids']) - 1} more" if len(w.get("job_ids") or []) > 1 else "")
+                     f"{(w['state'] or '-'):<8} heartbeat {_age(w['heartbeat_age_s'])} ago"
+                     + (f"  holds {', '.join(f'{job} ({_age(age)} old)' for job, age in w['held'])}" if w["held"]
+                        else "  holds nothing")
                      + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else "")
                      + (f"  recompiles {w['recompiles']}" if w.get("recompiles") else ""))
     lines.append(f"stale: {len(r['stale'])}")

@@ -32,3 +32,20 @@ def hangs_where_told(prompts, completions, **kwargs):
             time.sleep(1)
     return [sum(c == p[0] for c in completion) / max(len(completion), 1)
             for p, completion in zip(prompts, completions, strict=True)]
+
+
+def slow_once_when_told(prompts, completions, **kwargs):
+    """The demo reward, except in a process whose environment names a folder in ASYNCGRPO_TEST_SLOW: once the
+    test creates ``go`` there, the next call creates ``slow``, sleeps ASYNCGRPO_TEST_SLOW_S seconds (a reward
+    server having a bad minute) and creates ``done``; every other call is fast."""
+    import os
+    import time
+    from pathlib import Path
+
+    folder = os.environ.get("ASYNCGRPO_TEST_SLOW")
+    if folder and (Path(folder) / "go").exists() and not (Path(folder) / "slow").exists():
+        (Path(folder) / "slow").touch()
+        time.sleep(float(os.environ["ASYNCGRPO_TEST_SLOW_S"]))
+        (Path(folder) / "done").touch()
+    return [sum(c == p[0] for c in completion) / max(len(completion), 1)
+            for p, completion in zip(prompts, completions, strict=True)]

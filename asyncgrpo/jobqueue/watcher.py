@@ -27,10 +27,10 @@ from collections.abc import Iterable
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
+from asyncgrpo.messages import log_once
 from asyncgrpo.run.hosts import network_filesystem
 
 log = logging.getLogger("asyncgrpo.queue")
-_said_polling: set[str] = set()  # queue dirs this process logged its switch to polling for
 
 RESCAN_S = 1.0  # safety-net rescan with events on; a missed event costs at most this
 POLL_S = 0.05  # poll interval with events off
@@ -45,10 +45,8 @@ class QueueWatcher:
         self.states = frozenset(states)
         if use_events and (kind := network_filesystem(queue_dir)):
             use_events = False
-            if os.fspath(queue_dir) not in _said_polling:
-                _said_polling.add(os.fspath(queue_dir))
-                log.info("[queue] %s is on %s, where inotify cannot see other hosts' changes: polling every "
-                         "%.0f ms (as with --poll_only)", queue_dir, kind, POLL_S * 1e3)
+            log_once(log, "[queue] %s is on %s, where inotify cannot see other hosts' changes: polling every "
+                     "%.0f ms (as with --poll_only)", queue_dir, kind, POLL_S * 1e3)
         self.use_events = use_events
         self.rescan_s = rescan_s if rescan_s is not None else (RESCAN_S if use_events else POLL_S)
         self._wake = threading.Event()

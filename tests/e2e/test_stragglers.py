@@ -1,0 +1,104 @@
+"""A straggler never stalls training. Three workers, real processes: one has a reward call that takes 10 s
+(alive but slow), then another is stopped (SIGSTOP) for 10 s while it holds a job. The trainer keeps
+training on the other workers' results through both, `queue_tools ls` names the stopped worker, and
+no job is lost or trained twice. The lease (60 s) is far longer than either: without straggler handling
+the trainer would wait out each one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, metrics, ps_events, start_process
+
+from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+
+FAULT_S = 10.0  # how long the slow reward call and the stop last
+STEPS = 400  # enough that training is still going through both faults (about 10 steps a second on 2 cores)
+FLAGS = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"] + [
+    "--max_steps", str(STEPS), "--lease_s", "60", "--seed", "0", "--save_strategy", "steps", "--save_steps", "100",
+    "--reward_funcs", "tests.reward_faults:slow_once_when_told"]
+TIMEOUT_S = 300
+LONGEST_WAIT_S = 5.0  # a straggler costs about its detection (3 typical jobs, at least 1 s) plus a new job
+
+
+def wait_for(condition, what: str, *procs):
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (value := condition()):
+        for proc in procs:
+            assert proc.poll() is None, f"a process exited ({proc.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def step(root) -> int:
+    lines = metrics(root)
+    return lines[-1]["step"] if lines else 0
+
+
+def held_by(root, device: int) -> list[str]:
+    return [n for n in os.listdir(root / "queue") if f"_processing_by_dev{device}" in n or
+            f"_committing_by_dev{device}" in n]
+
+
+def stop_while_holding_a_job(root, worker, device: int) -> list[str]:
+    """SIGSTOPs ``worker`` at a moment it holds a job (checked after the stop); returns the held files."""
+    while True:
+        wait_for(lambda: held_by(root, device), f"dev{device} to hold a job", worker)
+        worker.send_signal(signal.SIGSTOP)
+        if held := held_by(root, device):
+            return held
+        worker.send_signal(signal.SIGCONT)  # it finished that job between the look and the stop
+
+
+def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
+    root, slow = tmp_path / "run", tmp_path / "slow"
+    slow.mkdir()
+    env_slow = {**PROCESS_ENV, "ASYNCGRPO_TEST_SLOW": str(slow), "ASYNCGRPO_TEST_SLOW_S": str(FAULT_S)}
+    ps = start_process(root, tmp_path / "ps.log", "ps", *FLAGS)
+    workers = {1: start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *FLAGS),
+               2: start_process(root, tmp_path / "w2.log", "worker", "--device", "2", *FLAGS),
+               3: start_process(root, tmp_path / "w3.log", "worker", "--device", "3", *FLAGS, env=env_slow)}
+    try:
+        wait_for(lambda: step(root) >= 20, "20 steps", ps, *workers.values())
+        # 1. Worker 3's next reward call takes FAULT_S: it stays alive (heartbeats) but holds its jobs.
+        (slow / "go").touch()
+        wait_for((slow / "slow").exists, "the slow reward call", ps, *workers.values())
+        slow_window = (step(root), None)
+        wait_for((slow / "done").exists, "the slow reward call to end", ps, *workers.values())
+        slow_window = (slow_window[0], step(root))
+        # 2. Worker 2 is stopped while it holds a job: no heartbeat, no progress.
+        held = stop_while_holding_a_job(root, workers[2], 2)
+        stopped_at, stop_step = time.monotonic(), step(root)
+        try:
+            wait_for(lambda: time.monotonic() - stopped_at > 7.0, "7 s")
+            ls = subprocess.run([sys.executable, "-m", "queue_tools", "ls", str(root), "--json"], cwd=REPO,
+                                env=PROCESS_ENV, capture_output=True, text=True, timeout=60, check=True)
+            listing = json.loads(ls.stdout)
+            dev2 = next(w for w in listing["workers"] if w["device"] == 2)
+            assert dev2["heartbeat_age_s"] > 6.0 and dev2["held"], dev2
+            assert listing["health"].startswith("WARN") and "dev2 silent for" in listing["health"], listing["health"]
+            wait_for(lambda: time.monotonic() - stopped_at > FAULT_S, f"{FAULT_S:g} s")
+        finally:
+            workers[2].send_signal(signal.SIGCONT)
+        stop_window = (stop_step, step(root))
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        for worker in workers.values():
+            worker.send_signal(signal.SIGCONT)
+            worker.terminate()
+        codes = [worker.wait(timeout=120) for worker in workers.values()]
+    assert codes == [0, 0, 0], codes
+
+    # The trainer kept training through both faults, never waiting long for a result.
+    for start, end in (slow_window, stop_window):
+        assert end - start >= 20, f"only {end - start} steps trained during a {FAULT_S:g} s fault"
+    waits = {e["step"]: e["dur_ms"] / 1e3 for e in ps_events(root, "wait_result")}
+    longest = max(waits[s] for s in range(slow_window[0] + 1, stop_window[1] + 1) if s in waits)
+    assert longest < LONGEST_WAIT_S, f"the trainer waited {longest:.1f} s for a result"
+    straggling = {e["job_id"] for e in ps_events(root, "job_straggling")}
+    assert {name[:10] for name in held} <= straggling, (held, straggling)  # named as stragglers by the PS
+    assert_exactly_once(root, jobs=STEPS)
