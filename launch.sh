@@ -63,7 +63,7 @@ resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
-RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit 2  # it printed the one-line reason
+RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
 ARGS[1]="$RUN_DIR"
 LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"

@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.inputs import (
@@ -59,6 +60,12 @@ def hold_ps_lock(run: RunDir) -> int:
     return fd
 
 
+def refuse_if_a_ps_runs(run: RunDir) -> None:
+    """PSAlreadyRunning when a PS holds the run's lock now (launch.sh asks before it starts anything)."""
+    if run.ps_lock_file.exists():
+        os.close(hold_ps_lock(run))  # taken and given back at once
+
+
 def main(argv: list[str] | None = None) -> int:
     # accelerate's is_cuda_available() (Trainer.train calls it first thing) sets this variable and removes it
     # again, while TRL's telemetry thread resolves a host name, which reads the environment in C (getenv). Adding
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         run_root = cfg.run_dir or str(runs_dir() / time.strftime("%Y%m%d-%H%M%S"))
         notes = check_inputs(cfg, run_root)
         if check_only:
+            refuse_if_a_ps_runs(RunDir(Path(run_root).expanduser().resolve()))
             for note in notes:
                 print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))
