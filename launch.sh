@@ -94,7 +94,9 @@ start_worker() {
 }
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
-[ "$PS_PROCS" -gt 1 ] && PS_CMD=("$VENV_PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS" -m ps)
+# (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp)
+[ "$PS_PROCS" -gt 1 ] && PS_CMD=("$VENV_PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS"
+                                 --log-dir "$LOGS/torchrun" -m ps)
 # torchrun exits 1 whatever status a rank exits with: the first rank writes its own here (ps/__main__.py).
 PS_STATUS_FILE=$(mktemp)
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) ASYNCGRPO_PS_STATUS_FILE="$PS_STATUS_FILE" "${PS_CMD[@]}" "${ARGS[@]}" \
@@ -111,6 +113,7 @@ on_interrupt() {
     say "interrupted: stopping the parameter server and the workers"
     kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
     stop_workers; wait "$TAIL_PID" 2>/dev/null
+    free_dead_weight_buffers "$RUN_DIR"
     rm -f "$PS_STATUS_FILE"
     exit 130
 }
@@ -122,6 +125,7 @@ while kill -0 "$PS_PID" 2>/dev/null; do
     if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input: nothing would generate
         say "no worker left (each exited with bad input): stopping the parameter server"
         kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null; wait "$TAIL_PID" 2>/dev/null
+        stop_workers; free_dead_weight_buffers "$RUN_DIR"
         rm -f "$PS_STATUS_FILE"
         echo "$WORKER_ERROR" >&2
         exit 2
@@ -135,6 +139,7 @@ rm -f "$PS_STATUS_FILE"
 # ---- 5. stop the workers; report ------------------------------------------------------------
 stop_workers
 wait "$TAIL_PID" 2>/dev/null
+free_dead_weight_buffers "$RUN_DIR"  # nothing to free unless the PS was killed (SIGKILL, out of memory)
 if [ "$PS_STATUS" -ne 0 ]; then
     say "the parameter server exited with status $PS_STATUS; workers stopped. See $LOGS/log_parameter_server.txt"
     # Its last lines, unless it ended with its one-line reason, already shown above.

@@ -139,7 +139,15 @@ def _quiet_libraries() -> None:
 
 
 def _interrupt(signum, _frame):
+    """The first SIGINT or SIGTERM unwinds training; later ones (a terminal's Ctrl-C reaches every process,
+    then launch.sh sends SIGTERM) must not cut the clean-up short that frees the weight buffers."""
+    signal.signal(signal.SIGINT, _already_stopping)
+    signal.signal(signal.SIGTERM, _already_stopping)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _already_stopping(signum, _frame):
+    log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force", signum)
 
 
 def train(cfg, run: RunDir) -> int:
@@ -161,28 +169,31 @@ def train(cfg, run: RunDir) -> int:
     model, tokenizer = load_model_and_tokenizer(path, cfg)
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                eval_dataset=load_eval_dataset(cfg))
-    first_rank = trainer.is_queue_client
-    # Rank 0 removes incomplete checkpoints first; then every rank resumes from the same one.
-    resume = last_complete_checkpoint(run.checkpoints) if first_rank else None
-    if trainer.accelerator.num_processes > 1:
-        resume = broadcast_object_list([resume], from_process=0)[0]
-    if first_rank:
-        status = PSStatus.starting(path, resume, cfg.generation_settings())  # workers match its generation
-        run.write_ps_status(status)
-    log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
-             f", resuming from {resume}" if resume else "")
-    if resume and checkpoint_step(resume) >= cfg.max_steps:
-        # transformers checks max_steps only after a step: resuming there would train one more
-        log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
-        trainer.state.global_step = checkpoint_step(resume)
-        trainer._load_from_checkpoint(resume)  # the final save below saves the checkpoint's weights (or adapter)
-    else:
-        trainer.train(resume_from_checkpoint=resume)
-    trainer.finish()
-    trainer.save_model(final_dir)  # model, tokenizer (save_pretrained) and training_args.bin, as trl grpo saves them
-    if first_rank:
-        log.info("[train] final model saved to %s", final_dir)
-        run.write_ps_status(status.finished(trainer.state.global_step, final_dir))
+    try:
+        first_rank = trainer.is_queue_client
+        # Rank 0 removes incomplete checkpoints first; then every rank resumes from the same one.
+        resume = last_complete_checkpoint(run.checkpoints) if first_rank else None
+        if trainer.accelerator.num_processes > 1:
+            resume = broadcast_object_list([resume], from_process=0)[0]
+        if first_rank:
+            status = PSStatus.starting(path, resume, cfg.generation_settings())  # workers match its generation
+            run.write_ps_status(status)
+        log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
+                 f", resuming from {resume}" if resume else "")
+        if resume and checkpoint_step(resume) >= cfg.max_steps:
+            # transformers checks max_steps only after a step: resuming there would train one more
+            log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
+            trainer.state.global_step = checkpoint_step(resume)
+            trainer._load_from_checkpoint(resume)  # the final save below saves the checkpoint's weights (or adapter)
+        else:
+            trainer.train(resume_from_checkpoint=resume)
+        trainer.finish()
+        trainer.save_model(final_dir)  # model, tokenizer (save_pretrained), training_args.bin: as trl grpo saves
+        if first_rank:
+            log.info("[train] final model saved to %s", final_dir)
+            run.write_ps_status(status.finished(trainer.state.global_step, final_dir))
+    finally:
+        trainer.close()  # however the PS ends (an error, a signal), its weight buffers go
     if torch.distributed.is_initialized():  # every rank done before the group goes (else some abort at exit)
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()

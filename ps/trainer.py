@@ -40,7 +40,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -119,8 +118,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
         finally:
             if self.is_queue_client:
                 self.pipeline.stop()
-                if sys.exc_info()[0] is not None:  # interrupted: finish() will not run to free /dev/shm
-                    self.publisher.close()
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""
@@ -155,8 +152,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.is_queue_client:
             return
         self.pipeline.finish()
-        self.publisher.close()
-        self.events.close()
+        self.close()
+
+    def close(self) -> None:
+        """Frees the weight buffers (/dev/shm, GPU) and closes the events file; the PS calls it however it
+        ends (idempotent)."""
+        if self.is_queue_client:
+            self.pipeline.stop()
+            self.publisher.close()
+            self.events.close()
 
     # ------------------------------------------------------------------ the replaced TRL internals
 

@@ -12,6 +12,16 @@ resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch see
     return 0
 }
 
+free_dead_weight_buffers() {  # free_dead_weight_buffers RUN: a PS that was killed cannot free its own
+    "$VENV_PY" -c 'import sys
+from asyncgrpo.run import RunDir
+from asyncgrpo.weights.buffer_folders import SHM_ROOT, remove_dead_folders
+run = RunDir.open(sys.argv[1])
+for dead in remove_dead_folders(run, (SHM_ROOT, run.weights)):
+    print(f"[launch] freed {dead.nbytes / 1e6:.1f} MB of weight buffers the parameter server left in {dead.path}")
+' "$1" || true
+}
+
 stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGKILL after 30 s
     local pids=("${WORKER_PID[@]}")
     [ "${#pids[@]}" -gt 0 ] || return 0

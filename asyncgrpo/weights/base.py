@@ -71,6 +71,7 @@ from pathlib import Path
 
 import torch
 
+from asyncgrpo.messages import first_line
 from asyncgrpo.run import fileops
 from asyncgrpo.run.hosts import HOST_ID
 from asyncgrpo.run.rundir import RunDir
@@ -276,6 +277,9 @@ class SlotPublisher:
             current = read_version_file(self.run)
             if current is not None and current["publisher_id"] == self.publisher_id:
                 self._write(current["version"], current["step"], current["buffer"], closed=True)
+        except OSError as err:  # a full disk, say: the buffers go all the same (workers see this PS's pid gone)
+            log.warning("[weights] could not mark the version file closed: %s", first_line(err))
+        try:
             self._release(held)  # no worker copies from a closed publisher, and none holds a freed slot
         finally:
             for fd in self._lock_fds:
