@@ -35,8 +35,10 @@ from asyncgrpo.inputs import (
     model_path,
     write_demo_model_once,
 )
+from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, runs_dir
 from asyncgrpo.run.rundir import PSStatus
+from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
 log = logging.getLogger("asyncgrpo.ps")
 DESCRIPTION = ("The asyncgrpo parameter server: trains with TRL's GRPOTrainer on results that workers generate. "
@@ -119,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
         return 130
+    except Exception as err:  # the traceback goes to the log, the first cause to the operator's terminal
+        log.error("[train] stopped: %s", first_line(err), exc_info=err)
+        print(f"ps: error: {first_cause(err)}", file=sys.stderr)
+        return 1
     finally:
         if lock is not None:
             os.close(lock)
@@ -171,6 +177,9 @@ def train(cfg, run: RunDir) -> int:
                                eval_dataset=load_eval_dataset(cfg))
     try:
         first_rank = trainer.is_queue_client
+        previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any
+        if first_rank:
+            check_disk_for_checkpoints(run, trainer.model, cfg.save_strategy != "no")
         # Rank 0 removes incomplete checkpoints first; then every rank resumes from the same one.
         resume = last_complete_checkpoint(run.checkpoints) if first_rank else None
         if trainer.accelerator.num_processes > 1:
@@ -180,13 +189,18 @@ def train(cfg, run: RunDir) -> int:
             run.write_ps_status(status)
         log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
                  f", resuming from {resume}" if resume else "")
-        if resume and checkpoint_step(resume) >= cfg.max_steps:
-            # transformers checks max_steps only after a step: resuming there would train one more
-            log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
-            trainer.state.global_step = checkpoint_step(resume)
-            trainer._load_from_checkpoint(resume)  # the final save below saves the checkpoint's weights (or adapter)
-        else:
-            trainer.train(resume_from_checkpoint=resume)
+        try:
+            if resume and checkpoint_step(resume) >= cfg.max_steps:
+                # transformers checks max_steps only after a step: resuming there would train one more
+                log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
+                trainer.state.global_step = checkpoint_step(resume)
+                trainer._load_from_checkpoint(resume)  # the final save saves the checkpoint's weights (or adapter)
+            else:
+                trainer.train(resume_from_checkpoint=resume)
+        except RuntimeError as err:
+            if resume and (misfit := checkpoint_misfit(err, resume, path, previous)):
+                raise misfit from err
+            raise
         trainer.finish()
         trainer.save_model(final_dir)  # model, tokenizer (save_pretrained), training_args.bin: as trl grpo saves
         if first_rank:

@@ -1,0 +1,81 @@
+"""Why the PS stops, in one line: a crash's first cause (a full disk: which file, how much is free), a relaunch
+whose model does not fit the run's checkpoints, and a disk too small for one checkpoint, refused up front."""
+
+import errno
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+from helpers import PROCESS_ENV, REPO
+
+from asyncgrpo.config import ConfigError
+from asyncgrpo.run.rundir import PSStatus
+from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_model, write_demo_model
+from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_the_first_cause_of_a_crash_is_the_one_named(tmp_path):
+    state = tmp_path / "checkpoint-200" / "trainer_state.json"
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(state))
+        except OSError:
+            raise OSError(errno.EBADF, "Bad file descriptor")  # noqa: B904 (a second error while unwinding the first)
+    except OSError as err:
+        crash = err
+    line = first_cause(crash)
+    assert line.startswith(f"no space left on the disk writing {state} (") and "MB free there)" in line, line
+    assert "Bad file descriptor" not in line
+    assert first_cause(ValueError("bad\nsecond line")) == "ValueError: bad"
+
+
+def test_a_checkpoint_of_another_model_is_named_with_what_differs_and_the_flag_to_pass():
+    small, large = build_model(hidden_size=64), build_model(hidden_size=32)
+    with pytest.raises(RuntimeError) as refused:
+        large.load_state_dict(small.state_dict())  # what resuming does with the checkpoint's tensors
+    previous = PSStatus(pid=1, host="h", model="/runs/r/demo_model", state="finished", started_at=0.0)
+    misfit = checkpoint_misfit(refused.value, "/runs/r/checkpoints/checkpoint-8", "/models/other", previous)
+    assert isinstance(misfit, ConfigError)
+    message = str(misfit)
+    assert "\n" not in message
+    assert message.startswith("checkpoint-8 does not fit --model_name_or_path /models/other (size mismatch for ")
+    assert message.endswith("this run was trained from /runs/r/demo_model: relaunch with --model_name_or_path "
+                            "/runs/r/demo_model, or start a new run with another --run_dir")
+    assert checkpoint_misfit(RuntimeError("CUDA out of memory"), "c", "m", previous) is None
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path, monkeypatch, run):
+    model = build_model()
+    params = sum(p.numel() for p in model.parameters())
+    needed_mb = 3 * 4 * params / 1e6  # float32 weights and AdamW's two moments
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, int(needed_mb * 0.9 * 1e6)))
+    with pytest.raises(ConfigError) as refused:
+        check_disk_for_checkpoints(run, model, saves_checkpoints=True)
+    assert f"{run.checkpoints} has " in str(refused.value) and f"needs about {needed_mb:,.0f} MB" in str(refused.value)
+    check_disk_for_checkpoints(run, model, saves_checkpoints=False)  # no checkpoints: nothing to hold
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, int(needed_mb * 1.1 * 1e6)))
+    check_disk_for_checkpoints(run, model, saves_checkpoints=True)
+    for p in model.parameters():  # a LoRA-like run: only a few parameters trained, so much less is needed
+        p.requires_grad_(p.dim() == 1)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, int(needed_mb * 0.2 * 1e6)))
+    check_disk_for_checkpoints(run, model, saves_checkpoints=True)
+
+
+def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finished_demo_run, tmp_path):
+    run_root = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
+    other = write_demo_model(tmp_path / "other_model", hidden_size=32)
+    flags = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"]
+    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *flags, "--max_steps", "8",
+                         "--model_name_or_path", other], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
+                        timeout=600)
+    assert ps.returncode == 2, ps.stderr[-3000:]
+    errors = [line for line in ps.stderr.splitlines() if line.startswith("ps: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"ps: error: checkpoint-8 does not fit --model_name_or_path {other} (size mismatch for "), ps.stderr[-3000:]
+    assert f"this run was trained from {finished_demo_run.resolve() / 'demo_model'}" in errors[0]
+    assert "Traceback" not in ps.stderr
