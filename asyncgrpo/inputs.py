@@ -286,10 +286,31 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
 
 # ---------------------------------------------------------------------- all of it, before anything starts
 
+# The --report_to integrations with an asyncgrpo extra (pyproject.toml), and the package each needs.
+REPORT_TO_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+def check_report_to(cfg: AsyncGRPOConfig) -> None:
+    """Each --report_to integration importable, as transformers will need it when training starts."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    available = get_available_reporting_integrations()
+    for name in cfg.report_to or []:
+        if name in ("none", "all") or name in available:
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ConfigError(f"--report_to {name}: not an integration transformers knows (one of "
+                              f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none)")
+        how = (f"pip install 'asyncgrpo[{name}]' (or pip install {REPORT_TO_EXTRAS[name]})" if name in REPORT_TO_EXTRAS
+               else f"install the {name} package")
+        raise ConfigError(f"--report_to {name}: {name} is not installed: {how}")
+
+
 def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]:
     """Everything launch.sh can check before a process starts (ConfigError otherwise). Returns notes
     for the user (one line each)."""
     notes = []
+    check_report_to(cfg)
     load_reward_funcs(cfg)
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg))

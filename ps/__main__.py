@@ -62,6 +62,14 @@ def hold_ps_lock(run: RunDir) -> int:
     return fd
 
 
+def set_tensorboard_dir(final_dir: str) -> None:
+    """--report_to tensorboard writes where trl grpo's does, under --output_dir (runs/DATE_HOST), not under the
+    checkpoints folder that output_dir becomes here; a TENSORBOARD_LOGGING_DIR already set wins, as in TRL."""
+    from transformers.integrations.integration_utils import default_logdir
+
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(final_dir, default_logdir()))
+
+
 def refuse_if_a_ps_runs(run: RunDir) -> None:
     """PSAlreadyRunning when a PS holds the run's lock now (launch.sh asks before it starts anything)."""
     if run.ps_lock_file.exists():
@@ -166,6 +174,7 @@ def train(cfg, run: RunDir) -> int:
     # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
     final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.final_model)
     cfg.output_dir = str(run.checkpoints)
+    set_tensorboard_dir(final_dir)
     if cfg.model_name_or_path is None:
         # The first rank writes the demo model (save_pretrained writes weights on the main process only).
         if PartialState().is_main_process:
