@@ -7,6 +7,7 @@ each case is checked in process, and a few through launch.sh from a user's folde
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,32 @@ def test_launch_help_prints_only_its_help(tmp_path):
     assert lines[0].startswith("usage: bash launch.sh") and "--run-dir DIR" in result.stdout
     assert not any(line.startswith(("#", "set ", "Placement")) for line in lines), result.stdout
     assert list(tmp_path.iterdir()) == []  # nothing created, nothing started
+
+
+def test_a_report_to_integration_that_is_not_installed_is_refused_with_how_to_install(monkeypatch):
+    import transformers.integrations
+
+    from asyncgrpo.inputs import check_report_to
+
+    cfg = parse_config(["--device_type", "cpu", "--report_to", "tensorboard"])
+    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: [])
+    with pytest.raises(ConfigError) as refused:
+        check_report_to(cfg)
+    assert str(refused.value) == ("--report_to tensorboard: tensorboard is not installed: "
+                                  "pip install 'asyncgrpo[tensorboard]' (or pip install tensorboard)")
+    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    check_report_to(cfg)
+    with pytest.raises(ConfigError, match="--report_to nosuch: not an integration transformers knows"):
+        check_report_to(parse_config(["--device_type", "cpu", "--report_to", "nosuch"]))
+
+
+def test_tensorboard_logs_go_under_output_dir_as_with_trl(monkeypatch, tmp_path):
+    from ps.__main__ import set_tensorboard_dir
+
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    set_tensorboard_dir(str(tmp_path / "out"))
+    logs = os.environ["TENSORBOARD_LOGGING_DIR"]
+    assert logs.startswith(str(tmp_path / "out" / "runs") + os.sep)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", "/elsewhere")  # the user's choice wins
+    set_tensorboard_dir(str(tmp_path / "out"))
+    assert os.environ["TENSORBOARD_LOGGING_DIR"] == "/elsewhere"
