@@ -10,7 +10,9 @@
 # $ASYNCGRPO_HOST_ID overrides it) and runs on GPU (i-1) mod G. Logs: RUN/logs/
 # log_worker_{i}.{host id}.txt and launch-{host id}.txt. A worker that exits is restarted (its
 # job returns through recovery); when the PS finishes (RUN/ps.json says so), or on Ctrl-C,
-# the workers are stopped: each finishes, or gives back, the job in hand.
+# the workers are stopped: each finishes, or gives back, the job in hand. Joining a run whose PS
+# has already finished, or has not started, waits for its next PS (a relaunch that trains
+# further), saying so once a minute.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
@@ -68,9 +70,16 @@ ps_finished() {
     now=$(cat "$RUN/ps.json" 2>/dev/null) || return 1
     [ "$now" != "$PS_JSON_AT_START" ] && [[ "$now" == *'"state": "finished"'* ]]
 }
+# What the workers wait for, when they wait for a PS (a line once a minute; empty while one trains).
+waiting_for() {
+    local now
+    now=$(cat "$RUN/ps.json" 2>/dev/null) || { echo "its parameter server to start (no RUN/ps.json yet)"; return; }
+    [ "$now" = "$PS_JSON_AT_START" ] && [[ "$now" == *'"state": "finished"'* ]] &&
+        echo "its parameter server to be relaunched (it had finished when they joined); Ctrl-C to stop them"
+}
 say "joining $RUN from $(hostname) (host id $HOST_ID, $DEVICE, $WORKERS worker(s) dev1.$HOST_ID...); logs in $LOGS"
-[[ "$PS_JSON_AT_START" == *'"state": "finished"'* ]] && say "its PS has finished; the workers wait for it to be relaunched"
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
+JOINED_AT=$SECONDS NEXT_SAY=0
 
 on_interrupt() {
     say "interrupted: stopping the workers"
@@ -81,6 +90,11 @@ trap on_interrupt INT TERM
 
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
 while ! ps_finished; do
+    if [ "$SECONDS" -ge "$NEXT_SAY" ]; then
+        what=$(waiting_for)
+        [ -n "$what" ] && say "the workers wait for $what (for $(( (SECONDS - JOINED_AT) / 60 )) min)"
+        NEXT_SAY=$(( SECONDS + 60 ))
+    fi
     restart_dead_workers
     if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input
         echo "$WORKER_ERROR" >&2
