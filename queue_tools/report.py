@@ -9,7 +9,9 @@ Definitions (docs/operations.md, "queue_tools report", has them all):
 - PS lives: each PS process (pid) is one life; a resumed run has several. A life's training span
   is its first ``train_step_start`` to its last ``train_step_end`` (monotonic clock: one host);
   the time between one life's span and the next's is **downtime** (the PS was dead or starting
-  up), left out of every figure below and shown apart.
+  up), left out of every figure below (collect latencies included) and shown apart. Steps a life
+  trained after its last checkpoint and the next life trained again count once, in the later
+  life; a job archived consumed by several lives counts once (as ``done/`` and ``ls`` count it).
 - Training span: the sum of the lives' spans. Trainer idle fraction: the sum of
   ``train_step_end.wait_ms`` over that span; "steady" leaves out the first step of each life
   (the workers' start-up or resync): from each life's first step end to its last.
@@ -118,8 +120,32 @@ def downtime(lives: list[list]) -> list[dict]:
     return gaps
 
 
+def rolled_back_steps_removed(lives: list[list]) -> list[list]:
+    """Each life's events without its steps the next life trained again: a PS killed after a checkpoint trained
+    steps whose weights were lost; the next resumes from the checkpoint, so those steps (and the results they
+    consumed) count once, in the life whose training was kept, as in the ledger and `ls`."""
+    kept = []
+    for i, life in enumerate(lives):
+        if i == len(lives) - 1:
+            kept.append(life)
+            continue
+        after = lives[i + 1]
+        resumed_at = min(e.get("step", 0) for e in after if e["event"] in ("train_step_start", "train_step_end")) - 1
+        kept.append([e for e in life if e["event"] not in ("train_step_start", "train_step_end", "result_consumed")
+                     or (num(e, "step") or 0) <= resumed_at])
+    return kept
+
+
+def without_downtime(latency_ms: float, end: float, gaps: list[dict]) -> float:
+    """A latency that ended at ``end`` (seconds, monotonic), minus the time in it no PS was training."""
+    start = end - latency_ms / 1e3
+    return latency_ms - 1e3 * sum(max(0.0, min(end, g["end"]) - max(start, g["start"])) for g in gaps)
+
+
 def training_numbers(lives: list[list]) -> dict:
-    """Throughput and trainer idle over the PS lives' training spans (downtime between them left out)."""
+    """Throughput and trainer idle over the PS lives' training spans (downtime between them left out); steps a
+    later life trained again count once."""
+    lives = rolled_back_steps_removed(lives)
     events = [e for life in lives for e in life]
     ends = [sorted((e for e in life if e["event"] == "train_step_end"), key=lambda e: e["mono"]) for life in lives]
     consumed = [e for e in events if e["event"] == "result_consumed"]
@@ -198,11 +224,14 @@ def _bottleneck(training: dict, workers: dict | None) -> str:
 
 def analyse(tracks: list[Track]) -> dict:
     every = [e for t in tracks for e in t.events]
-    stats = {}
-    for key, _label, event, fld in STATS:
-        stats[key] = summarize([v for e in every if e["event"] == event and (v := num(e, fld)) is not None])
     lives = ps_lives(tracks)
     gaps = downtime(lives)
+    stats = {}
+    for key, _label, event, fld in STATS:
+        values = [(v, e["mono"]) for e in every if e["event"] == event and (v := num(e, fld)) is not None]
+        if key == "collect_latency_ms":  # a result written before a PS died waits for the next: not latency
+            values = [(without_downtime(v, mono, gaps), mono) for v, mono in values]
+        stats[key] = summarize([v for v, _ in values])
     training = training_numbers(lives)
     workers = [utilisation(t, [(g["start"], g["end"]) for g in gaps]) for t in tracks if t.role == "worker"]
     total = None
@@ -210,9 +239,14 @@ def analyse(tracks: list[Track]) -> dict:
     if life > 0:
         total = {f"{k}_fraction": sum(w[f"{k}_s"] for w in workers) / life for k in ("busy", "syncing", "idle")}
     archived: dict = defaultdict(int)
+    consumed_jobs = set()  # a result consumed again after a PS restart rolled it back counts once, as in done/
     for e in every:
-        if e["event"] == "result_archived":
+        if e["event"] == "result_archived" and e.get("reason") == "consumed":
+            consumed_jobs.add(e.get("job_id"))
+        elif e["event"] == "result_archived":
             archived[str(e.get("reason"))] += 1
+    if consumed_jobs:
+        archived["consumed"] = len(consumed_jobs)
     collected = stats["collect_latency_ms"]["count"]
     stale = archived.get("stale", 0) / collected if collected else None
     dropped = dropped_jobs(every)

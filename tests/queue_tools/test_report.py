@@ -514,3 +514,32 @@ def test_report_on_a_real_run(finished_demo_run, capsys):
     assert counts["pids"] == 3
     for p in r["plots"]:
         assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_steps_a_resumed_ps_trains_again_and_downtime_in_a_latency_count_once(tmp_path, capsys):
+    """Life 1 trains steps 1-3 and dies; life 2 resumes from the checkpoint of step 2, trains step 3 again (with
+    the same job, rolled back), then 4-5. A result written 1 s before the PS died is collected 0.5 s after the
+    next one started training: its latency is those 1.5 s, not the minute between."""
+    run = RunDir.create(tmp_path / "run")
+    lines = []
+    for step, (pid, start) in enumerate([(100, 10.0), (100, 11.0), (100, 12.0)], start=1):
+        lines += make_track_events("ps", [
+            ("train_step_start", start, {"step": step}),
+            ("result_consumed", start + 0.2, {"job_id": f"000000_00{step}", "step": step, "samples": 32,
+                                              "tokens": 100}),
+            ("result_archived", start + 0.3, {"job_id": f"000000_00{step}", "reason": "consumed", "attempt": 1}),
+            ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 0.0})], pid=pid)
+    for step, start in [(3, 72.0), (4, 73.0), (5, 74.0)]:
+        lines += make_track_events("ps", [
+            ("train_step_start", start, {"step": step}),
+            ("result_consumed", start + 0.2, {"job_id": f"000000_00{step}", "step": step, "samples": 32,
+                                              "tokens": 100}),
+            ("result_archived", start + 0.3, {"job_id": f"000000_00{step}", "reason": "consumed", "attempt": 1}),
+            ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 0.0})], pid=300)
+    lines += make_track_events("ps", [("result_collected", 72.5, {"job_id": "000000_009", "latency_ms": 60_700.0})],
+                               pid=300)  # written at 11.8, 1.0 s before life 1's last step ended at 12.8
+    (run.logs / "events-ps.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    r = report_json(capsys, run.root)
+    assert r["training"]["steps"] == 5 and r["training"]["samples"] == 5 * 32  # step 3 once
+    assert r["archived"]["consumed"] == 5  # as done/ and `ls` count them
+    assert r["stats"]["collect_latency_ms"]["max"] == pytest.approx(1000.0 + 500.0)
