@@ -120,6 +120,9 @@ on_interrupt() {
 trap on_interrupt INT TERM
 
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
+# The loop's stderr is /dev/null: bash prints its own "line N: PID Killed ..." there when a process dies of a
+# signal, and our lines name the process instead. What must reach the terminal's stderr goes to fd 3.
+exec 3>&2
 while kill -0 "$PS_PID" 2>/dev/null; do
     restart_dead_workers
     if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input: nothing would generate
@@ -127,12 +130,12 @@ while kill -0 "$PS_PID" 2>/dev/null; do
         kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null; wait "$TAIL_PID" 2>/dev/null
         stop_workers; free_dead_weight_buffers "$RUN_DIR"
         rm -f "$PS_STATUS_FILE"
-        echo "$WORKER_ERROR" >&2
+        echo "$WORKER_ERROR" >&3
         exit 2
     fi
     sleep 1
-done
-wait "$PS_PID"; PS_STATUS=$?
+done 2>/dev/null
+wait "$PS_PID" 2>/dev/null; PS_STATUS=$?
 [ "$PS_STATUS" -ne 0 ] && [ -s "$PS_STATUS_FILE" ] && PS_STATUS=$(cat "$PS_STATUS_FILE")
 rm -f "$PS_STATUS_FILE"
 

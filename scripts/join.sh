@@ -89,6 +89,7 @@ on_interrupt() {
 trap on_interrupt INT TERM
 
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
+exec 3>&2  # as in launch.sh: the loop's stderr is /dev/null (bash's own "Killed" lines), fd 3 the terminal's
 while ! ps_finished; do
     if [ "$SECONDS" -ge "$NEXT_SAY" ]; then
         what=$(waiting_for)
@@ -97,11 +98,11 @@ while ! ps_finished; do
     fi
     restart_dead_workers
     if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input
-        echo "$WORKER_ERROR" >&2
+        echo "$WORKER_ERROR" >&3
         exit 2
     fi
     sleep 1
-done
+done 2>/dev/null
 say "the parameter server finished: stopping the workers"
 stop_workers
 exit 0

@@ -41,7 +41,7 @@ restart_dead_workers() {
     local i status why
     for i in "${!WORKER_PID[@]}"; do
         if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
-            wait "${WORKER_PID[$i]}"; status=$?
+            wait "${WORKER_PID[$i]}" 2>/dev/null; status=$?  # (not bash's "Killed" line: ours names the worker)
             if [ "$status" -eq 2 ]; then
                 WORKER_ERROR=$(grep -a '^worker: error: ' "${WORKER_LOG[$i]}" | tail -n 1)
                 WORKER_ERROR=${WORKER_ERROR:-"worker: error: worker $i exited with status 2 (see ${WORKER_LOG[$i]})"}

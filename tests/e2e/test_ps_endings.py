@@ -62,5 +62,6 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
         kill_run(run_root, proc)
     out = proc.stdout.read()
     assert "the parameter server exited with status 137" in out
+    assert "Killed" not in out  # bash's own job line ("launch.sh: line N: PID Killed ...") is not shown
     assert f"of weight buffers the parameter server left in {folder}" in out
     assert buffers_of(run_root) == []
