@@ -37,6 +37,7 @@ from asyncgrpo.inputs import (
 )
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, runs_dir
+from asyncgrpo.run.liveness import PSHeartbeat
 from asyncgrpo.run.rundir import PSStatus
 from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     from ps.pipeline import PipelineError
 
     try:
-        return train(cfg, run)
+        with PSHeartbeat(run):
+            return train(cfg, run)
     except ConfigError as err:  # the model did not load after all
         print(f"ps: error: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describ
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers
-from asyncgrpo.run.liveness import fs_now
+from asyncgrpo.run.liveness import fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
@@ -125,6 +125,11 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
     workers = [{**w.as_dict(), "held": sorted(held.get(str(w.device), []))} for w in list_workers(run, now, lease_s)]
     global_step = run.read_global_step()
+    ps = run.read_ps_status()
+    try:
+        ps_beat_age = now - os.stat(run.ps_heartbeat_file).st_mtime
+    except OSError:
+        ps_beat_age = None
     report = {
         "run_dir": str(run.root),
         **counts,
@@ -137,6 +142,9 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "done_other": done_other,
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "global_step": global_step,
+        "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state,
+                                       "alive": pid_alive(ps.pid, ps.host),
+                                       "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
     }
     report["health"] = _health(report)
@@ -176,6 +184,14 @@ def _health(report: dict) -> str:
     problems = []
     dead = [w for w in report["workers"] if not w["alive"] and w["state"] != "stopped"]
     alive = [w for w in report["workers"] if w["alive"]]
+    ps = report["ps"]
+    if ps is not None and ps["state"] == "training":
+        if not ps["alive"]:
+            problems.append(f"the parameter server (pid {ps['pid']}) is not running: relaunch on this run directory "
+                            "to resume from its last checkpoint")
+        elif (ps["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
+            problems.append(f"the parameter server (pid {ps['pid']} on {ps['host']}) silent for "
+                            f"{ps['heartbeat_age_s']:.0f}s (stopped or swapped out?): the workers wait for it")
     if report["stale"]:
         problems.append(f"{len(report['stale'])} stale job(s)")
     for w in alive:

@@ -194,6 +194,34 @@ class WorkerPresence:
             self._lock_fd = None
 
 
+class PSHeartbeat:
+    """The PS's heartbeat: a thread touching ``RUN/ps.heartbeat`` every ``interval_s``, so that `queue_tools ls`
+    tells a PS that is stopped, swapped out or hung in the kernel (no thread runs) from one that waits for
+    results. Started with ``with PSHeartbeat(run):``."""
+
+    def __init__(self, run: RunDir, interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.run, self.interval_s = run, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat_forever, name="ps-heartbeat", daemon=True)
+
+    def _beat_forever(self) -> None:
+        while True:
+            try:
+                fileops.touch(self.run.ps_heartbeat_file)
+            except OSError as err:  # a full disk must not stop the PS; `ls` will say it is silent
+                log_once(log, "[train] the PS heartbeat failed: %s", err, key="ps heartbeat", level=logging.WARNING)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> PSHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class WorkerStatus:
     device: WorkerId

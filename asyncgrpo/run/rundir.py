@@ -151,6 +151,11 @@ class RunDir:
         return self.root / "ps.json"
 
     @property
+    def ps_heartbeat_file(self) -> Path:
+        """Touched every second by the running PS (asyncgrpo/run/liveness.py PSHeartbeat)."""
+        return self.root / "ps.heartbeat"
+
+    @property
     def ps_lock_file(self) -> Path:
         """Held (flock) by the running PS: one PS per run directory."""
         return self.root / "ps.lock"

@@ -5,11 +5,13 @@ left). Real processes, started as a user starts them."""
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from helpers import PROCESS_ENV, REPO, kill_run, metrics
+from helpers import PROCESS_ENV, REPO, kill_run, metrics, start_process
 
 from asyncgrpo.run import fileops
 
@@ -65,3 +67,37 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
     assert "Killed" not in out  # bash's own job line ("launch.sh: line N: PID Killed ...") is not shown
     assert f"of weight buffers the parameter server left in {folder}" in out
     assert buffers_of(run_root) == []
+
+
+def queue_tools_ls(run_root: Path) -> dict:
+    ls = subprocess.run([sys.executable, "-m", "queue_tools", "ls", str(run_root), "--json"], cwd=REPO,
+                        env=PROCESS_ENV, capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(ls.stdout)
+
+
+def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
+    run_root = tmp_path / "run"
+    ps = start_process(run_root, tmp_path / "ps.log", "ps", "--max_steps", "100000", "--seed", "0")  # no workers
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (run_root / "ps.json").exists() or not (run_root / "ps.heartbeat").exists():
+            assert ps.poll() is None and time.monotonic() < deadline, (tmp_path / "ps.log").read_text()[-3000:]
+            time.sleep(0.1)
+        assert not queue_tools_ls(run_root)["health"].startswith("WARN")  # waiting for workers is not silence
+        ps.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 7.0:  # past the 5 s a heartbeat may be late
+            time.sleep(0.1)
+        health = queue_tools_ls(run_root)["health"]
+        silent = f"WARN: the parameter server (pid {ps.pid} on {socket.gethostname()}) silent for "
+        assert health.startswith(silent), health
+        ps.send_signal(signal.SIGKILL)
+        ps.wait(timeout=60)
+        health = queue_tools_ls(run_root)["health"]
+        assert health.startswith(f"WARN: the parameter server (pid {ps.pid}) is not running: relaunch"), health
+    finally:
+        ps.send_signal(signal.SIGCONT)
+        ps.kill()
+        ps.wait(timeout=60)
+        subprocess.run([sys.executable, "-m", "queue_tools", "cleanup", str(run_root)], cwd=REPO, env=PROCESS_ENV,
+                       capture_output=True, timeout=60)  # frees the killed PS's weight buffers
