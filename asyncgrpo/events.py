@@ -60,6 +60,7 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if self.path else None
         self._common = {"pid": os.getpid(), "process": process, "role": role, "device": device}
         self._write_failed = False
+        self._torn = False  # a write was cut short: the file ends inside a line
 
     @classmethod
     def off(cls) -> EventLog:
@@ -70,15 +71,22 @@ class EventLog:
         if self._fd is None:
             return
         record = {"event": event, "t": time.time(), "mono": time.monotonic(), **self._common, **fields}
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if self._torn:  # the last line was cut short: end it, so that this one stays whole and readable
+            line = b"\n" + line
         try:
-            os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+            written = os.write(self._fd, line)
         except OSError as err:
-            if not self._write_failed:
-                self._write_failed = True
-                log.warning("[events] cannot append to %s (%s); events are dropped until it works again",
-                            self.path, err)
+            written, error = 0, err
         else:
-            self._write_failed = False
+            error = None if written == len(line) else OSError(f"wrote {written} of {len(line)} bytes (disk full?)")
+        if error is None:
+            self._write_failed = self._torn = False
+            return
+        self._torn = self._torn or written > 0
+        if not self._write_failed:
+            self._write_failed = True
+            log.warning("[events] cannot append to %s (%s); events are dropped until it works again", self.path, error)
 
     @contextlib.contextmanager
     def span(self, name: str, **fields):

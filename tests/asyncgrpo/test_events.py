@@ -76,3 +76,29 @@ def test_an_event_log_that_is_off_writes_nothing(tmp_path, monkeypatch):
         events.close()
     assert (opened, written) == ([], [])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_cut_short_loses_only_its_own_line(tmp_path, monkeypatch, caplog):
+    events = EventLog(tmp_path, "ps", "ps", "cpu")
+    events.emit("train_step_end", step=1)
+    real_write = os.write
+
+    def half_then_full_disk(fd, data):  # a filling disk: part of the line lands, then ENOSPC
+        real_write(fd, data[: len(data) // 2])
+        return len(data) // 2
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", half_then_full_disk)
+        events.emit("train_step_end", step=2)
+    events.emit("train_step_end", step=3)  # space again
+    events.emit("train_step_end", step=4)
+    events.close()
+    lines = (tmp_path / "events-ps.jsonl").read_text().splitlines()
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line)["step"])
+        except ValueError:
+            parsed.append("torn")
+    assert parsed == [1, "torn", 3, 4]
+    assert sum("cannot append" in r.getMessage() for r in caplog.records) == 1
