@@ -12,6 +12,7 @@ folder it was started from), and reward modules import from it, as they would wi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -56,27 +57,42 @@ def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable]:
         from asyncgrpo.tasks.demo import repeat_digit_reward
 
         return [repeat_digit_reward]
-    if os.getcwd() not in sys.path:  # a rewards.py next to the user imports, as with `python` (and trl grpo)
-        sys.path.insert(0, os.getcwd())
-    funcs = []
-    for spec in cfg.reward_funcs:
-        if ":" not in spec and (func := _trl_reward(spec)) is not None:
-            funcs.append(func)
-            continue
-        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-        if not module_name or not attr:
-            raise ConfigError(f"--reward_funcs {spec!r}: expected 'module:function' or 'module.function'")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as err:  # any import-time failure of user code is a bad input
-            raise ConfigError(f"--reward_funcs {spec!r}: cannot import {module_name}: {err}") from None
-        func = getattr(module, attr, None)
-        if not callable(func):
-            raise ConfigError(f"--reward_funcs {spec!r}: {module_name} has no function {attr}")
-        funcs.append(func)
+    with _cwd_first_on_path():
+        funcs = [_reward_func(spec) for spec in cfg.reward_funcs]
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):
         raise ConfigError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(funcs)} reward functions")
     return funcs
+
+
+@contextlib.contextmanager
+def _cwd_first_on_path():
+    """A rewards.py next to the user imports, as with `python`; only while the reward modules are imported, so
+    that no later import of this process picks a file of the user's folder that shadows a library module."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _reward_func(spec: str) -> Callable:
+    if ":" not in spec and (func := _trl_reward(spec)) is not None:
+        return func
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"--reward_funcs {spec!r}: expected 'module:function' or 'module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # any import-time failure of user code is a bad input
+        raise ConfigError(f"--reward_funcs {spec!r}: cannot import {module_name}: {err}") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ConfigError(f"--reward_funcs {spec!r}: {module_name} has no function {attr}")
+    return func
 
 
 # ---------------------------------------------------------------------- datasets

@@ -133,3 +133,19 @@ def test_tensorboard_logs_go_under_output_dir_as_with_trl(monkeypatch, tmp_path)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", "/elsewhere")  # the user's choice wins
     set_tensorboard_dir(str(tmp_path / "out"))
     assert os.environ["TENSORBOARD_LOGGING_DIR"] == "/elsewhere"
+
+
+def test_the_users_folder_is_on_the_path_only_while_reward_modules_import(tmp_path, monkeypatch):
+    from asyncgrpo.inputs import load_reward_funcs
+
+    (tmp_path / "my_rewards.py").write_text("import my_helper\n\ndef score(prompts, completions, **kwargs):\n"
+                                            "    return [my_helper.ONE] * len(prompts)\n")
+    (tmp_path / "my_helper.py").write_text("ONE = 1.0\n")  # imported by the reward module: found
+    (tmp_path / "shadow_of_a_library.py").write_text("raise ImportError('a user file shadowed a module')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    [score] = load_reward_funcs(parse_config(["--device_type", "cpu", "--reward_funcs", "my_rewards:score"]))
+    assert score(["1:"], ["1"]) == [1.0]
+    assert str(tmp_path) not in sys.path  # later imports do not look in the user's folder
+    import importlib.util
+    assert importlib.util.find_spec("shadow_of_a_library") is None
