@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:  # the traceback goes to the log, the first cause to the operator's terminal
         log.error("[train] stopped: %s", first_line(err), exc_info=err)
-        print(f"ps: error: {first_cause(err)}", file=sys.stderr)
+        print(f"ps: error: {first_cause(err, run.root)}", file=sys.stderr)
         return 1
     finally:
         if lock is not None:

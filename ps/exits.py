@@ -20,6 +20,7 @@ from asyncgrpo.run import RunDir
 from asyncgrpo.run.rundir import PSStatus
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL_BELOW_MB = 1.0  # free space under which a crash's disk counts as full
 ADAM_MOMENTS = 2  # the optimizer state a checkpoint holds per trained parameter (AdamW: two float32 moments)
 
 
@@ -34,9 +35,10 @@ def free_mb(path: str | os.PathLike) -> float | None:
         return None
 
 
-def first_cause(err: BaseException) -> str:
+def first_cause(err: BaseException, run_root: str | os.PathLike | None = None) -> str:
     """The earliest error of the chain ``err`` ended (an error raised while handling another keeps it as
-    ``__context__``), in one line; a full disk names the file and the space left."""
+    ``__context__``), in one line; a full disk names the file and the space left. Some writers do not say the
+    disk is full (torch.save: "iostream error"): with ``run_root`` on a disk that is full, the line says so."""
     chain = [err]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
         chain.append(nxt)
@@ -45,8 +47,12 @@ def first_cause(err: BaseException) -> str:
         where = full[-1].filename
         free = free_mb(where) if where else None
         return (f"no space left on the disk writing {where or 'a file'}"
-                + (f" ({free:,.0f} MB free there)" if free is not None else "")
+                + (f" ({free:,.1f} MB free there)" if free is not None else "")
                 + ": free some space and relaunch (training resumes from the last checkpoint)")
+    free = free_mb(run_root) if run_root is not None else None
+    if free is not None and free < FULL_BELOW_MB:
+        return (f"the disk of {run_root} is full ({free:,.1f} MB free) ({first_line(chain[-1])}): free some space "
+                "and relaunch (training resumes from the last checkpoint)")
     return first_line(chain[-1])
 
 
@@ -75,5 +81,5 @@ def check_disk_for_checkpoints(run: RunDir, model, saves_checkpoints: bool) -> N
     needed_mb = (weights + ADAM_MOMENTS * 4 * sum(p.numel() for p in trained)) / 1e6
     free = free_mb(run.checkpoints)
     if free is not None and free < needed_mb:
-        raise ConfigError(f"{run.checkpoints} has {free:,.0f} MB free, and a checkpoint of this model needs about "
-                          f"{needed_mb:,.0f} MB: free some space, or start the run on another disk (--run_dir)")
+        raise ConfigError(f"{run.checkpoints} has {free:,.1f} MB free, and a checkpoint of this model needs about "
+                          f"{needed_mb:,.1f} MB: free some space, or start the run on another disk (--run_dir)")
