@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "0")
     argv = list(sys.argv[1:] if argv is None else argv)
     check_only = "--check_only" in argv
-    argv = [a for a in argv if a != "--check_only"]
+    joining = "--joining" in argv  # with --check_only: for workers joining the run (launch.sh --join)
+    argv = [a for a in argv if a not in ("--check_only", "--joining")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
     if check_only:
         _quiet_libraries()
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         run_root = cfg.run_dir or str(runs_dir() / time.strftime("%Y%m%d-%H%M%S"))
         notes = check_inputs(cfg, run_root)
         if check_only:
-            refuse_if_a_ps_runs(RunDir(Path(run_root).expanduser().resolve()))
+            if not joining:  # workers that join a run want its PS running
+                refuse_if_a_ps_runs(RunDir(Path(run_root).expanduser().resolve()))
             for note in notes:
                 print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))

@@ -143,18 +143,17 @@ def without_downtime(latency_ms: float, end: float, gaps: list[dict]) -> float:
 
 
 def training_numbers(lives: list[list]) -> dict:
-    """Throughput and trainer idle over the PS lives' training spans (downtime between them left out); steps a
-    later life trained again count once."""
-    lives = rolled_back_steps_removed(lives)
-    events = [e for life in lives for e in life]
+    """Throughput and trainer idle over the PS lives' training spans (downtime between them left out). Times
+    count every step a life trained; steps, samples and tokens count a step a later life trained again once."""
     ends = [sorted((e for e in life if e["event"] == "train_step_end"), key=lambda e: e["mono"]) for life in lives]
-    consumed = [e for e in events if e["event"] == "result_consumed"]
+    kept = [e for life in rolled_back_steps_removed(lives) for e in life]
+    consumed = [e for e in kept if e["event"] == "result_consumed"]
     samples = sum(num(e, "samples") or 0 for e in consumed)
     tokens = sum(num(e, "tokens") or 0 for e in consumed)
     waits = [num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends]
-    out = {"steps": len(waits), "span_s": None, "samples": samples, "tokens": tokens, "samples_per_s": None,
-           "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3, "trainer_idle_fraction": None,
-           "trainer_idle_fraction_steady": None, "between_steps_fraction": None}
+    out = {"steps": sum(e["event"] == "train_step_end" for e in kept), "span_s": None, "samples": samples,
+           "tokens": tokens, "samples_per_s": None, "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3,
+           "trainer_idle_fraction": None, "trainer_idle_fraction_steady": None, "between_steps_fraction": None}
     span = sum(end - start for start, end in map(_span, lives))
     if span > 0:
         step_s = sum(num(e, "dur_ms") or 0.0 for life_ends in ends for e in life_ends) / 1e3

@@ -43,7 +43,7 @@ export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, restart_dead_workers
 resolve_device
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
-"$VENV_PY" -m ps --check_only "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
+"$VENV_PY" -m ps --check_only --joining "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
 HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
 LOGS="$RUN/logs"
 

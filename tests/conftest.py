@@ -2,18 +2,19 @@
 real 8-step demo run (a PS and two workers) that several tests read. Shared helpers
 (processes, back-dated mtimes, the exactly-once check) are in tests/helpers.py."""
 
+import contextlib
 import logging
 import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, start_process
+from helpers import DEMO_RUN_FLAGS, start_process
 
 from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobQueue
-from asyncgrpo.run import RunDir
-
-__all__ = ["DEMO_RUN_FLAGS", "PROCESS_ENV", "REPO"]  # also imported from here by some test modules
+from asyncgrpo.run import RunDir, fileops
 
 
 @pytest.fixture
@@ -56,3 +57,28 @@ def finished_demo_run(tmp_path_factory) -> Path:
         codes = [worker.wait(timeout=120) for worker in workers]
     assert codes == [0, 0], codes
     return root
+
+
+def _left_behind(basetemp: Path, since: float) -> list[str]:
+    """Weight buffer folders in /dev/shm of runs under ``basetemp``, and torchrun folders in the temp folder made
+    since ``since``: what a process of the suite left behind."""
+    found = []
+    for folder in Path("/dev/shm").glob("asyncgrpo-weights-*"):
+        owner = fileops.read_json(folder / "owner.json") or {}
+        if str(owner.get("run", "")).startswith(str(basetemp)):
+            found.append(f"{folder} (run {owner['run']})")
+    for folder in Path(tempfile.gettempdir()).glob("torchelastic_*"):
+        with contextlib.suppress(OSError):
+            if folder.stat().st_mtime >= since:
+                found.append(str(folder))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind(tmp_path_factory):
+    """Fails the suite (an error at its last teardown) when its processes leave weight buffers in /dev/shm or
+    torchrun folders in /tmp: however a PS ends, its buffers must go."""
+    started = time.time()
+    yield
+    left = _left_behind(tmp_path_factory.getbasetemp().resolve(), started)
+    assert not left, "left behind by the suite's processes:\n" + "\n".join(left)

@@ -1,6 +1,8 @@
-"""Helpers shared by the tests: starting the PS and workers as real processes (or launch.sh, from
-a user's folder), back-dating file mtimes (leases expire without sleeping), a few small file
-readers, and the exactly-once check that compares the ledger, done/ and the jobs the PS threw.
+"""Helpers shared by the tests: the demo task's config and the flags of a short real run, starting
+the PS and workers as real processes (or launch.sh, from a user's folder), waiting for a condition
+(wait_for: bounded, and failing early when a process it depends on exits), back-dating file mtimes
+(leases expire without sleeping), a few small file readers, and the exactly-once check that compares
+the ledger, done/ and the jobs the PS threw.
 
 The exactly-once helpers read the run directory directly (folder names, file names, JSON),
 never through the library code they check.
@@ -15,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,10 +27,99 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 # One thread per process: the tests start several on a machine with few cores.
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-# A short real run: steps, a lease short enough to recover a killed worker's job quickly, checkpoints.
-DEMO_RUN_FLAGS = ["--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3",
-                  "--seed", "0"]
+
+
+def run_flags(max_steps: int | None = None, *, save_steps: int | None = None, lease_s: float | None = 4,
+              seed: int = 0) -> list[str]:
+    """The flags of a short real run: ``max_steps`` (left out: None), a lease short enough to recover a killed
+    worker's job quickly (``lease_s``; None: the default lease), a checkpoint every ``save_steps`` steps (None:
+    the run's default checkpoints), and a seed."""
+    flags = [] if max_steps is None else ["--max_steps", str(max_steps)]
+    if lease_s is not None:
+        flags += ["--lease_s", f"{lease_s:g}"]
+    if save_steps is not None:
+        flags += ["--save_strategy", "steps", "--save_steps", str(save_steps)]
+    return [*flags, "--seed", str(seed)]
+
+
+# The demo task, 8 steps, checkpoints at steps 3 and 6 (and the final one).
+DEMO_RUN_FLAGS = run_flags(8, save_steps=3)
 LEDGER_FILE = "asyncgrpo_state.json"  # in each checkpoint folder; written last, it marks the checkpoint complete
+
+
+# ---------------------------------------------------------------------- the demo task's config
+
+
+def demo_config(tmp_path, *flags: str, **fields):
+    """The demo task's AsyncGRPOConfig as every process parses it: ``parse_config`` with no model, dataset or
+    reward flag, so the demo module's table (asyncgrpo.tasks.demo.DEMO_DEFAULTS, and the demo's checkpoints)
+    fills the rest; on CPU, seed 0, no progress bars, output in ``tmp_path/out``. Then ``flags`` (command-line
+    words) and ``fields`` (name=value, passed as flags: a list as several words, a dict as JSON, None not at all,
+    leaving the field's default): they win."""
+    from asyncgrpo.config import parse_config
+
+    argv = ["--device_type", "cpu", "--seed", "0", "--disable_tqdm", "true",
+            "--output_dir", str(Path(tmp_path) / "out"), *flags]
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            argv += [f"--{name}", *map(str, value)]
+        else:
+            argv.append(f"--{name}={json.dumps(value) if isinstance(value, dict) else value}")
+    return parse_config(argv)
+
+
+def demo_flags() -> list[str]:
+    """The demo task's settings (DEMO_DEFAULTS) as command-line flags, for a run that names its own model,
+    dataset or reward function: any of them turns the demo's defaults off (asyncgrpo.config). max_steps is left
+    out (a test's run has its own length)."""
+    from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+
+    return [f"--{name}={value}" for name, value in DEMO_DEFAULTS.items() if name != "max_steps"]
+
+
+# ---------------------------------------------------------------------- waiting
+
+
+def wait_for(condition, what: str, timeout: float = 60, *, procs=(), log=None, poll_s: float = 0.05):
+    """Calls ``condition()`` every ``poll_s`` seconds until it returns something truthy, and returns that.
+
+    Fails (AssertionError) naming ``what`` and the timeout after ``timeout`` seconds, and at once, with its
+    exit status, when a process in ``procs`` (subprocess.Popen) has exited while the condition does not hold
+    (it would never come true). ``log``: a file (a process's output) whose last 3000 characters end the message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        exited = [proc for proc in procs if proc.poll() is not None]
+        if exited or time.monotonic() >= deadline:
+            why = "; ".join(f"{_process_name(p)} (pid {p.pid}) exited with status {p.returncode}" for p in exited)
+            message = f"{why} while waiting for {what}" if why else f"waited {timeout:g} s for {what}"
+            if log is not None and Path(log).exists():
+                message += "\n" + Path(log).read_text(errors="replace")[-3000:]
+            raise AssertionError(message)
+        time.sleep(poll_s)
+
+
+def _process_name(proc: subprocess.Popen) -> str:
+    args = [proc.args] if isinstance(proc.args, (str, bytes, os.PathLike)) else list(proc.args)
+    return " ".join(os.path.basename(str(a)) if i == 0 else str(a) for i, a in enumerate(args[:3]))
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...), or None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def wait_until_stopped(proc: subprocess.Popen, timeout: float, poll_s: float = 0.01) -> None:
+    """Waits until ``proc`` is stopped (SIGSTOP: state T); fails if it exits first."""
+    wait_for(lambda: process_state(proc.pid) == "T", f"{_process_name(proc)} (pid {proc.pid}) to stop (SIGSTOP)",
+             timeout, procs=(proc,), poll_s=poll_s)
 
 
 # ---------------------------------------------------------------------- processes
@@ -47,7 +139,8 @@ def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess
     CPU), with --ps_processes N; its output appended to ``log_path``."""
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc_per_node", str(processes), "-m", "ps", "--run_dir", str(run_root),
+                                 "--nproc_per_node", str(processes), "--log-dir",
+                                 str(Path(log_path).parent / "torchrun"), "-m", "ps", "--run_dir", str(run_root),
                                  "--ps_processes", str(processes), *args],
                                 cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
 
@@ -122,10 +215,20 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
+
+
+def heartbeat_pid(run_root, device, timeout: float, not_pid: int | None = None, procs=()) -> int:
+    """The pid in worker ``device``'s heartbeat (RUN/workers/devN.json), once it beats with one (other than
+    ``not_pid``: a restarted worker beats with its own); ``procs`` as for wait_for."""
+    path = Path(run_root) / "workers" / f"dev{device}.json"
+
+    def beating_pid():
+        pid = read_json(path).get("pid")
+        return pid if pid and pid != not_pid else None
+
+    return wait_for(beating_pid, f"worker {device} to beat" + (f" with a pid other than {not_pid}" if not_pid else ""),
+                    timeout, procs=procs, poll_s=0.1)
 
 
 def kill_run(run_root, launcher: subprocess.Popen) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import pytest
 import torch
+from helpers import demo_config
 from transformers import TrainerCallback
 
 from asyncgrpo.tasks.demo import (
@@ -117,13 +119,33 @@ def test_dataset_balanced_and_shuffled():
     assert max(counts.values()) - min(counts.values()) <= 1
 
 
-def test_demo_defaults_are_grpo_config_kwargs():
+def test_demo_defaults_are_grpo_config_fields_that_a_run_without_a_task_gets(tmp_path):
+    """The demo's table is GRPOConfig keyword arguments (TRL's names and meanings); a config parsed without a
+    model, dataset or reward function holds every value of it (as GRPOConfig reads it), its checkpoints
+    excepted (the command-line demo saves them, so that a relaunch resumes), unless the user's own flag says
+    otherwise; a reward function of the user's own turns the table off."""
     from trl import GRPOConfig
 
-    assert DEMO_DEFAULTS["learning_rate"] > 1e-5  # TRL's default 1e-6 learns nothing on the tiny model
-    assert "max_prompt_length" not in DEMO_DEFAULTS  # gone from GRPOConfig in TRL 1.16
-    fields = GRPOConfig.__dataclass_fields__
-    assert set(DEMO_DEFAULTS) | set(cpu_overrides()) <= set(fields)
+    from asyncgrpo.config import AsyncGRPOConfig, parse_config
+
+    unknown = (set(DEMO_DEFAULTS) | set(cpu_overrides())) - {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert not unknown, f"not GRPOConfig fields: {sorted(unknown)}"
+    out = ["--output_dir", str(tmp_path / "out")]
+    table = AsyncGRPOConfig(**DEMO_DEFAULTS, output_dir=str(tmp_path / "out"))  # the values as TRL reads them
+    trl_defaults = AsyncGRPOConfig(output_dir=str(tmp_path / "out"))
+    demo = parse_config(out)
+    for name in DEMO_DEFAULTS:
+        if name != "save_strategy":
+            assert getattr(demo, name) == getattr(table, name), (name, getattr(demo, name))
+    assert demo.save_strategy == "steps" and demo.save_steps > 0
+    assert [name for name in DEMO_DEFAULTS if getattr(table, name) != getattr(trl_defaults, name)], (
+        "the demo's table changes nothing")
+    mine = parse_config([*out, "--learning_rate", "5e-4"])  # the user's flag wins, the rest is the demo's
+    assert mine.learning_rate == 5e-4 and mine.max_steps == table.max_steps
+    assert mine.max_completion_length == table.max_completion_length
+    own_task = parse_config([*out, "--reward_funcs", "mypkg.rewards:score"])
+    for name in DEMO_DEFAULTS:
+        assert getattr(own_task, name) == getattr(trl_defaults, name), name
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -155,12 +177,10 @@ def test_grpo_trainer_runs_on_cpu(tmp_path):
 def test_each_job_samples_with_its_own_seed(tmp_path):
     """Workers' trainers are all seeded alike at start-up; a job's seed comes from its id, so two
     workers never sample in lockstep and a job samples the same whichever worker runs it."""
-    from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.events import EventLog
     from worker.generate import build_trainer, generate_and_score, job_seed
 
-    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"),
-                             "seed": 0, "disable_tqdm": True, "device_type": "cpu"})
+    cfg = demo_config(tmp_path)
     tok = build_tokenizer()
     dataset = build_dataset(n=40, seed=0)
     trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [repeat_digit_reward], dataset)

@@ -15,7 +15,6 @@ is alive.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -27,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from helpers import LEDGER_FILE, assert_exactly_once, pid_alive, read_json, start_process
+from helpers import LEDGER_FILE, assert_exactly_once, metrics, pid_alive, read_json, run_flags, start_process, wait_for
 
 from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
@@ -41,8 +40,7 @@ DEVICES = (1, 2, 3)
 WORKER_KILLS = 11  # at least 10 must happen (the last one, in the final steps, may come too late)
 PS_KILLS = 2
 LEDGER = LEDGER_FILE  # in each checkpoint folder; written last, it marks the checkpoint complete
-ARGS = ["--max_steps", str(MAX_STEPS), "--lease_s", str(LEASE_S), "--save_strategy", "steps",
-        "--save_steps", str(SAVE_STEPS), "--seed", "0"]
+ARGS = run_flags(MAX_STEPS, save_steps=SAVE_STEPS, lease_s=LEASE_S)
 # Any single wait for progress; generous. A run costs about 160 s of CPU, most of it in the 18
 # process starts (about 8 s each, importing torch and TRL): 1.5 minutes on 2 idle cores, 5-6 on a
 # machine busy with other runs.
@@ -184,14 +182,14 @@ class Chaos:
     def wait_until(self, predicate, what: str, timeout: float = WAIT_S, *, unless_finished: bool = True) -> bool:
         """True once predicate() holds; False if the PS finished first (``unless_finished``);
         fails after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while not predicate():
+
+        def holds_or_finished():
+            if predicate():
+                return "holds"
             self.check_health()
-            if unless_finished and self.ps_finished():
-                return False
-            assert time.monotonic() < deadline, f"waited {timeout}s for {what}"
-            time.sleep(POLL_S)
-        return True
+            return "finished" if unless_finished and self.ps_finished() else None
+
+        return wait_for(holds_or_finished, what, timeout, poll_s=POLL_S) == "holds"
 
     def tail(self, log_name: str, chars: int = 4000) -> str:
         path = self.tmp / log_name
@@ -251,15 +249,10 @@ class Chaos:
 # ---------------------------------------------------------------------- final checks
 
 
-def metrics_lines(run_root: Path) -> list[dict]:
-    path = run_root / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def check_training(run_root: Path, resumes: list[tuple[float, int]]) -> None:
     global_step = (run_root / "global_step.txt").read_text().strip()
     assert global_step == str(MAX_STEPS), f"global_step.txt says {global_step}, max_steps is {MAX_STEPS}"
-    lines = metrics_lines(run_root)  # a torn line would fail here
+    lines = metrics(run_root)  # a torn line would fail here
     steps = [m["step"] for m in lines]
     # Each step once, in order: a resumed PS removes the lines of the steps it trains again.
     assert steps == list(range(1, MAX_STEPS + 1)), (

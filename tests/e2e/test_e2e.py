@@ -17,12 +17,14 @@ from helpers import (
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
+    heartbeat_pid,
     kill_run,
     metrics,
     pid_alive,
     ps_events,
-    read_json,
+    run_flags,
     start_process,
+    wait_for,
 )
 
 from asyncgrpo.jobqueue import JobQueue
@@ -32,7 +34,7 @@ from queue_tools.report import make_report
 
 TIMEOUT_S = 600
 SAVE_STEPS = 3
-FAST = ["--lease_s", "4", "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--seed", "0"]
+FAST = run_flags(save_steps=SAVE_STEPS)
 
 
 def start(run_root, log_name, module, *args):
@@ -46,29 +48,29 @@ def stop(procs):
 
 
 def wait_for_steps(run_root, n, proc):
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(metrics(run_root)) < n:
-        assert proc.poll() is None, f"the PS exited ({proc.returncode}) before step {n}"
-        assert time.monotonic() < deadline, f"no step {n} within {TIMEOUT_S}s"
-        time.sleep(0.1)
+    """Until the PS (or launch.sh: ``proc``) has logged ``n`` steps in RUN/metrics.jsonl."""
+    wait_for(lambda: len(metrics(run_root)) >= n, f"step {n}", TIMEOUT_S, procs=(proc,), poll_s=0.1)
 
 
 def stop_between_checkpoints(run_root, n, proc):
     """SIGSTOPs the PS once it logged at least n steps, the last of them after its newest complete checkpoint:
     a PS killed while it saves leaves no lines for a resume to remove, and a save takes longer than a step, so
     a stop at a random moment lands there most often."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the PS never ran between two checkpoints"
+
+    def stopped_after_its_newest_checkpoint() -> bool:
         logged = len(metrics(run_root))
-        if logged >= n and logged % SAVE_STEPS:
-            proc.send_signal(signal.SIGSTOP)
-            saved = [int(p.name.split("-")[1]) for p in (run_root / "checkpoints").glob("checkpoint-*")
-                     if (p / "asyncgrpo_state.json").is_file()]
-            if len(metrics(run_root)) > max(saved, default=0):
-                return
-            proc.send_signal(signal.SIGCONT)
-        time.sleep(0.005)
+        if logged < n or not logged % SAVE_STEPS:
+            return False
+        proc.send_signal(signal.SIGSTOP)
+        saved = [int(p.name.split("-")[1]) for p in (run_root / "checkpoints").glob("checkpoint-*")
+                 if (p / "asyncgrpo_state.json").is_file()]
+        if len(metrics(run_root)) > max(saved, default=0):
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+
+    wait_for(stopped_after_its_newest_checkpoint, "the PS to run between two checkpoints", TIMEOUT_S, procs=(proc,),
+             poll_s=0.005)
 
 
 def assert_queue_drained(run_root):
@@ -215,27 +217,15 @@ def launch(run_root, *args):
                             env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def heartbeat_pid(run_root, device):
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        if pid := read_json(Path(run_root) / "workers" / f"dev{device}.json").get("pid"):
-            return pid
-        time.sleep(0.1)
-    raise AssertionError(f"worker {device} never beat")
-
-
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     run_root = tmp_path / "run"
     proc = launch(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
     try:
-        first = heartbeat_pid(run_root, 1)
+        first = heartbeat_pid(run_root, 1, TIMEOUT_S, procs=(proc,))
         wait_for_steps(run_root, 3, proc)
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + TIMEOUT_S
-        while heartbeat_pid(run_root, 1) == first:  # the restarted worker beats with its own pid
-            assert time.monotonic() < deadline, "worker 1 was not restarted"
-            time.sleep(0.1)
-        second = heartbeat_pid(run_root, 1)
+        # The restarted worker beats with its own pid.
+        second = heartbeat_pid(run_root, 1, TIMEOUT_S, not_pid=first, procs=(proc,))
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=120) == 130
     finally:
@@ -243,7 +233,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     out = proc.stdout.read()
     assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out
     assert "interrupted: stopping" in out
-    workers = [second, heartbeat_pid(run_root, 2)]
+    workers = [second, heartbeat_pid(run_root, 2, TIMEOUT_S)]
     ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
     assert not any(pid_alive(pid) for pid in [ps_pid, *workers])
     root = str(run_root.resolve())  # the interrupted PS freed its shared-memory weight buffers
@@ -255,7 +245,7 @@ def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
     run_root = tmp_path / "run"
     proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
     try:
-        workers = [heartbeat_pid(run_root, 1), heartbeat_pid(run_root, 2)]
+        workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)
         os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGKILL)
         status = proc.wait(timeout=180)

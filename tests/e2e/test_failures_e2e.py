@@ -16,16 +16,25 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, ps_events, start_process
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    demo_flags,
+    kill_run,
+    metrics,
+    ps_events,
+    run_flags,
+    start_process,
+)
 
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.run import fileops
-from asyncgrpo.tasks.demo import DEMO_DEFAULTS
 from queue_tools.cli import main as queue_tools
 from worker.loop import FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S
 
-# --reward_funcs turns the demo's defaults off (asyncgrpo.config): the demo task with another reward.
-DEMO_FLAGS = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"] + ["--seed", "0"]
+# The demo task with another reward.
+DEMO_FLAGS = [*demo_flags(), "--seed", "0"]
 LAUNCH_TIMEOUT_S = 300  # start-up included; on an idle 2-core machine the run stops within about 40 s
 MAX_FAILED_IN_A_ROW, MAX_ATTEMPTS, MAX_OUTSTANDING = 8, 3, 16  # the defaults
 
@@ -110,8 +119,7 @@ def flaky_run(tmp_path_factory) -> Path:
     """8 steps of a PS and two workers, scoring with raises_on_digit_0 (jobs holding the prompt "0:" raise)
     and --log_completions on."""
     root = tmp_path_factory.mktemp("flaky") / "run"
-    flags = [*DEMO_FLAGS, "--max_steps", "8", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "4",
-             "--disable_tqdm", "true", "--log_completions", "true",
+    flags = [*demo_flags(), *run_flags(8, save_steps=4), "--disable_tqdm", "true", "--log_completions", "true",
              "--reward_funcs", "tests.reward_faults:raises_on_digit_0"]
     ps = start_process(root, root.parent / "ps.log", "ps", *flags)
     workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *flags) for i in (1, 2)]

@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
-from helpers import PROCESS_ENV, assert_exactly_once, start_process
+from helpers import PROCESS_ENV, assert_exactly_once, demo_flags, run_flags, start_process, wait_for
 
-from asyncgrpo.tasks.demo import DEMO_DEFAULTS
-
-# --reward_funcs turns the demo's defaults off (asyncgrpo.config): the demo task with another reward.
-FLAGS = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"] + [
-    "--seed", "0", "--max_steps", "6", "--lease_s", "4", "--save_strategy", "steps", "--save_steps", "3",
-    "--disable_tqdm", "true", "--jobs_per_generate", "3", "--reward_funcs", "tests.reward_faults:hangs_where_told"]
+# The demo task with another reward.
+FLAGS = [*demo_flags(), *run_flags(6, save_steps=3), "--disable_tqdm", "true", "--jobs_per_generate", "3",
+         "--reward_funcs", "tests.reward_faults:hangs_where_told"]
 TIMEOUT_S = 300
-
-
-def wait_for(condition, what: str, *procs):
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        for proc in procs:
-            assert proc.poll() is None, f"a process exited ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def in_queue(root, part: str) -> list[str]:
@@ -36,14 +23,16 @@ def test_a_worker_killed_holding_three_jobs_loses_and_repeats_none(tmp_path):
     ps = start_process(root, tmp_path / "ps.log", "ps", *FLAGS)
     stuck = second = None
     try:
-        wait_for(lambda: (root / "queue").is_dir() and len(in_queue(root, "_pending")) >= 3, "3 pending jobs", ps)
+        wait_for(lambda: (root / "queue").is_dir() and len(in_queue(root, "_pending")) >= 3, "3 pending jobs",
+                 TIMEOUT_S, procs=(ps,))
         stuck = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *FLAGS,
                               env={**PROCESS_ENV, "ASYNCGRPO_TEST_HANG": str(marker)})
-        wait_for(marker.exists, "the first worker to score", ps, stuck)
+        wait_for(marker.exists, "the first worker to score", TIMEOUT_S, procs=(ps, stuck))
         held = [name.split("_processing")[0] for name in in_queue(root, "_processing_by_dev1")]
         assert len(held) == 3, os.listdir(root / "queue")
         heartbeat = root / "workers" / "dev1.json"
-        wait_for(lambda: len(json.loads(heartbeat.read_text()).get("job_ids") or []) == 3, "the heartbeat", stuck)
+        wait_for(lambda: len(json.loads(heartbeat.read_text()).get("job_ids") or []) == 3, "the heartbeat", TIMEOUT_S,
+                 procs=(stuck,))
         assert sorted(json.loads(heartbeat.read_text())["job_ids"]) == held
         stuck.kill()
         stuck.wait(timeout=60)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, metrics, ps_events, start_process
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, demo_config, metrics, ps_events, run_flags, start_process
 from safetensors.torch import load_file
 from trl import GRPOTrainer, ModelConfig, get_peft_config
 
@@ -25,11 +25,9 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.tasks.demo import (
-    DEMO_DEFAULTS,
     build_dataset,
     build_model,
     build_tokenizer,
-    cpu_overrides,
     repeat_digit_reward,
     write_demo_model,
 )
@@ -49,10 +47,8 @@ TIMEOUT_S = 600
 
 
 def lora_config(tmp_path, **overrides) -> AsyncGRPOConfig:
-    return AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
-                              "disable_tqdm": True, "device_type": "cpu", "use_peft": True, "lora_r": 8,
-                              "lora_target_modules": "all-linear", "lora_modules_to_save": ["lm_head"],
-                              **overrides})
+    return demo_config(tmp_path, **{"use_peft": True, "lora_r": 8, "lora_target_modules": "all-linear",
+                                    "lora_modules_to_save": ["lm_head"], **overrides})
 
 
 def trainers(cfg, worker_base_seed: int = 0):
@@ -201,7 +197,7 @@ def test_an_adapter_only_sync_gives_the_worker_the_ps_log_probs(tmp_path, transp
     if transport == "cuda_ipc" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     device = "cuda" if transport == "cuda_ipc" else "cpu"
-    overrides = {} if device == "cpu" else {"use_cpu": False, "device_type": "cuda"}
+    overrides = {} if device == "cpu" else {"use_cpu": False, "device_type": "cuda", "bf16": False}
     ps, worker = trainers(lora_config(tmp_path, lora_dropout=0.3, **overrides))
     perturb_adapter(ps.model)
     adapter = shared_tensors(ps.model)
@@ -302,8 +298,7 @@ def test_a_worker_process_on_another_base_exits_2_with_one_line(tmp_path):
 
 # The learning rate decays as in the demo: at a constant 3e-3 the reward rose, then sometimes fell back to where it
 # started by step 80 (2 runs of 4, seen with two jobs per generate call).
-RUN_FLAGS = [*LORA_FLAGS, "--learning_rate", "3e-3", "--lr_scheduler_type", "linear", "--lease_s", "4",
-             "--save_strategy", "steps", "--save_steps", "40", "--seed", "0"]
+RUN_FLAGS = [*LORA_FLAGS, "--learning_rate", "3e-3", "--lr_scheduler_type", "linear", *run_flags(save_steps=40)]
 STEPS = 80
 
 
@@ -333,7 +328,7 @@ def adapter_layout_of_the_run(run_root: Path) -> tuple[Layout, int]:
 
     from asyncgrpo.inputs import load_model_and_tokenizer
 
-    cfg = parse_config([*RUN_FLAGS, "--device_type", "cpu", "--output_dir", str(run_root.parent / "out")])
+    cfg = demo_config(run_root.parent, *RUN_FLAGS)
     base, _ = load_model_and_tokenizer(str(run_root / "demo_model"))
     full_bytes = aligned_bytes(base.state_dict())
     return layout_of(get_peft_model(base, cfg.peft_config())), full_bytes

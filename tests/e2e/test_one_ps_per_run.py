@@ -2,9 +2,8 @@
 anything, in its own terminal, with the running PS named; the running PS's log shows nothing of it."""
 
 import socket
-import time
 
-from helpers import launch_sh, start_process
+from helpers import launch_sh, start_process, wait_for
 
 TIMEOUT_S = 300
 
@@ -13,11 +12,9 @@ def test_a_second_launch_on_a_run_in_use_is_refused_up_front(tmp_path):
     root = tmp_path / "run"
     ps = start_process(root, tmp_path / "ps.log", "ps", "--max_steps", "100000", "--seed", "0")  # no workers: it waits
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (root / "ps.json").exists():  # written once the PS holds the run's lock and trains
-            assert ps.poll() is None, (tmp_path / "ps.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the first PS did not start"
-            time.sleep(0.1)
+        # ps.json is written once the PS holds the run's lock and trains.
+        wait_for((root / "ps.json").exists, "the first PS to start", TIMEOUT_S, procs=(ps,), log=tmp_path / "ps.log",
+                 poll_s=0.1)
         ps_log_before = (tmp_path / "ps.log").read_text()
 
         second = launch_sh(tmp_path, "--workers", "2", "--run-dir", str(root), "--max-steps", "5", timeout=TIMEOUT_S)

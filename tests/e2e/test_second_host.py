@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,14 @@ from helpers import (
     assert_exactly_once,
     ledger,
     other_host_unavailable,
+    run_flags,
     start_process,
+    wait_for,
+    wait_until_stopped,
 )
 
 STEPS = 12
-FLAGS = ["--max_steps", str(STEPS), "--lease_s", "5", "--weight_transport", "safetensors", "--save_strategy",
-         "steps", "--save_steps", "4", "--seed", "0"]
+FLAGS = [*run_flags(STEPS, save_steps=4, lease_s=5), "--weight_transport", "safetensors"]
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.slow
@@ -44,41 +45,36 @@ def _second_host():
 
 def start_ps(root: Path):
     ps = start_process(root, root.parent / "ps.log", "ps", *FLAGS)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ((root / "queue").is_dir() and (root / "done").is_dir()):  # a run to join
-        assert ps.poll() is None and time.monotonic() < deadline, (root.parent / "ps.log").read_text()[-3000:]
-        time.sleep(0.05)
+    wait_for(lambda: (root / "queue").is_dir() and (root / "done").is_dir(), "a run to join", TIMEOUT_S,
+             procs=(ps,), log=root.parent / "ps.log")
     return ps
 
 
 def kill_while_holding_a_job(root: Path, worker: subprocess.Popen, ps: subprocess.Popen) -> str:
     """SIGKILLs ``worker`` (the only worker, of the joined host) at a moment it holds a job, checked
     with the process stopped; returns that job's file name."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert worker.poll() is None, f"the second host's worker exited ({worker.returncode})"
-        assert ps.poll() is None, "the PS finished before the second host's worker held a job of its own name"
+
+    def killed_holding_one() -> str | None:
         held = [n for n in os.listdir(root / "queue") if re.search(r"_(processing|committing)_by_dev1\.[0-9a-f]{8}", n)]
-        if held:
-            os.kill(worker.pid, signal.SIGSTOP)
-            while Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-                time.sleep(0.001)
-            if still := [n for n in held if (root / "queue" / n).exists()]:
-                os.kill(worker.pid, signal.SIGKILL)
-                worker.wait()
-                return still[0]
-            os.kill(worker.pid, signal.SIGCONT)  # it finished that one meanwhile: wait for the next
-        time.sleep(0.005)
-    raise AssertionError("the second host's worker never held a job")
+        if not held:
+            return None
+        os.kill(worker.pid, signal.SIGSTOP)
+        wait_until_stopped(worker, TIMEOUT_S, poll_s=0.001)
+        if still := [n for n in held if (root / "queue" / n).exists()]:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait()
+            return still[0]
+        os.kill(worker.pid, signal.SIGCONT)  # it finished that one meanwhile: wait for the next
+        return None
+
+    # The PS must not finish first: the second host's worker holds a job of its own name before that.
+    return wait_for(killed_holding_one, "the second host's worker to hold a job", TIMEOUT_S, procs=(worker, ps),
+                    poll_s=0.005)
 
 
 def wait_for_ps(ps: subprocess.Popen, workers: list[subprocess.Popen], log: Path) -> int:
     """The PS's exit status; fails at once if a worker exits first (the PS would wait for it forever)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while ps.poll() is None:
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        assert all(w.poll() is None for w in workers), f"a worker exited: {[w.returncode for w in workers]}"
-        time.sleep(0.1)
+    wait_for(lambda: ps.poll() is not None, "the PS to finish", TIMEOUT_S, procs=workers, log=log, poll_s=0.1)
     return ps.returncode
 
 

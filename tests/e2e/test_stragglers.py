@@ -11,27 +11,21 @@ import subprocess
 import sys
 import time
 
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, metrics, ps_events, start_process
-
-from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+import helpers
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, demo_flags, metrics, ps_events, run_flags, start_process
 
 FAULT_S = 10.0  # how long the slow reward call and the stop last
 STEPS = 400  # enough that training is still going through both faults (about 10 steps a second on 2 cores)
-FLAGS = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"] + [
-    "--max_steps", str(STEPS), "--lease_s", "60", "--seed", "0", "--save_strategy", "steps", "--save_steps", "100",
-    "--reward_funcs", "tests.reward_faults:slow_once_when_told"]
+# The demo task with another reward.
+FLAGS = [*demo_flags(), *run_flags(STEPS, save_steps=100, lease_s=60),
+         "--reward_funcs", "tests.reward_faults:slow_once_when_told"]
 TIMEOUT_S = 300
 LONGEST_WAIT_S = 5.0  # a straggler costs about its detection (3 typical jobs, at least 1 s) plus a new job
 
 
 def wait_for(condition, what: str, *procs):
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (value := condition()):
-        for proc in procs:
-            assert proc.poll() is None, f"a process exited ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
+    """helpers.wait_for within TIMEOUT_S, failing early if one of ``procs`` exits."""
+    return helpers.wait_for(condition, what, TIMEOUT_S, procs=procs)
 
 
 def step(root) -> int:

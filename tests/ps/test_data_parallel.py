@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, launch_sh, metrics, start_process, start_ps_ranks
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    demo_config,
+    launch_sh,
+    metrics,
+    start_process,
+    start_ps_ranks,
+)
 from safetensors.torch import load_file
 
 STEPS = 2
@@ -118,17 +127,17 @@ def test_fsdp_flags_shard_the_ps_only(tmp_path):
     """--fsdp: refused for a PS of one process and for FSDP1 (one line each); on CPU a note says nothing is
     sharded (accelerate shards on GPUs only); a worker given the same flags builds its trainer unsharded
     (transformers' Trainer refuses fsdp in a single process)."""
-    from asyncgrpo.config import ConfigError, parse_config
+    from asyncgrpo.config import ConfigError
     from asyncgrpo.inputs import check_inputs
     from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from worker.generate import build_trainer
 
-    cpu = ["--device_type", "cpu", "--output_dir", str(tmp_path / "out"), "--fsdp", "full_shard"]
+    fsdp = ["--fsdp", "full_shard"]
     with pytest.raises(ConfigError, match="^--fsdp shards the PS's model across its processes"):
-        parse_config(cpu)
+        demo_config(tmp_path, *fsdp)
     with pytest.raises(ConfigError, match="^--fsdp_config version 1: asyncgrpo publishes the weights of FSDP2 only"):
-        parse_config([*cpu, "--ps_processes", "2", "--fsdp_config", '{"version": 1}'])
-    cfg = parse_config([*cpu, "--ps_processes", "2"])
+        demo_config(tmp_path, *fsdp, "--ps_processes", "2", "--fsdp_config", '{"version": 1}')
+    cfg = demo_config(tmp_path, *fsdp, "--ps_processes", "2")
     assert any(note.startswith("--fsdp: accelerate shards a model on GPUs only") for note in
                check_inputs(cfg, tmp_path / "run"))
     tokenizer = build_tokenizer()

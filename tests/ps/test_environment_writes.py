@@ -10,10 +10,10 @@ swaps one pointer and frees nothing). A real PS and worker train two steps with 
 import json
 import os
 
-from helpers import PROCESS_ENV, REPO, start_process
+from helpers import PROCESS_ENV, REPO, run_flags, start_process
 
 TIMEOUT_S = 600
-FLAGS = ["--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", "--lease_s", "4", "--seed", "0"]
+FLAGS = run_flags(2, save_steps=2)
 
 RECORD_WRITES = """\
 import json, os, threading, traceback

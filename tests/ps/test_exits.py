@@ -8,11 +8,11 @@ import sys
 from collections import namedtuple
 
 import pytest
-from helpers import PROCESS_ENV, REPO
+from helpers import PROCESS_ENV, REPO, demo_flags
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.run.rundir import PSStatus
-from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_model, write_demo_model
+from asyncgrpo.tasks.demo import build_model, write_demo_model
 from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
 Usage = namedtuple("Usage", "total used free")
@@ -55,7 +55,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, int(needed_mb * 0.9 * 1e6)))
     with pytest.raises(ConfigError) as refused:
         check_disk_for_checkpoints(run, model, saves_checkpoints=True)
-    assert f"{run.checkpoints} has " in str(refused.value) and f"needs about {needed_mb:,.0f} MB" in str(refused.value)
+    assert f"{run.checkpoints} has " in str(refused.value) and f"needs about {needed_mb:,.1f} MB" in str(refused.value)
     check_disk_for_checkpoints(run, model, saves_checkpoints=False)  # no checkpoints: nothing to hold
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, int(needed_mb * 1.1 * 1e6)))
     check_disk_for_checkpoints(run, model, saves_checkpoints=True)
@@ -69,8 +69,7 @@ def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finish
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
     other = write_demo_model(tmp_path / "other_model", hidden_size=32)
-    flags = [f"--{k}={v}" for k, v in DEMO_DEFAULTS.items() if k != "max_steps"]
-    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *flags, "--max_steps", "8",
+    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *demo_flags(), "--max_steps", "8",
                          "--model_name_or_path", other], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
                         timeout=600)
     assert ps.returncode == 2, ps.stderr[-3000:]

@@ -11,20 +11,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import demo_config
 from reward_faults import always_raises, one_reward_too_few
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobState, QueueName, describe_error
 from asyncgrpo.run import fileops
-from asyncgrpo.tasks.demo import (
-    DEMO_DEFAULTS,
-    build_dataset,
-    build_model,
-    build_tokenizer,
-    cpu_overrides,
-    repeat_digit_reward,
-)
+from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from ps.collector import validate_result
 from ps.failures import FailedJobs
 from worker.generate import build_trainer, completion_logs, error_record, generate_and_score
@@ -167,8 +160,7 @@ def test_describe_error_is_one_line():
 
 @pytest.fixture(scope="module")
 def worker_trainer(tmp_path_factory):
-    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "seed": 0, "disable_tqdm": True,
-                             "device_type": "cpu", "output_dir": str(tmp_path_factory.mktemp("out"))})
+    cfg = demo_config(tmp_path_factory.mktemp("worker"))
     tokenizer = build_tokenizer()
     dataset = build_dataset(n=40)
     trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tokenizer), tokenizer, [repeat_digit_reward], dataset)

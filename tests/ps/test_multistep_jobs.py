@@ -14,12 +14,11 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, start_process
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, run_flags, start_process
 from safetensors.torch import load_file
 
 TIMEOUT_S = 600
-FLAGS = ["--num_iterations", "2", "--max_steps", "8", "--max_staleness", "0", "--save_strategy", "steps",
-         "--save_steps", "3", "--save_total_limit", "10", "--lease_s", "4", "--seed", "0"]
+FLAGS = ["--num_iterations", "2", "--max_staleness", "0", "--save_total_limit", "10", *run_flags(8, save_steps=3)]
 KILL_AFTER_STEP = 5  # the first of job 3's two steps
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from helpers import demo_config
 from trl import GRPOTrainer
 
-from asyncgrpo.config import parse_config
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, write_demo_model_once
 from asyncgrpo.run import RunDir
@@ -41,8 +41,7 @@ def test_importance_weights_by_hand():
 def trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("offpolicy") / "run"
     run = RunDir.create(root)
-    cfg = parse_config(["--run_dir", str(root), "--seed", "0", "--output_dir", str(root / "out"),
-                        "--disable_tqdm", "true"])
+    cfg = demo_config(root, "--run_dir", str(root), "--device_type", "auto")
     model, tokenizer = load_model_and_tokenizer(write_demo_model_once(run.root))
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
     trainer.model.train()
@@ -179,7 +178,7 @@ def test_at_staleness_0_the_workers_behaviour_logps_are_the_ps_logps(trainer, tm
 
     model, tokenizer = load_model_and_tokenizer(str(trainer.run.root / "demo_model"))
     model.load_state_dict(trainer.model.state_dict())
-    cfg = parse_config(["--seed", "0", "--output_dir", str(tmp_path / "w"), "--disable_tqdm", "true"])
+    cfg = demo_config(tmp_path / "w", "--device_type", "auto")
     worker = build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
     rows = [trainer.train_dataset[i] for i in range(cfg.generation_batch_size // cfg.num_generations)
             for _ in range(cfg.num_generations)]

@@ -6,9 +6,11 @@ A "worker" here is the test itself: it claims and completes jobs with the real q
 Every wait is bounded; nothing sleeps and hopes.
 """
 
+import functools
 import os
 import threading
 
+import helpers
 import pytest
 import torch
 from helpers import inject_disk_full
@@ -20,6 +22,7 @@ from ps.pipeline import JobPipeline, PipelineError
 
 ROWS = 4  # generation_batch_size: 2 prompts x 2 generations
 WAIT_S = 10.0
+wait_for = functools.partial(helpers.wait_for, timeout=WAIT_S, poll_s=0.01)  # wait_for(condition, what)
 
 
 def make_cfg(**overrides):
@@ -50,15 +53,6 @@ def work_one(queue, version, device=1):
     assert job is not None, queue.counts()
     assert queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]}, weights_version=version)
     return job
-
-
-def wait_for(predicate, what):
-    event = threading.Event()
-    for _ in range(int(WAIT_S / 0.01)):
-        if predicate():
-            return
-        event.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def pending(queue):
@@ -484,7 +478,7 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
     import subprocess
     import sys
 
-    from conftest import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
+    from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
 
     inject = tmp_path / "inject"
     inject.mkdir()

@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, start_process
+from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, run_flags, start_process
 from safetensors.torch import load_file
 
 
@@ -74,8 +74,7 @@ def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_be
     # With --save_total_limit 1, transformers deletes checkpoint-2 as part of saving checkpoint-4: had it done so
     # before checkpoint-4's ledger, no complete checkpoint would be left and the relaunch would start from step 0.
     root = tmp_path / "run"
-    flags = ["--run_dir", str(root), "--max_steps", "6", "--lease_s", "4", "--save_strategy", "steps",
-             "--save_steps", "2", "--save_total_limit", "1", "--seed", "0"]
+    flags = ["--run_dir", str(root), *run_flags(6, save_steps=2), "--save_total_limit", "1"]
     with open(tmp_path / "ps.log", "ab") as log:
         killed = subprocess.Popen([sys.executable, "-c", PS_KILLED_BEFORE_ITS_LEDGER, *flags], cwd=REPO,
                                   env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)

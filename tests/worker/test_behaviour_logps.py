@@ -11,17 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import demo_config
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
-from asyncgrpo.tasks.demo import (
-    DEMO_DEFAULTS,
-    build_dataset,
-    build_model,
-    build_tokenizer,
-    cpu_overrides,
-    repeat_digit_reward,
-)
+from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from worker.generate import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE, BehaviourCapture, build_trainer, generate_and_score
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -32,8 +25,7 @@ VARIED_PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:"]
 
 
 def make_trainer(tmp_path, **overrides):
-    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
-                             "disable_tqdm": True, "device_type": "cpu", **overrides})
+    cfg = demo_config(tmp_path, **overrides)
     tok = build_tokenizer()
     return build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [repeat_digit_reward], build_dataset(n=40))
 

@@ -11,17 +11,10 @@ from contextlib import closing
 
 import pytest
 import torch
+from helpers import demo_config
 
-from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.run import RunDir
-from asyncgrpo.tasks.demo import (
-    DEMO_DEFAULTS,
-    build_dataset,
-    build_model,
-    build_tokenizer,
-    cpu_overrides,
-    repeat_digit_reward,
-)
+from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding import CompiledDecodeStep, CompiledDecoding, generating_model
 from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_jobs
@@ -50,8 +43,7 @@ class Events:
 
 
 def make_trainer(tmp_path, reward=repeat_digit_reward, **overrides):
-    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
-                             "disable_tqdm": True, "device_type": "cpu", **SAMPLING, **overrides})
+    cfg = demo_config(tmp_path, **{**SAMPLING, **overrides})
     tok = build_tokenizer()
     return build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [reward], build_dataset(n=40))
 

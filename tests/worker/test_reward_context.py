@@ -1,9 +1,10 @@
 """What a reward function sees on a worker: TRL's keyword arguments, with the PS's step as
 ``trainer_state.global_step`` (a worker never trains, so its own step would always be 0)."""
 
-from asyncgrpo.config import AsyncGRPOConfig
+from helpers import demo_config
+
 from asyncgrpo.events import EventLog
-from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, cpu_overrides
+from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer
 from worker.generate import build_trainer, generate_and_score
 
 
@@ -14,8 +15,7 @@ def test_a_reward_function_sees_the_ps_step_the_job_was_thrown_at(tmp_path):
         seen.append(trainer_state.global_step)
         return [0.0] * len(prompts)
 
-    cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
-                             "disable_tqdm": True, "device_type": "cpu"})
+    cfg = demo_config(tmp_path)
     tokenizer = build_tokenizer()
     dataset = build_dataset(n=40)
     trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tokenizer), tokenizer, [reward_reading_the_step],

@@ -8,12 +8,20 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from helpers import PROCESS_ENV, REPO, TESTS, assert_exactly_once, start_script
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    TESTS,
+    assert_exactly_once,
+    backdate,
+    run_flags,
+    start_script,
+    wait_for,
+    wait_until_stopped,
+)
 
 from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
@@ -31,22 +39,6 @@ def start_worker(run, device, *args, **popen):
 def finish(proc) -> list:
     out, _ = proc.communicate(timeout=PROCESS_TIMEOUT_S)
     return [json.loads(line) for line in out.splitlines() if line.strip() and line != "ready"]
-
-
-def wait_until_stopped(proc, timeout=PROCESS_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T":
-            return
-        assert proc.poll() is None, f"worker exited ({proc.returncode}) instead of stopping"
-        time.sleep(0.01)
-    raise AssertionError("worker did not stop")
-
-
-def backdate(path, seconds):
-    st = os.lstat(path)
-    os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
 
 
 def queue_files(run):
@@ -134,7 +126,7 @@ def test_worker_paused_past_its_lease_is_never_consumed_twice(run, stop_at):
     queue.put_job(job_id, {"n": 1}, created_step=2)
     paused = start_worker(run, 1, "--stop-at", stop_at, "--max-jobs", "1")
     try:
-        wait_until_stopped(paused)
+        wait_until_stopped(paused, PROCESS_TIMEOUT_S)
         [held] = queue_files(run)
         assert queue.recover(lease_s=LEASE_S) == []  # alive and within its lease: left alone
         backdate(run.workers / "dev1.json", 2 * LEASE_S)
@@ -185,16 +177,14 @@ def start_demo_process(log_path, argv):
 
 def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp_path):
     root = tmp_path / "run"
-    flags = ["--run_dir", str(root), "--max_steps", "2", "--lease_s", "4", "--seed", "0"]
+    flags = ["--run_dir", str(root), *run_flags(2)]
     ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
     broken = start_demo_process(tmp_path / "broken.log", ["-c", BROKEN_GPU_WORKER, "--device", "1", *flags])
     healthy = None
     try:
         # The worker exits, or (the fault this guards) fails its job and carries on: whichever comes first.
-        deadline = time.monotonic() + 600
-        while broken.poll() is None and not list((root / "done").glob("*_failed*")):
-            assert ps.poll() is None and time.monotonic() < deadline, (tmp_path / "ps.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for(lambda: broken.poll() is not None or list((root / "done").glob("*_failed*")),
+                 "the broken worker to exit or fail its job", 600, procs=(ps,), log=tmp_path / "ps.log")
         assert broken.poll() == 3, (f"exit status {broken.returncode} (None: still running, its job archived "
                                     "failed)\n" + (tmp_path / "broken.log").read_text()[-3000:])
         log = (tmp_path / "broken.log").read_text()
@@ -255,7 +245,7 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
     hand) releases the job it claimed (no attempt used) and exits 2 naming the flag; a worker started with the
     PS's flags then trains every job once."""
     root = tmp_path / "run"
-    flags = ["--run_dir", str(root), "--max_steps", "2", "--seed", "0"]
+    flags = ["--run_dir", str(root), *run_flags(2, lease_s=None)]
     ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
     healthy = None
     try:

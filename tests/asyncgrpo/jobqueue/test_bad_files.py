@@ -22,7 +22,7 @@ import threading
 
 import pytest
 import torch
-from helpers import entries
+from helpers import demo_config, entries
 
 from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueName, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
@@ -582,10 +582,7 @@ def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_pa
 def test_an_oversized_result_is_archived_unread_and_the_next_one_collected(tmp_path, caplog):
     import resource
 
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.tasks.demo import DEMO_DEFAULTS, cpu_overrides
-
-    cap = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out")}).max_payload_bytes
+    cap = demo_config(tmp_path).max_payload_bytes
     assert 64 << 20 < cap < 128 << 20  # the demo's: 64 MB and 32 rows of (8 + 4096) tokens at 64 bytes
     q = JobQueue(RunDir.create(tmp_path / "run"), max_payload_bytes=cap)
     real_result(q, GOOD, text="good")

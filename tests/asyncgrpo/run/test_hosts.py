@@ -6,6 +6,7 @@ and launch.sh --join's refusal of a directory that is not a run.
 The end-to-end runs with a simulated second host are in tests/e2e/test_second_host.py."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,12 +15,22 @@ import time
 
 import pytest
 import torch
-from helpers import PROCESS_ENV, REPO, backdate, fill, held_values, pid_alive, read_json
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    backdate,
+    fill,
+    heartbeat_pid,
+    held_values,
+    pid_alive,
+    process_state,
+    wait_for,
+)
 
 from asyncgrpo.jobqueue import QueueWatcher, watcher
 from asyncgrpo.jobqueue.names import JobState, QueueName, parse_queue_name
-from asyncgrpo.run import RunDir, WorkerAlreadyRunning, WorkerPresence, fileops
-from asyncgrpo.run.hosts import HOST_ID, filesystem_type, host_id, network_filesystem
+from asyncgrpo.run import RunDir, WorkerAlreadyRunning, WorkerPresence, fileops, hosts
+from asyncgrpo.run.hosts import HOST_ID, HOST_ID_ENV, filesystem_type, host_id, network_filesystem
 from asyncgrpo.run.liveness import fs_now, list_workers, worker_status
 from asyncgrpo.run.rundir import worker_id
 from asyncgrpo.weights import make_publisher, make_subscriber, snapshot
@@ -77,10 +88,8 @@ def test_a_process_that_exited_and_was_not_reaped_is_dead():
     try:
         assert library_pid_alive(child.pid, socket.gethostname(), HOST_ID)
         os.kill(child.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # not reaped: a zombie
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: process_state(child.pid) == "Z", "the killed child to be a zombie (not reaped)", 10,
+                 poll_s=0.01)
         assert not library_pid_alive(child.pid, socket.gethostname(), HOST_ID)
     finally:
         child.kill()
@@ -137,20 +146,80 @@ def test_two_hosts_worker_1_claims_complete_and_beat_side_by_side(run, queue):
 # ---------------------------------------------------------------------- host id
 
 
-def test_host_id_is_more_than_the_hostname_and_can_be_set():
-    assert len(HOST_ID) == 8 and int(HOST_ID, 16) >= 0
-    assert host_id({}) == HOST_ID
-    assert host_id({"ASYNCGRPO_HOST_ID": "node07"}) == "node07"
-    hashed = host_id({"ASYNCGRPO_HOST_ID": "gpu-node_07"})  # not usable in a file name as it is
-    assert len(hashed) == 8 and hashed == host_id({"ASYNCGRPO_HOST_ID": "gpu-node_07"}) != host_id(
-        {"ASYNCGRPO_HOST_ID": "gpu-node_08"})
-    # The same hostname in another PID namespace (a container) is another host.
-    other_namespace = subprocess.run(
-        ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
-         "from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)"],
-        capture_output=True, text=True, cwd=REPO, env=PROCESS_ENV)
-    if other_namespace.returncode == 0:
-        assert other_namespace.stdout.strip() != HOST_ID
+HOST_ID_RE = r"[0-9a-f]{8}"  # a hashed host id: 8 hex digits, no "_", "-" or "." (the file names' separators)
+MACHINE = {"hostname": "gpu07", "boot_id": "5e0f3c2a-8d1b-4f6e-9a7c-0b1d2e3f4a5b", "pid_namespace": "pid:[4026531836]"}
+
+
+def host_id_of(monkeypatch, environ=None, **identity) -> str:
+    """host_id() on a machine of this identity (MACHINE, changed by ``identity``): its hostname, the kernel's
+    boot id and this process's PID namespace, as the module reads them."""
+    machine = {**MACHINE, **identity}
+    real_readlink = os.readlink
+    monkeypatch.setattr(hosts.socket, "gethostname", lambda: machine["hostname"])
+    monkeypatch.setattr(hosts, "_read", lambda path: machine["boot_id"] if path.endswith("/boot_id") else "")
+    monkeypatch.setattr(hosts.os, "readlink", lambda path: machine["pid_namespace"] if path == "/proc/self/ns/pid"
+                        else real_readlink(path))
+    return host_id({} if environ is None else environ)
+
+
+def test_the_host_id_is_8_hex_digits_the_same_in_every_process_of_the_host():
+    machine = host_id({})  # this machine's own id, whatever ASYNCGRPO_HOST_ID says here
+    assert re.fullmatch(HOST_ID_RE, machine), machine
+    assert host_id(os.environ) == HOST_ID  # computed again: the same
+    env = {k: v for k, v in PROCESS_ENV.items() if k != HOST_ID_ENV}
+    other_process = subprocess.run([sys.executable, "-c", "from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)"],
+                                   capture_output=True, text=True, cwd=REPO, env=env, check=True)
+    assert other_process.stdout.strip() == machine
+    # It names the host in a worker's file names, and the queue's grammar reads it back.
+    device = worker_id(1, machine)
+    name = QueueName("000042_003").moved_to(JobState.PROCESSING, device).filename
+    assert parse_queue_name(name).device == device
+
+
+def test_the_host_id_is_the_hostname_the_boot_and_the_pid_namespace(monkeypatch):
+    here = host_id_of(monkeypatch)
+    assert re.fullmatch(HOST_ID_RE, here) and host_id_of(monkeypatch) == here  # the same machine: the same id
+    # Another machine of the same name (another boot id), a container on this one (its own PID namespace, the
+    # same hostname), another hostname on the same kernel: each is another host.
+    others = [host_id_of(monkeypatch, boot_id="0d9e8f7a-6b5c-4d3e-2f1a-0b9c8d7e6f5a"),
+              host_id_of(monkeypatch, pid_namespace="pid:[4026532290]"),
+              host_id_of(monkeypatch, hostname="gpu08")]
+    assert len({here, *others}) == 4, (here, others)
+
+
+def test_the_environment_variable_overrides_the_host_id(monkeypatch):
+    # Letters and digits (at most 16) are the id as they are, whatever the machine.
+    for plain in ("node07", "A" * 16):
+        assert host_id_of(monkeypatch, {HOST_ID_ENV: plain}) == plain
+        assert host_id_of(monkeypatch, {HOST_ID_ENV: plain}, hostname="other") == plain
+    # Anything else is hashed: 8 hex digits, the same for the same value on any machine, others for others.
+    for unsafe in ("gpu-node_07", "rack1.node7", "A" * 17):
+        hashed = host_id_of(monkeypatch, {HOST_ID_ENV: unsafe})
+        assert re.fullmatch(HOST_ID_RE, hashed), (unsafe, hashed)
+        assert host_id_of(monkeypatch, {HOST_ID_ENV: unsafe}, hostname="other", boot_id="other") == hashed
+        assert hashed not in (host_id_of(monkeypatch, {HOST_ID_ENV: unsafe + "x"}), host_id_of(monkeypatch))
+    assert host_id_of(monkeypatch, {HOST_ID_ENV: ""}) == host_id_of(monkeypatch)  # empty: not set
+
+
+def test_a_process_in_another_pid_namespace_has_another_host_id():
+    """A real second PID namespace (what a container has), with the same hostname and kernel. Needs unshare:
+    as root, or with unprivileged user namespaces."""
+    code = "from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)"
+    env = {k: v for k, v in PROCESS_ENV.items() if k != HOST_ID_ENV}
+    failures = []
+    for unshare in (["unshare", "-p", "-f", "--mount-proc"],
+                    ["unshare", "--user", "--map-root-user", "-p", "-f", "--mount-proc"]):
+        try:
+            there = subprocess.run([*unshare, sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                                   env=env, timeout=120)
+        except OSError as err:
+            failures.append(f"{' '.join(unshare)}: {err}")
+            continue
+        if there.returncode == 0:
+            assert re.fullmatch(HOST_ID_RE, there.stdout.strip()) and there.stdout.strip() != host_id({})
+            return
+        failures.append(f"{' '.join(unshare)}: {there.stderr.strip()[-200:]}")
+    pytest.skip(f"unshare cannot make a PID namespace here ({'; '.join(failures)})")
 
 
 def test_the_environment_variable_names_the_host_of_a_process(run):
@@ -372,16 +441,6 @@ def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
     assert not (target / "workers").exists()
 
 
-def heartbeat_pid(run, device, not_pid=None) -> int:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        pid = read_json(run.heartbeat_file(device)).get("pid")
-        if pid and pid != not_pid:
-            return pid
-        time.sleep(0.1)
-    raise AssertionError(f"worker {device} did not beat (with a pid other than {not_pid})")
-
-
 @pytest.mark.slow
 def test_join_restarts_a_dead_worker_and_ctrl_c_stops_them(tmp_path):
     run = RunDir.create(tmp_path / "run")  # its PS has not started: the workers wait for it
@@ -391,10 +450,10 @@ def test_join_restarts_a_dead_worker_and_ctrl_c_stops_them(tmp_path):
     one, two = worker_id(1, HOST_ID), worker_id(2, HOST_ID)
     pids = []
     try:
-        first = heartbeat_pid(run, one)
-        pids += [first, heartbeat_pid(run, two)]
+        first = heartbeat_pid(run.root, one, 300)
+        pids += [first, heartbeat_pid(run.root, two, 300)]
         os.kill(first, signal.SIGKILL)
-        pids.append(heartbeat_pid(run, one, not_pid=first))  # restarted: it beats with its own pid
+        pids.append(heartbeat_pid(run.root, one, 300, not_pid=first))  # restarted: it beats with its own pid
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=120) == 130
     finally:

@@ -32,8 +32,8 @@ def _run_ranks(tmp_path, what: str) -> None:
 
     env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tmp_path / "run"), what], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--log-dir", str(tmp_path / "torchrun"), __file__, str(tmp_path / "run"), what],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "published and synced: equal" in done.stdout
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values, start_script
+from helpers import fill, held_values, start_script, wait_for
 
 from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -81,12 +81,9 @@ def mixed_model(seed: int | None = None, device: str = "cpu") -> torch.nn.Module
     return m.to(device)
 
 
-def wait_for(path: Path, timeout: float = STEP_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} did not appear within {timeout}s")
-        time.sleep(0.005)
+def wait_for_file(path: Path, timeout: float = STEP_TIMEOUT_S, procs=()) -> None:
+    """A hand-over between the processes: another one touches ``path`` (failing early if one of ``procs`` exits)."""
+    wait_for(path.exists, f"{path.name} to appear", timeout, procs=procs, poll_s=0.005)
 
 
 def start(role: str, visible_devices: str, *args: str) -> subprocess.Popen:
@@ -151,7 +148,7 @@ def test_no_torn_read_across_processes_with_mixed_dtypes(run, tmp_path, placemen
 def test_ps_closing_while_a_worker_maps_its_buffers(run, tmp_path):
     first = start("ps_close", launch_sh_visible_devices(0), str(run.root), str(tmp_path), "1")
     worker = start("worker_close", launch_sh_visible_devices(1), str(run.root), str(tmp_path))
-    wait_for(tmp_path / "checked-closed", PROC_TIMEOUT_S)
+    wait_for_file(tmp_path / "checked-closed", PROC_TIMEOUT_S, procs=(first, worker))
     second = start("ps_close", launch_sh_visible_devices(0), str(run.root), str(tmp_path), "2")
     closed, synced, reopened = finish(first, worker, second)
     assert closed["close_s"] < 30  # the worker's mapping does not hold the PS up
@@ -179,7 +176,7 @@ def _ps_exact_main(root: str, sync_dir: str, versions: str) -> None:
                 model.state_dict()[name].copy_(t)
         publisher.publish(v, v)
         (sync / f"published-{v}").touch()
-        wait_for(sync / f"synced-{v}")
+        wait_for_file(sync / f"synced-{v}")
     publisher.close()
     print(json.dumps({"transport": publisher.transport, "gpu_uuid": _device_uuid(0)}))
 
@@ -190,7 +187,7 @@ def _worker_exact_main(root: str, sync_dir: str, versions: str) -> None:
     subscriber = make_subscriber(run)
     got, mismatches = [], []
     for v in range(1, int(versions) + 1):
-        wait_for(sync / f"published-{v}")
+        wait_for_file(sync / f"published-{v}")
         got.append(subscriber.sync(model))
         expected = mixed_model(v).state_dict()
         for name, t in model.state_dict().items():
@@ -211,14 +208,14 @@ def _ps_race_main(root: str, sync_dir: str, seconds: str, max_versions: str) -> 
     run, sync = RunDir.open(root), Path(sync_dir)
     model = mixed_model(None, DEVICE)
     publisher = make_publisher(run, model)
-    wait_for(sync / "reader-ready")
+    wait_for_file(sync / "reader-ready")
     stop, v = time.monotonic() + float(seconds), 0
     while v < int(max_versions) and time.monotonic() < stop:
         v += 1
         fill(model, v)  # every tensor of version v holds exactly v
         publisher.publish(v, v)
     fileops.write_json(sync / "last.json", {"last": v})
-    wait_for(sync / "reader-finished")  # the buffers stay until the reader has the last version
+    wait_for_file(sync / "reader-finished")  # the buffers stay until the reader has the last version
     publisher.close()
     print(json.dumps({"versions": v}))
 
@@ -251,7 +248,7 @@ def _ps_close_main(root: str, sync_dir: str, value: str) -> None:
     publisher = make_publisher(run, model)
     publisher.publish(1, 1)
     (sync / f"published-by-{value}").touch()
-    wait_for(sync / f"synced-from-{value}")  # the worker has opened (mapped) this PS's buffers
+    wait_for_file(sync / f"synced-from-{value}")  # the worker has opened (mapped) this PS's buffers
     before = torch.cuda.memory_allocated(0) if not ON_CPU else 0
     t0 = time.monotonic()
     publisher.close()
@@ -259,7 +256,7 @@ def _ps_close_main(root: str, sync_dir: str, value: str) -> None:
     freed = before - torch.cuda.memory_allocated(0) if not ON_CPU else 0
     (sync / f"closed-{value}").touch()
     if value == "1":
-        wait_for(sync / "checked-closed")  # alive while the worker looks: "closed", not "PS gone"
+        wait_for_file(sync / "checked-closed")  # alive while the worker looks: "closed", not "PS gone"
     print(json.dumps({"close_s": close_s, "freed_bytes": freed, "slot_bytes": publisher.layout.total_bytes}))
 
 
@@ -267,19 +264,19 @@ def _worker_close_main(root: str, sync_dir: str) -> None:
     run, sync = RunDir.open(root), Path(sync_dir)
     model = mixed_model(None, DEVICE)
     subscriber = make_subscriber(run)
-    wait_for(sync / "published-by-1")
+    wait_for_file(sync / "published-by-1")
     assert subscriber.sync(model) == 1 and held_values(model) == [1.0]
     (sync / "synced-from-1").touch()
-    wait_for(sync / "closed-1")
+    wait_for_file(sync / "closed-1")
     after_close = subscriber.sync(model)
     report = {"after_close": after_close, "values_after_close": held_values(model),
               "reader_dropped": subscriber._reader is None}
     (sync / "checked-closed").touch()
-    wait_for(sync / "published-by-2", PROC_TIMEOUT_S)
+    wait_for_file(sync / "published-by-2", PROC_TIMEOUT_S)
     report["from_new_ps"] = subscriber.sync(model)
     report["values_from_new_ps"] = held_values(model)
     (sync / "synced-from-2").touch()
-    wait_for(sync / "closed-2")
+    wait_for_file(sync / "closed-2")
     subscriber.close()
     print(json.dumps(report))
 

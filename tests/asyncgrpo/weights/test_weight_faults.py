@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values, start_script
+from helpers import fill, held_values, start_script, wait_for, wait_until_stopped
 
 from asyncgrpo.run import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber, read_version_file
@@ -55,18 +55,6 @@ def run_script(*args: str, **popen) -> subprocess.Popen:
     return start_script(HERE, *args, **popen)
 
 
-def process_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def wait_until_stopped(proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + PROC_TIMEOUT_S
-    while process_state(proc.pid) != "T":
-        assert proc.poll() is None, f"the reader exited ({proc.returncode}) instead of stopping"
-        assert time.monotonic() < deadline, "the reader did not stop"
-        time.sleep(0.01)
-
-
 def within(seconds: float, fn, *args):
     """Runs fn in a thread; fails (instead of hanging the test) when it has not returned in time."""
     out: dict = {}
@@ -91,7 +79,7 @@ def start_stuck_reader(run: RunDir, device: str) -> subprocess.Popen:
     """A reader process that stops itself while holding the lock of the slot it copies from."""
     proc = run_script("stuck_reader", str(run.root), device)
     assert proc.stdout.readline().strip() == "holding"
-    wait_until_stopped(proc)
+    wait_until_stopped(proc, PROC_TIMEOUT_S)
     return proc
 
 
@@ -333,10 +321,7 @@ def test_a_reader_blocked_by_a_stopped_writer_says_what_it_waits_for_and_goes_on
     thread = threading.Thread(target=read)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while "waiting" not in caplog.text:
-            assert time.monotonic() < deadline, "no line while blocked"
-            time.sleep(0.01)
+        wait_for(lambda: "waiting" in caplog.text, "a line while blocked", 10, poll_s=0.01)
         assert not got.is_set()
         assert "[weights] waiting 0 s so far for the parameter server to finish writing slot 0" in caplog.text
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill, held_values, start_script
+from helpers import fill, held_values, start_script, wait_for
 
 from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.weights import make_publisher, make_subscriber, mmap_file, read_version_file
@@ -369,18 +369,16 @@ def _publish_main(root, transport, device, seconds, max_versions, sync_dir, read
     run, sync_dir = RunDir.open(root), Path(sync_dir)
     model = fill_model(device)
     publisher = make_publisher(run, model, transport)
-    deadline = time.monotonic() + 60
-    while len(list(sync_dir.glob("ready-*"))) < int(readers) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: len(list(sync_dir.glob("ready-*"))) >= int(readers), "every reader to be ready", 60, poll_s=0.01)
     stop, v = time.monotonic() + float(seconds), 0
     while v < int(max_versions) and time.monotonic() < stop:
         v += 1
         fill(model, v)  # every tensor of version v holds exactly v (fp16 is exact up to 2048)
         publisher.publish(version=v, step=v)
     fileops.write_json(sync_dir / "last.json", {"last": v})
-    deadline = time.monotonic() + 60  # keep the buffers alive until every reader has the last version
-    while len(list(sync_dir.glob("finished-*"))) < int(readers) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # The buffers stay alive until every reader has the last version.
+    wait_for(lambda: len(list(sync_dir.glob("finished-*"))) >= int(readers), "every reader to finish", 60,
+             poll_s=0.01)
     publisher.close()
     print(json.dumps({"versions": v, "last": v}))
 
