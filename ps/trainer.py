@@ -365,6 +365,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                                   staleness=f"{line['staleness_mean']:.1f}",
                                                   wait_ms=f"{line['trainer_wait_s'] * 1e3:.0f}", refresh=False)
 
+    def create_model_card(self, *args, **kwargs):
+        """TRL's card names the hub model it was fine-tuned from, and a local folder (the demo's, a user's) as
+        "[None]": the card names the folder instead."""
+        super().create_model_card(*args, **kwargs)
+        card = Path(self.args.output_dir) / "README.md"
+        base = getattr(self.model.config, "_name_or_path", None)
+        if self.is_world_process_zero() and base and os.path.isdir(base) and card.is_file():
+            text = card.read_text().replace("[None](https://huggingface.co/None)", f"`{base}` (a local folder)")
+            card.write_text(text)
+
     def _save_checkpoint(self, model, trial):
         # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint). transformers
         # deletes older checkpoints (save_total_limit) inside _save_checkpoint, before the ledger would be written:

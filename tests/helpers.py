@@ -10,6 +10,8 @@ never through the library code they check.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -357,6 +359,30 @@ def held_values(model) -> list[float]:
 
 
 # ---------------------------------------------------------------------- faults
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_MNT_DETACH = 2
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    """A real filesystem of ``size`` (e.g. "64k") mounted at ``path`` for the block: a disk that fills up. Skips
+    the test where mounting is not allowed (it needs root / CAP_SYS_ADMIN)."""
+    import pytest
+
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EPERM, errno.EACCES):
+            pytest.skip(f"cannot mount a tmpfs here: {os.strerror(code)} (needs root / CAP_SYS_ADMIN)")
+        raise OSError(code, f"mount tmpfs at {path}: {os.strerror(code)}")
+    try:
+        yield Path(path)
+    finally:
+        if _libc.umount2(os.fsencode(path), 0) != 0:
+            _libc.umount2(os.fsencode(path), _MNT_DETACH)
 
 
 def _fd_in(fd, directory) -> bool:

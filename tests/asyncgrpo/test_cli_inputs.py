@@ -53,6 +53,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--model_init_kwargs", "{dtype: bfloat16}"], "--model_init_kwargs '{dtype: bfloat16}': not valid JSON"),
     (["--reward_funcs", "rewards:nope"], "--reward_funcs 'rewards:nope': rewards has no function nope"),
     (["--run_dir", str(REPO / "runs" / "x")], f"--run_dir {REPO / 'runs' / 'x'}: inside the source tree"),
+    (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path /nonexistent/model: no such folder"),
+    (["--reward_funcs", "no_such_module:fn"], "--reward_funcs 'no_such_module:fn': cannot import no_such_module"),
 ]
 
 
@@ -71,9 +73,10 @@ def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_fol
         check_inputs(cfg, user_folder / "run")
 
 
-@pytest.mark.parametrize("flags, message", [BAD_INPUTS[0], BAD_INPUTS[2], BAD_INPUTS[6]],
-                         ids=["no prompt column", "corrupt config.json", "eval without eval data"])
-def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder, flags, message):
+def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
+    # Each bad input's line is checked in process above; through launch.sh, one of them stands for all: the same
+    # check_inputs runs in `python -m ps --check_only` before any process starts.
+    flags, message = BAD_INPUTS[0]
     result = launch_sh(user_folder, "--workers", "1", "--run-dir", "runs/r", *USER_FLAGS, *flags)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1, f"not one line:\n{result.stderr}"  # no warnings, no usage block

@@ -8,7 +8,7 @@ import sys
 from collections import namedtuple
 
 import pytest
-from helpers import PROCESS_ENV, REPO, demo_flags
+from helpers import PROCESS_ENV, REPO, demo_flags, run_flags, start_process, tmpfs
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.run.rundir import PSStatus
@@ -78,3 +78,33 @@ def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finish
         f"ps: error: checkpoint-8 does not fit --model_name_or_path {other} (size mismatch for "), ps.stderr[-3000:]
     assert f"this run was trained from {finished_demo_run.resolve() / 'demo_model'}" in errors[0]
     assert "Traceback" not in ps.stderr
+
+
+def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relaunch_says_why(tmp_path):
+    """A real 1.8 MB disk: the demo model (0.3 MB) and checkpoint-2 (0.9 MB) fit, checkpoint-4 does not. The PS
+    stops with one line naming the full disk, frees its weight buffers, and a relaunch on that disk refuses up
+    front, with the space a checkpoint needs, instead of training to the same failure."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    flags = run_flags(12, save_steps=2)
+    with tmpfs(disk, "1800k"):
+        root = disk / "run"
+        ps = start_process(root, tmp_path / "ps.log", "ps", *flags)
+        worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags)
+        try:
+            assert ps.wait(timeout=600) == 1, (tmp_path / "ps.log").read_text()[-3000:]
+            relaunch = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(root), *flags], cwd=REPO,
+                                      env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=120)
+        checkpoints = sorted(p.name for p in (root / "checkpoints").glob("checkpoint-*"))
+    log = (tmp_path / "ps.log").read_text()
+    [error] = [line for line in log.splitlines() if line.startswith("ps: error:")]
+    assert "no space left on the disk writing " in error or f"the disk of {root} is full" in error, error
+    assert error.endswith("free some space and relaunch (training resumes from the last checkpoint)"), error
+    assert "checkpoint-2" in checkpoints
+    assert relaunch.returncode == 2, relaunch.stderr[-3000:]
+    [refusal] = [line for line in relaunch.stderr.splitlines() if line.startswith("ps: error:")]
+    assert refusal.startswith(f"ps: error: {root / 'checkpoints'} has "), refusal
+    assert "a checkpoint of this model needs about" in refusal

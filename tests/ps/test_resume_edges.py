@@ -93,3 +93,10 @@ def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_be
     assert "resuming from " + str(root / "checkpoints" / "checkpoint-2") in (tmp_path / "ps2.log").read_text()
     assert sorted(p.name for p in (root / "checkpoints").glob("checkpoint-*")) == ["checkpoint-6"]
     assert_exactly_once(root, jobs=6)
+
+
+def test_the_model_card_names_the_local_model_it_was_trained_from(finished_demo_run):
+    card = (finished_demo_run / "checkpoints" / "README.md").read_text()  # TRL's, written with each checkpoint
+    demo_model = json.loads((finished_demo_run / "ps.json").read_text())["model"]
+    assert f"This model is a fine-tuned version of `{demo_model}` (a local folder)" in card
+    assert "[None]" not in card

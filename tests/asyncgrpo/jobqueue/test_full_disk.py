@@ -5,7 +5,6 @@ thread outlives an OSError. ENOSPC is injected, and also produced by a real tiny
 No sleeps: bounded waits only (Event.wait / Thread.join with a timeout).
 """
 
-import ctypes
 import errno
 import logging
 import os
@@ -13,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from helpers import entries, inject_disk_full
+from helpers import entries, inject_disk_full, tmpfs
 
 from asyncgrpo.jobqueue import JobQueue, QueueName, make_job_id
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence, fileops
@@ -99,25 +98,6 @@ def test_complete_on_a_full_disk_keeps_the_job_recoverable(where, tmp_path, monk
 
 # A real full filesystem: a 64 KiB tmpfs.
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_MNT_DETACH = 2
-
-
-def _mount_tmpfs(path, size):
-    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, f"size={size}".encode()) != 0:
-        code = ctypes.get_errno()
-        if code in (errno.EPERM, errno.EACCES):
-            pytest.skip(f"cannot mount a tmpfs here: {os.strerror(code)} (needs root / CAP_SYS_ADMIN)")
-        raise OSError(code, f"mount tmpfs at {path}: {os.strerror(code)}")
-
-
-def _umount(path):
-    if _libc.umount2(os.fsencode(path), 0) != 0:
-        _libc.umount2(os.fsencode(path), _MNT_DETACH)
-
-
 def _free_bytes(path):
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -126,8 +106,7 @@ def _free_bytes(path):
 def test_put_job_on_a_really_full_tmpfs(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    _mount_tmpfs(mnt, "64k")
-    try:
+    with tmpfs(mnt, "64k"):
         q = JobQueue(RunDir.create(mnt / "run"))
         filler = mnt / "filler"
         with open(filler, "wb") as f:
@@ -150,8 +129,6 @@ def test_put_job_on_a_really_full_tmpfs(tmp_path):
         assert entries(q.run.queue) == {pending_name(GOOD)}
         job = q.claim(1)
         assert job.job_id == GOOD and torch.equal(job.data["tensor"], small)
-    finally:
-        _umount(mnt)
 
 
 # --------------------------------------------------------------------------- heartbeat
