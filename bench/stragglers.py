@@ -30,15 +30,17 @@ def step(run: Path) -> int:
         return 0
 
 
-def events(run: Path, name: str) -> list[dict]:
+def events(paths, name: str) -> list[dict]:
+    """The ``name`` events of the events files ``paths`` (a torn line is skipped)."""
     out = []
-    for line in (run / "logs" / "events-ps.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == name:
-            out.append(record)
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == name:
+                out.append(record)
     return out
 
 
@@ -79,28 +81,15 @@ def main() -> None:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGINT)
             launcher.wait()
-    waits = {e["step"]: e["dur_ms"] for e in events(run, "wait_result")}
+    waits = {e["step"]: e["dur_ms"] for e in events([run / "logs" / "events-ps.jsonl"], "wait_result")}
     during = [waits[s] for s in range(first + 1, last + 1) if s in waits]
-    job_ms = [e["dur_ms"] for e in json_lines(run / "logs", "result_written")]
+    job_ms = [e["dur_ms"] for e in events((run / "logs").glob("events-worker-*.jsonl"), "result_written")]
     print(f"worker dev2 stopped {args.stop_s:g} s holding a job; steps trained meanwhile: {last - first}")
     print(f"trainer's longest wait for a result during the stop: {max(during):.0f} ms "
           f"(median wait then {statistics.median(during):.0f} ms)")
     print(f"typical job (median result_written dur_ms over the run): {statistics.median(job_ms):.0f} ms")
     print(f"straggler warnings in the PS log: "
           f"{(run / 'logs' / 'log_parameter_server.txt').read_text().count('a straggler')}")
-
-
-def json_lines(logs: Path, name: str) -> list[dict]:
-    out = []
-    for path in logs.glob("events-worker-*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == name:
-                out.append(record)
-    return out
 
 
 if __name__ == "__main__":
