@@ -24,11 +24,13 @@ def test_joining_a_finished_run_says_what_it_waits_for(finished_demo_run, tmp_pa
             assert line or join.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             lines.append(line)
+        # The same line, dated, in launch-{host id}.txt (written just after the terminal's: wait for it).
+        while not any(WAITING in p.read_text() for p in (root / "logs").glob("launch-*.txt")):
+            assert time.monotonic() < deadline, "no waiting line in the launch log"
+            time.sleep(0.05)
         join.send_signal(signal.SIGINT)  # Ctrl-C
         assert join.wait(timeout=120) == 130
     finally:
         kill_run(root, join)
     out = "".join(lines) + join.stdout.read()
     assert "interrupted: stopping the workers" in out
-    [launch_log] = (root / "logs").glob("launch-*.txt")  # launch-{host id}.txt: the same lines, dated
-    assert WAITING in launch_log.read_text()
