@@ -302,8 +302,7 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
 
 # ---------------------------------------------------------------------- all of it, before anything starts
 
-# The --report_to integrations with an asyncgrpo extra (pyproject.toml), and the package each needs.
-REPORT_TO_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+REPORT_TO_EXTRAS = ("tensorboard", "wandb", "trackio")  # asyncgrpo's extras of that name (pyproject.toml)
 
 
 def check_report_to(cfg: AsyncGRPOConfig) -> None:
@@ -317,7 +316,7 @@ def check_report_to(cfg: AsyncGRPOConfig) -> None:
         if name not in INTEGRATION_TO_CALLBACK:
             raise ConfigError(f"--report_to {name}: not an integration transformers knows (one of "
                               f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none)")
-        how = (f"pip install 'asyncgrpo[{name}]' (or pip install {REPORT_TO_EXTRAS[name]})" if name in REPORT_TO_EXTRAS
+        how = (f"pip install 'asyncgrpo[{name}]' (or pip install {name})" if name in REPORT_TO_EXTRAS
                else f"install the {name} package")
         raise ConfigError(f"--report_to {name}: {name} is not installed: {how}")
 

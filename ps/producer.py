@@ -203,8 +203,9 @@ class JobProducer(WatchedThread):
         return next_take_step + in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
 
     def _report(self, stragglers: dict[str, float], names: list) -> None:
-        holders = {name.job_id: name.device for name in names if name.state in HELD}
-        for job_id in stragglers.keys() - self.hold_times.reported:
+        new = stragglers.keys() - self.hold_times.reported
+        holders = {name.job_id: name.device for name in names if name.job_id in new}
+        for job_id in new:
             self.hold_times.reported.add(job_id)
             log.warning("[queue] job %s: worker dev%s has held it %.1fs (typically %.1fs): a straggler; the other "
                         "workers go on without it (its result is trained if still within max_staleness, else thrown "

@@ -95,13 +95,13 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
     names, junk = queue.scan()
     counts = {s.value: 0 for s in JobState}
     oldest_pending = None
-    held: dict[str, list] = {}  # worker id -> [job id, age in seconds since the job was thrown] of its jobs
+    held: dict[str, list] = {}  # worker id -> [job id, seconds since the worker claimed it (or fenced it)]
     for name in names:
         counts[name.state.value] += 1
         if name.state not in (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING):
             continue
         try:
-            age = now - os.lstat(queue.path(name)).st_mtime  # a claim's rename keeps the job file's mtime
+            age = now - os.lstat(queue.path(name)).st_mtime  # pending: since thrown; held: since claimed
         except FileNotFoundError:
             continue
         if name.state is JobState.PENDING:
@@ -238,7 +238,7 @@ def format_report(r: dict) -> str:
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
                      f"{(w['state'] or '-'):<8} heartbeat {_age(w['heartbeat_age_s'])} ago"
-                     + (f"  holds {', '.join(f'{job} ({_age(age)} old)' for job, age in w['held'])}" if w["held"]
+                     + (f"  holds {', '.join(f'{job} (for {_age(age)})' for job, age in w['held'])}" if w["held"]
                         else "  holds nothing")
                      + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else "")
                      + (f"  recompiles {w['recompiles']}" if w.get("recompiles") else ""))
