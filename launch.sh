@@ -66,6 +66,7 @@ ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_proc
 RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
 ARGS[1]="$RUN_DIR"
 LOGS="$RUN_DIR/logs"
+set_file_modes "${PASS[@]}"
 mkdir -p "$LOGS" || die "cannot create $LOGS"
 
 # On CPU the processes share the cores: one thread each avoids oversubscription.

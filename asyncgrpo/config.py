@@ -187,6 +187,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "(workers on other hosts)."})
     poll_only: bool = field(default=False, metadata={
         "help": "Poll queue/ instead of waiting for inotify events (NFS and other filesystems without events)."})
+    share_with_group: bool = field(default=False, metadata={
+        "help": "Open the run directory, its files and the shared-memory weight buffers to the run directory's "
+                "group (read and write), for workers run by other users of a cluster. By default only their owner "
+                "can open them."})
     max_failed_in_a_row: int = field(default=8, metadata={
         "help": "Stop the run (the PS exits 1, naming the error) when this many jobs in a row failed on each of "
                 "their max_attempts attempts with no result in between: the failure is systematic (a reward "

@@ -57,7 +57,7 @@ log = logging.getLogger("asyncgrpo.events")
 class EventLog:
     def __init__(self, logs_dir: str | os.PathLike | None, process: str, role: str, device: str):
         self.path = Path(logs_dir) / f"events-{process}.jsonl" if logs_dir is not None else None
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if self.path else None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if self.path else None
         self._common = {"pid": os.getpid(), "process": process, "role": role, "device": device}
         self._write_failed = False
         self._torn = False  # a write was cut short: the file ends inside a line

@@ -53,7 +53,7 @@ class PSAlreadyRunning(RuntimeError):
 
 def hold_ps_lock(run: RunDir) -> int:
     """One PS per run directory: an exclusive flock, held until this process exits."""
-    fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ps_processes {cfg.ps_processes}, but the PS was started as {cfg.world_size} "
                               "process(es) (start it with torchrun --nproc_per_node K, or launch.sh --ps-procs K)")
         first_rank = cfg.process_index == 0
-        run = RunDir.create(run_root)  # idempotent: every rank may create it
+        run = RunDir.create(run_root, cfg.share_with_group)  # idempotent: every rank may create it
         lock = hold_ps_lock(run) if first_rank else None
     except ConfigError as err:
         print(f"ps: error: {err}", file=sys.stderr)

@@ -44,7 +44,7 @@ def first_cause(err: BaseException, run_root: str | os.PathLike | None = None) -
         chain.append(nxt)
     full = [e for e in chain if isinstance(e, OSError) and e.errno in DISK_FULL]
     if full:
-        where = full[-1].filename
+        where = next((e.filename for e in reversed(full) if e.filename), None)  # a re-raise may add the name
         free = free_mb(where) if where else None
         return (f"no space left on the disk writing {where or 'a file'}"
                 + (f" ({free:,.1f} MB free there)" if free is not None else "")

@@ -61,6 +61,7 @@ from ps.offpolicy import TokenWeighting
 from ps.pipeline import JobInTraining, JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
+LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
 
 
 def last_complete_checkpoint(checkpoints: Path) -> str | None:
@@ -326,6 +327,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                          "weights_version": max(record["weights_versions"]),
                          "trainer_wait_s": round(record["trainer_wait_s"], 4)})
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
+        # transformers keeps every log in log_history for the life of the process (1.5 KB a step with the demo's
+        # --logging_steps 1) and rewrites all of it into each checkpoint's trainer_state.json: the PS would grow
+        # without bound. metrics.jsonl and the report_to integrations keep every step.
+        del self.state.log_history[:-LOG_HISTORY_KEPT]
         if "eval_loss" in logs:  # TRL's evaluation, on the PS's model (--eval_strategy)
             log.info("[eval] step=%d reward=%s loss=%.4f", self.state.global_step,
                      _fmt(logs.get("eval_reward")), logs["eval_loss"])
@@ -347,8 +352,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         }
         self._last_step_end = now
         self._step_record = _new_step_record()
-        with open(self.run.metrics_file, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        fileops.append_line(self.run.metrics_file, json.dumps(line))
         self._show_progress(line)
 
     def _show_progress(self, line: dict) -> None:

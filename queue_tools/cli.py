@@ -27,6 +27,7 @@ from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describ
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers
+from asyncgrpo.run.fileops import GROUP_SHARED_UMASK, OWNER_ONLY_UMASK
 from asyncgrpo.run.liveness import fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
@@ -324,6 +325,8 @@ def _run_command(args) -> int:
     except RunDirError as err:
         print(f"queue_tools: error: {err}", file=sys.stderr)
         return 2
+    # What it writes (the report, a re-thrown job's new file) follows the run's modes, as the PS set them.
+    umask = os.umask(GROUP_SHARED_UMASK if run.shared_with_group else OWNER_ONLY_UMASK)
     try:
         if args.command == "report":
             from queue_tools.report import cmd_report
@@ -332,3 +335,5 @@ def _run_command(args) -> int:
     except OSError as err:
         print(f"queue_tools: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        os.umask(umask)  # main() is also called in-process

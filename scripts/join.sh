@@ -46,6 +46,7 @@ ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
 "$VENV_PY" -m ps --check_only --joining "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
 HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
 LOGS="$RUN/logs"
+set_file_modes "${PASS[@]}"
 
 if [ "$DEVICE" = cpu ]; then
     THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1

@@ -12,6 +12,17 @@ resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch see
     return 0
 }
 
+set_file_modes() {  # set_file_modes FLAG...: what launch.sh creates (logs) is as private as the PS's files
+    umask 077
+    local i value
+    for ((i = 1; i <= $#; i++)); do
+        case "${!i}" in
+            --share_with_group) value="${@:i+1:1}"; [[ "$value" =~ ^(false|False|no|n|f|0)$ ]] || umask 007 ;;
+            --share_with_group=*) [[ "${!i#*=}" =~ ^(false|False|no|n|f|0)$ ]] || umask 007 ;;
+        esac
+    done
+}
+
 free_dead_weight_buffers() {  # free_dead_weight_buffers RUN: a PS that was killed cannot free its own
     "$VENV_PY" -c 'import sys
 from asyncgrpo.run import RunDir

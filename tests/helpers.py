@@ -10,15 +10,19 @@ never through the library code they check.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -127,13 +131,107 @@ def wait_until_stopped(proc: subprocess.Popen, timeout: float, poll_s: float = 0
 # ---------------------------------------------------------------------- processes
 
 
-def start_process(run_root, log_path, module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+def start_process(run_root, log_path, module: str, *args: str, env: dict | None = None):
     """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``;
-    ``env`` defaults to PROCESS_ENV."""
+    ``env`` defaults to PROCESS_ENV. With the suite's environment the process is forked from the zygote
+    (tests/zygote.py: the libraries already imported), else a new interpreter (subprocess.Popen)."""
+    argv = ["--run_dir", str(run_root), *args]
+    if env is None and FORK:
+        return ForkedProcess(module, argv, log_path)
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", module, "--run_dir", str(run_root), *args],
-                                cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
+                                env=PROCESS_ENV if env is None else env, stdout=log, stderr=subprocess.STDOUT)
+
+
+FORK = os.environ.get("ASYNCGRPO_TEST_FORK", "1") != "0"
+_zygote: dict = {}
+
+
+def _zygote_socket() -> str:
+    """The zygote's socket, started on first use (it imports the libraries: a few seconds); it ends with the
+    test session."""
+    if "socket" not in _zygote:
+        folder = tempfile.mkdtemp(prefix="asyncgrpo-zygote-")
+        path = os.path.join(folder, "zygote.sock")
+        with open(os.path.join(folder, "zygote.log"), "ab") as log:
+            proc = subprocess.Popen([sys.executable, str(TESTS / "zygote.py"), path], cwd=REPO, env=PROCESS_ENV,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        _zygote.update(proc=proc, folder=folder)
+        atexit.register(_stop_zygote)
+        wait_for(lambda: os.path.exists(path), "the test zygote to import the libraries", 300, procs=(proc,),
+                 log=os.path.join(folder, "zygote.log"))
+        _zygote["socket"] = path
+    return _zygote["socket"]
+
+
+def _stop_zygote() -> None:
+    _zygote["proc"].terminate()
+    _zygote["proc"].wait(timeout=60)
+    shutil.rmtree(_zygote["folder"], ignore_errors=True)
+
+
+class ForkedProcess:
+    """A process the zygote forked: the subprocess.Popen methods the tests use (poll, wait, send_signal,
+    terminate, kill, pid, returncode, args)."""
+
+    def __init__(self, module: str, args: list[str], log_path, env: dict | None = None):
+        self.args = [sys.executable, "-m", module, *args]
+        self.returncode: int | None = None
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_zygote_socket())
+        self._conn.sendall(json.dumps({"module": module, "args": args, "cwd": str(REPO), "log": str(log_path),
+                                       "env": env or {}}).encode() + b"\n")
+        self._buffer = b""
+        self.pid = self._message(None)["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        self._conn.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"the test zygote died (its log: {_zygote['folder']}/zygote.log)")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                status = self._message(timeout)["status"]
+            except (TimeoutError, BlockingIOError):
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def faulty_ps_env(fault: str, arg: int) -> dict:
+    """The environment of ``python -m faulty_ps``: the PS with ``fault`` injected (tests/faulty_ps.py says
+    which: "kill-mid-save", "full-metrics", ...)."""
+    return {**PROCESS_ENV, "PS_FAULT": f"{fault} {arg}",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), str(REPO), PROCESS_ENV.get("PYTHONPATH")) if p)}
+
+
+def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
+    if FORK:  # the fault is read when faulty_ps starts: the zygote's child sets it
+        return ForkedProcess("faulty_ps", ["--run_dir", str(run_root), *args], log_path, {"PS_FAULT": f"{fault} {arg}"})
+    return start_process(run_root, log_path, "faulty_ps", *args, env=faulty_ps_env(fault, arg))
 
 
 def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess.Popen:
@@ -249,6 +347,38 @@ def backdate(path, seconds: float) -> None:
     """Moves a file's mtime (and atime) ``seconds`` into the past, without following symlinks."""
     st = os.lstat(path)
     os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds), follow_symlinks=False)
+
+
+def modes_beyond(root, allowed: int) -> list[str]:
+    """``root`` and everything under it whose permission bits go beyond ``allowed`` (0o700: the owner's alone),
+    as "path 0oMODE"; symbolic links have no mode of their own and are left out."""
+    found = []
+    for path in [Path(root), *Path(root).rglob("*")]:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:  # replaced while we walk a live run
+            continue
+        if not path.is_symlink() and st.st_mode & 0o777 & ~allowed:
+            found.append(f"{path} {oct(st.st_mode & 0o7777)}")
+    return found
+
+
+NOBODY = 65534
+
+
+def open_as_nobody(folder, name: str, groups: tuple[int, ...] = ()) -> bool:
+    """Whether the user nobody (member of ``groups``) can open ``folder/name`` for reading. It starts inside
+    ``folder`` (an open descriptor passed down), so that only the folder's and the file's modes are in
+    question, not those of the folders above. Needs root; /bin/sh, as nobody cannot run root's Python."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        result = subprocess.run(["/bin/sh", "-c", f'cd /proc/self/fd/{fd} && exec 9< "$0"', name], pass_fds=(fd,),
+                                user=NOBODY, group=NOBODY, extra_groups=list(groups), capture_output=True,
+                                text=True, timeout=60, cwd="/")
+    finally:
+        os.close(fd)
+    assert result.returncode == 0 or "can't cd" in result.stderr or "Permission denied" in result.stderr, result.stderr
+    return result.returncode == 0
 
 
 def read_json(path) -> dict:

@@ -401,6 +401,22 @@ def test_log_averages_the_metrics_the_ps_adds(trainer):
     assert not trainer._metrics["train"]
 
 
+def test_the_ps_keeps_the_newest_of_the_log_history_transformers_grows_at_every_log(trainer, monkeypatch):
+    import ps.trainer
+    from ps.trainer import AsyncGRPOTrainer, _new_step_record
+
+    monkeypatch.setattr(ps.trainer, "LOG_HISTORY_KEPT", 5)
+    ps_trainer = object.__new__(AsyncGRPOTrainer)  # the fixture's trainer, with the PS's log
+    vars(ps_trainer).update(vars(trainer), _step_record=_new_step_record())
+    kept = list(trainer.state.log_history)
+    try:
+        for loss in range(12):
+            ps_trainer.log({"loss": float(loss)})
+        assert [entry["loss"] for entry in trainer.state.log_history] == [7.0, 8.0, 9.0, 10.0, 11.0]
+    finally:
+        trainer.state.log_history[:] = kept
+
+
 def test_the_completions_table_is_filled_while_scoring_and_written_by_log(trainer):
     """Workers send the rows TRL logged for its completions table while scoring (worker.generate.completion_logs),
     the PS puts them back where TRL's own generation would, and TRL's log writes them (--log_completions)."""

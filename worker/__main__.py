@@ -21,6 +21,7 @@ import sys
 
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
+from asyncgrpo.run.fileops import set_file_modes
 from asyncgrpo.run.hosts import HOST_ID
 from asyncgrpo.run.rundir import parse_worker_id, worker_id
 from asyncgrpo.weights.layout import WeightsMismatch
@@ -51,7 +52,11 @@ def main(argv=None) -> int:
         # create, not open: a worker may start before its PS has made the layout (both are
         # idempotent); it then waits for the PS's ps.json and first weights. One that joins
         # from another host joins a run that exists.
-        run = RunDir.open(cfg.run_dir) if args.join else RunDir.create(cfg.run_dir)
+        if args.join:
+            run = RunDir.open(cfg.run_dir)
+            set_file_modes(cfg.share_with_group)
+        else:
+            run = RunDir.create(cfg.run_dir, cfg.share_with_group)
         return run_worker(cfg, run, device)
     except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WorkerSetupError) as err:
         print(f"worker: error: {err}", file=sys.stderr)

@@ -271,6 +271,13 @@ class JobQueue:
         except FileExistsError:
             log.warning("[queue] %s already exists; archiving this one as a duplicate", target.filename)
             self.archive_if_present(tmp, job.job_id, ArchiveReason.DUPLICATE, job.attempt)
+        except fileops.QueueWriteError:  # a full disk, say: undo the fence, the job is ours again to give back
+            fileops.remove_temp(tmp)
+            try:
+                fileops.move(self.path(fence), job.path)
+            except (FileNotFoundError, FileExistsError):
+                pass  # recovered meanwhile
+            raise
         self.archive_if_present(self.path(fence), job.job_id, fenced_as, job.attempt)
         return True
 

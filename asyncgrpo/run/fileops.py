@@ -46,6 +46,19 @@ class PayloadLoadError(ValueError):
     """A queue file is not a loadable, plain-data payload."""
 
 
+# What a run writes is its owner's alone unless the run is shared with its group (--share_with_group, for
+# workers run by other users of a cluster): a lock file others can open is a lock they can take, and block
+# the PS with. The umask applies the choice to every file and folder the process creates, those of torch,
+# transformers and TensorBoard included; files are opened with 0o666 and folders made with 0o777 under it.
+OWNER_ONLY_UMASK = 0o077
+GROUP_SHARED_UMASK = 0o007
+
+
+def set_file_modes(share_with_group: bool) -> None:
+    """Files and folders this process creates from now on: owner-only, or also the group's."""
+    os.umask(GROUP_SHARED_UMASK if share_with_group else OWNER_ONLY_UMASK)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -73,7 +86,7 @@ def stage_bytes(tmp_dir: str | os.PathLike, data: bytes | memoryview, *, fsync: 
     """
     path = os.path.join(tmp_dir, f"{HOST_ID}-{os.getpid()}-{uuid.uuid4().hex}.tmp")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as err:
         raise QueueWriteError(err.errno, f"cannot create a temp file in {tmp_dir}: {err.strerror}") from err
     try:
@@ -83,10 +96,14 @@ def stage_bytes(tmp_dir: str | os.PathLike, data: bytes | memoryview, *, fsync: 
     except OSError as err:
         os.close(fd)
         _unlink_quietly(path)
-        hint = " (disk full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise QueueWriteError(err.errno, f"cannot write {len(data)} bytes to {tmp_dir}{hint}: {err.strerror}") from err
+        message = f"cannot write {len(data)} bytes to {tmp_dir}{_full(err)}: {err.strerror}"
+        raise QueueWriteError(err.errno, message) from err
     os.close(fd)
     return path
+
+
+def _full(err: OSError) -> str:
+    return " (disk full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
 
 
 def serialize(payload: dict) -> memoryview:
@@ -100,10 +117,16 @@ def serialize(payload: dict) -> memoryview:
 def publish(tmp_path: str, final_path: str | os.PathLike, *, fsync: bool = True) -> None:
     """Gives a staged temp file its final name without ever overwriting.
 
-    Raises FileExistsError if the final name exists (the temp file is then left in
-    place for the caller to archive or drop).
+    Raises FileExistsError if the final name exists, QueueWriteError if the link fails otherwise (a full
+    disk: a directory may need a new block); the temp file is then left in place for the caller to
+    archive or drop.
     """
-    os.link(tmp_path, final_path)
+    try:
+        os.link(tmp_path, final_path)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        raise QueueWriteError(err.errno, f"cannot link {final_path}{_full(err)}: {err.strerror}") from err
     os.unlink(tmp_path)
     if fsync:
         fsync_dir(os.path.dirname(os.fspath(final_path)))
@@ -198,8 +221,8 @@ def replace_file(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -
     """
     path = os.fspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             _write_all(fd, memoryview(data))
             if fsync:
@@ -207,9 +230,24 @@ def replace_file(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -
         finally:
             os.close(fd)
         os.replace(tmp, path)  # status files are meant to be replaced
-    except BaseException:  # a full disk fails the write as often as the rename: no temp file left either way
+    except OSError as err:  # a full disk fails the write as often as the rename: no temp file left either way
+        _unlink_quietly(tmp)
+        raise OSError(err.errno, err.strerror, path) from err  # the error names the file (the write's did not)
+    except BaseException:
         _unlink_quietly(tmp)
         raise
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Appends one line in one write (a reader never sees half of two lines); an error names the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            _write_all(fd, memoryview(f"{line}\n".encode()))
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, os.fspath(path)) from err
 
 
 def write_json(path: str | os.PathLike, obj: object, *, fsync: bool = False) -> None:
@@ -232,7 +270,7 @@ def read_json(path: str | os.PathLike) -> dict | None:
 
 def touch(path: str | os.PathLike) -> float:
     """Creates or touches ``path``; returns its new mtime (the filesystem's clock)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
     try:
         os.utime(fd)
         return os.fstat(fd).st_mtime

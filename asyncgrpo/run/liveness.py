@@ -109,7 +109,7 @@ class WorkerPresence:
         self._thread: threading.Thread | None = None
 
     def start(self) -> WorkerPresence:
-        fd = os.open(self.run.worker_lock_file(self.device), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.run.worker_lock_file(self.device), os.O_RDWR | os.O_CREAT, 0o666)
         deadline = time.monotonic() + _LOCK_RETRY_S
         while True:
             try:

@@ -210,12 +210,26 @@ class RunDir:
         fileops.replace_file(self.global_step_file, f"{step}\n".encode())
 
     @classmethod
-    def create(cls, root: str | os.PathLike) -> RunDir:
-        """Creates the layout (idempotent) and returns it."""
+    def create(cls, root: str | os.PathLike, share_with_group: bool = False) -> RunDir:
+        """Creates the layout (idempotent) and returns it. From here on this process creates files that only
+        their owner can open, or, ``share_with_group``, that the run directory's group can too."""
+        fileops.set_file_modes(share_with_group)
         run = cls(Path(root).expanduser().resolve())
-        for d in (run.tmp, run.done, run.workers, run.weights, run.logs, run.checkpoints):
+        layout = (run.tmp, run.done, run.workers, run.weights, run.logs, run.checkpoints)
+        for d in layout:
             d.mkdir(parents=True, exist_ok=True)
+        # The folders an earlier life or launch.sh made take the mode too; setgid: what the group's members
+        # create inside belongs to the run's group. Only the owner may chmod (a group member's worker may not).
+        mode = 0o2770 if share_with_group else 0o700
+        for d in (run.root, run.queue, *layout):
+            if d.stat().st_uid == os.getuid():
+                d.chmod(mode)
         return run
+
+    @property
+    def shared_with_group(self) -> bool:
+        """Whether the run's owner opened it to its group (the PS's --share_with_group)."""
+        return bool(self.root.stat().st_mode & 0o070)
 
     @classmethod
     def open(cls, root: str | os.PathLike) -> RunDir:

@@ -101,7 +101,7 @@ def lock_path(run: RunDir, slot: int):
 
 
 def open_lock(run: RunDir, slot: int) -> int:
-    return os.open(lock_path(run, slot), os.O_RDWR | os.O_CREAT, 0o644)
+    return os.open(lock_path(run, slot), os.O_RDWR | os.O_CREAT, 0o666)
 
 
 WAIT_REPORT_S = 60.0  # how often a process blocked on a lock says what it waits for

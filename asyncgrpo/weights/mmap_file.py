@@ -61,7 +61,7 @@ def _map(path: str | Path, nbytes: int, *, write: bool) -> torch.Tensor:
 
 
 def _create(path: Path, nbytes: int) -> torch.Tensor:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as err:

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -95,7 +96,13 @@ class SnapshotPublisher:
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
         t0 = time.perf_counter()
         try:
-            save_file(tensors, str(tmp), metadata={"publisher_id": self.publisher_id, "version": str(version)})
+            try:
+                save_file(tensors, str(tmp), metadata={"publisher_id": self.publisher_id, "version": str(version)})
+            except SafetensorError as err:  # "I/O error: No space left on device (os error 28)": say so, and where
+                found = re.search(r"\(os error (\d+)\)", str(err))
+                if found is None:
+                    raise
+                raise OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) from err
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

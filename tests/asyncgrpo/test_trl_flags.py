@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, launch_sh, newest_checkpoint, read_json, write_user_folder
+from helpers import REPO, launch_sh, modes_beyond, newest_checkpoint, open_as_nobody, read_json, write_user_folder
 from safetensors.torch import load_file
 from trl import ModelConfig, ScriptArguments
 
@@ -128,21 +128,32 @@ seed: 0
 @pytest.fixture(scope="module")
 def trl_run(tmp_path_factory):
     """``bash launch.sh`` from a user's folder with a `trl grpo` command line, relative paths only: a PS and a
-    worker, 2 steps, --dtype bfloat16, evaluation every step, --output_dir out, no checkpoints. The folder also
-    holds a ps.py that must not shadow the parameter server."""
+    worker, 2 steps, --dtype bfloat16, evaluation every step, --output_dir out, no checkpoints, the run shared
+    with its group. The folder also holds a ps.py that must not shadow the parameter server."""
     folder = write_user_folder(tmp_path_factory.mktemp("user"))
     (folder / "run.yaml").write_text(RUN_YAML)
     (folder / "ps.py").write_text("raise SystemExit('the user folder shadowed the ps package')\n")
     result = launch_sh(folder, "--workers", "1", "--max-steps", "2", "--run-dir", "runs/trl", "--config", "run.yaml",
                        "--model_name_or_path", "mymodel", "--dataset_name", "data", "--reward_funcs", "rewards:ones",
                        "--dtype", "bfloat16", "--eval_strategy", "steps", "--eval_steps", "1", "--output_dir", "out",
-                       "--save_strategy", "no")
+                       "--save_strategy", "no", "--share_with_group")
     run_root = folder / "runs" / "trl"
     logs = {name: (run_root / "logs" / name).read_text() if (run_root / "logs" / name).exists() else ""
             for name in ("log_parameter_server.txt", "log_worker_1.txt")}
     assert result.returncode == 0, (
         f"{result.stdout[-2000:]}\n{result.stderr}\n{logs['log_parameter_server.txt'][-3000:]}")
     return folder, run_root, logs
+
+
+def test_share_with_group_opens_every_file_of_the_run_to_its_group_and_nobody_else(trl_run):
+    _, run_root, _ = trl_run
+    assert modes_beyond(run_root, 0o770) == []  # nothing for other users
+    paths = [run_root, *run_root.rglob("*")]
+    assert [p for p in paths if p.is_file() and p.stat().st_mode & 0o060 != 0o060] == []
+    # setgid: what a member of the group creates inside belongs to the run's group too
+    assert [p for p in paths if p.is_dir() and p.stat().st_mode & 0o2070 != 0o2070] == []
+    assert open_as_nobody(run_root / "logs", "launch.txt", groups=(run_root.stat().st_gid,))
+    assert not open_as_nobody(run_root / "logs", "launch.txt")
 
 
 def test_dtype_applies_on_the_ps_and_the_worker(trl_run):

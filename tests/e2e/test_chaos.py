@@ -1,9 +1,10 @@
 """Chaos: a demo run with 3 workers while the test SIGKILLs a random worker at random moments
 (11 times, each relaunched with the same --device) and the PS twice (relaunched on the same
-run directory, it resumes from its newest complete checkpoint).
+run directory, it resumes from its newest complete checkpoint): once at a random moment, once
+inside a checkpoint save (tests/faulty_ps.py kills it there, so that the kill never misses the save).
 
 Kill moments follow the run's progress (the step in global_step.txt, a worker holding a job
-in queue/, a checkpoint being saved), plus a small random delay. The schedule comes from
+in queue/), plus a small random delay. The schedule comes from
 random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
@@ -26,7 +27,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from helpers import LEDGER_FILE, assert_exactly_once, metrics, pid_alive, read_json, run_flags, start_process, wait_for
+from helpers import (
+    LEDGER_FILE,
+    assert_exactly_once,
+    faulty_ps_env,
+    metrics,
+    pid_alive,
+    read_json,
+    run_flags,
+    start_process,
+    wait_for,
+)
 
 from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
@@ -63,6 +74,8 @@ class Chaos:
         self.events: list[str] = []
         self.worker_kills = self.ps_kills = 0
         self.resumes: list[tuple[float, int]] = []  # (when the PS was killed, the checkpoint it must resume from)
+        self.dies_in_save: int | None = None  # the current PS life kills itself in its save of checkpoint-N
+        self.save_to_die_in = 0  # the plan's: N for the PS life after the first kill
 
     # ------------------------------------------------------------------ processes
 
@@ -71,16 +84,21 @@ class Chaos:
         self.events.append(line)
         print(line, flush=True)
 
-    def _start(self, log_name: str, module: str, *args: str) -> subprocess.Popen:
+    def _start(self, log_name: str, module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         with open(self.tmp / log_name, "ab") as log:
             log.write(f"\n===== chaos test: starting {module} {' '.join(args)} =====\n".encode())
-        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *ARGS)
+        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *ARGS, env=env)
         self.procs.append(proc)
         return proc
 
-    def launch_ps(self) -> None:
-        self.ps = self._start("ps.log", "ps")
-        self.note(f"launched PS pid {self.ps.pid}")
+    def launch_ps(self, dies_in_save: int | None = None) -> None:
+        self.dies_in_save = dies_in_save
+        if dies_in_save is None:
+            self.ps = self._start("ps.log", "ps")
+        else:
+            self.ps = self._start("ps.log", "faulty_ps", env=faulty_ps_env("kill-mid-save", dies_in_save))
+        self.note(f"launched PS pid {self.ps.pid}" + (f", to die in its save of checkpoint-{dies_in_save}"
+                                                       if dies_in_save else ""))
 
     def launch_worker(self, device: int) -> None:
         self.launched_at[device] = time.time()
@@ -107,6 +125,9 @@ class Chaos:
         self.check_health()
         self.note(f"SIGKILL PS pid {self.ps.pid} ({why}; checkpoints: {self.checkpoints()})")
         assert self._sigkill(self.ps) == -signal.SIGKILL
+        self._relaunch_ps(dies_in_save=self.save_to_die_in)
+
+    def _relaunch_ps(self, dies_in_save: int | None = None) -> None:
         self.ps_kills += 1
         # What the relaunched PS must do: resume from the newest complete checkpoint (one with its
         # ledger), so that its first metrics line, written after this kill, is that step + 1.
@@ -114,7 +135,14 @@ class Chaos:
                     if (p / LEDGER).is_file()]
         self.resumes.append((time.time(), max(complete, default=0)))
         self.note(f"the PS must resume from checkpoint-{self.resumes[-1][1]}")
-        self.launch_ps()
+        self.launch_ps(dies_in_save)
+
+    def _relaunch_after_death_in_save(self) -> None:
+        """The PS life launched to die in its save of checkpoint-N did: the folder is there, without its ledger."""
+        folder = self.run_root / "checkpoints" / f"checkpoint-{self.dies_in_save}"
+        assert folder.is_dir() and not (folder / LEDGER).exists(), self.checkpoints()
+        self.note(f"the PS killed itself saving {folder.name} (checkpoints: {self.checkpoints()})")
+        self._relaunch_ps()
 
     def stop_all(self) -> None:
         """Cleanup: SIGKILL whatever still runs (only reached by a failing test) and wait for everything."""
@@ -165,12 +193,13 @@ class Chaos:
         return (beat.get("pid") == self.workers[device].pid
                 and beat.get("last_beat", 0) - beat.get("started_at", float("inf")) >= 1.0)
 
-    def saving(self) -> bool:
-        return any("partial" in c for c in self.checkpoints())
-
     def check_health(self) -> None:
-        """Fails on a process that exited without the test killing it (the PS may finish with 0)."""
+        """Fails on a process that exited without the test killing it (the PS may finish with 0). A PS
+        that died in the save it was launched to die in is relaunched, whatever the test waits for."""
         rc = self.ps.poll()
+        if rc == -signal.SIGKILL and self.dies_in_save is not None:
+            self._relaunch_after_death_in_save()
+            rc = self.ps.poll()
         assert rc in (None, 0), f"the PS exited with {rc}:\n{self.tail('ps.log')}"
         for device, proc in self.workers.items():
             rc = proc.poll()
@@ -200,11 +229,14 @@ class Chaos:
     def plan(self) -> list[tuple[int, str]]:
         """(trigger step, what): worker kills all through training, the last one in its final steps
         (finishing is a moment too: the PS must drain the queue while workers die), and the PS
-        twice: once at a random moment, once while it saves a checkpoint."""
+        twice: once at a random moment, and its next life inside a checkpoint save (in the first one
+        after a step chosen at random)."""
         steps = self.rng.sample(range(3, int(MAX_STEPS * 0.9)), WORKER_KILLS - 1)
         plan = [(s, "worker") for s in steps] + [(self.rng.randrange(MAX_STEPS - 4, MAX_STEPS), "worker")]
+        in_save_after = self.rng.randrange(int(MAX_STEPS * 0.45), int(MAX_STEPS * 0.6))
+        self.save_to_die_in = (in_save_after // SAVE_STEPS + 1) * SAVE_STEPS
         plan += [(self.rng.randrange(int(MAX_STEPS * 0.15), int(MAX_STEPS * 0.3)), "ps-any"),
-                 (self.rng.randrange(int(MAX_STEPS * 0.45), int(MAX_STEPS * 0.6)), "ps-saving")]
+                 (in_save_after, "ps-saving")]
         return sorted(plan)
 
     def run_plan(self) -> None:
@@ -216,11 +248,9 @@ class Chaos:
             elif what == "ps-any":
                 time.sleep(self.rng.uniform(0, 0.3))
                 self.kill_ps("random moment")
-            else:  # while it saves a checkpoint: a folder without its ledger (the save takes ~0.1 s)
-                if not self.wait_until(self.saving, "a checkpoint save"):
-                    return
-                time.sleep(self.rng.uniform(0, 0.05))
-                self.kill_ps("while saving a checkpoint")
+            elif self.dies_in_save is not None:  # check_health relaunches it once it died
+                what = f"the PS to die saving checkpoint-{self.dies_in_save}"
+                self.wait_until(lambda: self.dies_in_save is None, what)
 
     def worker_event(self) -> None:
         """Kills a worker that holds a job (generating, fencing, publishing or archiving), or

@@ -14,15 +14,18 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    LEDGER_FILE,
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
     heartbeat_pid,
     kill_run,
     metrics,
+    modes_beyond,
     pid_alive,
     ps_events,
     run_flags,
+    start_faulty_ps,
     start_process,
     wait_for,
 )
@@ -30,6 +33,7 @@ from helpers import (
 from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.run import RunDir, fileops
+from asyncgrpo.weights.buffer_folders import run_tag
 from queue_tools.report import make_report
 
 TIMEOUT_S = 600
@@ -50,27 +54,6 @@ def stop(procs):
 def wait_for_steps(run_root, n, proc):
     """Until the PS (or launch.sh: ``proc``) has logged ``n`` steps in RUN/metrics.jsonl."""
     wait_for(lambda: len(metrics(run_root)) >= n, f"step {n}", TIMEOUT_S, procs=(proc,), poll_s=0.1)
-
-
-def stop_between_checkpoints(run_root, n, proc):
-    """SIGSTOPs the PS once it logged at least n steps, the last of them after its newest complete checkpoint:
-    a PS killed while it saves leaves no lines for a resume to remove, and a save takes longer than a step, so
-    a stop at a random moment lands there most often."""
-
-    def stopped_after_its_newest_checkpoint() -> bool:
-        logged = len(metrics(run_root))
-        if logged < n or not logged % SAVE_STEPS:
-            return False
-        proc.send_signal(signal.SIGSTOP)
-        saved = [int(p.name.split("-")[1]) for p in (run_root / "checkpoints").glob("checkpoint-*")
-                 if (p / "asyncgrpo_state.json").is_file()]
-        if len(metrics(run_root)) > max(saved, default=0):
-            return True
-        proc.send_signal(signal.SIGCONT)
-        return False
-
-    wait_for(stopped_after_its_newest_checkpoint, "the PS to run between two checkpoints", TIMEOUT_S, procs=(proc,),
-             poll_s=0.005)
 
 
 def assert_queue_drained(run_root):
@@ -136,33 +119,28 @@ def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):
     assert_queue_drained(run_root)
 
 
-def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
+def test_a_ps_killed_inside_a_save_resumes_from_the_checkpoint_before(tmp_path):
     run_root = tmp_path / "run"
-    args = ["--max_steps", "20", *FAST]  # room to stop the PS between two checkpoints more than once
-    ps = start(run_root, "ps.log", "ps", *args)
+    args = ["--max_steps", "20", *FAST]
+    # Killed in the save of checkpoint-9 (its model written, not its optimizer nor its ledger), right after
+    # logging steps 7-9: a resume must start after checkpoint-6, drop the unfinished save and those lines.
+    ps = start_faulty_ps(run_root, tmp_path / "ps.log", "kill-mid-save", 9, *args)
     workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *args) for i in (1, 2)]
     try:
-        stop_between_checkpoints(run_root, 7, ps)
-        ps.send_signal(signal.SIGKILL)
-        assert ps.wait(timeout=60) == -signal.SIGKILL
+        assert ps.wait(timeout=TIMEOUT_S) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]
         killed_at = time.time()
-        before = len(metrics(run_root))
-        # A save the PS was killed in: a folder without the ledger that marks a checkpoint complete.
-        folders = {int(p.name.split("-")[1]): p for p in (run_root / "checkpoints").glob("checkpoint-*")}
-        saved = [step for step, p in folders.items() if (p / "asyncgrpo_state.json").is_file()]
-        partial = run_root / "checkpoints" / f"checkpoint-{max(folders) + 1}"
-        partial.mkdir()
-        (partial / "trainer_state.json").write_text("{}")
+        partial = run_root / "checkpoints" / "checkpoint-9"
+        assert {p.name for p in partial.iterdir()} >= {"model.safetensors"} and not (partial / LEDGER_FILE).exists()
+        assert [m["step"] for m in metrics(run_root)] == list(range(1, 10))
         ps = start(run_root, "ps.log", "ps", *args)  # same run directory: resume
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
         stop(workers)
     lines = metrics(run_root)
-    resumed_at = min(m["step"] for m in lines if m["time"] > killed_at) - 1
-    assert resumed_at == max(saved)  # the newest complete checkpoint, not the partial one
-    assert not partial.exists()
+    assert min(m["step"] for m in lines if m["time"] > killed_at) == 7  # after checkpoint-6, not the partial 9
+    assert all((p / LEDGER_FILE).is_file() for p in (run_root / "checkpoints").glob("checkpoint-*"))  # no partial
     # Each step once: the killed PS's lines after the checkpoint were removed, as their training was lost.
-    assert before > resumed_at and [m["step"] for m in lines] == list(range(1, 21))
+    assert [m["step"] for m in lines] == list(range(1, 21))
     # Every archived consumption is in the final model's ledger, once, including the jobs the killed
     # PS had consumed after its last checkpoint (they were trained again by the resumed one).
     assert_exactly_once(run_root, jobs=20)
@@ -223,6 +201,9 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     try:
         first = heartbeat_pid(run_root, 1, TIMEOUT_S, procs=(proc,))
         wait_for_steps(run_root, 3, proc)
+        # The weight buffers are the owner's alone, as the rest of the run (checked below, once it ended).
+        buffers = list(Path("/dev/shm").glob(f"asyncgrpo-weights-{run_tag(RunDir(run_root.resolve()))}-*"))
+        assert len(buffers) == 1 and modes_beyond(buffers[0], 0o700) == []
         os.kill(first, signal.SIGKILL)
         # The restarted worker beats with its own pid.
         second = heartbeat_pid(run_root, 1, TIMEOUT_S, not_pid=first, procs=(proc,))
@@ -239,6 +220,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     root = str(run_root.resolve())  # the interrupted PS freed its shared-memory weight buffers
     owners = [fileops.read_json(d / "owner.json") or {} for d in Path("/dev/shm").glob("asyncgrpo-weights-*")]
     assert not [o for o in owners if o.get("run") == root], owners
+    assert modes_beyond(run_root, 0o700) == []  # launch.sh's logs included
 
 
 def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):

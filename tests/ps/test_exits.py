@@ -8,11 +8,24 @@ import sys
 from collections import namedtuple
 
 import pytest
-from helpers import PROCESS_ENV, REPO, demo_flags, run_flags, start_process, tmpfs
+from helpers import (
+    LEDGER_FILE,
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    demo_flags,
+    metrics,
+    run_flags,
+    start_faulty_ps,
+    start_process,
+    tmpfs,
+)
 
 from asyncgrpo.config import ConfigError
+from asyncgrpo.run import RunDir
 from asyncgrpo.run.rundir import PSStatus
 from asyncgrpo.tasks.demo import build_model, write_demo_model
+from asyncgrpo.weights.snapshot import snapshot_path
 from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
 Usage = namedtuple("Usage", "total used free")
@@ -108,3 +121,34 @@ def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relau
     [refusal] = [line for line in relaunch.stderr.splitlines() if line.startswith("ps: error:")]
     assert refusal.startswith(f"ps: error: {root / 'checkpoints'} has "), refusal
     assert "a checkpoint of this model needs about" in refusal
+
+
+def test_a_full_disk_at_each_small_write_stops_the_ps_with_one_line_and_a_relaunch_loses_nothing(tmp_path):
+    """The disk is full for one write of each kind in turn, in three lives of the PS on one run (the fault is
+    injected: tests/faulty_ps.py): a metrics line, a checkpoint's ledger, a weights snapshot. Each life stops with
+    one line naming the file; the fourth finishes, each step and each job trained once, no temp file left."""
+    root = tmp_path / "run"
+    flags = [*run_flags(8, save_steps=2), "--weight_transport", "safetensors"]
+    worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags)
+    lines = []
+    try:
+        faults = [("full-metrics", 3, root / "metrics.jsonl"),
+                  ("full-ledger", 4, root / "checkpoints" / "checkpoint-4" / LEDGER_FILE),
+                  ("full-snapshot", 4, snapshot_path(RunDir(root), 4))]
+        for life, (fault, arg, file) in enumerate(faults):
+            log = tmp_path / f"ps{life}.log"
+            ps = start_faulty_ps(root, log, fault, arg, *flags)
+            assert ps.wait(timeout=600) == 1, log.read_text()[-3000:]
+            [error] = [line for line in log.read_text().splitlines() if line.startswith("ps: error:")]
+            lines.append(error)
+            assert error.startswith(f"ps: error: no space left on the disk writing {file} ("), error
+        ps = start_process(root, tmp_path / "ps_last.log", "ps", *flags)
+        assert ps.wait(timeout=600) == 0, (tmp_path / "ps_last.log").read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+    # Lives 2-4 resumed from checkpoint-2: the ledger's checkpoint-4 never completed, and the third life stopped
+    # before it could save one.
+    assert [m["step"] for m in metrics(root)] == list(range(1, 9))
+    assert_exactly_once(root, jobs=8)
+    assert [p.name for p in root.rglob("*.tmp") if p.is_file()] == []  # no temp file left by a failed write

@@ -9,7 +9,15 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO, assert_exactly_once, run_flags, start_process
+from helpers import (
+    DEMO_RUN_FLAGS,
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    run_flags,
+    start_faulty_ps,
+    start_process,
+)
 from safetensors.torch import load_file
 
 
@@ -46,38 +54,12 @@ def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog)
     assert "1 line(s) of steps after 3 removed (they are trained again), 1 unreadable line(s) removed" in caplog.text
 
 
-# The real PS, except that it is SIGKILLed right after transformers saved checkpoint-4, before its ledger is written.
-PS_KILLED_BEFORE_ITS_LEDGER = """
-import os
-import signal
-import sys
-
-from asyncgrpo.run import fileops
-from asyncgrpo.run.rundir import LEDGER_FILE
-
-real_write_json = fileops.write_json
-
-
-def write_json(path, obj, **kwargs):
-    if os.fspath(path).endswith(os.path.join("checkpoint-4", LEDGER_FILE)):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_write_json(path, obj, **kwargs)
-
-
-fileops.write_json = write_json
-from ps.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_before(tmp_path):
     # With --save_total_limit 1, transformers deletes checkpoint-2 as part of saving checkpoint-4: had it done so
     # before checkpoint-4's ledger, no complete checkpoint would be left and the relaunch would start from step 0.
     root = tmp_path / "run"
     flags = ["--run_dir", str(root), *run_flags(6, save_steps=2), "--save_total_limit", "1"]
-    with open(tmp_path / "ps.log", "ab") as log:
-        killed = subprocess.Popen([sys.executable, "-c", PS_KILLED_BEFORE_ITS_LEDGER, *flags], cwd=REPO,
-                                  env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+    killed = start_faulty_ps(root, tmp_path / "ps.log", "kill-before-ledger", 4, *flags[2:])
     worker = start_process(root, tmp_path / "worker.log", "worker", "--device", "1", *flags[2:])
     try:
         assert killed.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]

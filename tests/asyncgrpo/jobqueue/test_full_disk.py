@@ -96,6 +96,38 @@ def test_complete_on_a_full_disk_keeps_the_job_recoverable(where, tmp_path, monk
     assert [(r.job_id, r.attempt, r.data) for r in results] == [(BAD, 2, {"text": "done"})]
 
 
+@pytest.mark.parametrize("outcome", ["complete", "fail"])
+def test_a_link_after_the_fence_that_fails_gives_the_job_back_to_its_worker(outcome, tmp_path, monkeypatch):
+    # The result is staged and the job fenced; then the link into queue/ fails (a full directory block).
+    run = RunDir.create(tmp_path / "run")
+    ps, worker = JobQueue(run), JobQueue(run)
+    ps.put_job(BAD, {"prompt": "1:"}, created_step=1)
+    job = worker.claim(1)
+    real_link = os.link
+
+    def link(src, dst, *args, **kwargs):
+        if os.path.dirname(os.fspath(dst)) == str(run.queue):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_link(src, dst, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(fileops.os, "link", link)
+        with pytest.raises(QueueWriteError) as info:
+            if outcome == "complete":
+                worker.complete(job, {"text": "x"}, weights_version=0)
+            else:
+                worker.fail(job, {"type": "ValueError"}, max_attempts=3, weights_version=0)
+    assert_disk_full_error(info.value)
+    # No temp file left, nothing archived, and the job is its worker's again (processing), not stuck fenced.
+    assert os.listdir(run.tmp) == [] and os.listdir(run.done) == []
+    assert entries(run.queue) == {job.path.name}
+    assert worker.release(job)  # what the worker does with a job whose outcome it cannot write
+    again = worker.claim(2)
+    assert (again.job_id, again.attempt) == (BAD, 1)
+    assert worker.complete(again, {"text": "done"}, weights_version=0)
+    assert [(r.job_id, r.data) for r in ps.collect()] == [(BAD, {"text": "done"})]
+
+
 # A real full filesystem: a 64 KiB tmpfs.
 
 def _free_bytes(path):
@@ -178,7 +210,7 @@ def test_a_status_file_whose_write_fails_leaves_no_temp_file(tmp_path, monkeypat
     for _ in range(3):
         with pytest.raises(OSError) as raised:
             fileops.write_json(path, {"beat": 2}, fsync=True)
-        assert raised.value is disk_full
+        assert raised.value.__cause__ is disk_full and raised.value.filename == str(path)  # it names the file
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["dev1.json"]
     assert fileops.read_json(path) == {"beat": 1}
