@@ -186,6 +186,9 @@ def train(cfg, run: RunDir) -> int:
         PartialState().wait_for_everyone()
     path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
     model, tokenizer = load_model_and_tokenizer(path, cfg)
+    # The first rank removes incomplete checkpoints before anything is written (on a full disk they hold the
+    # space a relaunch needs); then every rank resumes from the same one.
+    resume = last_complete_checkpoint(run.checkpoints) if PartialState().is_main_process else None
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                eval_dataset=load_eval_dataset(cfg))
     try:
@@ -193,8 +196,6 @@ def train(cfg, run: RunDir) -> int:
         previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any
         if first_rank:
             check_disk_for_checkpoints(run, trainer.model, cfg.save_strategy != "no")
-        # Rank 0 removes incomplete checkpoints first; then every rank resumes from the same one.
-        resume = last_complete_checkpoint(run.checkpoints) if first_rank else None
         if trainer.accelerator.num_processes > 1:
             resume = broadcast_object_list([resume], from_process=0)[0]
         if first_rank:

@@ -99,6 +99,9 @@ def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
     workers = [remote]
     try:
         held = kill_while_holding_a_job(root, remote, ps)
+        # The job comes back once the lease has expired; a worker started sooner could finish the run first.
+        wait_for(lambda: f"recover: requeue {held} -> " in (tmp_path / "ps.log").read_text(), "the job's recovery",
+                 TIMEOUT_S, procs=(ps,))
         local = start_process(root, tmp_path / "local.log", "worker", "--device", "1", *FLAGS)
         workers.append(local)
         assert wait_for_ps(ps, [local], tmp_path / "ps.log") == 0, (tmp_path / "ps.log").read_text()[-3000:]
