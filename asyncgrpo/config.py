@@ -38,7 +38,8 @@ OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
 GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_processes", "num_generations",
                     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
-                    "use_peft")
+                    "use_peft", "builtin_task")
+BUILTIN_TASKS = ("repeat", "first_digit")  # asyncgrpo/tasks/demo.py
 
 
 class ConfigError(ValueError):
@@ -114,6 +115,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "or 'module.function' (modules in the current folder import), or a reward trl grpo knows by name "
                 "(accuracy_reward, think_format_reward, ...); several allowed, weighted by reward_weights (default: "
                 "the demo task's reward)."})
+    builtin_task: str = field(default="repeat", metadata={
+        "help": "The built-in task trained without --model_name_or_path, --dataset_name and --reward_funcs: 'repeat' "
+                "(prompt 'N:', repeat the digit N; reward: the fraction of characters right) or 'first_digit' "
+                "(answer with the digit N first; reward 1 or 0, completions end where the model stops, a random "
+                "policy scores about 1/16).", "choices": list(BUILTIN_TASKS)})
     # Where and on what.
     run_dir: str | None = field(default=None, metadata={
         "help": "Run directory: queue, archive, weights, logs, checkpoints, metrics (default: a new folder "

@@ -54,9 +54,9 @@ def _trl_reward(name: str) -> Callable | None:
 def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable]:
     """``module:function``, TRL's ``module.function``, or a reward TRL names (accuracy_reward, ...)."""
     if not cfg.reward_funcs:
-        from asyncgrpo.tasks.demo import repeat_digit_reward
+        from asyncgrpo.tasks.demo import first_digit_reward, repeat_digit_reward
 
-        return [repeat_digit_reward]
+        return [first_digit_reward if cfg.builtin_task == "first_digit" else repeat_digit_reward]
     with _cwd_first_on_path():
         funcs = [_reward_func(spec) for spec in cfg.reward_funcs]
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):

@@ -1,8 +1,12 @@
-"""The built-in demo task: "N:" -> repeat the digit N.
+"""The built-in tasks: prompts "0:" .. "9:", and two rewards (--builtin_task).
 
-Prompts are the strings "0:" .. "9:"; the reward of a completion is the fraction of its characters equal
-to N (an empty completion scores 0.0). A random policy scores about 1/16 (the vocabulary has 16 tokens);
-a trained one scores 1.0.
+* ``repeat`` (the demo): repeat the digit N. The reward of a completion is the fraction of its characters
+  equal to N (an empty completion scores 0.0). A random policy scores about 1/16 (the vocabulary has 16
+  tokens); a trained one scores 1.0.
+* ``first_digit``: answer with the digit N. The reward is binary: 1.0 when the completion starts with N,
+  else 0.0; completions end where the model emits EOS (or at max_completion_length), so their lengths vary.
+  A random policy succeeds on about 1/16 of its samples, so most groups of 8 are all wrong early (zero
+  advantage) and all right once learned: the task dynamic sampling is for.
 
 Everything is built in-process, offline: a character-level tokenizer (one token per character, made
 with the `tokenizers` library) and a tiny Llama from a `LlamaConfig` (a Llama config, because with a
@@ -80,6 +84,11 @@ def repeat_digit_reward(prompts, completions, **kwargs) -> list[float]:
         text = _as_text(completion)
         rewards.append(sum(ch == digit for ch in text) / len(text) if text else 0.0)
     return rewards
+
+
+def first_digit_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 for a completion that starts with the prompt's digit N ("N:"), else 0.0 (TRL's signature)."""
+    return [float(_as_text(c).startswith(_prompt_digit(p) or "-")) for p, c in zip(prompts, completions, strict=True)]
 
 
 def _as_text(x) -> str:

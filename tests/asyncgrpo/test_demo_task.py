@@ -17,6 +17,7 @@ from asyncgrpo.tasks.demo import (
     build_model,
     build_tokenizer,
     cpu_overrides,
+    first_digit_reward,
     repeat_digit_reward,
     write_demo_model,
 )
@@ -47,6 +48,42 @@ def test_reward_accepts_trl_kwargs_and_conversational_completions():
         prompts=["4:"], completions=[[{"role": "assistant", "content": "44"}]], completion_ids=[[8, 8]], digit=[4]
     )
     assert out == [1.0]
+
+
+def test_first_digit_reward_is_one_for_a_completion_that_starts_with_the_digit():
+    prompts = ["7:", "7:", "7:", "3:", "0:"]
+    completions = ["7", "71 9", "17", "", [{"role": "assistant", "content": "0 0"}]]
+    assert first_digit_reward(prompts, completions) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert first_digit_reward(["bad prompt"], ["-"]) == [0.0]
+
+
+def test_the_builtin_task_flag_picks_the_reward(tmp_path):
+    from asyncgrpo.inputs import load_reward_funcs
+
+    assert load_reward_funcs(demo_config(tmp_path)) == [repeat_digit_reward]
+    assert load_reward_funcs(demo_config(tmp_path, builtin_task="first_digit")) == [first_digit_reward]
+
+
+@pytest.mark.slow
+def test_the_first_digit_task_starts_near_one_in_sixteen_with_most_groups_all_wrong_and_learns(tmp_path):
+    """Plain TRL with the demo's defaults: a random tiny policy succeeds on about 9% of its samples (seed 0) and
+    half its groups have zero reward variance; 100 steps reach about 0.35 (0.95 by step 400)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StopAt(_RewardLogs):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 100  # with the 1000-step schedule's learning rate
+
+    args = GRPOConfig(**{**DEMO_DEFAULTS, **cpu_overrides(), "output_dir": str(tmp_path / "out"), "seed": 0,
+                         "disable_tqdm": True})
+    tok, recorder = build_tokenizer(), StopAt()
+    GRPOTrainer(model=build_model(seed=0, tokenizer=tok), reward_funcs=first_digit_reward, args=args,
+                train_dataset=build_dataset(seed=0), processing_class=tok, callbacks=[recorder]).train()
+    first, last = recorder.logs[:10], recorder.logs[-20:]
+    assert 0.03 <= sum(e["reward"] for e in first) / 10 <= 0.2
+    assert sum(e["frac_reward_zero_std"] for e in first) / 10 >= 0.3
+    assert min(e["completions/min_length"] for e in first) < DEMO_DEFAULTS["max_completion_length"]  # EOS ends some
+    assert sum(e["reward"] for e in last) / 20 >= 0.25
 
 
 def test_tokenizer_char_level_round_trip():
