@@ -118,8 +118,8 @@ def compact_archive(run: RunDir, keep_files: int = 0, keep_mb: float = 0.0, *, d
     if boundary is True:
         boundary = read_boundary(run.checkpoints)  # before the scan: a file archived later is protected by time
     report = CompactionReport(checkpoint=str(boundary.checkpoint) if boundary else None, dry_run=dry_run)
-    files = []
-    for entry in fileops.scan(run.done):
+    files = []  # the payloads not emptied yet: about keep_files of them, and what was archived since the last pass
+    for entry in fileops.scan_one_by_one(run.done):
         if done_reason(entry.name) is None:
             continue  # outside done/'s grammar: not ours
         try:

@@ -27,6 +27,7 @@ import json
 import os
 import stat
 import uuid
+from collections.abc import Iterator
 
 from asyncgrpo.messages import first_line
 from asyncgrpo.run.hosts import HOST_ID  # temp names say who writes them
@@ -71,6 +72,13 @@ def scan(directory: str | os.PathLike) -> list[os.DirEntry]:
     """The entries of one directory (no recursion, no stat calls beyond what scandir caches)."""
     with os.scandir(directory) as it:
         return list(it)
+
+
+def scan_one_by_one(directory: str | os.PathLike) -> Iterator[os.DirEntry]:
+    """The entries of one directory, one at a time: the memory a pass over done/ takes stays flat however many
+    names the run has archived (they are never deleted: they are the ledger)."""
+    with os.scandir(directory) as it:
+        yield from it
 
 
 def _write_all(fd: int, data: memoryview) -> None:
