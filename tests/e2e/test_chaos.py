@@ -52,9 +52,9 @@ WORKER_KILLS = 11  # at least 10 must happen (the last one, in the final steps, 
 PS_KILLS = 2
 LEDGER = LEDGER_FILE  # in each checkpoint folder; written last, it marks the checkpoint complete
 ARGS = run_flags(MAX_STEPS, save_steps=SAVE_STEPS, lease_s=LEASE_S)
-# Any single wait for progress; generous. A run costs about 160 s of CPU, most of it in the 18
-# process starts (about 8 s each, importing torch and TRL): 1.5 minutes on 2 idle cores, 5-6 on a
-# machine busy with other runs.
+# Any single wait for progress; generous. A run takes about 30 s on 2 idle cores with its processes forked
+# from the tests' zygote, 1.5 minutes when each starts a new interpreter (8 s of CPU importing torch and TRL),
+# 5-6 on a machine busy with other runs.
 WAIT_S = 240
 POLL_S = 0.01
 _DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<attempt>\d+))?(?:\.(?P<n>\d+))?\.pt$")
