@@ -27,7 +27,6 @@ from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describ
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers
-from asyncgrpo.run.fileops import GROUP_SHARED_UMASK, OWNER_ONLY_UMASK
 from asyncgrpo.run.liveness import fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
@@ -326,7 +325,7 @@ def _run_command(args) -> int:
         print(f"queue_tools: error: {err}", file=sys.stderr)
         return 2
     # What it writes (the report, a re-thrown job's new file) follows the run's modes, as the PS set them.
-    umask = os.umask(GROUP_SHARED_UMASK if run.shared_with_group else OWNER_ONLY_UMASK)
+    umask = fileops.set_file_modes(run.shared_with_group)
     try:
         if args.command == "report":
             from queue_tools.report import cmd_report

@@ -10,22 +10,20 @@ never through the library code they check.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import errno
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from zygote import FORK, ForkedProcess
 
 from asyncgrpo.jobqueue.queue import SCHEMA_VERSION
 
@@ -137,88 +135,10 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
     (tests/zygote.py: the libraries already imported), else a new interpreter (subprocess.Popen)."""
     argv = ["--run_dir", str(run_root), *args]
     if env is None and FORK:
-        return ForkedProcess(module, argv, log_path)
+        return ForkedProcess(module, argv, log_path, cwd=REPO, env=PROCESS_ENV)
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
                                 env=PROCESS_ENV if env is None else env, stdout=log, stderr=subprocess.STDOUT)
-
-
-FORK = os.environ.get("ASYNCGRPO_TEST_FORK", "1") != "0"
-_zygote: dict = {}
-
-
-def _zygote_socket() -> str:
-    """The zygote's socket, started on first use (it imports the libraries: a few seconds); it ends with the
-    test session."""
-    if "socket" not in _zygote:
-        folder = tempfile.mkdtemp(prefix="asyncgrpo-zygote-")
-        path = os.path.join(folder, "zygote.sock")
-        with open(os.path.join(folder, "zygote.log"), "ab") as log:
-            proc = subprocess.Popen([sys.executable, str(TESTS / "zygote.py"), path], cwd=REPO, env=PROCESS_ENV,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        _zygote.update(proc=proc, folder=folder)
-        atexit.register(_stop_zygote)
-        wait_for(lambda: os.path.exists(path), "the test zygote to import the libraries", 300, procs=(proc,),
-                 log=os.path.join(folder, "zygote.log"))
-        _zygote["socket"] = path
-    return _zygote["socket"]
-
-
-def _stop_zygote() -> None:
-    _zygote["proc"].terminate()
-    _zygote["proc"].wait(timeout=60)
-    shutil.rmtree(_zygote["folder"], ignore_errors=True)
-
-
-class ForkedProcess:
-    """A process the zygote forked: the subprocess.Popen methods the tests use (poll, wait, send_signal,
-    terminate, kill, pid, returncode, args)."""
-
-    def __init__(self, module: str, args: list[str], log_path, env: dict | None = None):
-        self.args = [sys.executable, "-m", module, *args]
-        self.returncode: int | None = None
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_zygote_socket())
-        self._conn.sendall(json.dumps({"module": module, "args": args, "cwd": str(REPO), "log": str(log_path),
-                                       "env": env or {}}).encode() + b"\n")
-        self._buffer = b""
-        self.pid = self._message(None)["pid"]
-
-    def _message(self, timeout: float | None) -> dict:
-        self._conn.settimeout(timeout)
-        while b"\n" not in self._buffer:
-            chunk = self._conn.recv(4096)
-            if not chunk:
-                raise ConnectionError(f"the test zygote died (its log: {_zygote['folder']}/zygote.log)")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            try:
-                status = self._message(timeout)["status"]
-            except (TimeoutError, BlockingIOError):
-                raise subprocess.TimeoutExpired(self.args, timeout) from None
-            self.returncode = os.waitstatus_to_exitcode(status)
-            self._conn.close()
-        return self.returncode
-
-    def poll(self) -> int | None:
-        try:
-            return self.wait(timeout=0)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def faulty_ps_env(fault: str, arg: int) -> dict:
@@ -230,7 +150,8 @@ def faulty_ps_env(fault: str, arg: int) -> dict:
 
 def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
     if FORK:  # the fault is read when faulty_ps starts: the zygote's child sets it
-        return ForkedProcess("faulty_ps", ["--run_dir", str(run_root), *args], log_path, {"PS_FAULT": f"{fault} {arg}"})
+        return ForkedProcess("faulty_ps", ["--run_dir", str(run_root), *args], log_path, cwd=REPO, env=PROCESS_ENV,
+                             extra_env={"PS_FAULT": f"{fault} {arg}"})
     return start_process(run_root, log_path, "faulty_ps", *args, env=faulty_ps_env(fault, arg))
 
 

@@ -9,21 +9,115 @@ for processes started with the suite's environment; one given its own environmen
 launch.sh and torchrun start real interpreters, and ASYNCGRPO_TEST_FORK=0 turns the zygote off.
 
 Protocol, over a Unix socket, one connection per child: the test sends one JSON line {"module", "args", "cwd",
-"log"}; the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's) when the child has ended.
+"log", "env"}; the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's) when the child has
+ended. The test's side is ForkedProcess, below; the zygote's, serve().
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import time
 
 PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetensors.torch", "watchdog.observers",
            "filelock", "accelerate")
 POLL_S = 0.02  # how often the zygote reaps its children when no request comes
+
+# ---------------------------------------------------------------------- the tests' side
+
+FORK = os.environ.get("ASYNCGRPO_TEST_FORK", "1") != "0"
+START_TIMEOUT_S = 300  # importing the libraries takes a few seconds on an idle machine
+_zygote: dict = {}
+
+
+def _zygote_socket(cwd, env: dict) -> str:
+    """The zygote's socket, started on first use with the suite's environment; it ends with the test session."""
+    if "socket" not in _zygote:
+        folder = tempfile.mkdtemp(prefix="asyncgrpo-zygote-")
+        path, log_path = os.path.join(folder, "zygote.sock"), os.path.join(folder, "zygote.log")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], cwd=cwd, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        _zygote.update(proc=proc, folder=folder)
+        atexit.register(_stop_zygote)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path, errors="replace") as f:
+                    raise RuntimeError(f"the test zygote did not start:\n{f.read()[-3000:]}")
+            time.sleep(0.05)
+        _zygote["socket"] = path
+    return _zygote["socket"]
+
+
+def _stop_zygote() -> None:
+    _zygote["proc"].terminate()
+    _zygote["proc"].wait(timeout=60)
+    shutil.rmtree(_zygote["folder"], ignore_errors=True)
+
+
+class ForkedProcess:
+    """``python -m module args`` in ``cwd``, forked from the zygote (started with ``env``, the suite's
+    environment; ``extra_env``: variables the child sets, read at run time only), its output appended to
+    ``log_path``. It has the subprocess.Popen methods the tests use: poll, wait, send_signal, terminate, kill,
+    pid, returncode, args."""
+
+    def __init__(self, module: str, args: list[str], log_path, *, cwd, env: dict, extra_env: dict | None = None):
+        self.args = [sys.executable, "-m", module, *args]
+        self.returncode: int | None = None
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_zygote_socket(cwd, env))
+        self._conn.sendall(json.dumps({"module": module, "args": args, "cwd": str(cwd), "log": str(log_path),
+                                       "env": extra_env or {}}).encode() + b"\n")
+        self._buffer = b""
+        self.pid = self._message(None)["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        self._conn.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"the test zygote died (its log: {_zygote['folder']}/zygote.log)")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                status = self._message(timeout)["status"]
+            except (TimeoutError, BlockingIOError):
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- the zygote's side
 
 
 def serve(socket_path: str) -> None:

@@ -55,9 +55,10 @@ OWNER_ONLY_UMASK = 0o077
 GROUP_SHARED_UMASK = 0o007
 
 
-def set_file_modes(share_with_group: bool) -> None:
-    """Files and folders this process creates from now on: owner-only, or also the group's."""
-    os.umask(GROUP_SHARED_UMASK if share_with_group else OWNER_ONLY_UMASK)
+def set_file_modes(share_with_group: bool) -> int:
+    """Files and folders this process creates from now on: owner-only, or also the group's. Returns the umask
+    it replaces."""
+    return os.umask(GROUP_SHARED_UMASK if share_with_group else OWNER_ONLY_UMASK)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
