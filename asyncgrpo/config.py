@@ -160,6 +160,14 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "1 +- epsilon instead."})
     off_policy_cap: float = field(default=2.0, metadata={
         "help": "The cap of off_policy_correction's importance ratio (truncated to it, or masked above it)."})
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "Dynamic sampling (DAPO): drop the groups whose rewards do not spread (a prompt whose completions all "
+                "score alike has zero advantage and teaches nothing) and train each step on a full batch of "
+                "informative groups, taken from as many results as it needs; the producer throws more jobs as "
+                "groups are dropped. Dropped groups are counted per step and archived 'filtered'."})
+    dynamic_sampling_max_std: float = field(default=0.0, metadata={
+        "help": "With --dynamic_sampling: drop a group whose reward standard deviation is at most this (0: only "
+                "groups whose completions all score the same)."})
     # How workers generate.
     worker_decoding: str = field(default="auto", metadata={
         "help": "'eager': TRL's generate (a dynamic KV cache, one Python-launched forward per token); 'compiled': a "
@@ -224,6 +232,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
             "off_policy_correction": (self.off_policy_correction in OFF_POLICY_MODES,
                                       f"must be one of {', '.join(OFF_POLICY_MODES)}"),
             "off_policy_cap": (self.off_policy_cap > 0, "must be > 0"),
+            "dynamic_sampling_max_std": (self.dynamic_sampling_max_std >= 0, "must be >= 0"),
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),

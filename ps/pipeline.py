@@ -2,24 +2,37 @@
 
     pipeline = JobPipeline(cfg, run, queue, dataset)
     pipeline.start(checkpoint_state, published_version=step)   # re-adopt, then feed and collect
-    result, staleness = pipeline.next_result(step)             # blocks; raises PipelineError
+    taken = pipeline.next_batch(step)                          # blocks; raises PipelineError
     pipeline.on_step_end(step)                                 # after the weights of step are published
-    pipeline.in_training                                       # the job whose steps are being trained
-    state = pipeline.state_dict()                              # saved in each checkpoint
+    pipeline.in_training                                       # the batch whose steps are being trained
+    state = pipeline.state_dict(final=False)                   # saved in each checkpoint
     pipeline.finish()                                          # end of training: archive what is left
 
 It owns the job producer and the result collector threads (ps/producer.py, ps/collector.py),
 the staleness and re-throw policy, the consumed-job ledger, the re-adoption of results after
 a restart, and the count of jobs dropped after failing (ps/failures.py). An exception in
-either thread, or failures that are systematic, are re-raised by ``next_result`` as a
+either thread, or failures that are systematic, are re-raised by ``next_batch`` as a
 PipelineError, so training stops with it instead of waiting forever.
 
-One job trains ``steps_per_job`` optimizer steps (more than one with ``--num_iterations``
-or ``--steps_per_generation``). The staleness bound applies when its result is taken, at
-its first step; its later steps are trained against the proximal policy (ps/offpolicy.py).
-The job enters the ledger when its last step has trained; the trainer saves checkpoints
-only between jobs, so a checkpoint's ledger never holds a job half trained (except the
-final one, where a job cut short by ``max_steps`` counts as consumed).
+A batch is one generation batch: one result's groups, or with ``--dynamic_sampling`` the next
+informative groups of one or more results (ps/groups.py). It trains ``steps_per_job``
+optimizer steps (more than one with ``--num_iterations`` or ``--steps_per_generation``). The
+staleness bound applies when a result is first taken; later steps, and a result's groups left
+over for the next batch, are trained against the proximal policy (ps/offpolicy.py), each
+group's staleness counted from its own result's weights version.
+
+The ledger is kept per group: a result enters ``consumed`` when every one of its groups is
+trained or dropped, and ``groups_done`` holds the groups done of results partly used. The
+groups of a batch enter it when the batch's last step has trained; the trainer saves
+checkpoints only between batches, so a checkpoint's ledger never holds a batch half trained
+(except the final one, where a batch cut short by ``max_steps`` counts as consumed). A result
+is archived ``consumed`` when its last groups are taken (while some wait for the next batch it
+stays in queue/ as collected, and a restart re-adopts it and takes the groups not done);
+``filtered`` when every group was dropped, with a ``filtered`` record in done/ for the groups
+dropped from a result otherwise trained.
+
+Admission counts the expected yield: the fraction of groups found informative over the last
+results (1 without dynamic sampling), so the producer throws more jobs when most are dropped.
 
 Consumption order ``ready`` takes the cached result with the lowest weights version (the one
 closest to going stale), then the lowest job id; ``fifo`` takes results in job order.
@@ -29,17 +42,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
 from asyncgrpo.run import RunDir
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
+from ps.groups import assemble, group_reward_std, group_rows, slice_logs
 from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+REWARDS_KEY = "rewards"  # per completion, in each result's batch (worker/generate.py)
+ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
+DROP_REASON = "reward std at most dynamic_sampling_max_std"
+YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
+MIN_YIELD = 0.1  # admission never counts on fewer informative groups per result than this fraction
 
 
 class PipelineError(RuntimeError):
@@ -47,29 +69,55 @@ class PipelineError(RuntimeError):
 
 
 @dataclass
-class JobInTraining:
-    """The job whose steps are being trained. The pipeline's (on the first rank) is the one that counts
-    for the ledger; under --ps-procs every other rank keeps the copy broadcast with its batch
-    (ps/trainer.py), counted down the same way."""
+class GroupsTaken:
+    """One result's groups in a training batch."""
 
     job_id: str
     weights_version: int
-    metrics: dict  # the worker's TRL metrics, logged once per step the job trains
+    groups: list[int]
+    of_groups: int  # how many the result holds
+    samples: int  # rows (completions) taken
+    tokens: int  # completion tokens taken
+
+
+@dataclass
+class BatchInTraining:
+    """The batch whose steps are being trained: groups of one result (or, with dynamic sampling, of several).
+    The pipeline's (on the first rank) is the one that counts for the ledger; under --ps-procs every other rank
+    keeps the copy broadcast with its batch (ps/trainer.py), counted down the same way."""
+
+    parts: list[GroupsTaken]
+    metrics: dict  # the workers' TRL metrics (reward, ...), logged once per step the batch trains
     steps_left: int
+    groups_dropped: int = 0  # by dynamic sampling while it was assembled
 
     def trained_one_step(self) -> bool:
-        """Counts a trained step; True when it was the job's last."""
+        """Counts a trained step; True when it was the batch's last."""
         self.steps_left -= 1
         return self.steps_left == 0
+
+
+@dataclass
+class TrainingBatch:
+    """What next_batch hands the trainer: TRL's batch dict and the completions-table rows of its groups."""
+
+    tensors: dict
+    logs: dict | None
+    in_training: BatchInTraining
 
 
 class JobPipeline:
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset):
         self.cfg, self.run, self.queue = cfg, run, queue
-        self.consumed: set[str] = set()  # the ledger: job ids trained into the weights
-        self.in_training: JobInTraining | None = None
+        # The ledger: results whose every group is trained into the weights (or dropped), and the groups done of
+        # results partly trained. Groups of the batch in training enter it when its last step has trained.
+        self.consumed: set[str] = set()
+        self.groups_done: dict[str, set[int]] = {}
+        self.leftover: tuple[CollectedResult, list[int]] | None = None  # a result's groups left for the next batch
+        self.in_training: BatchInTraining | None = None
         self.progress = TrainingProgress()  # what the producer's admission reads
-        self.failure: PipelineError | None = None  # raised by next_result
+        self.failure: PipelineError | None = None  # raised by next_batch
+        self.informative = deque(maxlen=YIELD_OF_LAST)  # (informative groups, groups judged) of the last results
         self.cache = ResultCache()
         self.failed = FailedJobs(cfg, queue, self._stop_training)
         self.collector = ResultCollector(cfg, queue, self.cache, self.failed, self._thread_failed)
@@ -89,14 +137,21 @@ class JobPipeline:
         self.collector.start()
         self.producer.start()
 
-    def state_dict(self) -> dict:
-        """Between jobs, the ledger; at the end of training a job cut short by max_steps counts as consumed
-        (its rows were trained on, and no later step will train the rest)."""
-        consumed = self.consumed | ({self.in_training.job_id} if self.in_training else set())
-        return {"consumed": sorted(consumed), "producer": self.producer.state_dict()}
+    def state_dict(self, final: bool = False) -> dict:
+        """The ledger between batches. In the final checkpoint the batch cut short by max_steps, and a result
+        whose groups are split across batches, count as consumed (no later step will train the rest)."""
+        consumed, groups_done = set(self.consumed), {job: set(done) for job, done in self.groups_done.items()}
+        if final:
+            cut_short = {part.job_id for part in self.in_training.parts} if self.in_training else set()
+            cut_short |= {self.leftover[0].job_id} if self.leftover else set()
+            consumed |= cut_short
+            groups_done = {job: done for job, done in groups_done.items() if job not in cut_short}
+        return {"consumed": sorted(consumed), "groups_done": {job: sorted(done) for job, done in groups_done.items()},
+                "producer": self.producer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = set(state.get("consumed", []))
+        self.groups_done = {job: set(done) for job, done in state.get("groups_done", {}).items()}
         self.producer.load_state(state.get("producer"))
 
     def stop(self) -> None:
@@ -121,13 +176,50 @@ class JobPipeline:
 
     # ------------------------------------------------------------------ the trainer's side
 
-    def next_result(self, step: int) -> tuple[CollectedResult, int]:
-        """The next result to train steps ``step + 1`` .. ``step + steps_per_job`` on, and its staleness;
-        stale and duplicate results are archived on the way (a stale one's rows are thrown again)."""
+    def next_batch(self, step: int) -> TrainingBatch:
+        """The batch to train steps ``step + 1`` .. ``step + steps_per_job`` on: one result, or with dynamic
+        sampling the next informative groups of as many results as it takes (a result's groups left over go
+        first into the next batch). Blocks for results; stale and duplicate ones are archived on the way (a stale
+        one's rows are thrown again), and so are results whose every group is dropped."""
         if self.in_training is not None:
-            raise PipelineError(f"a result was asked for at step {step} while job {self.in_training.job_id} "
-                                f"has {self.in_training.steps_left} step(s) left to train")
+            raise PipelineError(f"a batch was asked for at step {step} while the one in training has "
+                                f"{self.in_training.steps_left} step(s) left to train")
+        groups_per_batch = self.cfg.generation_batch_size // self.cfg.num_generations
+        parts: list[tuple[CollectedResult, list[int]]] = []
+        dropped = 0
         started = time.monotonic()
+        while groups_per_batch - sum(len(groups) for _, groups in parts) > 0:
+            room = groups_per_batch - sum(len(groups) for _, groups in parts)
+            if self.leftover is None:
+                result = self._next_result(step, started)
+                partly_done = result.job_id in self.groups_done
+                informative, dropped_now = self._informative_groups(result)
+                dropped += dropped_now
+                if not informative:
+                    self._close_untrained(result, partly_done)
+                    continue
+                self.leftover = (result, informative)
+            result, groups = self.leftover
+            self.leftover = (result, groups[room:]) if groups[room:] else None
+            if self.leftover is None and not self.queue.consume(result):  # a duplicate, archived as such
+                parts = [(r, g) for r, g in parts if r.job_id != result.job_id]
+                continue
+            parts.append((result, groups[:room]))
+        G = self.cfg.num_generations
+        in_training = BatchInTraining([_groups_taken(r, g, G) for r, g in parts], _weighted_metrics(parts),
+                                      self.cfg.steps_per_job, dropped)
+        self.in_training = in_training
+        self.progress.next_take_step = step + self.cfg.steps_per_job
+        self.producer.wake()
+        tensors = assemble([({k: v for k, v in r.data["batch"].items() if k != REWARDS_KEY}, g) for r, g in parts],
+                           G, self.pad_token_id)
+        logs = [slice_logs(r.data.get("logs"), group_rows(g, G)) for r, g in parts]
+        return TrainingBatch(tensors, _merged_logs(logs), in_training)
+
+    pad_token_id = 0  # the trainer sets the tokenizer's (assembled batches pad with it)
+
+    def _next_result(self, step: int, started: float) -> CollectedResult:
+        """The next result to take groups from; stale and duplicate results are archived on the way."""
         while True:
             self._raise_failure()
             result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
@@ -137,14 +229,16 @@ class JobPipeline:
                 continue
             try:
                 if self._accept(result, step):
-                    return result, step - result.payload["weights_version"]
+                    return result
             finally:
                 self.progress.judging = None
 
     def _accept(self, result: CollectedResult, step: int) -> bool:
-        """True: ``result`` trains from step ``step + 1`` on (consumed); False: archived stale or duplicate."""
+        """True: groups of ``result`` train from step ``step + 1`` on; False: archived stale or duplicate. The
+        staleness bound applies when a result is first taken (a result partly trained before a restart has passed
+        it)."""
         staleness = step - result.payload["weights_version"]
-        if staleness > self.cfg.max_staleness:
+        if staleness > self.cfg.max_staleness and result.job_id not in self.groups_done:
             log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
                      result.job_id, staleness, self.cfg.max_staleness)
             self.producer.owe(result.job_id, result.data["rows"])  # journal first: a crash loses no rows
@@ -153,13 +247,54 @@ class JobPipeline:
         if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
             return False
-        if not self.queue.consume(result):  # a duplicate, archived as such
-            return False
-        self.in_training = JobInTraining(result.job_id, result.payload["weights_version"], result.data["metrics"],
-                                         self.cfg.steps_per_job)
-        self.progress.next_take_step = step + self.cfg.steps_per_job  # before judging ends (TrainingProgress)
-        self.producer.wake()
         return True
+
+    def _informative_groups(self, result: CollectedResult) -> tuple[list[int], int]:
+        """The groups of ``result`` to train (those not done before a restart), and how many were dropped: with
+        dynamic sampling, those whose rewards spread no more than the threshold. Dropped groups are done."""
+        G = self.cfg.num_generations
+        done = self.groups_done.get(result.job_id, set())
+        todo = [g for g in range(result.data["batch"]["advantages"].size(0) // G) if g not in done]
+        if not self.cfg.dynamic_sampling:
+            return todo, 0
+        rewards = result.data["batch"].get(REWARDS_KEY)
+        if not isinstance(rewards, torch.Tensor) or rewards.shape != result.data["batch"]["advantages"].shape:
+            raise PipelineError(f"result {result.job_id} carries no rewards per completion, which dynamic sampling "
+                                "needs: its worker runs an older asyncgrpo")
+        spread = group_reward_std(rewards, G)
+        flat = [g for g in todo if spread[g] <= self.cfg.dynamic_sampling_max_std or spread[g] < ZERO_STD]
+        if flat:
+            self.groups_done.setdefault(result.job_id, set()).update(flat)
+            self._record_dropped(result, flat, spread)
+        self.informative.append((len(todo) - len(flat), len(todo)))
+        kept, judged = (sum(column) for column in zip(*self.informative, strict=True))
+        self.progress.expected_yield = max(kept / max(judged, 1), MIN_YIELD)
+        return [g for g in todo if g not in flat], len(flat)
+
+    def _record_dropped(self, result: CollectedResult, groups: list[int], spread: torch.Tensor) -> None:
+        """The dropped groups' rows and rewards go to done/ as ``{job}_filtered`` (the whole result when every
+        group is dropped: _archive_all_dropped)."""
+        G = self.cfg.num_generations
+        stds = [round(float(spread[g]), 6) for g in groups]
+        self.queue.events.emit("groups_dropped", job_id=result.job_id, groups=groups, reward_std=stds,
+                               reason=DROP_REASON)
+        log.debug("[train] %s: groups %s dropped (%s)", result.job_id, groups, DROP_REASON)
+        if len(groups) * G == result.data["batch"]["advantages"].size(0):
+            return
+        rows = group_rows(groups, G)
+        record = {"job_id": result.job_id, "groups": groups, "reason": DROP_REASON, "reward_std": stds,
+                  "rows": [result.data["rows"][i] for i in rows],
+                  "rewards": result.data["batch"][REWARDS_KEY][rows].tolist()}
+        self.queue.archive_record(result.job_id, ArchiveReason.FILTERED, record)
+
+    def _close_untrained(self, result: CollectedResult, partly_done: bool) -> None:
+        """Every group of ``result`` left is dropped: archived ``filtered``, or ``consumed`` when groups of it were
+        done before a restart (some may have trained)."""
+        self.groups_done.pop(result.job_id, None)
+        if not partly_done:
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.FILTERED, result.attempt)
+        elif self.queue.consume(result):
+            self.consumed.add(result.job_id)
 
     def _pick(self, cached: dict[str, CollectedResult]) -> str | None:
         self._raise_failure()
@@ -169,15 +304,21 @@ class JobPipeline:
             oldest = min(cached)
             coming = self.queue.active_job_ids() - cached.keys()
             picked = None if coming and min(coming) < oldest else oldest  # an older job is still on its way
-        else:
-            picked = min(cached, key=lambda job_id: (cached[job_id].payload["weights_version"], job_id))
+        else:  # a result partly trained before a restart first: it has passed the staleness bound already
+            picked = min(cached, key=lambda job_id: (job_id not in self.groups_done,
+                                                     cached[job_id].payload["weights_version"], job_id))
         self.progress.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
         return picked
 
     def on_step_end(self, step: int) -> None:
         """Step ``step`` has trained and its weights are published."""
         if self.in_training is not None and self.in_training.trained_one_step():
-            self.consumed.add(self.in_training.job_id)
+            for part in self.in_training.parts:
+                done = self.groups_done.setdefault(part.job_id, set())
+                done.update(part.groups)
+                if len(done) == part.of_groups:
+                    self.consumed.add(part.job_id)
+                    del self.groups_done[part.job_id]
             self.in_training = None
         self.progress.published_version = step
         self.producer.wake()
@@ -185,12 +326,16 @@ class JobPipeline:
     # ------------------------------------------------------------------ end of training
 
     def finish(self) -> None:
-        """Every job and result left in queue/ is archived 'unused'.
+        """Every job and result left in queue/ is archived 'unused' (a result whose groups were split across
+        batches 'consumed': the final checkpoint counts it so).
 
         Jobs in workers' hands are waited for (at most a lease) and their results archived.
         Nothing goes back to pending (a worker would take it with no one left to collect), and
         the loop repeats until queue/ is empty: a worker relaunched now may release a job."""
         self.stop()
+        if self.leftover is not None:
+            self.queue.consume(self.leftover[0])
+            self.leftover = None
         deadline = time.monotonic() + self.cfg.lease_s
         while True:
             for name in self.queue.scan()[0]:
@@ -211,3 +356,38 @@ class JobPipeline:
                 break
             time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
         log.info("[queue] finished: %s", self.queue.counts())
+
+
+def _groups_taken(result: CollectedResult, groups: list[int], num_generations: int) -> GroupsTaken:
+    batch = result.data["batch"]
+    rows = group_rows(groups, num_generations)
+    return GroupsTaken(result.job_id, result.payload["weights_version"], groups,
+                       batch["advantages"].size(0) // num_generations, len(rows),
+                       int(batch["completion_mask"][rows].sum()))
+
+
+def _weighted_metrics(parts: list[tuple[CollectedResult, list[int]]]) -> dict:
+    """The workers' TRL metrics of the results a batch takes groups from, each weighted by the groups it gives."""
+    totals, weights = {}, {}
+    for result, groups in parts:
+        for name, value in result.data["metrics"].items():
+            totals[name] = totals.get(name, 0.0) + value * len(groups)
+            weights[name] = weights.get(name, 0) + len(groups)
+    return {name: totals[name] / weights[name] for name in totals}
+
+
+def _merged_logs(logs: list[dict | None]) -> dict | None:
+    """One completions table from the parts' rows (None when no part carries any)."""
+    present = [part for part in logs if part]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+    merged = {"prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+    for part in present:
+        for key in ("prompt", "completion", "advantages"):
+            merged[key] += part.get(key, [])
+        for key in ("rewards", "extra"):
+            for name, values in part.get(key, {}).items():
+                merged[key].setdefault(name, []).extend(values)
+    return merged

@@ -11,10 +11,12 @@ weights version and the step that takes it; each job trains ``steps_per_job`` st
 the worst case every other job in flight is trained before the oldest one, so the producer
 throws only while
 
-    next_take_step + in_flight * steps_per_job - oldest_version <= max_staleness
+    next_take_step + in_flight * expected_yield * steps_per_job - oldest_version <= max_staleness
 
 where ``next_take_step`` is the trainer's step when it takes its next result,
-``in_flight`` counts the jobs in queue/ and the cache, and ``oldest_version`` is the lowest
+``in_flight`` counts the jobs in queue/ and the cache, ``expected_yield`` is the fraction of
+a result's groups that are trained (1, or with dynamic sampling as measured over the last
+results: more jobs are thrown when most groups are dropped), and ``oldest_version`` is the lowest
 weights version any job not yet collected can have been generated with. A pending job will
 sync at least the version published when it was last seen pending, so that is its floor.
 Also at most ``max_pending`` pending and ``max_outstanding`` in flight.
@@ -70,6 +72,7 @@ class TrainingProgress:
     published_version: int = 0  # the newest weights a worker can sync
     next_take_step: int = 0  # the trainer's step when it takes its next result
     judging: str | None = None
+    expected_yield: float = 1.0  # the batches one result is expected to fill (< 1 with dynamic sampling)
 
 
 class HoldTimes:
@@ -200,7 +203,8 @@ class JobProducer(WatchedThread):
         if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
             return False
         oldest = min((floor for job_id, floor in floors.items() if job_id not in stragglers), default=published)
-        return next_take_step + in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
+        batches_in_flight = in_flight * self.progress.expected_yield
+        return next_take_step + batches_in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
 
     def _report(self, stragglers: dict[str, float], names: list) -> None:
         new = stragglers.keys() - self.hold_times.reported

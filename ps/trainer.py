@@ -58,7 +58,7 @@ from asyncgrpo.run.rundir import LEDGER_FILE, checkpoint_folders, newest_complet
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import JobInTraining, JobPipeline
+from ps.pipeline import BatchInTraining, JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
@@ -99,9 +99,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
             self.queue = JobQueue(run, events=self.events, max_payload_bytes=cfg.max_payload_bytes)
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
+            self.pipeline.pad_token_id = self._tokenizer.pad_token_id  # assembled batches pad with it
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
-        self._job_copy: JobInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)
+        self._job_copy: BatchInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self._step_record = _new_step_record()  # since the last logged step
@@ -181,6 +182,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
         self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         self._add_job_metrics()
+        if self.cfg.dynamic_sampling:  # counted on the batch's first step
+            self._step_record["groups_dropped"] += self.job.groups_dropped
+            self._metrics["train"]["dynamic_sampling/groups_dropped"].append(self.job.groups_dropped)
         if self.log_completions and self.is_queue_client:
             self._add_completion_logs(job["logs"])
         batch = self._process_slice(batch)
@@ -194,21 +198,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return batch
 
     def _take_job(self) -> dict:
-        """The next result from the pipeline (the queue client's part): its batch and what every rank logs."""
+        """The next batch from the pipeline (the queue client's part): its tensors and what every rank logs."""
         started = time.monotonic()
-        result, staleness = self.pipeline.next_result(self.state.global_step)
-        step = self.state.global_step + 1  # the step this result trains
+        taken = self.pipeline.next_batch(self.state.global_step)
+        step = self.state.global_step + 1  # the step this batch starts
         self.events.emit("wait_result", step=step, dur_ms=(time.monotonic() - started) * 1e3)
-        batch = dict(result.data["batch"])
-        self.events.emit("result_consumed", job_id=result.job_id, weights_version=result.payload["weights_version"],
-                         step=step, staleness=staleness, samples=int(batch["advantages"].numel()),
-                         tokens=int(batch["completion_mask"].sum()))
-        return {"batch": batch, "logs": result.data.get("logs"), "in_training": self.pipeline.in_training}
+        for part in taken.in_training.parts:  # one event per result the batch takes groups from
+            self.events.emit("result_consumed", job_id=part.job_id, weights_version=part.weights_version, step=step,
+                             staleness=step - 1 - part.weights_version, samples=part.samples, tokens=part.tokens,
+                             groups=part.groups, of_groups=part.of_groups)
+        return {"batch": taken.tensors, "logs": taken.logs, "in_training": taken.in_training}
 
     @property
-    def job(self) -> JobInTraining | None:
-        """The job in training: the pipeline's on the first rank, the copy broadcast with the batch on the others
-        (each counts its steps down after every optimizer step)."""
+    def job(self) -> BatchInTraining | None:
+        """The batch in training: the pipeline's on the first rank, the copy broadcast with the tensors on the
+        others (each counts its steps down after every optimizer step)."""
         return self.pipeline.in_training if self.is_queue_client else self._job_copy
 
     def _process_slice(self, batch: dict) -> dict:
@@ -279,10 +283,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        version = self.job.weights_version
-        staleness = step - 1 - version  # the weights this step started from, minus the behaviour's
-        self._step_record["staleness"].append(staleness)
-        self._step_record["weights_versions"].append(version)
+        # Each group's staleness: the weights this step started from, minus its result's (the behaviour's).
+        for part in self.job.parts:
+            self._step_record["staleness"] += [step - 1 - part.weights_version] * len(part.groups)
+            self._step_record["weights_versions"].append(part.weights_version)
+        staleness = max(step - 1 - part.weights_version for part in self.job.parts)
         if not self.is_queue_client and self._job_copy.trained_one_step():
             self._job_copy = None  # (the first rank's pipeline counts its own in on_step_end, below)
         if self.is_queue_client:
@@ -346,6 +351,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "staleness_max": logs["staleness/max"],
             "weights_version": logs["weights_version"],
             "trainer_wait_s": logs["trainer_wait_s"],
+            "groups_dropped": record["groups_dropped"],
             "step_time_s": round(now - self._last_step_end, 4),
             "queue_depth": self.queue.counts(),
             "time": time.time(),
@@ -362,7 +368,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  "complete:%d%s", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
                  f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
-                 f" dropped_prompts={dropped}" if dropped else "")
+                 (f" dropped_prompts={dropped}" if dropped else "")
+                 + (f" groups_dropped={line['groups_dropped']}" if self.cfg.dynamic_sampling else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",
@@ -392,8 +399,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.is_queue_client:
             return
         run_dir = self._get_output_dir(trial=trial)
+        final = self.state.global_step >= self.state.max_steps
         fileops.write_json(os.path.join(run_dir, f"checkpoint-{self.state.global_step}", LEDGER_FILE),
-                           {"global_step": self.state.global_step, **self.pipeline.state_dict()}, fsync=True)
+                           {"global_step": self.state.global_step, **self.pipeline.state_dict(final)}, fsync=True)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)
@@ -419,4 +427,4 @@ def _fmt(value) -> str:
 
 
 def _new_step_record() -> dict:
-    return {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": []}
+    return {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": [], "groups_dropped": 0}

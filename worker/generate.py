@@ -58,6 +58,10 @@ BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
 GENERATE = "_generate"
 GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over token ids
 CALCULATE_REWARDS = "_calculate_rewards"  # its loop variable reward_func_name names the function being called
+# Added to each result's batch (the PS takes it out before training): per completion, the weighted sum of its
+# rewards that TRL normalises into advantages (NaN where no reward function scored it). Dynamic sampling reads
+# each group's spread from it (ps/groups.py).
+REWARDS_KEY = "rewards"
 COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, rewards (per function), advantages, extra
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -203,6 +207,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
     _clear_completion_logs(trainer)  # and its completions table rows only
     generate = getattr(trainer, GENERATE)
+    calculate_rewards = getattr(trainer, CALCULATE_REWARDS)
+    rewards_per_func = []
     generated_at = []
     capture = BehaviourCapture(trainer) if pregenerated is None else pregenerated.capture
 
@@ -217,7 +223,12 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
         events.emit("score_start", **job_fields)
         return out
 
+    def kept_rewards(*args, **kwargs):
+        rewards_per_func.append(calculate_rewards(*args, **kwargs))
+        return rewards_per_func[-1]
+
     setattr(trainer, GENERATE, timed_generate)
+    setattr(trainer, CALCULATE_REWARDS, kept_rewards)
     try:
         # The PS's forward passes run under the trainer's mixed precision (accelerate wraps the model it
         # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
@@ -227,13 +238,23 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
             if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
                 _add_behaviour_logps(trainer, batch, capture)
     finally:
-        delattr(trainer, GENERATE)  # back to the class's method
+        delattr(trainer, GENERATE)  # back to the class's methods
+        delattr(trainer, CALCULATE_REWARDS)
     if generated_at:
         events.emit("score_end", dur_ms=(time.monotonic() - generated_at[0]) * 1e3, **job_fields)
     metrics = {name: statistics.fmean(values) for name, values in trainer._metrics["train"].items() if values}
     trainer._metrics["train"].clear()
     on_cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    on_cpu[REWARDS_KEY] = _weighted_rewards(trainer, rewards_per_func[-1])
     return on_cpu, metrics
+
+
+def _weighted_rewards(trainer: GRPOTrainer, rewards_per_func: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward as TRL sums it before normalising (NaN where every reward function returned None)."""
+    rewards_per_func = rewards_per_func.detach().float().cpu()
+    rewards = (rewards_per_func * trainer.reward_weights.float().cpu().unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
 
 
 @contextlib.contextmanager

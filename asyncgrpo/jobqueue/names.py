@@ -50,6 +50,7 @@ class ArchiveReason(str, enum.Enum):
     RETRIED = "retried"  # an attempt that raised; the job went back to pending as attempt + 1, its errors inside
     FAILED = "failed"  # raised on each of its max_attempts attempts: never trained on (the errors are inside)
     UNUSED = "unused"  # thrown, or even generated, but training ended before it was needed
+    FILTERED = "filtered"  # groups dynamic sampling dropped (rewards without spread): a whole result, or a record
 
 
 # States whose files carry an owning device, and the word between state and device.

@@ -388,6 +388,18 @@ class JobQueue:
                     raise AlreadyConsumed(job_id) from None
         raise RuntimeError(f"done/ holds a million {reason.value} files for job {job_id}")
 
+    def archive_record(self, job_id: str, reason: ArchiveReason, data: dict) -> Path | None:
+        """Writes ``data`` into done/ as ``{job_id}_{reason}.pt``: what became of part of a result whose file is
+        archived later under another reason. None when the record is there already (written before a restart)."""
+        target = self.run.done / done_name(job_id, reason)
+        payload = {"schema": SCHEMA_VERSION, "kind": "record", "job_id": job_id, "data": data}
+        try:
+            fileops.write_payload(self.run.tmp, target, payload, fsync=self.fsync)
+        except FileExistsError:
+            return None
+        self.events.emit("result_archived", job_id=job_id, reason=reason.value, attempt=1, record=True)
+        return target
+
     def archive_if_present(self, path, job_id: str, reason: ArchiveReason, attempt: int = 1) -> Path | None:
         """archive(), where the file having been moved already by someone else is fine (returns None)."""
         try:

@@ -59,13 +59,19 @@ def pending(queue):
     return queue.counts()[JobState.PENDING.value]
 
 
-def next_result_in_thread(pipeline, step):
-    """next_result on a thread: (thread, outcome dict) so a hang fails the test instead of hanging it."""
+def take(pipeline, step):
+    """next_batch for a batch of one result: (that result's part, its staleness when taken)."""
+    [part] = pipeline.next_batch(step).in_training.parts
+    return part, step - part.weights_version
+
+
+def next_batch_in_thread(pipeline, step):
+    """next_batch on a thread: (thread, outcome dict) so a hang fails the test instead of hanging it."""
     outcome = {}
 
     def call():
         try:
-            outcome["result"] = pipeline.next_result(step)
+            outcome["result"] = pipeline.next_batch(step)
         except BaseException as err:  # noqa: BLE001 - the test inspects it
             outcome["error"] = err
 
@@ -83,7 +89,7 @@ def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, monkeyp
     pipeline = make_pipeline(run)
     pipeline.start(None, published_version=0)
     try:
-        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread, outcome = next_batch_in_thread(pipeline, step=0)
         thread.join(WAIT_S)
         assert not thread.is_alive(), "the trainer kept waiting after the producer died"
         err = outcome["error"]
@@ -102,7 +108,7 @@ def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatc
     monkeypatch.setattr(pipeline.queue, "recover", broken_recover)
     pipeline.start(None, published_version=0)
     try:
-        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread, outcome = next_batch_in_thread(pipeline, step=0)
         thread.join(WAIT_S)
         assert not thread.is_alive()
         assert "result collector stopped: RuntimeError: recovery broke" in str(outcome["error"])
@@ -125,7 +131,7 @@ def test_jobs_failing_in_a_row_stop_the_waiting_trainer_with_their_error(run):
     pipeline.start(None, published_version=0)
     try:
         wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread, outcome = next_batch_in_thread(pipeline, step=0)
         for _ in range(4):  # two jobs, two attempts each: the oldest first, thrown-again attempts included
             fail_one(pipeline.queue, message="the server is down")
         thread.join(WAIT_S)  # well before the trainer's 30 s wait report
@@ -148,7 +154,7 @@ def test_a_job_that_fails_on_every_attempt_is_dropped_and_training_goes_on(run):
         failing = fail_one(pipeline.queue)  # attempt 1: thrown again, ahead of the newer job
         assert fail_one(pipeline.queue).job_id == failing.job_id  # attempt 2: reported, dropped
         good = work_one(pipeline.queue, version=0)
-        result, _ = pipeline.next_result(step=0)
+        result, _ = take(pipeline, 0)
         assert result.job_id == good.job_id
         wait_for(lambda: os.path.exists(run.done / f"{failing.job_id}_failed_a2.pt"), "the failed job archived")
         assert (pipeline.failed.jobs, pipeline.failed.prompts) == (1, 2)  # 4 rows, 2 generations each
@@ -167,7 +173,7 @@ def test_a_result_whose_weights_version_is_not_an_integer_is_rejected_not_fatal(
         assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]},
                                        weights_version=version)
         good = work_one(pipeline.queue, version=0, device=2)
-        result, staleness = pipeline.next_result(step=0)
+        result, staleness = take(pipeline, 0)
         assert (result.job_id, staleness) == (good.job_id, 0)
         assert os.path.exists(run.done / f"{job.job_id}_failed_load.pt")
     finally:
@@ -237,7 +243,7 @@ def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run):
     try:
         wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
         stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
-        thread, outcome = next_result_in_thread(pipeline, step=3)
+        thread, outcome = next_batch_in_thread(pipeline, step=3)
         wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
         wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
         rethrown = pipeline.queue.claim(1)
@@ -245,7 +251,8 @@ def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run):
         assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
                                        weights_version=3)
         thread.join(WAIT_S)
-        assert outcome["result"][0].job_id == rethrown.job_id and outcome["result"][1] == 0
+        [part] = outcome["result"].in_training.parts
+        assert part.job_id == rethrown.job_id and part.weights_version == 3
     finally:
         pipeline.stop()
 
@@ -272,12 +279,13 @@ def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(r
     try:
         wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
         job = work_one(pipeline.queue, version=0)
-        result, _ = pipeline.next_result(step=0)
+        result, _ = take(pipeline, 0)
         pipeline.producer.owe("000000_999", [{"prompt": "owed"}])
-        state = pipeline.state_dict()
+        between_batches, state = pipeline.state_dict(), pipeline.state_dict(final=True)
     finally:
         pipeline.stop()
-    assert state["consumed"] == [job.job_id] == [result.job_id]
+    assert between_batches["consumed"] == []  # its step has not trained yet
+    assert state["consumed"] == [job.job_id] == [result.job_id]  # the run ends here: a batch cut short counts
     assert state["producer"]["owed"] == [{"from_job": "000000_999", "rows": [{"prompt": "owed"}]}]
     assert state["producer"]["batches_drawn"] >= 1 and state["producer"]["last_job_id"] >= job.job_id
 
@@ -298,13 +306,13 @@ def test_admission_throws_only_what_can_still_be_trained_within_the_bound(run):
         straggler = queue.claim(1)
         for step in (1, 2, 3):  # the other three are generated with newer weights and trained
             work_one(queue, version=step - 1, device=2)
-            assert pipeline.next_result(step=step - 1)[1] <= 3
+            assert take(pipeline, step - 1)[1] <= 3
             pipeline.on_step_end(step)
             assert pipeline.producer._may_throw() is False  # taken + in flight - 0 would exceed 3
         assert [(n.job_id, n.state) for n in queue.scan()[0]] == [(straggler.job_id, JobState.PROCESSING)]
         assert queue.complete(straggler, {"batch": batch(), "metrics": {}, "rows": straggler.data["rows"]},
                               weights_version=0)
-        result, staleness = pipeline.next_result(step=3)
+        result, staleness = take(pipeline, 3)
         assert (result.job_id, staleness) == (straggler.job_id, 3)  # trained, not stale
         pipeline.on_step_end(4)
         wait_for(lambda: pending(queue) == 4, "the producer to throw again")
@@ -322,7 +330,7 @@ def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(run)
         pipeline.producer.stop()  # from here the test makes each call the threads would make, one at a time
         cache_results(pipeline, versions=[0, 0])
         assert pipeline.producer._may_throw() is False  # 0 + 2 in flight - 0 > 1
-        # The trainer, in the middle of next_result: the result is out of the cache and archived consumed
+        # The trainer, in the middle of next_batch: the result is out of the cache and archived consumed
         # (out of queue/), and next_take_step is not yet 1.
         result = pipeline.cache.take(pipeline._pick, timeout=WAIT_S)
         assert pipeline.queue.consume(result) and pipeline.progress.next_take_step == 0
@@ -360,7 +368,7 @@ def test_ready_order_trains_the_result_with_the_oldest_weights_first(run):
         ids = cache_results(pipeline, versions=[2, 0, 1])
         order = []
         for step in (3, 4, 5):
-            order.append(pipeline.next_result(step=step)[0].job_id)
+            order.append(take(pipeline, step)[0].job_id)
             pipeline.on_step_end(step + 1)
     finally:
         pipeline.stop()
@@ -375,15 +383,15 @@ def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(run):
         first = pipeline.queue.claim(1)
         second = work_one(pipeline.queue, version=0, device=2)
         wait_for(lambda: len(pipeline.cache) == 1, "the second result cached")
-        thread, outcome = next_result_in_thread(pipeline, step=0)
+        thread, outcome = next_batch_in_thread(pipeline, step=0)
         thread.join(0.3)
         assert thread.is_alive() and not outcome  # head-of-line: waits for the first job
         assert pipeline.queue.complete(first, {"batch": batch(), "metrics": {}, "rows": first.data["rows"]},
                                        weights_version=0)
         thread.join(WAIT_S)
-        assert outcome["result"][0].job_id == first.job_id
+        assert outcome["result"].in_training.parts[0].job_id == first.job_id
         pipeline.on_step_end(1)
-        assert pipeline.next_result(step=1)[0].job_id == second.job_id
+        assert take(pipeline, 1)[0].job_id == second.job_id
     finally:
         pipeline.stop()
 
@@ -417,12 +425,12 @@ def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained
     try:
         wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
         job = work_one(pipeline.queue, version=0)
-        result, staleness = pipeline.next_result(step=0)
+        result, staleness = take(pipeline, 0)
         assert (result.job_id, staleness) == (job.job_id, 0)
         pipeline.on_step_end(1)
-        assert pipeline.consumed == set() and pipeline.in_training.job_id == job.job_id
-        with pytest.raises(PipelineError, match=f"while job {job.job_id} has 1 step"):
-            pipeline.next_result(step=1)  # the trainer's steps and the jobs are out of step: stop, loudly
+        assert pipeline.consumed == set() and pipeline.in_training.parts[0].job_id == job.job_id
+        with pytest.raises(PipelineError, match="while the one in training has 1 step"):
+            take(pipeline, 1)  # the trainer's steps and the jobs are out of step: stop, loudly
         pipeline.on_step_end(2)
         assert pipeline.consumed == {job.job_id} and pipeline.in_training is None
     finally:
@@ -439,7 +447,7 @@ def test_admission_counts_the_steps_each_job_in_flight_will_train(run):
         wait_for(lambda: pending(queue) == 2, "two pending jobs")
         assert pipeline.producer._may_throw() is False
         work_one(queue, version=0)
-        assert pipeline.next_result(step=0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
+        assert take(pipeline, 0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
         assert pipeline.producer._may_throw() is False  # 2 + 1 x 2 - 0 > 3
         pipeline.on_step_end(1)
         wait_for(lambda: pending(queue) == 2, "a job for the weights of step 1")  # 2 + 1 x 2 - 1 <= 3
@@ -455,7 +463,7 @@ def test_synchronous_mode_with_several_steps_per_job_waits_for_the_jobs_last_ste
     try:
         wait_for(lambda: pending(queue) == 1, "a pending job")
         work_one(queue, version=0)
-        pipeline.next_result(step=0)
+        take(pipeline, 0)
         pipeline.on_step_end(1)
         assert pipeline.producer._may_throw() is False  # its result would be taken at step 2
         pipeline.on_step_end(2)
