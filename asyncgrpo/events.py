@@ -17,7 +17,10 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
                                its file appears in queue/)
     ps      result_collected   job_id, weights_version, worker_device, latency_ms (result written -> collected)
     ps      wait_result        step, dur_ms: the trainer waited for a result for this step
-    ps      result_consumed    job_id, weights_version, step (the one it trains), staleness, samples, tokens
+    ps      result_consumed    job_id, weights_version, step (the first it trains), staleness, samples, tokens,
+                               groups, of_groups: the result's groups in that step's batch (with dynamic
+                               sampling a result may give groups to two batches, and a batch take from several)
+    ps      groups_dropped     job_id, groups, reward_std, reason: dynamic sampling dropped them
     any     result_archived    job_id, reason, attempt: any job or result file moved to done/
     ps      train_step_start   step
     ps      train_step_end     step, dur_ms, wait_ms (reward and loss per step: RUN/metrics.jsonl)

@@ -5,6 +5,9 @@ fills up by itself may miss it (a test's tool):
 
 kill-mid-save STEP       SIGKILLed in the save of checkpoint-STEP: its model written, not yet its optimizer,
                          trainer state or ledger
+kill-after-split STEP    SIGKILLed in the save of the first checkpoint from checkpoint-STEP on whose previous
+                         checkpoint holds a result partly trained (dynamic sampling's groups_done): a resume
+                         takes the rest of its groups
 kill-before-ledger STEP  SIGKILLed when all of checkpoint-STEP is written but the ledger that marks it
                          complete (older checkpoints not yet rotated out)
 full-metrics N           the disk is full for metrics.jsonl from its N-th line on (the write fails, ENOSPC)
@@ -14,6 +17,7 @@ full-snapshot VERSION    the disk is full for the weights snapshot of VERSION (-
 """
 
 import errno
+import json
 import os
 import signal
 import sys
@@ -21,7 +25,7 @@ import sys
 from safetensors import SafetensorError
 from transformers import Trainer
 
-from asyncgrpo.run.rundir import LEDGER_FILE
+from asyncgrpo.run.rundir import LEDGER_FILE, newest_complete_checkpoint
 from asyncgrpo.weights import snapshot
 
 FAULT, ARG = os.environ["PS_FAULT"].split()
@@ -39,6 +43,19 @@ if FAULT == "kill-mid-save":
     def _save_optimizer_and_scheduler(self, output_dir):
         if os.path.basename(output_dir) == FOLDER:
             os.kill(os.getpid(), signal.SIGKILL)
+        return save_optimizer(self, output_dir)
+
+    Trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
+elif FAULT == "kill-after-split":
+    save_optimizer = Trainer._save_optimizer_and_scheduler
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        step = int(os.path.basename(output_dir).split("-")[1])
+        previous = newest_complete_checkpoint(os.path.dirname(output_dir))
+        if step >= int(ARG) and previous is not None:
+            with open(os.path.join(previous, LEDGER_FILE)) as f:
+                if json.load(f).get("groups_done"):
+                    os.kill(os.getpid(), signal.SIGKILL)
         return save_optimizer(self, output_dir)
 
     Trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler

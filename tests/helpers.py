@@ -395,6 +395,35 @@ def assert_exactly_once(run_root, jobs: int) -> list[str]:
     return in_ledger
 
 
+def assert_groups_exactly_once(run_root, steps: int) -> dict:
+    """Exactly-once per group (dynamic sampling): over steps 1..``steps``, each as the last PS life to train it
+    trained it (``result_consumed`` events; a killed PS's steps after its checkpoint were trained again), no
+    group of any result trains twice; every group of each result in the final ledger was trained or dropped
+    (``groups_dropped``), never both; done/ holds one consumed file per ledger entry. Returns
+    {"trained": {(job, group), ...}, "dropped": {...}, "split": job ids whose groups trained in two steps}."""
+    by_step: dict[int, dict[int, list]] = {}
+    for e in ps_events(run_root, "result_consumed"):
+        by_step.setdefault(e["step"], {}).setdefault(e["pid"], []).append(e)
+    assert sorted(by_step) == list(range(1, steps + 1)), sorted(by_step)
+    trained, of_groups, steps_of = [], {}, {}
+    for step, lives in by_step.items():
+        for e in list(lives.values())[-1]:
+            trained += [(e["job_id"], g) for g in e["groups"]]
+            of_groups[e["job_id"]] = e["of_groups"]
+            steps_of.setdefault(e["job_id"], set()).add(step)
+    assert not duplicates(trained), f"groups trained twice: {duplicates(trained)}"
+    dropped = {(e["job_id"], g) for e in ps_events(run_root, "groups_dropped") for g in e["groups"]}
+    assert not set(trained) & dropped, f"groups both trained and dropped: {sorted(set(trained) & dropped)}"
+    in_ledger, in_done = ledger(run_root), consumed_in_done(run_root)
+    assert not duplicates(in_ledger) and sorted(in_done) == sorted(in_ledger), (in_ledger, in_done)
+    assert {job for job, _ in trained} <= set(in_ledger), "a result trained from is missing in the ledger"
+    for job in in_ledger:
+        missing = [g for g in range(of_groups[job]) if (job, g) not in dropped and (job, g) not in trained]
+        assert not missing or max(steps_of[job]) == steps, f"{job}: groups {missing} neither trained nor dropped"
+    return {"trained": set(trained), "dropped": dropped,
+            "split": {job for job, at in steps_of.items() if len(at) > 1}}
+
+
 def fill(model, value: int) -> None:
     """Every tensor of ``model`` (parameters and buffers) set to ``value``."""
     import torch
