@@ -168,6 +168,12 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     dynamic_sampling_max_std: float = field(default=0.0, metadata={
         "help": "With --dynamic_sampling: drop a group whose reward standard deviation is at most this (0: only "
                 "groups whose completions all score the same)."})
+    difficulty_filter: int = field(default=0, metadata={
+        "help": "Difficulty filtering: a prompt whose last this many groups all scored alike (all right or all "
+                "wrong) is skipped for --difficulty_filter_wait generation batches, then thrown again; skipped prompts "
+                "are counted (prompts_skipped). 0: off."})
+    difficulty_filter_wait: int = field(default=10, metadata={
+        "help": "With --difficulty_filter: how many generation batches a skipped prompt waits before it comes back."})
     # How workers generate.
     worker_decoding: str = field(default="auto", metadata={
         "help": "'eager': TRL's generate (a dynamic KV cache, one Python-launched forward per token); 'compiled': a "
@@ -233,6 +239,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                                       f"must be one of {', '.join(OFF_POLICY_MODES)}"),
             "off_policy_cap": (self.off_policy_cap > 0, "must be > 0"),
             "dynamic_sampling_max_std": (self.dynamic_sampling_max_std >= 0, "must be >= 0"),
+            "difficulty_filter": (self.difficulty_filter >= 0, "must be >= 0 (0: off)"),
+            "difficulty_filter_wait": (self.difficulty_filter_wait >= 1, "must be >= 1"),
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),

@@ -251,18 +251,23 @@ class JobPipeline:
 
     def _informative_groups(self, result: CollectedResult) -> tuple[list[int], int]:
         """The groups of ``result`` to train (those not done before a restart), and how many were dropped: with
-        dynamic sampling, those whose rewards spread no more than the threshold. Dropped groups are done."""
+        dynamic sampling, those whose rewards spread no more than the threshold. Dropped groups are done. Each
+        group's outcome feeds difficulty filtering (the producer's settled prompts)."""
         G = self.cfg.num_generations
         done = self.groups_done.get(result.job_id, set())
         todo = [g for g in range(result.data["batch"]["advantages"].size(0) // G) if g not in done]
-        if not self.cfg.dynamic_sampling:
+        if not (self.cfg.dynamic_sampling or self.cfg.difficulty_filter):
             return todo, 0
         rewards = result.data["batch"].get(REWARDS_KEY)
         if not isinstance(rewards, torch.Tensor) or rewards.shape != result.data["batch"]["advantages"].shape:
             raise PipelineError(f"result {result.job_id} carries no rewards per completion, which dynamic sampling "
-                                "needs: its worker runs an older asyncgrpo")
+                                "and difficulty filtering need: its worker runs an older asyncgrpo")
         spread = group_reward_std(rewards, G)
         flat = [g for g in todo if spread[g] <= self.cfg.dynamic_sampling_max_std or spread[g] < ZERO_STD]
+        for g in todo:
+            self.producer.settled.record(result.data["rows"][g * G], g in flat)
+        if not self.cfg.dynamic_sampling:
+            return todo, 0
         if flat:
             self.groups_done.setdefault(result.job_id, set()).update(flat)
             self._record_dropped(result, flat, spread)

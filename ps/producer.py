@@ -5,6 +5,13 @@ Part of the job pipeline (ps/pipeline.py). One job holds one generation batch:
 drawn in TRL's order (its RepeatSampler, seeded). Rows owed a re-throw (their result came
 back too stale) go out before new ones.
 
+Difficulty filtering (``--difficulty_filter K``, as prime-rl's online difficulty filtering): a
+prompt whose last K groups all scored alike (all right or all wrong, as the pipeline judges
+them) is settled; when a newly drawn batch holds it, its group is set aside for
+``--difficulty_filter_wait`` batches and the job filled up from the next; then it comes back
+(and is thrown whatever it has become). Nothing leaves the epoch's accounting: rows set aside
+are in the journal, and counted (``prompts_skipped``).
+
 Admission: a job is thrown only if every result in flight can still be trained within
 ``max_staleness``. A result's staleness is the number of optimizer steps between its
 weights version and the step that takes it; each job trains ``steps_per_job`` steps, and in
@@ -31,11 +38,12 @@ recovered when its lease expires (and its late result is then fenced out).
 The producer's journal, ``RUN/producer.json``, is written before each job file appears: the
 job id is reserved (ids never repeat, also across a PS crash) and the rows it carries are
 recorded, so a PS killed between the two throws them again instead of losing them. It also
-holds the rows owed a re-throw.
+holds the rows owed a re-throw and the rows set aside.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import threading
@@ -115,6 +123,33 @@ class HoldTimes:
         return min((since + after - now for since in self.held_since.values() if since + after > now), default=None)
 
 
+class SettledPrompts:
+    """Difficulty filtering: each prompt's last ``window`` outcomes, True where its group's rewards did not spread
+    (all right, or all wrong). A prompt is settled when each of its last ``window`` groups was so; 0 turns it off.
+    The pipeline records outcomes from the trainer's thread, the producer reads them from its own."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.lock = threading.Lock()
+        self.outcomes: dict[str, deque] = {}
+
+    @staticmethod
+    def key(row: dict) -> str:
+        return json.dumps(row.get("prompt"), sort_keys=True, default=str)
+
+    def record(self, row: dict, flat: bool) -> None:
+        if self.window:
+            with self.lock:
+                self.outcomes.setdefault(self.key(row), deque(maxlen=self.window)).append(flat)
+
+    def settled(self, row: dict) -> bool:
+        if not self.window:
+            return False
+        with self.lock:
+            last = self.outcomes.get(self.key(row), ())
+            return len(last) == self.window and all(last)
+
+
 class JobProducer(WatchedThread):
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, dataset, progress: TrainingProgress,
                  cache: ResultCache, on_error):
@@ -127,6 +162,10 @@ class JobProducer(WatchedThread):
         self.last_job_id: str | None = None
         self.last_rows: list = []
         self.owed: list[dict] = []  # {"from_job": id, "rows": [...]}, oldest first
+        # Difficulty filtering: groups of prompts settled lately, {"rows": [...], "until": batches_drawn}.
+        self.set_aside: list[dict] = []
+        self.prompts_skipped = 0
+        self.settled = SettledPrompts(cfg.difficulty_filter)
         self.version_floor: dict[str, int] = {}
         self.hold_times = HoldTimes()
 
@@ -134,8 +173,11 @@ class JobProducer(WatchedThread):
 
     def state_dict(self) -> dict:
         with self.lock:
-            return {"batches_drawn": self.batches_drawn, "last_job_id": self.last_job_id,
-                    "last_rows": self.last_rows, "owed": list(self.owed)}
+            return self._journal()
+
+    def _journal(self) -> dict:
+        return {"batches_drawn": self.batches_drawn, "last_job_id": self.last_job_id, "last_rows": self.last_rows,
+                "owed": list(self.owed), "set_aside": list(self.set_aside), "prompts_skipped": self.prompts_skipped}
 
     def load_state(self, checkpointed: dict | None) -> None:
         """Resumes from the journal (or the checkpoint's copy when the journal is missing or older):
@@ -148,6 +190,8 @@ class JobProducer(WatchedThread):
         self.last_rows = saved.get("last_rows") or []
         active = self.queue.active_job_ids()
         self.owed = [entry for entry in saved.get("owed", []) if entry["from_job"] not in active]
+        self.set_aside = saved.get("set_aside", [])
+        self.prompts_skipped = int(saved.get("prompts_skipped", 0))
         if self.last_job_id and self.last_rows and not self.queue.has_files_of(self.last_job_id):
             log.info("[queue] job %s was reserved but never written: its rows are thrown again", self.last_job_id)
             self.owed.insert(0, {"from_job": self.last_job_id, "rows": self.last_rows})
@@ -166,8 +210,7 @@ class JobProducer(WatchedThread):
         self.watcher.wake()
 
     def _write_journal(self) -> None:
-        fileops.write_json(self.journal_path, {"batches_drawn": self.batches_drawn, "last_job_id": self.last_job_id,
-                                               "last_rows": self.last_rows, "owed": self.owed}, fsync=True)
+        fileops.write_json(self.journal_path, self._journal(), fsync=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -228,13 +271,38 @@ class JobProducer(WatchedThread):
             for start in range(0, len(indices) - size + 1, size):
                 yield [self.dataset[i] for i in indices[start:start + size]]
 
+    def _next_rows(self) -> list:
+        """The next job's rows: owed rows first, then rows set aside that are due back, then the next batch drawn.
+        With difficulty filtering, the groups of a newly drawn batch whose prompt is settled are set aside for
+        ``difficulty_filter_wait`` batches, and the job is filled up from what comes next (rows beyond it are owed
+        first). Called under the lock; the caller journals what it changed."""
+        size, G = self.cfg.generation_batch_size, self.cfg.num_generations
+        rows: list = []
+        while len(rows) < size:
+            due = next((entry for entry in self.set_aside if entry["until"] <= self.batches_drawn), None)
+            if self.owed:
+                rows += self.owed.pop(0)["rows"]
+            elif due is not None:
+                self.set_aside.remove(due)
+                rows += due["rows"]
+            else:
+                batch = next(self._batches)
+                self.batches_drawn += 1
+                for start in range(0, len(batch), G):
+                    group = batch[start:start + G]
+                    if self.settled.settled(group[0]):
+                        self.set_aside.append({"rows": group, "until": self.batches_drawn
+                                               + self.cfg.difficulty_filter_wait})
+                        self.prompts_skipped += 1
+                    else:
+                        rows += group
+        if rows[size:]:
+            self.owed.insert(0, {"from_job": None, "rows": rows[size:]})
+        return rows[:size]
+
     def _throw(self) -> None:
         with self.lock:
-            if self.owed:
-                rows = self.owed.pop(0)["rows"]
-            else:
-                rows = next(self._batches)
-                self.batches_drawn += 1
+            rows = self._next_rows()
             job_id = next_job_id(self.last_job_id, self.progress.next_take_step)
             self.last_job_id, self.last_rows = job_id, rows
             self._write_journal()  # before the file exists: the id is taken and the rows accounted for

@@ -109,6 +109,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_started = self._last_step_end = time.monotonic()
         self._step_wait_s = 0.0  # this optimizer step's wait for results
         self._save_due_after_job = False
+        self._groups_dropped_total = 0  # by dynamic sampling, over the steps in metrics.jsonl
         self.add_callback(_PipelineCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -132,7 +133,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _forget_metrics_after(self, step: int) -> None:
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
-        training lost with the old PS, and those steps are trained again."""
+        training lost with the old PS, and those steps are trained again. Counts the groups dropped in the lines
+        kept (the running total each line carries)."""
         path = self.run.metrics_file
         if not path.exists():
             return
@@ -140,8 +142,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         kept, torn = [], 0
         for line in lines:
             try:
-                if json.loads(line)["step"] <= step:
+                record = json.loads(line)
+                if record["step"] <= step:
                     kept.append(line)
+                    self._groups_dropped_total += record.get("groups_dropped") or 0
             except (ValueError, KeyError, TypeError):  # a line cut short by a crash (or written over by hand)
                 torn += 1
         if len(kept) < len(lines):
@@ -352,11 +356,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "weights_version": logs["weights_version"],
             "trainer_wait_s": logs["trainer_wait_s"],
             "groups_dropped": record["groups_dropped"],
+            "groups_dropped_total": self._groups_dropped_total + record["groups_dropped"],
+            "prompts_skipped": self.pipeline.producer.prompts_skipped,
             "step_time_s": round(now - self._last_step_end, 4),
             "queue_depth": self.queue.counts(),
             "time": time.time(),
         }
         self._last_step_end = now
+        self._groups_dropped_total = line["groups_dropped_total"]
         self._step_record = _new_step_record()
         fileops.append_line(self.run.metrics_file, json.dumps(line))
         self._show_progress(line)
@@ -369,7 +376,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
                  (f" dropped_prompts={dropped}" if dropped else "")
-                 + (f" groups_dropped={line['groups_dropped']}" if self.cfg.dynamic_sampling else ""))
+                 + (f" groups_dropped={line['groups_dropped']}" if self.cfg.dynamic_sampling else "")
+                 + (f" prompts_skipped={line['prompts_skipped']}" if self.cfg.difficulty_filter else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",

@@ -233,7 +233,9 @@ def format_report(r: dict) -> str:
     if last is not None:
         lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "
                      f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']}) "
-                     f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms")
+                     f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
+                     + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} in all)"
+                        if last.get("groups_dropped_total") else ""))
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "

@@ -166,6 +166,18 @@ def training_numbers(lives: list[list]) -> dict:
     return out
 
 
+def dropped_groups(lives: list[list]) -> dict | None:
+    """Dynamic sampling's count: groups dropped (``groups_dropped``; one judged again after a restart counts
+    once) and groups trained (``result_consumed``, each step once); None when no group was dropped."""
+    dropped = {(e.get("job_id"), g) for life in lives for e in life if e["event"] == "groups_dropped"
+               for g in e.get("groups") or []}
+    if not dropped:
+        return None
+    trained = sum(len(e.get("groups") or []) for life in rolled_back_steps_removed(lives) for e in life
+                  if e["event"] == "result_consumed")
+    return {"dropped": len(dropped), "trained": trained, "dropped_fraction": len(dropped) / (len(dropped) + trained)}
+
+
 def dropped_jobs(events: list) -> dict:
     """Jobs the PS gave up after their last attempt (``job_dropped``): count, prompts, the newest error."""
     dropped = sorted((e for e in events if e["event"] == "job_dropped"), key=lambda e: e["mono"])
@@ -251,7 +263,7 @@ def analyse(tracks: list[Track]) -> dict:
     dropped = dropped_jobs(every)
     return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
             "archived": dict(sorted(archived.items(), key=lambda kv: -kv[1])), "stale_fraction": stale,
-            "dropped": dropped, "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
+            "dropped": dropped, "groups": dropped_groups(lives), "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
                                              "gaps": gaps},
             "diagnosis": diagnose(training, total, stale, dropped, gaps)}
 
@@ -299,6 +311,10 @@ def format_text(r: dict) -> str:
         w = r["workers_total"]
         lines.append(f"  all workers: busy {pct(w['busy_fraction'])}, syncing {pct(w['syncing_fraction'])}, "
                      f"idle {pct(w['idle_fraction'])}")
+    if r.get("groups"):
+        g = r["groups"]
+        lines.append(f"dynamic sampling: {g['dropped']} group(s) dropped (rewards without spread), {g['trained']} "
+                     f"trained: {pct(g['dropped_fraction'])} of the groups judged dropped")
     if r["archived"]:
         lines.append("archived: " + ", ".join(f"{reason} {n}" for reason, n in r["archived"].items())
                      + (f" (stale: {pct(r['stale_fraction'])} of collected results)" if r["stale_fraction"] else ""))

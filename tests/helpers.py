@@ -412,6 +412,8 @@ def assert_groups_exactly_once(run_root, steps: int) -> dict:
             of_groups[e["job_id"]] = e["of_groups"]
             steps_of.setdefault(e["job_id"], set()).add(step)
     assert not duplicates(trained), f"groups trained twice: {duplicates(trained)}"
+    created = [r["job_id"] for r in ps_events(run_root, "job_created")]
+    assert not duplicates(created), f"job ids thrown more than once: {duplicates(created)}"
     dropped = {(e["job_id"], g) for e in ps_events(run_root, "groups_dropped") for g in e["groups"]}
     assert not set(trained) & dropped, f"groups both trained and dropped: {sorted(set(trained) & dropped)}"
     in_ledger, in_done = ledger(run_root), consumed_in_done(run_root)

@@ -25,6 +25,7 @@ from transformers.trainer_callback import ProgressCallback, TrainerControl, Trai
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
+from asyncgrpo.events import EventLog
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward, write_demo_model
 from worker.behaviour import BehaviourCapture
@@ -34,8 +35,10 @@ from worker.generate import (
     GENERATE,
     GENERATE_AND_SCORE,
     GENERATE_SINGLE_TURN,
+    REWARDS_KEY,
     completion_logs,
     error_record,
+    generate_and_score,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -463,6 +466,21 @@ def test_a_failed_job_names_the_reward_function_from_trl_s_frames(trainer, how):
         with pytest.raises(ValueError) as raised:
             trainer._calculate_rewards(rows, [r["prompt"] for r in rows], completions, [[5, 5, 5, 5]] * len(rows))
     assert error_record(raised.value)["reward_function"] == "my_reward", raised.value
+
+
+def test_the_rewards_a_worker_sends_are_those_trl_normalises_into_advantages(trainer):
+    """Dynamic sampling (ps/groups.py) judges each group by the rewards the worker captures from TRL's
+    _calculate_rewards, weighted as TRL weights them; the PS pads assembled batches with TRL's tokenizer's pad."""
+    rows = job_rows(trainer)
+    # Unequal weights: advantages normalised within each group tell a weighted sum from an unweighted one.
+    with replaced(trainer, "reward_weights", torch.tensor([0.5, 2.0])):
+        batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=0)
+    rewards = batch[REWARDS_KEY]
+    assert rewards.shape == (len(rows),)
+    grouped = rewards.view(PROMPTS, G)
+    expected = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    torch.testing.assert_close(batch["advantages"], expected.flatten(), atol=1e-5, rtol=1e-4)
+    assert trainer._tokenizer.pad_token_id == trainer.processing_class.pad_token_id
 
 
 # Generation: what the worker captures behaviour log-probs from (worker/behaviour.py) and shares between jobs

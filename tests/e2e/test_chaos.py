@@ -8,6 +8,9 @@ in queue/), plus a small random delay. The schedule comes from
 random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
+It runs twice: training on whole results, and with dynamic sampling on the binary task (results
+split across batches, checked group by group).
+
 At the end: training reached max_steps, every job in the final ledger was consumed exactly
 once (the ledger, done/'s consumed files and the jobs the PS threw agree, with no job id
 twice in any of them), every file in done/ is accounted for, the queue is drained, and no process of the run
@@ -30,6 +33,7 @@ import pytest
 from helpers import (
     LEDGER_FILE,
     assert_exactly_once,
+    assert_groups_exactly_once,
     faulty_ps_env,
     metrics,
     pid_alive,
@@ -63,8 +67,8 @@ _DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<at
 class Chaos:
     """The run's processes, the kills, and a log of what the test did (printed on failure)."""
 
-    def __init__(self, tmp_path: Path, seed: int):
-        self.tmp, self.run_root = tmp_path, tmp_path / "run"
+    def __init__(self, tmp_path: Path, seed: int, args: list[str]):
+        self.tmp, self.run_root, self.args = tmp_path, tmp_path / "run", args
         self.rng = random.Random(seed)
         self.t0 = time.monotonic()
         self.ps: subprocess.Popen | None = None
@@ -87,7 +91,7 @@ class Chaos:
     def _start(self, log_name: str, module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         with open(self.tmp / log_name, "ab") as log:
             log.write(f"\n===== chaos test: starting {module} {' '.join(args)} =====\n".encode())
-        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *ARGS, env=env)
+        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *self.args, env=env)
         self.procs.append(proc)
         return proc
 
@@ -314,11 +318,15 @@ def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     return per_job
 
 
-def check_exactly_once_and_archive(run_root: Path, worker_kills: int) -> dict:
-    # The final ledger holds MAX_STEPS job ids, none twice, each archived as consumed exactly once
-    # in done/ and thrown once by the producer (tests/helpers.py).
+def check_exactly_once_and_archive(run_root: Path, worker_kills: int, by_group: bool) -> dict:
+    # The final ledger holds MAX_STEPS job ids (with dynamic sampling: each group of a result trained or dropped
+    # once), none twice, each archived as consumed exactly once in done/ and thrown once by the producer
+    # (tests/helpers.py).
     assert (run_root / "checkpoints" / f"checkpoint-{MAX_STEPS}" / LEDGER).is_file()
-    assert_exactly_once(run_root, jobs=MAX_STEPS)
+    if by_group:
+        assert_groups_exactly_once(run_root, MAX_STEPS)
+    else:
+        assert_exactly_once(run_root, jobs=MAX_STEPS)
 
     per_job = done_files(run_root)
     reasons = defaultdict(set)
@@ -333,7 +341,7 @@ def check_exactly_once_and_archive(run_root: Path, worker_kills: int) -> dict:
     assert not reasons["failed"] and not reasons["failed_load"], {r: reasons[r] for r in ("failed", "failed_load")}
     # Every trained-on result was published by a worker, whose fenced job file was archived
     # 'processed' (by the worker itself, or by recovery once the worker had died).
-    missing = (reasons["consumed"] | reasons["stale"]) - reasons["processed"]
+    missing = (reasons["consumed"] | reasons["stale"] | reasons["filtered"]) - reasons["processed"]
     assert not missing, f"a result without a processed job file: {sorted(missing)}"
     # A result generated with weights too old is not trained on; an orphaned job never had a result.
     assert not reasons["consumed"] & reasons["stale"], sorted(reasons["consumed"] & reasons["stale"])
@@ -382,10 +390,13 @@ def check_nothing_alive(chaos: Chaos) -> None:
 
 
 @pytest.mark.slow
-def test_chaos_random_kills_of_workers_and_ps(tmp_path):
+@pytest.mark.parametrize("dynamic_sampling", [False, True], ids=["whole_results", "dynamic_sampling"])
+def test_chaos_random_kills_of_workers_and_ps(tmp_path, dynamic_sampling):
     seed = int(os.environ.get("ASYNCGRPO_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
     print(f"chaos seed: {seed} (replay with ASYNCGRPO_CHAOS_SEED={seed})", flush=True)
-    chaos = Chaos(tmp_path, seed)
+    # Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
+    args = ARGS + (["--builtin_task", "first_digit", "--dynamic_sampling"] if dynamic_sampling else [])
+    chaos = Chaos(tmp_path, seed, args)
     try:
         chaos.launch_ps()
         for device in DEVICES:
@@ -405,7 +416,7 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path):
         chaos.note("workers stopped")
 
         check_training(chaos.run_root, chaos.resumes)
-        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills)
+        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills, by_group=dynamic_sampling)
         check_queue_drained(chaos.run_root)
         check_nothing_alive(chaos)
         cpu = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -17,7 +17,9 @@ from helpers import (
 )
 
 from asyncgrpo.jobqueue.names import done_reason
-from asyncgrpo.run import fileops
+from asyncgrpo.run import RunDir, fileops
+from queue_tools.cli import format_report, inspect_run
+from queue_tools.report import make_report
 
 TIMEOUT_S = 600
 STEPS = 14
@@ -59,5 +61,13 @@ def test_a_result_split_across_a_kill_trains_each_group_once_and_no_zero_varianc
             spread[payload["job_id"]] = rewards.max(dim=1).values - rewards.min(dim=1).values
     assert all(spread[job][g] > 0 for job, g in groups["trained"]), "a group without reward spread was trained"
     assert all(spread[job][g] == 0 for job, g in groups["dropped"] if job in spread)
-    # Each step's metrics line counts the groups dropped while its batch was assembled.
-    assert sum(m["groups_dropped"] for m in metrics(run_root)) >= 1
+    # Each step's metrics line counts the groups dropped while its batch was assembled, and their running total
+    # (carried on across the restart); queue_tools ls shows both, and the report counts groups from the events.
+    lines = metrics(run_root)
+    assert lines[-1]["groups_dropped_total"] == sum(m["groups_dropped"] for m in lines) > 0
+    ls = format_report(inspect_run(RunDir.open(run_root), 4))
+    assert f"groups dropped {lines[-1]['groups_dropped']} ({lines[-1]['groups_dropped_total']} in all)" in ls
+    assert "filtered" in ls.splitlines()[-2]  # done: ... | filtered N
+    report = make_report(RunDir.open(run_root))
+    assert (report["groups"]["dropped"], report["groups"]["trained"]) == (len(groups["dropped"]),
+                                                                          len(groups["trained"]))

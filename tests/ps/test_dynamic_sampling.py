@@ -149,3 +149,41 @@ def test_the_expected_yield_is_measured_from_the_groups_judged(run):
     finally:
         pipeline.stop()
     assert pipeline.progress.expected_yield == 0.5
+
+
+def test_a_settled_prompt_is_set_aside_for_a_while_and_comes_back_with_nothing_lost(run):
+    """Difficulty filtering: p0's last group scored alike, so each time a batch draws p0 its group waits two
+    batches; every prompt drawn is in a job thrown, or set aside, or owed: none lost, none twice."""
+    dataset = [{"prompt": f"p{i}"} for i in range(4)]  # two batches an epoch
+    cfg = {"generation_batch_size": ROWS, "per_device_train_batch_size": ROWS, "num_generations": G,
+           "max_pending": 6, "max_outstanding": 16, "max_staleness": 8, "lease_s": 30, "seed": 0,
+           "model_name_or_path": "unused", "output_dir": "unused", "difficulty_filter": 1, "difficulty_filter_wait": 2}
+    pipeline = JobPipeline(parse_config([f"--{k}={v}" for k, v in cfg.items()]), run, JobQueue(run), dataset)
+    pipeline.producer.settled.record({"prompt": "p0"}, flat=True)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pipeline.queue.counts()[JobState.PENDING.value] >= 6, "six jobs")
+    finally:
+        pipeline.stop()
+    journal = fileops.read_json(run.producer_journal)
+    thrown = [row["prompt"] for name in sorted(pipeline.queue.scan()[0])
+              for row in fileops.load_payload(pipeline.queue.path(name))["data"]["rows"]]
+    waiting = [row["prompt"] for entry in journal["set_aside"] + journal["owed"] for row in entry["rows"]]
+    batches = pipeline.producer._generation_batches()
+    drawn = [row["prompt"] for _ in range(journal["batches_drawn"]) for row in next(batches)]
+    assert sorted(thrown + waiting) == sorted(drawn)
+    assert journal["prompts_skipped"] == drawn.count("p0") // G > 0
+    assert "p0" in thrown  # it came back
+    assert all(len(set(thrown[i:i + G])) == 1 for i in range(0, len(thrown), G))  # whole groups
+
+
+def test_the_groups_judged_tell_difficulty_filtering_which_prompts_are_settled(run):
+    pipeline = started(make_pipeline(run, dynamic_sampling="false", difficulty_filter=1))
+    try:
+        job = complete_one(pipeline.queue, [FLAT, SPREAD])
+        taken = pipeline.next_batch(0)
+    finally:
+        pipeline.stop()
+    assert parts_of(taken) == [(job, [0, 1])]  # without dynamic sampling every group trains
+    rows = fileops.load_payload(run.done / f"{job}_consumed.pt")["data"]["rows"]
+    assert pipeline.producer.settled.settled(rows[0]) and not pipeline.producer.settled.settled(rows[G])

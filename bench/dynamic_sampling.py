@@ -1,0 +1,277 @@
+"""Dynamic sampling on the binary first_digit task: optimizer steps, generated samples and wall clock to a target
+accuracy, with and without it, with 1 and 3 workers, and plain TRL GRPOTrainer (no filtering) as the reference.
+
+    .venv/bin/python bench/dynamic_sampling.py [--seeds 0,1,2] [--configs trl,async1,async1_ds,async3,async3_ds]
+        [--target 0.8] [--cap 600] [--out results.json] [--png dynamic_sampling.png]
+
+Every run is real processes: `python -m ps` and N `python -m worker` with `--builtin_task first_digit` (plus
+`--dynamic_sampling` for the `_ds` configs), OpenMP threads as launch.sh gives them; TRL's GRPOTrainer in a child
+of this script with one thread. Same model (the demo's tiny Llama, initialised with seed 0), dataset, reward
+(first_digit_reward: 1 when the completion starts with the prompt's digit, else 0) and GRPOConfig (the demo's:
+4 prompts x 8 completions per step, lr 1e-3 decaying linearly to 0 at max_steps 1000); `--seeds` vary data order
+and sampling.
+
+Accuracy is the rolling mean over WINDOW steps of each step's reward: the mean reward of the completions
+generated for the step's batch (with dynamic sampling, of the results its groups come from, dropped groups
+included), so every config is measured on what its policy generates. A run stops when it reaches the target or at
+the step cap ("not reached"). Per run:
+    steps     optimizer steps to the target
+    samples   completions generated until then (workers' results written by that time; TRL: steps x 32)
+    wall_s    seconds from the moment training could start (TRL: the trainer built; asyncgrpo: the PS ready
+              and every worker holding its first weights) to that step
+    dropped   the fraction of groups dynamic sampling dropped (metrics.jsonl)
+The table gives medians [min-max] over seeds, and for each worker count the ratios dynamic sampling / none of the
+median steps and wall clock. The PNG plots each run's rolling accuracy against steps and against wall clock.
+Progress goes to stderr; the table and then the JSON document to stdout (and the JSON to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_buffers
+
+REPO = Path(__file__).resolve().parents[1]
+WINDOW = 10
+RUN_TIMEOUT_S = 1800
+CONFIGS = {"trl": None, "async1": (1, False), "async1_ds": (1, True), "async3": (3, False), "async3_ds": (3, True)}
+BATCH = 32  # completions per step (DEMO_DEFAULTS)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rolling(rewards: list[float]) -> list[float]:
+    return [statistics.fmean(rewards[max(0, i - WINDOW + 1):i + 1]) for i in range(len(rewards))]
+
+
+def reached(rewards: list[float], target: float) -> int | None:
+    """The first step (1-based) whose rolling mean over a full window reaches ``target``."""
+    return next((i + 1 for i, r in enumerate(rolling(rewards)) if i + 1 >= WINDOW and r >= target), None)
+
+
+def hyperparameters(seed: int) -> dict:
+    from asyncgrpo.tasks.demo import DEMO_DEFAULTS, cpu_overrides
+
+    return {**DEMO_DEFAULTS, **cpu_overrides(), "seed": seed, "save_strategy": "no", "disable_tqdm": True}
+
+
+def trl_child(spec_path: str) -> int:
+    """Plain TRL on first_digit until the target or the cap; one JSON line per step to spec['log']."""
+    spec = json.loads(Path(spec_path).read_text())
+    out = open(spec["log"], "a", buffering=1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncgrpo.tasks.demo import build_dataset, first_digit_reward, write_demo_model
+
+    work = tempfile.mkdtemp(prefix="ds_trl_", dir=spec["tmp"])
+    model_dir = write_demo_model(os.path.join(work, "demo_model"))
+    rewards = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+                out.write(json.dumps({"t": time.time(), "step": state.global_step, "reward": rewards[-1]}) + "\n")
+                if reached(rewards, spec["target"]) or state.global_step >= spec["cap"]:
+                    control.should_training_stop = True
+
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=first_digit_reward,
+                          args=GRPOConfig(**spec["config"], output_dir=os.path.join(work, "out")),
+                          train_dataset=build_dataset(n=1000, seed=spec["config"]["seed"]),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Recorder()])
+    trainer.remove_callback(PrinterCallback)
+    out.write(json.dumps({"t": time.time(), "event": "ready"}) + "\n")
+    trainer.train()
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def run_trl(seed: int, target: float, cap: int, work: Path) -> dict:
+    work.mkdir(parents=True)
+    spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "log": str(work / "steps.jsonl"),
+            "tmp": str(work)}
+    (work / "spec.json").write_text(json.dumps(spec))
+    with open(work / "trl.log", "wb") as logf:
+        proc = subprocess.Popen([sys.executable, __file__, "--trl-child", str(work / "spec.json")], cwd=REPO,
+                                env=child_env(1), stdout=logf, stderr=subprocess.STDOUT)
+        reap([proc], RUN_TIMEOUT_S)
+    lines = read_jsonl(work / "steps.jsonl")
+    ready = next((x["t"] for x in lines if x.get("event") == "ready"), None)
+    steps = [x for x in lines if "step" in x]
+    return summarize([s["reward"] for s in steps], [s["t"] for s in steps], ready, target,
+                     samples=lambda step, _t: step * BATCH, dropped=None, returncode=proc.returncode)
+
+
+def run_async(seed: int, workers: int, dynamic: bool, target: float, cap: int, work: Path) -> dict:
+    run = work / "run"
+    (run / "logs").mkdir(parents=True)
+    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
+            "--save_strategy", "no", "--builtin_task", "first_digit"]
+    env = child_env(max(1, (os.cpu_count() or 1) // (workers + 1)))  # launch.sh on CPU
+
+    def start(name, *cmd):
+        with open(run / "logs" / name, "ab") as logf:
+            return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT)
+
+    ps = start("ps.txt", "ps", *(["--dynamic_sampling"] if dynamic else []))
+    procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while ps.poll() is None and time.monotonic() < deadline:
+            rewards = [s["reward"] for s in read_jsonl(run / "metrics.jsonl")]
+            if reached(rewards, target) or len(rewards) >= cap:
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:  # the PS first: workers then finish the job in hand and exit
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        reap(procs, 120)
+    remove_weight_buffers(run)
+    steps = read_jsonl(run / "metrics.jsonl")
+    ps_started = (json.loads((run / "ps.json").read_text()) if (run / "ps.json").exists() else {}).get("started_at")
+    ready = ready_times(run, workers)
+    all_ready = max([ps_started or 0.0, *ready.values()]) if len(ready) == workers else None
+    written = [e for i in range(1, workers + 1) for e in read_jsonl(run / "logs" / f"events-worker-dev{i}.jsonl")
+               if e.get("event") == "result_written"]
+    dropped = sum(s.get("groups_dropped") or 0 for s in steps)
+    return summarize([s["reward"] for s in steps], [s["time"] for s in steps], all_ready, target,
+                     samples=lambda _step, t: sum(e["samples"] for e in written if e["t"] <= t),
+                     dropped=dropped / (dropped + len(steps) * BATCH // 8) if dynamic and steps else None,
+                     returncode=0 if ps.returncode in (0, 130, -15) else ps.returncode)
+
+
+def summarize(rewards, times, ready, target, samples, dropped, returncode) -> dict:
+    step = reached(rewards, target)
+    out = {"steps": step, "samples": None, "wall_s": None, "dropped": None if dropped is None else round(dropped, 3),
+           "steps_run": len(rewards), "returncode": returncode,
+           "curve": {"rolling": [round(r, 4) for r in rolling(rewards)],
+                     "t": [round(t - ready, 2) if ready else None for t in times]}}
+    if step is not None:
+        out["samples"] = samples(step, times[step - 1])
+        out["wall_s"] = round(times[step - 1] - ready, 2) if ready else None
+    return out
+
+
+def median_range(values: list) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "not reached"
+    med = statistics.median(values)
+    return f"{med:.0f} [{min(values):.0f}-{max(values):.0f}]" if med >= 10 else \
+        f"{med:.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def table(results: dict, seeds: list[int]) -> tuple[str, dict]:
+    lines = [f"{'config':<11}{'steps':>18}{'samples':>22}{'wall_s':>20}{'dropped':>18}{'reached':>9}"]
+    for config, runs in results.items():
+        lines.append(f"{config:<11}" + "".join(f"{median_range([r[k] for r in runs]):>{w}}" for k, w in
+                                                (("steps", 18), ("samples", 22), ("wall_s", 20), ("dropped", 18)))
+                     + f"{sum(r['steps'] is not None for r in runs):>6}/{len(seeds)}")
+    ratios = {}
+    for workers in (1, 3):
+        base, ds = results.get(f"async{workers}"), results.get(f"async{workers}_ds")
+        if not base or not ds:
+            continue
+        ratio = {}
+        for key in ("steps", "samples", "wall_s"):
+            a, b = [[r[key] for r in runs if r[key] is not None] for runs in (base, ds)]
+            ratio[key] = round(statistics.median(b) / statistics.median(a), 3) if a and b else None
+        ratios[f"{workers} worker(s)"] = ratio
+        lines.append(f"dynamic sampling / none, {workers} worker(s): steps x{ratio['steps']}, "
+                     f"samples x{ratio['samples']}, wall clock x{ratio['wall_s']} (medians over seeds)")
+    return "\n".join(lines), ratios
+
+
+def plot(results: dict, path: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for config, runs in results.items():
+        for i, run in enumerate(runs):
+            curve = run["curve"]["rolling"]
+            label = config if i == 0 else None
+            by_step.plot(range(1, len(curve) + 1), curve, color=colours[config], alpha=0.8, lw=1, label=label)
+            if None not in run["curve"]["t"]:
+                by_time.plot(run["curve"]["t"], curve, color=colours[config], alpha=0.8, lw=1, label=label)
+    for ax, xlabel in ((by_step, "optimizer step"), (by_time, "seconds since training could start")):
+        ax.axhline(target, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"accuracy (rolling mean over {WINDOW} steps)")
+        ax.legend(fontsize=8)
+    fig.suptitle("first_digit: dynamic sampling (_ds) against none, and plain TRL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--cap", type=int, default=600)
+    parser.add_argument("--out")
+    parser.add_argument("--png", default="dynamic_sampling.png")
+    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_child:
+        return trl_child(args.trl_child)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    work = Path(tempfile.mkdtemp(prefix="bench_ds_"))
+    results: dict[str, list] = {c: [] for c in configs}
+    try:
+        for seed in seeds:
+            for config in configs:
+                log(f"{config} seed {seed}")
+                started = time.time()
+                where = work / f"{config}_{seed}"
+                if CONFIGS[config] is None:
+                    result = run_trl(seed, args.target, args.cap, where)
+                else:
+                    result = run_async(seed, *CONFIGS[config], args.target, args.cap, where)
+                results[config].append({"seed": seed, **result})
+                log(f"  steps {result['steps']} samples {result['samples']} wall {result['wall_s']} s "
+                    f"dropped {result['dropped']} ({time.time() - started:.0f} s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text, ratios = table(results, seeds)
+    plot(results, Path(args.png), args.target)
+    doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "target": args.target, "window": WINDOW, "cap": args.cap, "seeds": seeds, "ratios": ratios,
+           "results": results, "png": str(Path(args.png).resolve())}
+    print(text)
+    print(json.dumps(doc))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
