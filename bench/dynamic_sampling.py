@@ -1,15 +1,16 @@
 """Dynamic sampling on the binary first_digit task: optimizer steps, generated samples and wall clock to a target
 accuracy, with and without it, with 1 and 3 workers, and plain TRL GRPOTrainer (no filtering) as the reference.
 
-    .venv/bin/python bench/dynamic_sampling.py [--seeds 0,1,2] [--configs trl,async1,async1_ds,async3,async3_ds]
+    .venv/bin/python bench/dynamic_sampling.py [--seeds 0,1,2]
+        [--configs trl,async1,async1_ds,async3,async3_ds,async3_ds_df]
         [--target 0.8] [--cap 600] [--out results.json] [--png dynamic_sampling.png]
 
 Every run is real processes: `python -m ps` and N `python -m worker` with `--builtin_task first_digit` (plus
-`--dynamic_sampling` for the `_ds` configs), OpenMP threads as launch.sh gives them; TRL's GRPOTrainer in a child
-of this script with one thread. Same model (the demo's tiny Llama, initialised with seed 0), dataset, reward
-(first_digit_reward: 1 when the completion starts with the prompt's digit, else 0) and GRPOConfig (the demo's:
-4 prompts x 8 completions per step, lr 1e-3 decaying linearly to 0 at max_steps 1000); `--seeds` vary data order
-and sampling.
+`--dynamic_sampling` for the `_ds` configs, and `--difficulty_filter 2` for `_df`), OpenMP threads as launch.sh
+gives them; TRL's GRPOTrainer in a child of this script with one thread. Same model (the demo's tiny Llama,
+initialised with seed 0), dataset, reward (first_digit_reward: 1 when the completion starts with the prompt's
+digit, else 0) and GRPOConfig (the demo's: 4 prompts x 8 completions per step, lr 1e-3 decaying linearly to 0 at
+max_steps 1000); `--seeds` vary data order and sampling.
 
 Accuracy is the rolling mean over WINDOW steps of each step's reward: the mean reward of the completions
 generated for the step's batch (with dynamic sampling, of the results its groups come from, dropped groups
@@ -45,7 +46,10 @@ from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_b
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 10
 RUN_TIMEOUT_S = 1800
-CONFIGS = {"trl": None, "async1": (1, False), "async1_ds": (1, True), "async3": (3, False), "async3_ds": (3, True)}
+# asyncN: N workers; _ds: --dynamic_sampling; _df: --difficulty_filter DIFFICULTY_K as well.
+CONFIGS = {"trl": None, "async1": (1, False, 0), "async1_ds": (1, True, 0), "async3": (3, False, 0),
+           "async3_ds": (3, True, 0), "async3_ds_df": (3, True, 2)}
+DIFFICULTY_K = 2
 BATCH = 32  # completions per step (DEMO_DEFAULTS)
 
 
@@ -120,7 +124,7 @@ def run_trl(seed: int, target: float, cap: int, work: Path) -> dict:
                      samples=lambda step, _t: step * BATCH, dropped=None, returncode=proc.returncode)
 
 
-def run_async(seed: int, workers: int, dynamic: bool, target: float, cap: int, work: Path) -> dict:
+def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target: float, cap: int, work: Path) -> dict:
     run = work / "run"
     (run / "logs").mkdir(parents=True)
     args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
@@ -132,7 +136,8 @@ def run_async(seed: int, workers: int, dynamic: bool, target: float, cap: int, w
             return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
                                     stderr=subprocess.STDOUT)
 
-    ps = start("ps.txt", "ps", *(["--dynamic_sampling"] if dynamic else []))
+    ps = start("ps.txt", "ps", *(["--dynamic_sampling"] if dynamic else []),
+               *(["--difficulty_filter", str(difficulty_k)] if difficulty_k else []))
     procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:

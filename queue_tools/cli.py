@@ -176,7 +176,8 @@ def last_logged_step(run: RunDir) -> dict | None:
             continue  # the first, cut line of the tail, or a line being written
         if isinstance(record, dict) and "step" in record:
             return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max",
-                                               "trainer_wait_s", "time")}
+                                               "trainer_wait_s", "groups_dropped", "groups_dropped_total",
+                                               "prompts_skipped", "time")}
     return None
 
 
@@ -235,7 +236,8 @@ def format_report(r: dict) -> str:
                      f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']}) "
                      f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
                      + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} in all)"
-                        if last.get("groups_dropped_total") else ""))
+                        if last.get("groups_dropped_total") else "")
+                     + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else ""))
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "

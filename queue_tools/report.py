@@ -263,7 +263,8 @@ def analyse(tracks: list[Track]) -> dict:
     dropped = dropped_jobs(every)
     return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
             "archived": dict(sorted(archived.items(), key=lambda kv: -kv[1])), "stale_fraction": stale,
-            "dropped": dropped, "groups": dropped_groups(lives), "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
+            "dropped": dropped, "groups": dropped_groups(lives),
+            "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
                                              "gaps": gaps},
             "diagnosis": diagnose(training, total, stale, dropped, gaps)}
 

@@ -4,7 +4,6 @@ while a result is split across batches, then relaunched on the same run director
 import json
 import signal
 import time
-from pathlib import Path
 
 from helpers import (
     LEDGER_FILE,
