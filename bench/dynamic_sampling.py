@@ -229,7 +229,7 @@ def plot(results: dict, path: Path, target: float) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("first_digit: dynamic sampling (_ds) against none, and plain TRL")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def main(argv: list[str] | None = None) -> int:

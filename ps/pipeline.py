@@ -107,8 +107,9 @@ class TrainingBatch:
 
 
 class JobPipeline:
-    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset, pad_token_id: int = 0):
         self.cfg, self.run, self.queue = cfg, run, queue
+        self.pad_token_id = pad_token_id  # the tokenizer's: assembled batches pad their ids with it
         # The ledger: results whose every group is trained into the weights (or dropped), and the groups done of
         # results partly trained. Groups of the batch in training enter it when its last step has trained.
         self.consumed: set[str] = set()
@@ -188,8 +189,7 @@ class JobPipeline:
         parts: list[tuple[CollectedResult, list[int]]] = []
         dropped = 0
         started = time.monotonic()
-        while groups_per_batch - sum(len(groups) for _, groups in parts) > 0:
-            room = groups_per_batch - sum(len(groups) for _, groups in parts)
+        while (room := groups_per_batch - sum(len(groups) for _, groups in parts)) > 0:
             if self.leftover is None:
                 result = self._next_result(step, started)
                 partly_done = result.job_id in self.groups_done
@@ -215,8 +215,6 @@ class JobPipeline:
                            G, self.pad_token_id)
         logs = [slice_logs(r.data.get("logs"), group_rows(g, G)) for r, g in parts]
         return TrainingBatch(tensors, _merged_logs(logs), in_training)
-
-    pad_token_id = 0  # the trainer sets the tokenizer's (assembled batches pad with it)
 
     def _next_result(self, step: int, started: float) -> CollectedResult:
         """The next result to take groups from; stale and duplicate results are archived on the way."""

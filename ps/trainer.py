@@ -98,8 +98,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.is_queue_client:
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
             self.queue = JobQueue(run, events=self.events, max_payload_bytes=cfg.max_payload_bytes)
-            self.pipeline = JobPipeline(cfg, run, self.queue, dataset)
-            self.pipeline.pad_token_id = self._tokenizer.pad_token_id  # assembled batches pad with it
+            self.pipeline = JobPipeline(cfg, run, self.queue, dataset, pad_token_id=self._tokenizer.pad_token_id)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
         self._job_copy: BatchInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)

@@ -18,7 +18,7 @@ from helpers import (
 from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.run import RunDir, fileops
 from queue_tools.cli import format_report, inspect_run
-from queue_tools.report import make_report
+from queue_tools.report import format_text, make_report
 
 TIMEOUT_S = 600
 STEPS = 14
@@ -70,3 +70,4 @@ def test_a_result_split_across_a_kill_trains_each_group_once_and_no_zero_varianc
     report = make_report(RunDir.open(run_root))
     assert (report["groups"]["dropped"], report["groups"]["trained"]) == (len(groups["dropped"]),
                                                                           len(groups["trained"]))
+    assert f"dynamic sampling: {len(groups['dropped'])} group(s) dropped" in format_text(report)
