@@ -112,9 +112,15 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
     final_model_dir: str | None = field(default=None, init=False)
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward functions f(prompts, completions, **kwargs) -> list[float], by import path 'module:function' "
-                "or 'module.function' (modules in the current folder import), or a reward trl grpo knows by name "
-                "(accuracy_reward, think_format_reward, ...); several allowed, weighted by reward_weights (default: "
-                "the demo task's reward)."})
+                "or 'module.function' (modules in the current folder import), a reward trl grpo knows by name "
+                "(accuracy_reward, think_format_reward, ...), or a reward model's folder (or hub id) as TRL's "
+                "GRPOTrainer takes it; several allowed, weighted by reward_weights (default: the demo task's "
+                "reward)."})
+    reward_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Reward model id of a pretrained model hosted inside a model repo on huggingface.co or local path to a "
+                "directory containing model weights saved using `PreTrainedModel.save_pretrained` (TRL loads it as a "
+                "sequence classifier with one label; the PS and every worker each load it on their own device). It "
+                "comes first among the rewards, as in trl grpo; alone, it replaces the built-in task's reward."})
     builtin_task: str = field(default="repeat", metadata={
         "help": "The built-in task trained without --model_name_or_path, --dataset_name and --reward_funcs: 'repeat' "
                 "(prompt 'N:', repeat the digit N; reward: the fraction of characters right) or 'first_digit' "

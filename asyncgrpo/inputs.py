@@ -51,17 +51,47 @@ def _trl_reward(name: str) -> Callable | None:
     return named[name]() if name in named else None
 
 
-def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable]:
-    """``module:function``, TRL's ``module.function``, or a reward TRL names (accuracy_reward, ...)."""
-    if not cfg.reward_funcs:
+def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable | str]:
+    """The rewards as TRL's GRPOTrainer takes them: a reward model first (--reward_model_name_or_path, as trl grpo
+    puts it), then each of --reward_funcs: ``module:function``, TRL's ``module.function``, a reward TRL names
+    (accuracy_reward, ...), or a reward model's folder or ``org/name`` hub id. A reward model stays a string:
+    GRPOTrainer loads it (a sequence classifier with one label) where it runs. Without any, the built-in task's
+    reward."""
+    models = [_reward_model(cfg.reward_model_name_or_path, "--reward_model_name_or_path")] \
+        if cfg.reward_model_name_or_path else []
+    if not cfg.reward_funcs and not models:
         from asyncgrpo.tasks.demo import first_digit_reward, repeat_digit_reward
 
         return [first_digit_reward if cfg.builtin_task == "first_digit" else repeat_digit_reward]
     with _cwd_first_on_path():
-        funcs = [_reward_func(spec) for spec in cfg.reward_funcs]
+        funcs = models + [_reward_model(spec, "--reward_funcs") if _names_a_model(spec) else _reward_func(spec)
+                          for spec in cfg.reward_funcs or []]
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):
-        raise ConfigError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(funcs)} reward functions")
+        raise ConfigError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(funcs)} rewards")
     return funcs
+
+
+def _names_a_model(spec: str) -> bool:
+    """A folder, or a hub id ``org/name`` (an import path has no slash)."""
+    return ":" not in spec and (os.path.isdir(os.path.expanduser(spec)) or "/" in spec)
+
+
+def _reward_model(spec: str, flag: str) -> str:
+    """A reward model's folder (absolute: every process loads it) after reading its config, or a hub id as given."""
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.isdir(path):
+        if _looks_like_a_path(spec):
+            raise ConfigError(f"{flag} {spec}: no such folder")
+        return spec  # a hub id: TRL downloads it, as trl grpo does
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{flag} {spec}: no config.json in {path} (a model saved with save_pretrained)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as err:  # a user's file: any failure to read it is a bad input
+        raise ConfigError(f"{flag} {spec}: cannot read its config: {first_line(err)}") from None
+    return path
 
 
 @contextlib.contextmanager
