@@ -127,30 +127,31 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.is_queue_client:
             return
         state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
-        self._forget_metrics_after(self.state.global_step)
+        self._groups_dropped_total = self._forget_metrics_after(self.state.global_step)
         self.pipeline.start(state, published_version=self.state.global_step)
 
-    def _forget_metrics_after(self, step: int) -> None:
+    def _forget_metrics_after(self, step: int) -> int:
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
-        training lost with the old PS, and those steps are trained again. Counts the groups dropped in the lines
-        kept (the running total each line carries)."""
+        training lost with the old PS, and those steps are trained again. Returns the groups dynamic sampling
+        dropped in the lines kept (where the running total each line carries goes on from)."""
         path = self.run.metrics_file
         if not path.exists():
-            return
+            return 0
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        kept, torn = [], 0
+        kept, torn, groups_dropped = [], 0, 0
         for line in lines:
             try:
                 record = json.loads(line)
                 if record["step"] <= step:
                     kept.append(line)
-                    self._groups_dropped_total += record.get("groups_dropped") or 0
+                    groups_dropped += record.get("groups_dropped") or 0
             except (ValueError, KeyError, TypeError):  # a line cut short by a crash (or written over by hand)
                 torn += 1
         if len(kept) < len(lines):
             fileops.replace_file(path, "".join(f"{line}\n" for line in kept).encode())
             log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)%s",
                      len(lines) - len(kept) - torn, step, f", {torn} unreadable line(s) removed" if torn else "")
+        return groups_dropped
 
     def finish(self) -> None:
         """End of training: what is left in queue/ is archived 'unused'; buffers freed."""
