@@ -187,3 +187,40 @@ def test_the_groups_judged_tell_difficulty_filtering_which_prompts_are_settled(r
     assert parts_of(taken) == [(job, [0, 1])]  # without dynamic sampling every group trains
     rows = fileops.load_payload(run.done / f"{job}_consumed.pt")["data"]["rows"]
     assert pipeline.producer.settled.settled(rows[0]) and not pipeline.producer.settled.settled(rows[G])
+
+
+def test_the_completions_table_of_an_assembled_batch_holds_the_rows_of_its_groups(run):
+    pipeline = started(make_pipeline(run))
+    try:
+        for groups in ([FLAT, SPREAD], [SPREAD, FLAT]):
+            job = pipeline.queue.claim(1)
+            rewards = torch.tensor([r for group in groups for r in group])
+            batch = {"advantages": torch.zeros(ROWS), "rewards": rewards,
+                     "prompt_ids": torch.ones(ROWS, 2, dtype=torch.long),
+                     "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long),
+                     "completion_ids": torch.ones(ROWS, 1, dtype=torch.long),
+                     "completion_mask": torch.ones(ROWS, 1, dtype=torch.long)}
+            logs = {"prompt": [f"{job.job_id}/{i}" for i in range(ROWS)], "completion": list("abcd"),
+                    "rewards": {"f": rewards.tolist()}, "advantages": [0.0] * ROWS, "extra": {}}
+            assert pipeline.queue.complete(job, {"batch": batch, "metrics": {}, "rows": job.data["rows"],
+                                                 "logs": logs}, weights_version=0)
+        taken = pipeline.next_batch(0)
+    finally:
+        pipeline.stop()
+    (first, _), (second, _) = parts_of(taken)
+    assert taken.logs["prompt"] == [f"{first}/2", f"{first}/3", f"{second}/0", f"{second}/1"]
+    assert taken.logs["rewards"]["f"] == [0.0, 1.0, 0.0, 1.0] and taken.logs["completion"] == list("cdab")
+
+
+def test_a_batch_of_several_optimizer_steps_enters_the_ledger_after_its_last(run):
+    pipeline = started(make_pipeline(run, num_iterations=2))
+    try:
+        first = complete_one(pipeline.queue, [FLAT, SPREAD])
+        split = complete_one(pipeline.queue, [SPREAD, SPREAD])
+        assert parts_of(pipeline.next_batch(0)) == [(first, [1]), (split, [0])]
+        pipeline.on_step_end(1)
+        assert pipeline.state_dict()["consumed"] == [] and pipeline.state_dict()["groups_done"] == {first: [0]}
+        pipeline.on_step_end(2)
+        assert pipeline.state_dict()["consumed"] == [first] and pipeline.state_dict()["groups_done"] == {split: [0]}
+    finally:
+        pipeline.stop()
