@@ -29,6 +29,7 @@ PER_SEQUENCE = ("advantages",)
 PER_PROMPT_TOKEN = ("prompt_ids", "prompt_mask")
 PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask")
 BEHAVIOUR_KEY = "old_per_token_logps"  # optional: absent when the worker generated with the newest weights
+REWARDS_KEY = "rewards"  # per completion, the weighted sum TRL normalises (worker/generate.py); dynamic sampling's
 
 
 def validate_result(payload: dict, rows_per_job: int) -> None:
@@ -56,6 +57,10 @@ def validate_result(payload: dict, rows_per_job: int) -> None:
     n = batch["advantages"].shape[0]
     if n != rows_per_job or batch["advantages"].dim() != 1:
         raise ValueError(f"advantages has shape {tuple(batch['advantages'].shape)}, expected ({rows_per_job},)")
+    rewards = batch.get(REWARDS_KEY)
+    if rewards is not None and (not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (n,)
+                                or not rewards.is_floating_point()):
+        raise ValueError(f"batch[{REWARDS_KEY!r}] must be a float tensor of shape ({n},)")
     completion_keys = PER_COMPLETION_TOKEN + ((BEHAVIOUR_KEY,) if BEHAVIOUR_KEY in batch else ())
     if BEHAVIOUR_KEY in batch and not isinstance(batch[BEHAVIOUR_KEY], torch.Tensor):
         raise ValueError(f"batch[{BEHAVIOUR_KEY!r}] is not a tensor")

@@ -9,6 +9,7 @@ assembled from the next informative groups of one or more results (ps/pipeline.p
     spread = group_reward_std(rewards, G)                  # one value per group
     batch = assemble([(result_batch, [0, 2]), (other_batch, [1])], G, pad_token_id)
     logs = slice_logs(result_logs, rows)                   # TRL's completions-table rows of those rows
+    logs = merge_logs([logs, other_logs])                  # one table from several results' rows
 
 Assembling concatenates the groups' rows and pads every part to the widest (prompts on the
 left, completions on the right, as TRL pads them) with masks 0: a row's tokens, masks,
@@ -93,3 +94,18 @@ def slice_logs(logs: dict | None, rows: list[int]) -> dict | None:
             "rewards": {name: pick(v) for name, v in logs.get("rewards", {}).items()},
             "advantages": pick(logs.get("advantages", [])),
             "extra": {name: pick(v) for name, v in logs.get("extra", {}).items()}}
+
+
+def merge_logs(parts: list[dict | None]) -> dict | None:
+    """One completions table from several results' rows, in order (None when no part carries any)."""
+    present = [part for part in parts if part]
+    if len(present) <= 1:
+        return present[0] if present else None
+    merged = {"prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+    for part in present:
+        for key in ("prompt", "completion", "advantages"):
+            merged[key] += part.get(key, [])
+        for key in ("rewards", "extra"):
+            for name, values in part.get(key, {}).items():
+                merged[key].setdefault(name, []).extend(values)
+    return merged

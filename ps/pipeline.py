@@ -50,14 +50,13 @@ import torch
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
 from asyncgrpo.run import RunDir
-from ps.collector import ResultCache, ResultCollector
+from ps.collector import REWARDS_KEY, ResultCache, ResultCollector
 from ps.failures import FailedJobs
-from ps.groups import assemble, group_reward_std, group_rows, slice_logs
+from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
 from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
-REWARDS_KEY = "rewards"  # per completion, in each result's batch (worker/generate.py)
 ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
 DROP_REASON = "reward std at most dynamic_sampling_max_std"
 YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
@@ -214,7 +213,7 @@ class JobPipeline:
         tensors = assemble([({k: v for k, v in r.data["batch"].items() if k != REWARDS_KEY}, g) for r, g in parts],
                            G, self.pad_token_id)
         logs = [slice_logs(r.data.get("logs"), group_rows(g, G)) for r, g in parts]
-        return TrainingBatch(tensors, _merged_logs(logs), in_training)
+        return TrainingBatch(tensors, merge_logs(logs), in_training)
 
     def _next_result(self, step: int, started: float) -> CollectedResult:
         """The next result to take groups from; stale and duplicate results are archived on the way."""
@@ -256,12 +255,12 @@ class JobPipeline:
         todo = [g for g in range(result.data["batch"]["advantages"].size(0) // G) if g not in done]
         if not (self.cfg.dynamic_sampling or self.cfg.difficulty_filter):
             return todo, 0
-        rewards = result.data["batch"].get(REWARDS_KEY)
-        if not isinstance(rewards, torch.Tensor) or rewards.shape != result.data["batch"]["advantages"].shape:
+        rewards = result.data["batch"].get(REWARDS_KEY)  # its shape checked on collection (ps/collector.py)
+        if rewards is None:
             raise PipelineError(f"result {result.job_id} carries no rewards per completion, which dynamic sampling "
                                 "and difficulty filtering need: its worker runs an older asyncgrpo")
         spread = group_reward_std(rewards, G)
-        flat = [g for g in todo if spread[g] <= self.cfg.dynamic_sampling_max_std or spread[g] < ZERO_STD]
+        flat = [g for g in todo if spread[g] <= max(self.cfg.dynamic_sampling_max_std, ZERO_STD)]
         for g in todo:
             self.producer.settled.record(result.data["rows"][g * G], g in flat)
         if not self.cfg.dynamic_sampling:
@@ -276,7 +275,7 @@ class JobPipeline:
 
     def _record_dropped(self, result: CollectedResult, groups: list[int], spread: torch.Tensor) -> None:
         """The dropped groups' rows and rewards go to done/ as ``{job}_filtered`` (the whole result when every
-        group is dropped: _archive_all_dropped)."""
+        group is dropped: _close_untrained)."""
         G = self.cfg.num_generations
         stds = [round(float(spread[g]), 6) for g in groups]
         self.queue.events.emit("groups_dropped", job_id=result.job_id, groups=groups, reward_std=stds,
@@ -378,19 +377,3 @@ def _weighted_metrics(parts: list[tuple[CollectedResult, list[int]]]) -> dict:
             weights[name] = weights.get(name, 0) + len(groups)
     return {name: totals[name] / weights[name] for name in totals}
 
-
-def _merged_logs(logs: list[dict | None]) -> dict | None:
-    """One completions table from the parts' rows (None when no part carries any)."""
-    present = [part for part in logs if part]
-    if not present:
-        return None
-    if len(present) == 1:
-        return present[0]
-    merged = {"prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
-    for part in present:
-        for key in ("prompt", "completion", "advantages"):
-            merged[key] += part.get(key, [])
-        for key in ("rewards", "extra"):
-            for name, values in part.get(key, {}).items():
-                merged[key].setdefault(name, []).extend(values)
-    return merged

@@ -60,7 +60,7 @@ GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over t
 CALCULATE_REWARDS = "_calculate_rewards"  # its loop variable reward_func_name names the function being called
 # Added to each result's batch (the PS takes it out before training): per completion, the weighted sum of its
 # rewards that TRL normalises into advantages (NaN where no reward function scored it). Dynamic sampling reads
-# each group's spread from it (ps/groups.py).
+# each group's spread from it (ps/groups.py); ps/collector.py checks its shape.
 REWARDS_KEY = "rewards"
 COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, rewards (per function), advantages, extra
 

@@ -14,6 +14,7 @@ from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import WorkerPresence
+from ps.collector import validate_result
 from ps.pipeline import JobPipeline
 
 G = 2
@@ -224,3 +225,15 @@ def test_a_batch_of_several_optimizer_steps_enters_the_ledger_after_its_last(run
         assert pipeline.state_dict()["consumed"] == [first] and pipeline.state_dict()["groups_done"] == {split: [0]}
     finally:
         pipeline.stop()
+
+
+@pytest.mark.parametrize("rewards", [torch.zeros(ROWS + 1), torch.zeros(ROWS, dtype=torch.long), [0.0] * ROWS])
+def test_a_result_whose_rewards_do_not_fit_its_rows_is_refused_when_collected(rewards):
+    batch = {"advantages": torch.zeros(ROWS), "prompt_ids": torch.ones(ROWS, 2, dtype=torch.long),
+             "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long), "completion_ids": torch.ones(ROWS, 1),
+             "completion_mask": torch.ones(ROWS, 1), "rewards": rewards}
+    payload = {"weights_version": 0, "data": {"batch": batch, "metrics": {}, "rows": []}}
+    with pytest.raises(ValueError, match="batch\\['rewards'\\] must be a float tensor of shape"):
+        validate_result(payload, ROWS)
+    batch["rewards"] = torch.zeros(ROWS)
+    validate_result(payload, ROWS)  # as a worker sends it
