@@ -38,7 +38,8 @@ OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
 GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_processes", "num_generations",
                     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
-                    "use_peft", "builtin_task")
+                    "use_peft", "builtin_task", "tools", "environment_factory", "rollout_func",
+                    "max_tool_calling_iterations", "tool_timeout_s")
 BUILTIN_TASKS = ("repeat", "first_digit")  # asyncgrpo/tasks/demo.py
 
 
@@ -121,6 +122,25 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
                 "directory containing model weights saved using `PreTrainedModel.save_pretrained` (TRL loads it as a "
                 "sequence classifier with one label; the PS and every worker each load it on their own device). It "
                 "comes first among the rewards, as in trl grpo; alone, it replaces the built-in task's reward."})
+    # TRL's GRPOTrainer hooks for multi-turn rollouts (asyncgrpo/user_code.py): TRL's CLI has no flags for them.
+    tools: list[str] | None = field(default=None, metadata={
+        "help": "Tools the model may call during generation (GRPOTrainer's tools=), by import path 'module:function' "
+                "(modules in the current folder import); each needs type hints and a docstring with an Args section, "
+                "and the model's chat template must support tool calling. Calls are parsed, run on the worker and "
+                "their results appended, up to --max_tool_calling_iterations times; tool-result tokens are not "
+                "trained."})
+    environment_factory: str | None = field(default=None, metadata={
+        "help": "An environment class (GRPOTrainer's environment_factory=) by import path 'module:Class': one instance "
+                "per rollout, reset(**row) before it, its public methods exposed as tools, and its get_reward(), if "
+                "it has one, a reward."})
+    rollout_func: str | None = field(default=None, metadata={
+        "help": "Your own generation loop (GRPOTrainer's rollout_func=) by import path 'module:function': "
+                "f(prompts, trainer) -> dict with prompt_ids, completion_ids, logprobs (and optionally env_mask, 0 on "
+                "tokens the model did not generate); run on the workers."})
+    tool_timeout_s: float = field(default=30.0, metadata={
+        "help": "The longest one tool call may run on a worker: a call still running then is abandoned and its result "
+                "is the timeout's message, as a tool that raises gives its error (counted in tools/failure_frequency). "
+                "0: no limit."})
     builtin_task: str = field(default="repeat", metadata={
         "help": "The built-in task trained without --model_name_or_path, --dataset_name and --reward_funcs: 'repeat' "
                 "(prompt 'N:', repeat the digit N; reward: the fraction of characters right) or 'first_digit' "
@@ -247,6 +267,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
             "dynamic_sampling_max_std": (self.dynamic_sampling_max_std >= 0, "must be >= 0"),
             "difficulty_filter": (self.difficulty_filter >= 0, "must be >= 0 (0: off)"),
             "difficulty_filter_wait": (self.difficulty_filter_wait >= 1, "must be >= 1"),
+            "tool_timeout_s": (self.tool_timeout_s >= 0, "must be >= 0 (0: no limit)"),
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),

@@ -12,11 +12,8 @@ folder it was started from), and reward modules import from it, as they would wi
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +21,7 @@ from pathlib import Path
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.messages import first_line
 from asyncgrpo.run.rundir import RunDir
+from asyncgrpo.user_code import import_callable, load_rollout_hooks
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]  # the checkout (or site-packages) holding asyncgrpo/
 HALF_DTYPES = ("bfloat16", "float16")
@@ -60,12 +58,13 @@ def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable | str]:
     models = [_reward_model(cfg.reward_model_name_or_path, "--reward_model_name_or_path")] \
         if cfg.reward_model_name_or_path else []
     if not cfg.reward_funcs and not models:
+        if cfg.environment_factory:  # the environment scores (its get_reward), as in TRL
+            return []
         from asyncgrpo.tasks.demo import first_digit_reward, repeat_digit_reward
 
         return [first_digit_reward if cfg.builtin_task == "first_digit" else repeat_digit_reward]
-    with _cwd_first_on_path():
-        funcs = models + [_reward_model(spec, "--reward_funcs") if _names_a_model(spec) else _reward_func(spec)
-                          for spec in cfg.reward_funcs or []]
+    funcs = models + [_reward_model(spec, "--reward_funcs") if _names_a_model(spec) else _reward_func(spec)
+                      for spec in cfg.reward_funcs or []]
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):
         raise ConfigError(f"--reward_weights has {len(cfg.reward_weights)} values for {len(funcs)} rewards")
     return funcs
@@ -94,35 +93,10 @@ def _reward_model(spec: str, flag: str) -> str:
     return path
 
 
-@contextlib.contextmanager
-def _cwd_first_on_path():
-    """A rewards.py next to the user imports, as with `python`; only while the reward modules are imported, so
-    that no later import of this process picks a file of the user's folder that shadows a library module."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
 def _reward_func(spec: str) -> Callable:
     if ":" not in spec and (func := _trl_reward(spec)) is not None:
         return func
-    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"--reward_funcs {spec!r}: expected 'module:function' or 'module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # any import-time failure of user code is a bad input
-        raise ConfigError(f"--reward_funcs {spec!r}: cannot import {module_name}: {err}") from None
-    func = getattr(module, attr, None)
-    if not callable(func):
-        raise ConfigError(f"--reward_funcs {spec!r}: {module_name} has no function {attr}")
-    return func
+    return import_callable(spec, "--reward_funcs")
 
 
 # ---------------------------------------------------------------------- datasets
@@ -357,6 +331,7 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     notes = []
     check_report_to(cfg)
     load_reward_funcs(cfg)
+    load_rollout_hooks(cfg)
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg))
     elif cfg.dtype != "auto":

@@ -39,6 +39,7 @@ from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, runs_dir
 from asyncgrpo.run.liveness import PSHeartbeat
 from asyncgrpo.run.rundir import PSStatus
+from asyncgrpo.user_code import load_rollout_hooks
 from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -190,7 +191,7 @@ def train(cfg, run: RunDir) -> int:
     # space a relaunch needs); then every rank resumes from the same one.
     resume = last_complete_checkpoint(run.checkpoints) if PartialState().is_main_process else None
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
-                               eval_dataset=load_eval_dataset(cfg))
+                               eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg))
     try:
         first_rank = trainer.is_queue_client
         previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any

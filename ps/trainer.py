@@ -55,6 +55,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.run.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
+from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
@@ -87,12 +88,16 @@ def checkpoint_step(folder: str) -> int:
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
-    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None,
+                 hooks: RolloutHooks | None = None):
         # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
         # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
+        # The workers' rollout hooks (tools, environment): the same reward sources and metric names, TRL's checks
+        # of the chat template up front, and TRL's own multi-turn evaluation.
         super().__init__(model=model, reward_funcs=reward_funcs, args=cfg, train_dataset=dataset,
-                         eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=cfg.peft_config())
+                         eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=cfg.peft_config(),
+                         **(hooks or RolloutHooks()).trainer_kwargs())
         self.cfg, self.run = cfg, run
         self.is_queue_client = self.accelerator.is_main_process  # the other ranks only train
         if self.is_queue_client:

@@ -18,6 +18,8 @@ from trl import GRPOTrainer
 
 from worker.decoding import CompiledDecodeStep, generating_model
 
+GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over token ids: a turn
+
 
 class BehaviourCapture:
     """The log-prob of each sampled token under the weights that sampled it, read off generate's own forwards.
@@ -55,16 +57,14 @@ class BehaviourCapture:
 
     @staticmethod
     def unsupported(trainer: GRPOTrainer) -> str | None:
-        # TRL's other generation paths do not call model.generate once over the batch (or return
-        # completions spliced with tool output); beam search feeds batch x beams rows to the model.
+        # TRL's other generation paths do not call model.generate once per turn over the batch; beam search
+        # feeds batch x beams rows to the model. (Tools: one call per turn, see MultiTurnCapture.)
         if trainer.use_vllm:
             return "use_vllm"
         if trainer.use_transformers_continuous_batching:
             return "use_transformers_continuous_batching"
         if trainer.rollout_func is not None:
             return "rollout_func"
-        if trainer.tools:
-            return "tools"
         if (getattr(trainer.generation_config, "num_beams", None) or 1) > 1:  # None: transformers' default, 1
             return "num_beams > 1"
         return None
@@ -201,3 +201,102 @@ class BehaviourCapture:
         # Masked-out positions as TRL's forward pass gives them: 0.
         return torch.where(mask, logps, torch.zeros_like(logps))
 
+
+    def row_lists(self, completion_ids: list[list[int]]) -> list[list[float]] | None:
+        """The captured log-probs of one generate call as TRL's ``_generate_single_turn`` returns a turn's
+        log-probs: one list per row, as long as the row's completion (cut after its EOS); None (see why_not)
+        when the tokens do not match."""
+        if self.why_not is None and self.generate_calls == 0:
+            self.why_not = "generate was not called"
+        if self.why_not is not None:
+            return None
+        if len(completion_ids) != self.logps.size(0):
+            self.why_not = "a turn's completions are not one per generated row"
+            return None
+        logps, tokens = self.logps.float().cpu(), self.tokens.cpu()
+        lists = []
+        for row, ids in enumerate(completion_ids):
+            if len(ids) > tokens.size(1) or tokens[row, :len(ids)].tolist() != list(ids):
+                self.why_not = "a turn's completions are not the generated rows in order"
+                return None
+            lists.append(logps[row, :len(ids)].tolist())
+        return lists
+
+
+class MultiTurnCapture:
+    """Behaviour log-probs across the turns of TRL's tool loop, for model-generated tokens only.
+
+    Each turn is one ``_generate_single_turn`` call, one ``model.generate`` over the rows still calling tools.
+    Each call is watched by its own BehaviourCapture and returns its log-probs the way vLLM's path does (one
+    list per row); TRL's loop then assembles them across turns exactly as it assembles the completion ids: 0.0
+    on the tool-result tokens (``tool_mask`` 0), cut where it cuts a turn to ``max_completion_length``. The
+    assembled lists are taken out of ``_generate``'s output (``received``) before TRL would read them as
+    vLLM's sampling log-probs. Should any turn not be captured, every turn still returns lists of the right
+    length (TRL's loop extends them), ``why_not`` says why, and the caller falls back to a forward pass.
+    """
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self.why_not: str | None = BehaviourCapture.unsupported(trainer)
+        self.turns = 0
+        self.completion_ids: list[list[int]] | None = None
+        self.logps: list[list[float]] | None = None
+
+    @contextlib.contextmanager
+    def watching_generate(self):
+        if self.why_not is not None:
+            yield
+            return
+        generate_single_turn = getattr(self.trainer, GENERATE_SINGLE_TURN)  # maybe a timing wrapper: kept inside
+
+        def capturing(prompt_ids, *args, **kwargs):
+            turn = BehaviourCapture(self.trainer)
+            with turn.watching_generate():
+                completion_ids, logprobs = generate_single_turn(prompt_ids, *args, **kwargs)
+            self.turns += 1
+            lists = turn.row_lists(completion_ids)
+            if lists is None:
+                self.why_not = self.why_not or f"turn {self.turns}: {turn.why_not}"
+                lists = [[0.0] * len(ids) for ids in completion_ids]
+            return completion_ids, lists
+
+        own = self.trainer.__dict__.get(GENERATE_SINGLE_TURN)
+        setattr(self.trainer, GENERATE_SINGLE_TURN, capturing)
+        try:
+            yield
+        finally:
+            if own is None:
+                delattr(self.trainer, GENERATE_SINGLE_TURN)
+            else:
+                setattr(self.trainer, GENERATE_SINGLE_TURN, own)
+
+    def received(self, generated: tuple) -> tuple:
+        """TRL's ``_generate`` output with the assembled log-probs taken out (kept here)."""
+        if self.why_not is None:
+            self.completion_ids, self.logps = generated[1], generated[4]
+        return generated[:4] + (None,) + generated[5:]
+
+    def per_token_logps(self, batch: dict) -> torch.Tensor | None:
+        """The assembled log-probs shaped as TRL's ``old_per_token_logps`` for ``batch``, or None (see why_not)."""
+        if self.why_not is None and self.logps is None:
+            self.why_not = "generate was not called"
+        if self.why_not is not None:
+            return None
+        completion_ids, mask = batch["completion_ids"], batch["completion_mask"].bool()
+        if len(self.logps) != completion_ids.size(0) or any(
+                len(lp) != len(ids) for lp, ids in zip(self.logps, self.completion_ids, strict=True)):
+            self.why_not = "the log-probs assembled across turns do not fit TRL's completions"
+            return None
+        out = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for row, (lp, ids) in enumerate(zip(self.logps, self.completion_ids, strict=True)):
+            if completion_ids[row, :len(ids)].tolist() != list(ids):
+                self.why_not = "TRL's completions are not the generated rows in order"
+                return None
+            out[row, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        out = out.to(completion_ids.device)
+        return torch.where(mask, out, torch.zeros_like(out))
+
+
+def capture_for(trainer: GRPOTrainer) -> BehaviourCapture | MultiTurnCapture:
+    """The capture that follows how this trainer generates: one generate call, or one per turn (tools)."""
+    return MultiTurnCapture(trainer) if trainer.tools else BehaviourCapture(trainer)

@@ -49,9 +49,11 @@ from trl.trainer.utils import disable_dropout_in_model
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.messages import first_line, log_once
+from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
-from worker.behaviour import BehaviourCapture
+from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decoding import CompiledDecoding
+from worker.tools import RolloutTurns
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
@@ -67,7 +69,8 @@ COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, reward
 log = logging.getLogger("asyncgrpo.worker")
 
 
-def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset) -> GRPOTrainer:
+def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
+                  hooks: RolloutHooks | None = None) -> GRPOTrainer:
     # A job is one generation batch whatever steps_per_generation and num_iterations are: seen with
     # one generation per optimizer step, TRL leaves old_per_token_logps to us (captured, not recomputed).
     args = copy.copy(cfg)
@@ -83,8 +86,10 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset)
     args.fsdp, args.fsdp_plugin_args = False, None
     # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
     # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
+    hooks = hooks or RolloutHooks()
+    # Tools (an environment's methods too) run on this worker under --tool_timeout_s (worker/tools.py).
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=cfg.peft_config())
+                          processing_class=tokenizer, peft_config=cfg.peft_config(), **hooks.trainer_kwargs())
     trainer.model.train()  # TRL's "train" mode: train-time num_generations and metric names
     # ... but no dropout (LoRA's included): the behaviour log-probs must be those of the policy the PS trains,
     # not of one random dropout mask per sample.
@@ -156,7 +161,7 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
                        decoding: CompiledDecoding | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
-    if BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
+    if BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1") or trainer.tools:
         return None
     prompt_ids = []
     for job in jobs:
@@ -210,10 +215,16 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     calculate_rewards = getattr(trainer, CALCULATE_REWARDS)
     rewards_per_func = []
     generated_at = []
-    capture = BehaviourCapture(trainer) if pregenerated is None else pregenerated.capture
+    capture = capture_for(trainer) if pregenerated is None else pregenerated.capture
+    turns = RolloutTurns(trainer.args.tool_timeout_s, events, job_fields) if trainer.tools else None
 
     def timed_generate(*args, **kwargs):
-        if pregenerated is None:
+        if turns is not None:  # TRL's tool loop: turns timed, tools bounded (worker/tools.py)
+            turns.bounding_tools(trainer)
+            with events.span("generate", **job_fields), capture.watching_generate(), turns.timing_turns(trainer):
+                out = generate(*args, **kwargs)
+            out = capture.received(out)
+        elif pregenerated is None:
             with events.span("generate", **job_fields), capture.watching_generate():
                 out = generate(*args, **kwargs)
         else:
@@ -331,7 +342,7 @@ def _plain(value):
     return str(value)
 
 
-def _add_behaviour_logps(trainer: GRPOTrainer, batch: dict, capture: BehaviourCapture) -> None:
+def _add_behaviour_logps(trainer: GRPOTrainer, batch: dict, capture: BehaviourCapture | MultiTurnCapture) -> None:
     logps = capture.per_token_logps(batch)
     if logps is not None:
         batch["old_per_token_logps"] = logps  # free, so always sent, synchronous mode included

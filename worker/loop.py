@@ -37,6 +37,7 @@ from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, describe_error
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
+from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
@@ -191,12 +192,17 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
     model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
-    return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg))
+    return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                         hooks=load_rollout_hooks(cfg))
 
 
 def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: EventLog) -> CompiledDecoding | None:
     """With compiled decoding, compiles it now, before the first claim (worker/decoding.py)."""
     if resolve_mode(cfg.worker_decoding, cfg.device_type) != "compiled":
+        return None
+    if trainer.tools or trainer.rollout_func is not None:  # turns of varying batch and length: one fixed graph won't do
+        log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
+                 "function are given)", device)
         return None
     dataset = trainer.train_dataset
     rows = [dataset[i] for i in range(min(len(dataset), 1024))]

@@ -1,0 +1,165 @@
+"""The turns of a multi-turn rollout on a worker: each tool call bounded in time, and each turn timed.
+
+TRL's tool loop (``GRPOTrainer._tool_call_loop``) alternates generation (``_generate_single_turn``) and
+tool calls until no completion calls a tool or ``--max_tool_calling_iterations`` is reached. It handles a
+tool that raises: the error's message becomes the tool's result, counted in ``tools/failure_frequency``.
+It has no bound on a tool that never returns, and one such call would hold the worker, its job and,
+through admission, the PS. ``RolloutTurns.bounding_tools`` wraps each of the batch's tools (TRL's
+``_sync_tool_dicts`` / ``_async_tool_dicts``, built per batch, an environment's methods included) so that a
+call still running after ``--tool_timeout_s`` raises ToolTimeout in the loop instead, which TRL handles as
+any raised error. The call itself is abandoned: a Python thread cannot be killed, so a sync call runs in a
+daemon thread left to finish or not (it does not keep the process alive); an async one is cancelled.
+
+``timing_turns`` records each generate call and the tool phase between two of them: events
+``generate_turn_end`` and ``tools_end`` per turn (worker/generate.py emits them), which ``queue_tools report``
+turns into a job's split between generation, tool calls and reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from asyncgrpo.events import EventLog
+
+SYNC_TOOLS, ASYNC_TOOLS = "_sync_tool_dicts", "_async_tool_dicts"  # per rollout, {name: callable}, built per batch
+GENERATE_SINGLE_TURN = "_generate_single_turn"
+
+
+class ToolTimeout(TimeoutError):
+    """A tool call ran past --tool_timeout_s; TRL makes its message the call's result."""
+
+
+@dataclass
+class ToolTally:
+    calls: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    busy_s: float = 0.0  # summed over calls
+
+    def take(self) -> dict:
+        out = {"calls": self.calls, "failed": self.failed, "timed_out": self.timed_out}
+        self.calls = self.failed = self.timed_out = 0
+        self.busy_s = 0.0
+        return out
+
+
+@dataclass
+class RolloutTurns:
+    """One job's turns: the tool bound, the tally of calls, and the events of each turn."""
+
+    timeout_s: float
+    events: EventLog
+    job_fields: dict = field(default_factory=dict)
+    tally: ToolTally = field(default_factory=ToolTally)
+    turns: int = 0  # generate calls so far
+    _last_turn_end: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ tools
+
+    def bounding_tools(self, trainer) -> None:
+        """Wraps every tool of the trainer's current batch (call after TRL built them, before its loop runs)."""
+        for tools in getattr(trainer, SYNC_TOOLS, None) or []:
+            for name, tool in tools.items():
+                tools[name] = self._bounded_sync(name, tool)
+        for tools in getattr(trainer, ASYNC_TOOLS, None) or []:
+            for name, tool in tools.items():
+                tools[name] = self._bounded_async(name, tool)
+
+    def _bounded_sync(self, name, tool):
+        @functools.wraps(tool)  # TRL looks tools up by __name__
+        def bounded(**arguments):
+            started = time.monotonic()
+            outcome: dict = {}
+            try:
+                if not self.timeout_s:
+                    return tool(**arguments)
+                done = threading.Event()
+
+                def call():
+                    try:
+                        outcome["value"] = tool(**arguments)
+                    except BaseException as err:  # handed to TRL's loop, which makes it the result
+                        outcome["error"] = err
+                    done.set()
+
+                threading.Thread(target=call, name=f"tool-{name}", daemon=True).start()
+                if not done.wait(self.timeout_s):
+                    outcome["timeout"] = True
+                    raise ToolTimeout(f"{name}: no result within {self.timeout_s:g} s (--tool_timeout_s)")
+                if "error" in outcome:
+                    raise outcome["error"]
+                return outcome["value"]
+            except BaseException:
+                outcome.setdefault("error", True)
+                raise
+            finally:
+                self._count(started, outcome)
+
+        return bounded
+
+    def _bounded_async(self, name, tool):
+        @functools.wraps(tool)
+        async def bounded(**arguments):
+            started = time.monotonic()
+            outcome: dict = {}
+            try:
+                if not self.timeout_s:
+                    return await tool(**arguments)
+                try:
+                    return await asyncio.wait_for(tool(**arguments), self.timeout_s)
+                except asyncio.TimeoutError:
+                    outcome["timeout"] = True
+                    raise ToolTimeout(f"{name}: no result within {self.timeout_s:g} s (--tool_timeout_s)") from None
+            except BaseException:
+                outcome.setdefault("error", True)
+                raise
+            finally:
+                self._count(started, outcome)
+
+        return bounded
+
+    def _count(self, started: float, outcome: dict) -> None:
+        with self._lock:  # async tools finish on TRL's event-loop thread
+            self.tally.calls += 1
+            self.tally.failed += "error" in outcome
+            self.tally.timed_out += "timeout" in outcome
+            self.tally.busy_s += time.monotonic() - started
+
+    # ------------------------------------------------------------------ turns
+
+    @contextlib.contextmanager
+    def timing_turns(self, trainer):
+        """For the span of TRL's ``_generate``: each ``_generate_single_turn`` call is a turn; the time since the
+        previous turn ended is that turn's tool phase."""
+        generate_single_turn = getattr(trainer, GENERATE_SINGLE_TURN)
+
+        def timed(prompt_ids, *args, **kwargs):
+            started = time.monotonic()
+            if self._last_turn_end is not None:  # the tools this generation follows
+                self.events.emit("tools_end", turn=self.turns, dur_ms=(started - self._last_turn_end) * 1e3,
+                                 **self.tally.take(), **self.job_fields)
+            out = generate_single_turn(prompt_ids, *args, **kwargs)
+            self._last_turn_end = time.monotonic()
+            self.events.emit("generate_turn_end", turn=self.turns, rows=len(prompt_ids),
+                             dur_ms=(self._last_turn_end - started) * 1e3, **self.job_fields)
+            self.turns += 1
+            return out
+
+        own = trainer.__dict__.get(GENERATE_SINGLE_TURN)  # a replay or a capture set for this job, if any
+        setattr(trainer, GENERATE_SINGLE_TURN, timed)
+        try:
+            yield
+        finally:
+            if own is None:
+                delattr(trainer, GENERATE_SINGLE_TURN)
+            else:
+                setattr(trainer, GENERATE_SINGLE_TURN, own)
+            if self.tally.calls:  # tools after the last generation (every result overlong): still counted
+                self.events.emit("tools_end", turn=self.turns, dur_ms=self.tally.busy_s * 1e3, **self.tally.take(),
+                                 **self.job_fields)
