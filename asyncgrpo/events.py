@@ -34,6 +34,10 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)
     worker  generate_start     job_id, weights_version
     worker  generate_end       job_id, weights_version, dur_ms
+    worker  generate_turn_end  job_id, weights_version, turn, rows, dur_ms: one generate call of a multi-turn job
+                               (tools: worker/tools.py), inside its generate span
+    worker  tools_end          job_id, weights_version, turn, calls, failed, timed_out, dur_ms: the tool calls
+                               before that turn (since the previous turn's end)
     worker  score_start        job_id, weights_version
     worker  score_end          job_id, weights_version, dur_ms (rewards, advantages, behaviour log-probs)
     worker  result_written     job_id, weights_version, dur_ms (claimed -> written), published, samples, tokens

@@ -20,6 +20,10 @@ Definitions (docs/operations.md, "queue_tools report", has them all):
   union of job spans (claimed -> written, failed or released) minus syncing; idle = the rest.
 - Jobs dropped: ``job_dropped`` events (the PS gave a job up after its last attempt), named in
   the diagnosis with the last error.
+- Multi-turn jobs (tools): a job's time split into generation (``generate_turn_end``, one per
+  turn), tool calls (``tools_end``: from one turn's end to the next turn's start) and reward
+  (``score_end``), summed over jobs; the diagnosis names tools when they take at least
+  TOOLS_HIGH of it while generation is the bottleneck.
 - A line that is not a JSON object with a string ``event`` and a numeric ``mono`` (a process
   killed mid-write) is skipped and counted.
 """
@@ -42,6 +46,8 @@ STATS = [
     ("processing_ms", "processing (ms)", "result_written", "dur_ms"),
     ("generation_ms", "generation (ms)", "generate_end", "dur_ms"),
     ("scoring_ms", "scoring (ms)", "score_end", "dur_ms"),
+    ("turn_generation_ms", "turn: generate (ms)", "generate_turn_end", "dur_ms"),
+    ("turn_tools_ms", "turn: tool calls (ms)", "tools_end", "dur_ms"),
     ("weight_sync_ms", "weight sync (ms)", "weights_synced", "dur_ms"),
     ("weight_publish_ms", "weight publish (ms)", "weights_published", "dur_ms"),
     ("collect_latency_ms", "collect latency (ms)", "result_collected", "latency_ms"),
@@ -55,6 +61,7 @@ IDLE_HIGH = 0.25  # trainer idle at or above this: the workers do not keep up
 SYNC_HIGH = 0.20  # workers syncing / waiting for weights this much: weight sync is the bottleneck
 BUSY_HIGH = 0.60  # workers busy this much while the trainer waits: generation is the bottleneck
 STALE_HIGH = 0.10  # results archived stale / results collected: said in the diagnosis from here on
+TOOLS_HIGH = 0.50  # tool calls' share of multi-turn job time: named as the bottleneck from here on
 PLOTS_HINT = "plots: matplotlib is not installed; pip install 'asyncgrpo[plots]' to get them"
 
 
@@ -186,16 +193,35 @@ def dropped_jobs(events: list) -> dict:
             "last_error": errors[-1] if errors else None}
 
 
+def rollout_split(events: list) -> dict | None:
+    """Multi-turn jobs: seconds in generation, tool calls and reward over all jobs, the tool calls made,
+    failed and cut by the timeout; None without turn events (no tools)."""
+    turns = [e for e in events if e["event"] == "generate_turn_end"]
+    if not turns:
+        return None
+    tools = [e for e in events if e["event"] == "tools_end"]
+    seconds = {"generation_s": sum(num(e, "dur_ms") or 0.0 for e in turns) / 1e3,
+               "tools_s": sum(num(e, "dur_ms") or 0.0 for e in tools) / 1e3,
+               "reward_s": sum(num(e, "dur_ms") or 0.0 for e in events if e["event"] == "score_end") / 1e3}
+    total = sum(seconds.values())
+    return {**seconds, "tools_fraction": seconds["tools_s"] / total if total else 0.0,
+            "turns_per_job": len(turns) / max(1, len({e.get("job_id") for e in turns})),
+            **{key: int(sum(num(e, key) or 0 for e in tools)) for key in ("calls", "failed", "timed_out")}}
+
+
 def pct(fraction: float) -> str:
     return f"{fraction * 100:.0f}%"
 
 
 def diagnose(training: dict, workers: dict | None, stale_fraction: float | None = None,
-             dropped: dict | None = None, gaps: list | None = None) -> str:
+             dropped: dict | None = None, gaps: list | None = None, rollouts: dict | None = None) -> str:
     """One line naming the bottleneck (thresholds IDLE_LOW, IDLE_HIGH, SYNC_HIGH, BUSY_HIGH), the share of
     results thrown away as stale when it reaches STALE_HIGH, jobs dropped after failing, and the PS's downtime
     (left out of the fractions)."""
     line = _bottleneck(training, workers)
+    if rollouts and rollouts["tools_fraction"] >= TOOLS_HIGH and "generation is the bottleneck" in line:
+        line += (f"; tool calls take {pct(rollouts['tools_fraction'])} of the workers' job time: tools are the "
+                 "bottleneck (a worker waits on them: add workers, or make the tools faster)")
     if stale_fraction is not None and stale_fraction >= STALE_HIGH:
         line += (f"; {pct(stale_fraction)} of the results were too stale to train on and were generated again "
                  "(raise max_staleness)")
@@ -261,12 +287,13 @@ def analyse(tracks: list[Track]) -> dict:
     collected = stats["collect_latency_ms"]["count"]
     stale = archived.get("stale", 0) / collected if collected else None
     dropped = dropped_jobs(every)
+    rollouts = rollout_split(every)
     return {"stats": stats, "training": training, "workers": workers, "workers_total": total,
             "archived": dict(sorted(archived.items(), key=lambda kv: -kv[1])), "stale_fraction": stale,
-            "dropped": dropped, "groups": dropped_groups(lives),
+            "dropped": dropped, "groups": dropped_groups(lives), "rollouts": rollouts,
             "downtime": {"restarts": len(gaps), "down_s": sum(g["down_s"] for g in gaps),
                                              "gaps": gaps},
-            "diagnosis": diagnose(training, total, stale, dropped, gaps)}
+            "diagnosis": diagnose(training, total, stale, dropped, gaps, rollouts)}
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -316,6 +343,13 @@ def format_text(r: dict) -> str:
         g = r["groups"]
         lines.append(f"dynamic sampling: {g['dropped']} group(s) dropped (rewards without spread), {g['trained']} "
                      f"trained: {pct(g['dropped_fraction'])} of the groups judged dropped")
+    if r.get("rollouts"):
+        m = r["rollouts"]
+        total = m["generation_s"] + m["tools_s"] + m["reward_s"]
+        lines.append(f"multi-turn jobs: {m['turns_per_job']:.1f} turns a job; of their time, generation "
+                     f"{pct(m['generation_s'] / total if total else 0)}, tool calls {pct(m['tools_fraction'])}, "
+                     f"reward {pct(m['reward_s'] / total if total else 0)}; {m['calls']} tool calls, {m['failed']} "
+                     f"failed ({m['timed_out']} cut by --tool_timeout_s)")
     if r["archived"]:
         lines.append("archived: " + ", ".join(f"{reason} {n}" for reason, n in r["archived"].items())
                      + (f" (stale: {pct(r['stale_fraction'])} of collected results)" if r["stale_fraction"] else ""))

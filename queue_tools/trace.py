@@ -16,6 +16,8 @@ TRACE_SPANS = {"train_step_end": ("trainer", "train", "step {step}"),
                "wait_result": ("trainer", "wait", "wait for result"),
                "weights_published": ("publish", "weights", "publish v{weights_version}"),
                "generate_end": ("jobs", "job", "generate"), "score_end": ("jobs", "job", "score"),
+               "generate_turn_end": ("jobs", "job", "turn {turn}: generate"),
+               "tools_end": ("jobs", "tool", "turn {turn}: tools ({calls} calls)"),
                "weights_synced": ("weights", "weights", "sync weights"),
                "weights_wait": ("weights", "weights", "wait for weights v{weights_version}")}
 

@@ -26,6 +26,7 @@ def user_folder(tmp_path, monkeypatch):
     folder = write_user_folder(tmp_path / "user")
     (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")
     (folder / "empty.jsonl").write_text("")
+    (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
                       "no_weights": lambda m: (m / "model.safetensors").unlink(),
@@ -55,6 +56,12 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--run_dir", str(REPO / "runs" / "x")], f"--run_dir {REPO / 'runs' / 'x'}: inside the source tree"),
     (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path /nonexistent/model: no such folder"),
     (["--reward_funcs", "no_such_module:fn"], "--reward_funcs 'no_such_module:fn': cannot import no_such_module"),
+    (["--tools", "agent:Env", "no_such_module:fn"], "--tools 'no_such_module:fn': cannot import no_such_module"),
+    (["--tools", "agent:lookup"], "--tools 'agent:lookup': agent has no function lookup"),
+    (["--tools", "agent:LIMIT"], "--tools 'agent:LIMIT': agent.LIMIT is not callable (a int)"),
+    (["--environment_factory", "agent:Sandbox"], "--environment_factory 'agent:Sandbox': agent has no class Sandbox"),
+    (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
+    (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
 ]
 
 

@@ -316,6 +316,34 @@ def test_diagnosis_says_when_many_results_were_too_stale():
         "; 16% of the results were too stale to train on and were generated again (raise max_staleness)")
 
 
+def test_multi_turn_jobs_are_split_into_generation_tools_and_reward_and_slow_tools_are_named():
+    from queue_tools.report import diagnose, rollout_split
+
+    def job(job_id, turns_ms, tools_ms, score_ms, calls, failed=0, timed_out=0):
+        events = [{"event": "generate_turn_end", "mono": 0.0, "job_id": job_id, "turn": i, "dur_ms": ms}
+                  for i, ms in enumerate(turns_ms)]
+        events += [{"event": "tools_end", "mono": 0.0, "job_id": job_id, "turn": i + 1, "dur_ms": ms, "calls": calls,
+                    "failed": failed, "timed_out": timed_out} for i, ms in enumerate(tools_ms)]
+        return events + [{"event": "score_end", "mono": 0.0, "job_id": job_id, "dur_ms": score_ms}]
+
+    events = job("a", [100, 50, 50], [400, 300], 100, calls=8, failed=1) + job("b", [100], [], 100, calls=0)
+    events += job("c", [80, 20], [600], 100, calls=4, failed=2, timed_out=2)
+    split = rollout_split(events)
+    assert split["generation_s"] == pytest.approx(0.4) and split["tools_s"] == pytest.approx(1.3)
+    assert split["reward_s"] == pytest.approx(0.3) and split["tools_fraction"] == pytest.approx(1.3 / 2.0)
+    assert split["turns_per_job"] == pytest.approx(2.0)
+    assert (split["calls"], split["failed"], split["timed_out"]) == (20, 4, 2)
+    assert rollout_split([e for e in events if e["event"] == "score_end"]) is None
+    training = {"trainer_idle_fraction": 0.5, "trainer_idle_fraction_steady": 0.41}
+    busy = {"busy_fraction": 0.9, "syncing_fraction": 0.05, "idle_fraction": 0.05}
+    assert diagnose(training, busy, rollouts=split).endswith(
+        "; tool calls take 65% of the workers' job time: tools are the bottleneck (a worker waits on them: add "
+        "workers, or make the tools faster)")
+    assert "tool" not in diagnose(training, busy, rollouts={**split, "tools_fraction": 0.3})
+    training_bound = {"trainer_idle_fraction": 0.1, "trainer_idle_fraction_steady": 0.03}
+    assert "tool" not in diagnose(training_bound, busy, rollouts=split)
+
+
 def validate_chrome_trace(trace: dict) -> dict:
     """Checks the Chrome trace event format as Perfetto reads it; returns counts."""
     assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
