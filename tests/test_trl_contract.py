@@ -60,7 +60,14 @@ SIGNATURES = {
     # worker/generate.py: build_trainer, the same keywords
     (GRPOTrainer, "__init__"): ([("self", REQUIRED), ("model", REQUIRED), ("reward_funcs", ANY), ("args", ANY),
                                  ("train_dataset", ANY), ("eval_dataset", ANY), ("processing_class", ANY),
-                                 ("peft_config", None)], KEYWORDS),
+                                 ("peft_config", None), ("tools", None), ("rollout_func", None),
+                                 ("environment_factory", None)], KEYWORDS),
+    # worker/behaviour.py MultiTurnCapture: each turn's log-probs go in and come out of TRL's tool loop, extended
+    # across turns as the completion ids are (tests/worker/test_multi_turn.py checks the values)
+    (GRPOTrainer, "_tool_call_loop"): ([("self", REQUIRED), ("prompts", REQUIRED), ("prompt_ids", REQUIRED),
+                                        ("completion_ids", REQUIRED), ("completions", REQUIRED),
+                                        ("logprobs", REQUIRED), ("images", REQUIRED),
+                                        ("multimodal_fields", REQUIRED)], False),
     # ps/trainer.py overrides train(resume_from_checkpoint=None, **kwargs); ps/__main__.py passes a path or None
     (GRPOTrainer, "train"): ([("self", REQUIRED), ("resume_from_checkpoint", None)], False),
     # PS override (training: the pipeline's result; evaluation: super()); the worker calls it with a job's rows
@@ -493,6 +500,18 @@ def test_generation_settings_the_worker_reads(trainer):
     assert trainer.temperature == trainer.generation_config.temperature == TEMPERATURE  # what the LM head divides by
     assert trainer.generation_config.disable_compile is True  # see worker/decoding.py
     assert BehaviourCapture.unsupported(trainer) is None
+
+
+def test_generate_returns_the_log_probs_fifth_and_the_tool_dicts_are_the_batch_s(trainer):
+    """worker/behaviour.py takes the log-probs out of _generate's output (index 4: TRL would read them as vLLM's
+    sampling log-probs); worker/tools.py bounds the tools in the per-rollout dicts TRL builds before _generate."""
+    source = inspect.getsource(inspect.unwrap(getattr(GRPOTrainer, GENERATE)))
+    assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" \
+        in source
+    scoring = inspect.getsource(inspect.unwrap(getattr(GRPOTrainer, GENERATE_AND_SCORE)))
+    assert scoring.index("self._sync_tool_dicts = []") < scoring.index("= self._generate(prompts)")
+    assert "self._async_tool_dicts = []" in scoring
+    assert "sampling_per_token_logps_list," in scoring
 
 
 def test_generate_tokenizes_the_prompts_then_generates_them_in_one_single_turn_call(trainer):

@@ -227,6 +227,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
         elif pregenerated is None:
             with events.span("generate", **job_fields), capture.watching_generate():
                 out = generate(*args, **kwargs)
+            if trainer.rollout_func is not None:  # its log-probs are not known to be the policy's, as TRL computes
+                out = out[:4] + (None,) + out[5:]  # them: TRL would take them as vLLM's; the forward pass replaces
         else:
             with _replaying(trainer, pregenerated):
                 out = generate(*args, **kwargs)
