@@ -40,7 +40,7 @@ GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_p
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
                     "use_peft", "builtin_task", "tools", "environment_factory", "rollout_func",
                     "max_tool_calling_iterations", "tool_timeout_s")
-BUILTIN_TASKS = ("repeat", "first_digit")  # asyncgrpo/tasks/demo.py
+BUILTIN_TASKS = ("repeat", "first_digit", "lookup")  # asyncgrpo/tasks/demo.py, asyncgrpo/tasks/lookup.py
 
 
 class ConfigError(ValueError):
@@ -145,7 +145,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         "help": "The built-in task trained without --model_name_or_path, --dataset_name and --reward_funcs: 'repeat' "
                 "(prompt 'N:', repeat the digit N; reward: the fraction of characters right) or 'first_digit' "
                 "(answer with the digit N first; reward 1 or 0, completions end where the model stops, a random "
-                "policy scores about 1/16).", "choices": list(BUILTIN_TASKS)})
+                "policy scores about 1/16) or 'lookup' (multi-turn: the model calls a tool, lookup(key), to learn a "
+                "secret digit, then answers it; asyncgrpo/tasks/lookup.py).", "choices": list(BUILTIN_TASKS)})
     # Where and on what.
     run_dir: str | None = field(default=None, metadata={
         "help": "Run directory: queue, archive, weights, logs, checkpoints, metrics (default: a new folder "
@@ -337,9 +338,16 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         return (f"this worker's flags are not the parameter server's: {', '.join(differ)}; start it with the "
                 "parameter server's config flags")
 
-    @property
-    def is_demo(self) -> bool:
-        return self.model_name_or_path is None and self.dataset_name is None and not self.reward_funcs
+
+def _flag_value(argv: list[str], name: str, default=None):
+    """The value given to ``--name`` on the command line (the last one wins, as in argparse), else ``default``."""
+    value = default
+    for i, word in enumerate(argv):
+        if word == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(f"--{name}="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def _flag_names(argv: list[str]) -> set[str]:
@@ -356,17 +364,22 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     given = _flag_names(argv)
+    from_yaml = {}
     if "--config" in argv:
         try:
             with open(argv[argv.index("--config") + 1]) as f:
-                given |= set((yaml.safe_load(f) or {}).keys())
+                from_yaml = yaml.safe_load(f) or {}
+                given |= set(from_yaml.keys())
         except (IndexError, OSError, yaml.YAMLError, AttributeError) as err:
             raise ConfigError(f"--config: cannot read a YAML mapping: {err}") from None
     if not given & {"model_name_or_path", "dataset_name", "reward_funcs"}:
-        from asyncgrpo.tasks.demo import DEMO_DEFAULTS
+        if _flag_value(argv, "builtin_task", from_yaml.get("builtin_task")) == "lookup":
+            from asyncgrpo.tasks.lookup import LOOKUP_DEFAULTS as task_defaults
+        else:
+            from asyncgrpo.tasks.demo import DEMO_DEFAULTS as task_defaults
 
         # Checkpoints, so that relaunching the demo on its run directory resumes.
-        defaults = {**DEMO_DEFAULTS, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
+        defaults = {**task_defaults, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
         argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
     parser = TrlParser((AsyncGRPOConfig,), prog=prog, description=description)
 

@@ -60,6 +60,10 @@ def load_reward_funcs(cfg: AsyncGRPOConfig) -> list[Callable | str]:
     if not cfg.reward_funcs and not models:
         if cfg.environment_factory:  # the environment scores (its get_reward), as in TRL
             return []
+        if cfg.builtin_task == "lookup":
+            from asyncgrpo.tasks.lookup import lookup_reward
+
+            return [lookup_reward]
         from asyncgrpo.tasks.demo import first_digit_reward, repeat_digit_reward
 
         return [first_digit_reward if cfg.builtin_task == "first_digit" else repeat_digit_reward]
@@ -148,6 +152,10 @@ def _strategy(cfg: AsyncGRPOConfig) -> str:
 
 
 def load_train_dataset(cfg: AsyncGRPOConfig):
+    if cfg.dataset_name is None and cfg.builtin_task == "lookup":
+        from asyncgrpo.tasks.lookup import build_dataset as build_lookup_dataset
+
+        return build_lookup_dataset(seed=cfg.seed)
     if cfg.dataset_name is None:
         from asyncgrpo.tasks.demo import build_dataset
 
@@ -176,21 +184,26 @@ def load_eval_dataset(cfg: AsyncGRPOConfig):
 # ---------------------------------------------------------------------- model
 
 def model_path(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> str:
-    """Where the model comes from: the config's (a local folder made absolute), or the demo model in the run."""
+    """Where the model comes from: the config's (a local folder made absolute), or the built-in model in the run."""
     if cfg.model_name_or_path is None:
-        return str(RunDir(Path(run_root)).demo_model)
+        return str(_builtin_model(cfg, RunDir(Path(run_root))))
     name = os.path.expanduser(cfg.model_name_or_path)
     return os.path.abspath(name) if os.path.isdir(name) else name
 
 
-def write_demo_model_once(run_root: str | os.PathLike) -> str:
-    """The PS writes the demo model into the run once (tmp folder + rename: all or nothing)."""
-    from asyncgrpo.tasks.demo import write_demo_model
+def _builtin_model(cfg: AsyncGRPOConfig | None, run: RunDir) -> Path:
+    return run.lookup_model if cfg is not None and cfg.builtin_task == "lookup" else run.demo_model
 
-    target = RunDir(Path(run_root)).demo_model
+
+def write_demo_model_once(run_root: str | os.PathLike, cfg: AsyncGRPOConfig | None = None) -> str:
+    """The PS writes the built-in task's model into the run once (tmp folder + rename: all or nothing)."""
+    from asyncgrpo.tasks.demo import write_demo_model
+    from asyncgrpo.tasks.lookup import write_lookup_model
+
+    target = _builtin_model(cfg, RunDir(Path(run_root)))
     if not target.is_dir():
-        tmp = Path(tempfile.mkdtemp(prefix=".demo_model.", dir=run_root))
-        write_demo_model(tmp)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=run_root))
+        (write_lookup_model if target.name == "lookup_model" else write_demo_model)(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # a concurrent writer won (cannot happen with one PS per run, but harmless)

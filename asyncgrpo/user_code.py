@@ -79,6 +79,10 @@ class RolloutHooks:
 def load_rollout_hooks(cfg: AsyncGRPOConfig) -> RolloutHooks:
     """The hooks the config names (--tools, --environment_factory, --rollout_func), imported; or the built-in
     task's environment (asyncgrpo/tasks/lookup.py) for ``--builtin_task lookup``."""
+    if cfg.builtin_task == "lookup" and not (cfg.tools or cfg.environment_factory or cfg.rollout_func):
+        from asyncgrpo.tasks.lookup import LookupEnv
+
+        return RolloutHooks(environment_factory=LookupEnv)
     return RolloutHooks(
         tools=[import_callable(spec, "--tools") for spec in cfg.tools or []],
         environment_factory=import_callable(cfg.environment_factory, "--environment_factory", "class")

@@ -183,9 +183,9 @@ def train(cfg, run: RunDir) -> int:
     if cfg.model_name_or_path is None:
         # The first rank writes the demo model (save_pretrained writes weights on the main process only).
         if PartialState().is_main_process:
-            write_demo_model_once(run.root)
+            write_demo_model_once(run.root, cfg)
         PartialState().wait_for_everyone()
-    path = write_demo_model_once(run.root) if cfg.model_name_or_path is None else model_path(cfg, run.root)
+    path = write_demo_model_once(run.root, cfg) if cfg.model_name_or_path is None else model_path(cfg, run.root)
     model, tokenizer = load_model_and_tokenizer(path, cfg)
     # The first rank removes incomplete checkpoints before anything is written (on a full disk they hold the
     # space a relaunch needs); then every rank resumes from the same one.

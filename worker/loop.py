@@ -107,6 +107,9 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         log.exception("[worker] dev%s could not build its model and trainer", device)
         raise WorkerSetupError(f"could not build its model and trainer: {first_line(err)} "
                                "(traceback in the worker's log)") from None
+    # Multi-turn jobs (tools, a rollout function) are generated one by one: a second job claimed with the first
+    # would only wait for it.
+    jobs_per_call = 1 if trainer.tools or trainer.rollout_func is not None else cfg.jobs_per_generate
     subscriber = make_subscriber(run, on_read=presence.announce_read)
     version = None
     status = 0
@@ -133,7 +136,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 queue.release(job)  # for a worker started with the PS's flags
                 raise ConfigError(mismatch)
             jobs = [job]
-            while len(jobs) < cfg.jobs_per_generate and (more := queue.claim(device)) is not None:
+            while len(jobs) < jobs_per_call and (more := queue.claim(device)) is not None:
                 jobs.append(more)  # only jobs already pending: a job in hand never waits for another
             claimed = time.monotonic()
             presence.update(state="busy", job_id=job.job_id, job_ids=[j.job_id for j in jobs])

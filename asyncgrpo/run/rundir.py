@@ -180,6 +180,11 @@ class RunDir:
         return self.root / "demo_model"
 
     @property
+    def lookup_model(self) -> Path:
+        """The built-in tool-calling task's model (--builtin_task lookup), written by the PS for its workers."""
+        return self.root / "lookup_model"
+
+    @property
     def final_model(self) -> Path:
         """Where the PS saves the trained model when --output_dir is not given."""
         return self.root / "final_model"

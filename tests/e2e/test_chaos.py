@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     LEDGER_FILE,
     assert_exactly_once,
@@ -306,6 +307,15 @@ def check_training(run_root: Path, resumes: list[tuple[float, int]]) -> None:
     assert ps.get("state") == "finished" and ps.get("global_step") == MAX_STEPS, ps
 
 
+def check_tool_calls_made(run_root: Path) -> None:
+    """Every consumed result of a multi-turn run went through TRL's tool loop: its tool-result tokens are marked."""
+    consumed = [p for p in (run_root / "done").iterdir() if p.name.endswith("_consumed.pt") and p.stat().st_size]
+    assert consumed
+    for path in consumed[:20]:
+        batch = torch.load(path, weights_only=True)["data"]["batch"]
+        assert (batch["tool_mask"] == 0).any(), f"{path.name}: no tool result in a multi-turn result"
+
+
 def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     """job id -> [(reason, attempt, file name)] over done/, after checking that every name parses."""
     per_job = defaultdict(list)
@@ -389,13 +399,19 @@ def check_nothing_alive(chaos: Chaos) -> None:
     assert not left, f"weight buffers left behind: {left}"
 
 
+# Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
+# Multi-turn: the built-in tool-calling task, every job a run of TRL's tool loop.
+MODES = {"whole_results": [], "dynamic_sampling": ["--builtin_task", "first_digit", "--dynamic_sampling"],
+         "multi_turn": ["--builtin_task", "lookup"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic_sampling", [False, True], ids=["whole_results", "dynamic_sampling"])
-def test_chaos_random_kills_of_workers_and_ps(tmp_path, dynamic_sampling):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
     seed = int(os.environ.get("ASYNCGRPO_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
     print(f"chaos seed: {seed} (replay with ASYNCGRPO_CHAOS_SEED={seed})", flush=True)
-    # Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
-    args = ARGS + (["--builtin_task", "first_digit", "--dynamic_sampling"] if dynamic_sampling else [])
+    dynamic_sampling = mode == "dynamic_sampling"
+    args = ARGS + MODES[mode]
     chaos = Chaos(tmp_path, seed, args)
     try:
         chaos.launch_ps()
@@ -419,6 +435,8 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, dynamic_sampling):
         summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills, by_group=dynamic_sampling)
         check_queue_drained(chaos.run_root)
         check_nothing_alive(chaos)
+        if mode == "multi_turn":
+            check_tool_calls_made(chaos.run_root)
         cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         chaos.note(f"all checks passed; done/: {summary}; CPU of the run's processes "
                    f"{cpu.ru_utime + cpu.ru_stime:.0f}s")

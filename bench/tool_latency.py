@@ -1,0 +1,267 @@
+"""Where asynchrony matters: multi-turn rollouts whose tool calls wait (a seeded random latency per call).
+
+    .venv/bin/python bench/tool_latency.py [--seeds 0,1,2] [--configs trl,async1,async3]
+        [--latency-ms 200] [--steps 40] [--target 0.8] [--cap 400] [--out results.json]
+
+The task is the built-in lookup task (asyncgrpo/tasks/lookup.py: the model calls lookup(key), then answers the
+secret the tool returned), its environment slowed down: each call sleeps a uniform random 0..--latency-ms
+milliseconds (SlowLookup below, seeded by the run's seed and the call's order in its process). A sleeping tool
+waits and uses no CPU, like a sandbox, a web request or a database. TRL calls a batch's sync tools one after
+the other, inside its training step, so the trainer waits for every call; asyncgrpo's workers wait on theirs
+while the PS trains on the results other workers wrote.
+
+Every run is real processes: plain TRL GRPOTrainer (environment_factory=SlowLookup) in a child of this script
+with one thread; `python -m ps` and N `python -m worker` with `--builtin_task lookup
+--environment_factory slow_lookup:SlowLookup` (threads as launch.sh gives them). Same model (the lookup task's
+tiny Llama, seed 0), dataset, reward and GRPOConfig (LOOKUP_DEFAULTS).
+
+Per run:
+    samples_s   completions trained per second over the first --steps optimizer steps, from the moment training
+                could start (TRL: the trainer built; asyncgrpo: the PS ready and every worker holding weights)
+    wall_s      seconds from that moment to a rolling reward (mean over WINDOW steps) of --target, or None
+                when the run stopped at --cap steps first
+    tools       the fraction of the workers' job time spent in tool calls (asyncgrpo: queue_tools report's
+                split from the turn events)
+The table gives medians [min-max] over seeds and the ratios asyncgrpo / TRL. Progress goes to stderr; the
+table and then the JSON document to stdout (and the JSON to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_buffers
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+WINDOW = 10
+RUN_TIMEOUT_S = 3600
+CONFIGS = {"trl": None, "async1": 1, "async3": 3}
+LATENCY_ENV = "TOOL_LATENCY_MS"  # the slowed-down tool's latency bound, for every process of a run
+SEED_ENV = "TOOL_LATENCY_SEED"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rolling(rewards: list[float]) -> list[float]:
+    return [statistics.fmean(rewards[max(0, i - WINDOW + 1):i + 1]) for i in range(len(rewards))]
+
+
+def reached(rewards: list[float], target: float) -> int | None:
+    return next((i + 1 for i, r in enumerate(rolling(rewards)) if i + 1 >= WINDOW and r >= target), None)
+
+
+def hyperparameters(seed: int) -> dict:
+    from asyncgrpo.tasks.demo import cpu_overrides
+    from asyncgrpo.tasks.lookup import LOOKUP_DEFAULTS
+
+    return {**LOOKUP_DEFAULTS, **cpu_overrides(), "seed": seed, "save_strategy": "no", "disable_tqdm": True}
+
+
+def trl_child(spec_path: str) -> int:
+    """Plain TRL with the slowed-down environment until the target or the cap; one JSON line per step."""
+    spec = json.loads(Path(spec_path).read_text())
+    out = open(spec["log"], "a", buffering=1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from slow_lookup import SlowLookup
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncgrpo.tasks.lookup import build_dataset, lookup_reward, write_lookup_model
+
+    work = tempfile.mkdtemp(prefix="tl_trl_", dir=spec["tmp"])
+    model_dir = write_lookup_model(os.path.join(work, "lookup_model"))
+    rewards = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+                out.write(json.dumps({"t": time.time(), "step": state.global_step, "reward": rewards[-1]}) + "\n")
+                if (reached(rewards, spec["target"]) and state.global_step >= spec["steps"]) \
+                        or state.global_step >= spec["cap"]:
+                    control.should_training_stop = True
+
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=lookup_reward,
+                          args=GRPOConfig(**spec["config"], output_dir=os.path.join(work, "out")),
+                          train_dataset=build_dataset(n=1000, seed=spec["config"]["seed"]),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Recorder()],
+                          environment_factory=SlowLookup)
+    trainer.remove_callback(PrinterCallback)
+    out.write(json.dumps({"t": time.time(), "event": "ready"}) + "\n")
+    trainer.train()
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def bench_env(threads: int, latency_ms: float, seed: int) -> dict:
+    env = child_env(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), str(REPO), env.get("PYTHONPATH")) if p)
+    env[LATENCY_ENV], env[SEED_ENV] = str(latency_ms), str(seed)
+    env["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    return env
+
+
+def run_trl(seed: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
+    work.mkdir(parents=True)
+    spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "steps": steps,
+            "log": str(work / "steps.jsonl"), "tmp": str(work)}
+    (work / "spec.json").write_text(json.dumps(spec))
+    with open(work / "trl.log", "wb") as logf:
+        proc = subprocess.Popen([sys.executable, __file__, "--trl-child", str(work / "spec.json")], cwd=REPO,
+                                env=bench_env(1, latency_ms, seed), stdout=logf, stderr=subprocess.STDOUT)
+        reap([proc], RUN_TIMEOUT_S)
+    lines = read_jsonl(work / "steps.jsonl")
+    ready = next((x["t"] for x in lines if x.get("event") == "ready"), None)
+    rows = [x for x in lines if "step" in x]
+    batch = spec["config"]["per_device_train_batch_size"]
+    return summarize([r["reward"] for r in rows], [r["t"] for r in rows], ready, batch, steps, target,
+                     tools=None, returncode=proc.returncode)
+
+
+def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
+    run = work / "run"
+    (run / "logs").mkdir(parents=True)
+    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
+            "--save_strategy", "no", "--builtin_task", "lookup", "--environment_factory", "slow_lookup:SlowLookup"]
+    env = bench_env(max(1, (os.cpu_count() or 1) // (workers + 1)), latency_ms, seed)  # launch.sh on CPU
+
+    def start(name, *cmd):
+        with open(run / "logs" / name, "ab") as logf:
+            return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT)
+
+    ps = start("ps.txt", "ps")
+    procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while ps.poll() is None and time.monotonic() < deadline:
+            rewards = [s["reward"] for s in read_jsonl(run / "metrics.jsonl")]
+            if (reached(rewards, target) and len(rewards) >= steps) or len(rewards) >= cap:
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:  # the PS first: workers then finish the job in hand and exit
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        reap(procs, 180)
+    remove_weight_buffers(run)
+    rows = read_jsonl(run / "metrics.jsonl")
+    ps_started = (json.loads((run / "ps.json").read_text()) if (run / "ps.json").exists() else {}).get("started_at")
+    ready = ready_times(run, workers)
+    all_ready = max([ps_started or 0.0, *ready.values()]) if len(ready) == workers else None
+    from asyncgrpo.run import RunDir
+    from queue_tools.report import make_report
+
+    report = make_report(RunDir(run)) or {}
+    split = report.get("rollouts") or {}
+    batch = hyperparameters(seed)["per_device_train_batch_size"]
+    return summarize([r["reward"] for r in rows], [r["time"] for r in rows], all_ready, batch, steps, target,
+                     tools=split.get("tools_fraction"),
+                     returncode=0 if ps.returncode in (0, 130, -15) else ps.returncode)
+
+
+def summarize(rewards, times, ready, batch, steps, target, tools, returncode) -> dict:
+    step = reached(rewards, target)
+    out = {"samples_s": None, "wall_s": None, "steps_to_target": step, "steps_run": len(rewards),
+           "tools": None if tools is None else round(tools, 3), "returncode": returncode}
+    if ready and len(times) >= steps:
+        out["samples_s"] = round(steps * batch / (times[steps - 1] - ready), 2)
+    if ready and step is not None:
+        out["wall_s"] = round(times[step - 1] - ready, 1)
+    return out
+
+
+def median_range(values: list) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def table(results: dict) -> tuple[str, dict]:
+    lines = [f"{'config':<8}{'samples/s':>22}{'wall_s to target':>24}{'steps to target':>20}{'tool share':>20}"]
+    for config, runs in results.items():
+        lines.append(f"{config:<8}" + "".join(f"{median_range([r[k] for r in runs]):>{w}}" for k, w in
+                                              (("samples_s", 22), ("wall_s", 24), ("steps_to_target", 20),
+                                               ("tools", 20))))
+    ratios = {}
+    base = results.get("trl")
+    for config, runs in results.items():
+        if config == "trl" or not base:
+            continue
+        ratio = {}
+        for key in ("samples_s", "wall_s"):
+            a, b = [[r[key] for r in rs if r[key] is not None] for rs in (base, runs)]
+            ratio[key] = round(statistics.median(b) / statistics.median(a), 2) if a and b else None
+        ratios[config] = ratio
+        lines.append(f"{config} / trl: samples/s x{ratio['samples_s']}, wall clock to target x{ratio['wall_s']} "
+                     "(medians over seeds)")
+    return "\n".join(lines), ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--latency-ms", type=float, default=200.0)
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps samples/s is measured over")
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--cap", type=int, default=400)
+    parser.add_argument("--out")
+    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_child:
+        return trl_child(args.trl_child)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    work = Path(tempfile.mkdtemp(prefix="bench_tools_"))
+    results: dict[str, list] = {c: [] for c in configs}
+    try:
+        for seed in seeds:
+            for config in configs:
+                log(f"{config} seed {seed}")
+                started = time.time()
+                where = work / f"{config}_{seed}"
+                if CONFIGS[config] is None:
+                    result = run_trl(seed, args.latency_ms, args.steps, args.target, args.cap, where)
+                else:
+                    result = run_async(seed, CONFIGS[config], args.latency_ms, args.steps, args.target, args.cap,
+                                       where)
+                results[config].append({"seed": seed, **result})
+                log(f"  {result} ({time.time() - started:.0f} s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text, ratios = table(results)
+    doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+           "latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": WINDOW,
+           "cap": args.cap, "seeds": seeds, "ratios": ratios, "results": results}
+    print(text)
+    print(json.dumps(doc))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

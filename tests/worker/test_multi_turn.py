@@ -1,0 +1,199 @@
+"""Multi-turn jobs on a worker: TRL's own tool loop, run by a real model that makes real tool calls.
+
+The model is the lookup task's tiny Llama (asyncgrpo/tasks/lookup.py), taught in a few supervised steps
+to answer "key K" with a call ``lookup(key=...)`` and then the tool's answer, so that TRL's loop parses
+calls, runs the environment's tool, appends its result and generates again. Nothing of the loop is mocked.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import demo_config
+from tool_rollouts import taught_tool_model
+from trl import GRPOTrainer
+
+from asyncgrpo.events import EventLog
+from asyncgrpo.tasks.lookup import LookupEnv, build_dataset, build_model
+from asyncgrpo.user_code import RolloutHooks
+from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_and_score, generate_jobs
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def tool_model():
+    """(tokenizer, state dict) of a model that calls the tool (tests/tool_rollouts.py)."""
+    tok, model = taught_tool_model()
+    return tok, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def answered_secret(completions, secret, **kwargs) -> list[float]:
+    return [float(bool(c) and c[-1].get("content") == str(s)) for c, s in zip(completions, secret, strict=True)]
+
+
+def make_worker(tmp_path, tool_model, environment=LookupEnv, **overrides):
+    tok, state = tool_model
+    model = build_model(seed=0, tokenizer=tok)
+    model.load_state_dict(state)
+    model.config.max_position_embeddings = 256  # as taught_tool_model's
+    fields = {"per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 16,
+              "max_tool_calling_iterations": 2, **overrides}
+    cfg = demo_config(tmp_path, **fields)
+    return build_trainer(cfg, model, tok, [answered_secret], build_dataset(n=40),
+                         hooks=RolloutHooks(environment_factory=environment))
+
+
+def job_rows(trainer):
+    dataset = trainer.train_dataset
+    return [dataset[i // trainer.num_generations] for i in range(trainer.args.generation_batch_size)]
+
+
+def forward_logps(trainer, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask,
+                                                                     batch["completion_ids"].size(1))
+    return logps
+
+
+class RecordedEvents(EventLog):
+    def __init__(self):
+        super().__init__(None, "test", "worker", "cpu")
+        self.records = []
+
+    def emit(self, event, **fields):
+        self.records.append({"event": event, **fields})
+
+
+def test_a_multi_turn_job_runs_trls_tool_loop_and_captures_behaviour_logps_of_model_tokens_only(tmp_path, tool_model):
+    trainer = make_worker(tmp_path, tool_model)
+    events = RecordedEvents()
+    forward_passes = []
+    trainer.__dict__[BEHAVIOUR_LOGPS] = lambda *a, **k: forward_passes.append(1) or GRPOTrainer.__dict__[
+        BEHAVIOUR_LOGPS](trainer, *a, **k)
+    batch, metrics = generate_and_score(trainer, job_rows(trainer), events, seed=0, job_id="j1")
+    del trainer.__dict__[BEHAVIOUR_LOGPS]
+
+    tool_mask = batch["tool_mask"]
+    called = (tool_mask == 0).any(dim=1)
+    assert called.sum() >= 4, "the model made tool calls, TRL's loop ran them"
+    assert metrics["tools/call_frequency"] > 0
+    assert not forward_passes, "captured across turns: no second forward pass"
+    behaviour, model_tokens = batch["old_per_token_logps"], (batch["completion_mask"] * tool_mask).bool()
+    expected = forward_logps(trainer, batch)
+    torch.testing.assert_close(behaviour[model_tokens], expected[model_tokens], atol=1e-5, rtol=1e-5)
+    assert (behaviour[~model_tokens] == 0).all(), "no behaviour log-prob on tool-result tokens or padding"
+    turns = [e for e in events.records if e["event"] == "generate_turn_end"]
+    tools = [e for e in events.records if e["event"] == "tools_end"]
+    assert [t["turn"] for t in turns] == list(range(len(turns))) and len(turns) >= 2
+    assert turns[0]["rows"] == len(job_rows(trainer)) and turns[1]["rows"] == int(called.sum())
+    assert sum(t["calls"] for t in tools) >= int(called.sum()) and all(t["job_id"] == "j1" for t in tools)
+
+
+class RaisingLookup(LookupEnv):
+    def lookup(self, key: int) -> str:
+        """Look up the secret digit stored under a key.
+
+        Args:
+            key: The key to look up.
+        """
+        raise KeyError("the vault is closed")
+
+
+HELD = threading.Event()  # set when the test ends: the abandoned calls then return
+
+
+class HangingLookup(LookupEnv):
+    def lookup(self, key: int) -> str:
+        """Look up the secret digit stored under a key.
+
+        Args:
+            key: The key to look up.
+        """
+        HELD.wait(120)
+        return "too late"
+
+
+def tool_results(trainer) -> list[str]:
+    completions = trainer._logs["completion"]
+    return [m["content"] for c in completions for m in c if isinstance(m, dict) and m.get("role") == "tool"]
+
+
+@pytest.mark.parametrize("environment, expected", [(RaisingLookup, "the vault is closed"),
+                                                   (HangingLookup, "no result within 0.2 s")])
+def test_a_tool_that_raises_or_hangs_gives_its_error_as_the_result_and_is_counted(tmp_path, tool_model, environment,
+                                                                                    expected):
+    trainer = make_worker(tmp_path, tool_model, environment, tool_timeout_s=0.2, max_tool_calling_iterations=1,
+                          max_completion_length=128)
+    events = RecordedEvents()
+    HELD.clear()
+    try:
+        batch, metrics = generate_and_score(trainer, job_rows(trainer), events, seed=0, job_id="j1")
+        results = tool_results(trainer)
+    finally:
+        HELD.set()
+    assert results and all(expected in r for r in results), results[:3]
+    assert metrics["tools/failure_frequency"] == 1.0
+    tools = [e for e in events.records if e["event"] == "tools_end"]
+    assert sum(t["failed"] for t in tools) == len(results)
+    assert sum(t["timed_out"] for t in tools) == (len(results) if environment is HangingLookup else 0)
+    assert (batch["tool_mask"] == 0).any()
+
+
+class BrokenReset(LookupEnv):
+    def reset(self, **row) -> None:
+        raise RuntimeError("the sandbox did not start")
+
+
+def test_an_environment_whose_reset_raises_fails_that_job_only(tmp_path, tool_model):
+    trainer = make_worker(tmp_path, tool_model)
+    rows = job_rows(trainer)
+    trainer.environment_factories = {None: BrokenReset}
+    trainer._environment_pool = {None: [BrokenReset()]}
+    outcome = generate_jobs(trainer, [JobInput(rows, seed=0)], EventLog.off())
+    assert isinstance(outcome[0], RuntimeError) and "the sandbox did not start" in str(outcome[0])
+
+
+def two_turn_rollout(prompts, trainer):
+    """A user's own rollout (GRPOTrainer's rollout_func): generate, append the environment's reply " 5:" (tokens
+    the model did not generate: env_mask 0), generate again; TRL's signature and keys."""
+    tok = trainer.processing_class
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    reply = tok(" 5:")["input_ids"]
+    completion_ids, env_mask = [], []
+    for ids in prompt_ids:
+        first = trainer.model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=3,
+                                       pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        context = ids + first + reply
+        second = trainer.model.generate(torch.tensor([context]), do_sample=True, max_new_tokens=3,
+                                        pad_token_id=tok.pad_token_id)[0, len(context):].tolist()
+        completion_ids.append(first + reply + second)
+        env_mask.append([1] * len(first) + [0] * len(reply) + [1] * len(second))
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask,
+            "logprobs": [[0.0] * len(c) for c in completion_ids]}
+
+
+def test_a_rollout_function_runs_on_the_worker_and_its_env_mask_becomes_the_tool_mask(tmp_path, caplog):
+    from asyncgrpo.tasks.demo import build_dataset as demo_dataset
+    from asyncgrpo.tasks.demo import build_model as demo_model
+    from asyncgrpo.tasks.demo import build_tokenizer as demo_tokenizer
+    from asyncgrpo.tasks.demo import repeat_digit_reward
+
+    tok = demo_tokenizer()
+    cfg = demo_config(tmp_path, per_device_train_batch_size=8, num_generations=4)
+    trainer = build_trainer(cfg, demo_model(seed=0, tokenizer=tok), tok, [repeat_digit_reward], demo_dataset(n=40),
+                            hooks=RolloutHooks(rollout_func=two_turn_rollout))
+    rows = job_rows(trainer)
+    with caplog.at_level("INFO", logger="asyncgrpo.worker"):
+        batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=0)
+    reply = len(tok(" 5:")["input_ids"])
+    assert ((batch["tool_mask"] == 0).sum(dim=1) == reply).all()
+    assert "behaviour log-probs from a second forward pass: rollout_func" in caplog.text
+    model_tokens = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    expected = forward_logps(trainer, batch)
+    torch.testing.assert_close(batch["old_per_token_logps"][model_tokens], expected[model_tokens])
+    assert "sampling_per_token_logps" not in batch, "the rollout's own log-probs are not taken as vLLM's"
