@@ -343,8 +343,10 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     for the user (one line each)."""
     notes = []
     check_report_to(cfg)
-    load_reward_funcs(cfg)
-    load_rollout_hooks(cfg)
+    hooks = load_rollout_hooks(cfg)
+    if not load_reward_funcs(cfg) and not callable(getattr(hooks.environment_factory, "get_reward", None)):
+        raise ConfigError(f"--environment_factory {cfg.environment_factory}: no get_reward method, and no "
+                          "--reward_funcs: nothing would score the rollouts")
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg))
     elif cfg.dtype != "auto":

@@ -12,7 +12,8 @@ while the PS trains on the results other workers wrote.
 
 Every run is real processes: plain TRL GRPOTrainer (environment_factory=SlowLookup) in a child of this script
 with one thread; `python -m ps` and N `python -m worker` with `--builtin_task lookup
---environment_factory slow_lookup:SlowLookup` (threads as launch.sh gives them). Same model (the lookup task's
+--environment_factory slow_lookup:SlowLookup --reward_funcs asyncgrpo.tasks.lookup:lookup_reward` (threads as
+launch.sh gives them). Same model (the lookup task's
 tiny Llama, seed 0), dataset, reward and GRPOConfig (LOOKUP_DEFAULTS).
 
 Per run:
@@ -138,8 +139,13 @@ def run_trl(seed: int, latency_ms: float, steps: int, target: float, cap: int, w
 def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
     run = work / "run"
     (run / "logs").mkdir(parents=True)
-    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
-            "--save_strategy", "no", "--builtin_task", "lookup", "--environment_factory", "slow_lookup:SlowLookup"]
+    # The task's reward named, so its environment can be swapped: its defaults are then given as flags.
+    from asyncgrpo.tasks.lookup import LOOKUP_DEFAULTS
+
+    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true",
+            *[f"--{k}={v}" for k, v in LOOKUP_DEFAULTS.items()], "--seed", str(seed), "--save_strategy", "no",
+            "--builtin_task", "lookup", "--environment_factory", "slow_lookup:SlowLookup",
+            "--reward_funcs", "asyncgrpo.tasks.lookup:lookup_reward"]
     env = bench_env(max(1, (os.cpu_count() or 1) // (workers + 1)), latency_ms, seed)  # launch.sh on CPU
 
     def start(name, *cmd):
@@ -188,20 +194,20 @@ def summarize(rewards, times, ready, batch, steps, target, tools, returncode) ->
     return out
 
 
-def median_range(values: list) -> str:
+def median_range(values: list, digits: int = 1) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
     med = statistics.median(values)
-    return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def table(results: dict) -> tuple[str, dict]:
     lines = [f"{'config':<8}{'samples/s':>22}{'wall_s to target':>24}{'steps to target':>20}{'tool share':>20}"]
     for config, runs in results.items():
-        lines.append(f"{config:<8}" + "".join(f"{median_range([r[k] for r in runs]):>{w}}" for k, w in
-                                              (("samples_s", 22), ("wall_s", 24), ("steps_to_target", 20),
-                                               ("tools", 20))))
+        lines.append(f"{config:<8}" + "".join(f"{median_range([r[k] for r in runs], d):>{w}}" for k, w, d in
+                                              (("samples_s", 22, 1), ("wall_s", 24, 1), ("steps_to_target", 20, 0),
+                                               ("tools", 20, 2))))
     ratios = {}
     base = results.get("trl")
     for config, runs in results.items():

@@ -63,6 +63,11 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
 ]
+# Without --reward_funcs an environment must score the rollouts itself.
+BAD_INPUTS_WITHOUT_REWARDS = [
+    (["--environment_factory", "agent:Env"], "--environment_factory agent:Env: no get_reward method, and no "
+                                             "--reward_funcs: nothing would score the rollouts"),
+]
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[m.split(":")[0] + "|" + f[-1] for f, m in BAD_INPUTS])
@@ -72,6 +77,14 @@ def test_each_bad_input_is_named_in_one_line(user_folder, flags, message):
         check_inputs(cfg, cfg.run_dir)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
     assert not (REPO / "runs" / "x").exists()
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS_WITHOUT_REWARDS)
+def test_an_environment_without_a_reward_needs_reward_functions(user_folder, flags, message):
+    with pytest.raises(ConfigError) as refused:
+        cfg = parse_config(["--device_type", "cpu", "--run_dir", "runs/r", *USER_FLAGS[:4], *flags])
+        check_inputs(cfg, cfg.run_dir)
+    assert str(refused.value) == message
 
 
 def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_folder):
