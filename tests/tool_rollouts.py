@@ -12,11 +12,11 @@ import random
 
 import torch
 
-from asyncgrpo.tasks.lookup import build_model, build_tokenizer
+from asyncgrpo.tasks.lookup import build_model, build_tokenizer, user_prompt
 
 
 def rollout_ids(tok, key: int, secret: int) -> list[int]:
-    messages = [{"role": "user", "content": f"key {key}"},
+    messages = [{"role": "user", "content": user_prompt(key)},
                 {"role": "assistant", "content": "",
                  "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}]},
                 {"role": "tool", "name": "lookup", "content": str(secret)},

@@ -1,6 +1,6 @@
 """The built-in tool-calling task ("lookup"): answer with the secret digit stored under a key, which only a tool knows.
 
-Each dataset row is a one-message conversation, "key K" (K a digit), with two extra columns: `key` (K) and
+Each dataset row is a one-message conversation, "key K?" (K a digit), with two extra columns: `key` (K) and
 `secret` (a digit drawn at random per row, seeded), so the key -> secret mapping cannot be memorised. TRL's
 `GRPOTrainer(environment_factory=LookupEnv)` makes one `LookupEnv` per rollout and exposes its `lookup(key)`
 method as a tool: it returns the row's secret for the row's key, else "no such key". The model must call
@@ -10,13 +10,13 @@ Everything is offline and tiny, like the demo task: a tokenizer made with the `t
 a whole tool call is ONE token (one per key: `<tool_call>{"name": "lookup", "arguments": {"key": 3}}</tool_call>`),
 and a tiny Llama. One whole rollout (prompt, then completion; `|` marks TRL's turns):
 
-    <user> k e y ␣ 3 <assistant> | CALL_3 | <tool> 7 <assistant> | 7 <eos>
+    <user> k e y ␣ 3 ? <assistant> | CALL_3 | <tool> 7 <assistant> | 7 <eos>
 
 Why a call is one token and ends the turn: we first tried the call as open-token, key digit, close-token,
 then <eos>. A random policy never writes that by chance, and any credit for a well-formed call (whatever its
 key) made the policy settle on one key for every prompt, after which no GRPO group has reward variance and it
 never learns to copy the key (seen with credit per call-token and with credit from the environment, 64 and
-128 hidden). With one token per key, the right call is a 1-in-32 first token, like the demo's first_digit task.
+128 hidden). With one token per key, the right call is a 1-in-33 first token, like the demo's first_digit task.
 The call tokens are also end-of-turn ids (`generation_config.eos_token_id`), so a turn holds one call and stops
 there; the chat template matches: a tool-calling assistant turn has no <eos>, and no turn but the final
 answer ends with <eos> (TRL's `_get_tool_suffix_ids` cuts its prefix at the last <eos>, so an <eos> closing
@@ -30,9 +30,15 @@ The tokenizer carries its chat template and a `response_template` (transformers 
 too: 1 in 10 for a digit). Partial credit goes only to progress along the right path (see the function), never
 to a well-formed but wrong call (that is what made the policy collapse above).
 
-`LOOKUP_DEFAULTS` holds GRPOConfig keyword arguments that learn the task; calibrated with plain TRL 1.16 on
-a 2-core CPU VM by bench/lookup_trl_baseline.py (add `cpu_overrides()` on CPU):
-CALIBRATION
+`LOOKUP_DEFAULTS` holds the best GRPOConfig keyword arguments found so far; calibrated with plain TRL 1.16 on
+a 2-core CPU VM by bench/lookup_trl_baseline.py (add `cpu_overrides()` on CPU). NOT YET AT THE TARGET:
+with these defaults, seeds 0/1/2, the rolling-10 reward goes from ~0.03 to 0.2 (every rollout makes the
+right call, tools/call_frequency 1.0) by step ~150, reaches 0.5 at steps 469/457/473, then hovers at
+0.45-0.6 until max_steps 1000 (final rolling 0.45/0.61/0.57); 0.8 was not reached. Likely (not verified)
+the answer learns to start with the secret (0.5) more readily than to stop right after it (1.0). A step
+costs ~260 ms alone (seed 2: mean 262, median 243), 320-450 ms with a second run on the 2 cores. With a
+32-rollout batch, seed 0 reached 0.55 at step 900. Also tried, with the earlier "key K" prompt: lr 2e-3
+and 3e-3 (unstable), hidden 256 (slower, no better).
 """
 
 from __future__ import annotations
@@ -52,14 +58,17 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT, TOOL = "<user>", "<assistant>", "<tool>"
 DIGITS = "0123456789"
 # One token per possible call, spelled exactly as the chat template renders a lookup call with that key.
-CALL_TOKENS = tuple('<tool_call>{"name": "lookup", "arguments": {"key": %s}}</tool_call>' % d for d in DIGITS)
+CALL_TOKENS = tuple(f'<tool_call>{{"name": "lookup", "arguments": {{"key": {d}}}}}</tool_call>' for d in DIGITS)
 NO_SUCH_KEY = "no such key"  # one token too, so a wrong call's result is as short as a right one's
 CHARS = tuple(DIGITS) + tuple("key ?")  # everything else is one token per character
 MAX_POSITIONS = 64
 
-# Roles are marked by single tokens. Only a final answer ends with <eos>: a tool-calling turn ends at its call
+# The "?" after the key matters: with "key K" the call (K, <assistant> -> CALL_K) and the answer (S, <assistant>
+# -> S) read a digit at the same offset, and the learned call circuit kept answering with calls; with "key K?"
+# the answer's reward climbed in a few hundred steps instead of staying flat. Roles are marked by single tokens.
+# Only a final answer ends with <eos>: a tool-calling turn ends at its call
 # (the call tokens are end-of-turn ids), the user and tool turns at the next role token. Tool schemas are not
-# rendered (the model learns the one tool from the reward), keeping prompts at 7 tokens.
+# rendered (the model learns the one tool from the reward), keeping prompts at 8 tokens.
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m.role == 'user' -%}<user>{{ m.content }}"
@@ -91,14 +100,15 @@ RESPONSE_TEMPLATE = {
     },
 }
 
-# GRPOConfig keyword arguments that learn the task (bench/lookup_trl_baseline.py); on CPU add cpu_overrides().
+# GRPOConfig keyword arguments (bench/lookup_trl_baseline.py; see the module docstring); on CPU add cpu_overrides().
 LOOKUP_DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-3,
     # Linear decay to 0 at max_steps, as in DEMO_DEFAULTS (keeps a learned policy from drifting off).
     "lr_scheduler_type": "linear",
     "max_steps": 1000,
-    # 32 rollouts per step = 4 prompts x 8 generations.
-    "per_device_train_batch_size": 32,
+    # 64 rollouts per step = 8 prompts x 8 generations: with 32, seed 0 reached the same reward in ~1.9x the
+    # steps (about the same wall time).
+    "per_device_train_batch_size": 64,
     "num_generations": 8,
     # call (1) + tool result (3: <tool>, digit, <assistant>) + answer and <eos> (2) = 6; 2 tokens of slack.
     "max_completion_length": 8,
@@ -144,7 +154,7 @@ def lookup_reward(completions, environments=None, secret=None, **kwargs) -> list
     TRL's reward signature: `secret` is the dataset column, `environments` the rollouts' LookupEnv instances.
     Partial credit, only when the first call used the row's key (credit for a wrong call made the policy collapse
     onto one key): 0.5 when the answer starts with the secret but does not stop there, else 0.2. A final message
-    that is a tool call or a tool result (the tool loop can end on one) scores 0.0.
+    that is a tool call or a tool result (the tool loop can end on one) counts as no answer.
     """
     rewards = []
     for i, completion in enumerate(completions):
@@ -163,7 +173,7 @@ def lookup_reward(completions, environments=None, secret=None, **kwargs) -> list
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The lookup tokenizer (32 tokens), with its chat template and response template set.
+    """The lookup tokenizer (33 tokens), with its chat template and response template set.
 
     Role tokens and <eos> are special; the call tokens and "no such key" are plain added tokens (matched whole
     before the per-character split), so decoding keeps them and the response parser sees the call's JSON.
@@ -238,13 +248,18 @@ def write_lookup_model(path: str | os.PathLike, seed: int = 0, **model_kwargs) -
     return path
 
 
+def user_prompt(key: int) -> str:
+    """The user message of a row: "key K?" (the "?" is part of the task, see CHAT_TEMPLATE's comment)."""
+    return f"key {key}?"
+
+
 def build_dataset(n: int = 1000, seed: int = 0):
-    """A `datasets.Dataset` of `n` rows: "prompt" ([user "key K"]), "key" (K, balanced over digits), "secret"."""
+    """A `datasets.Dataset` of `n` rows: "prompt" ([user "key K?"]), "key" (K, balanced over digits), "secret"."""
     from datasets import Dataset
 
     rng = random.Random(seed)
     keys = [i % 10 for i in range(n)]
     rng.shuffle(keys)
     secrets = [rng.randrange(10) for _ in range(n)]
-    prompts = [[{"role": "user", "content": f"key {k}?"}] for k in keys]
+    prompts = [[{"role": "user", "content": user_prompt(k)}] for k in keys]
     return Dataset.from_dict({"prompt": prompts, "key": keys, "secret": secrets})

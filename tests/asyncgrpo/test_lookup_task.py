@@ -1,4 +1,5 @@
-"""The built-in lookup task (asyncgrpo.tasks.lookup): tokenizer and TRL's tool-calling checks, env, reward, TRL wiring."""
+"""The built-in lookup task (asyncgrpo.tasks.lookup): tokenizer and TRL's tool-calling checks, environment, reward
+and TRL's wiring."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ LOOKUP_3 = [{"type": "function", "function": {"name": "lookup", "arguments": {"k
 
 def _prompt_ids(tok, key=3):
     return tok.apply_chat_template(
-        [{"role": "user", "content": f"key {key}"}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [{"role": "user", "content": f"key {key}?"}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
 
 
@@ -41,15 +42,14 @@ def test_trl_accepts_the_chat_template_for_tool_calling():
 def test_a_whole_rollout_renders_as_the_documented_tokens():
     tok = build_tokenizer()
     messages = [
-        {"role": "user", "content": "key 3"},
+        {"role": "user", "content": "key 3?"},
         _assistant(tool_calls=LOOKUP_3),
         {"role": "tool", "name": "lookup", "content": "7"},
         _assistant("7"),
     ]
     ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
-    assert tok.convert_ids_to_tokens(ids) == [
-        "<user>", "k", "e", "y", " ", "3", "<assistant>", CALL_TOKENS[3], "<tool>", "7", "<assistant>", "7", "<eos>"
-    ]
+    assert tok.convert_ids_to_tokens(ids) == ["<user>", "k", "e", "y", " ", "3", "?", "<assistant>", CALL_TOKENS[3],
+                                              "<tool>", "7", "<assistant>", "7", "<eos>"]
 
 
 def test_parse_response_turns_a_call_token_into_a_lookup_call():
@@ -77,7 +77,7 @@ def test_a_saved_and_reloaded_tokenizer_still_parses_calls(tmp_path):
 
 def test_the_env_returns_the_rows_secret_for_its_key_only():
     env = LookupEnv()
-    assert env.reset(prompt=[{"role": "user", "content": "key 3"}], key=3, secret=7) is None
+    assert env.reset(prompt=[{"role": "user", "content": "key 3?"}], key=3, secret=7) is None
     assert env.lookup(key=3) == "7"
     assert env.lookup(key=4) == NO_SUCH_KEY
     assert env.calls == [3, 4]
@@ -110,7 +110,7 @@ def test_the_reward_scores_right_and_wrong_answers():
 
 def test_the_dataset_has_keys_and_random_secrets():
     ds = build_dataset(n=100, seed=0)
-    assert ds[0]["prompt"] == [{"role": "user", "content": f"key {ds[0]['key']}"}]
+    assert ds[0]["prompt"] == [{"role": "user", "content": f"key {ds[0]['key']}?"}]
     assert sorted(set(ds["key"])) == list(range(10)) and set(ds["secret"]) <= set(range(10))
     assert len(set(zip(ds["key"], ds["secret"], strict=True))) > 50  # the secret does not follow from the key
     assert build_dataset(n=100, seed=0)["secret"] == ds["secret"] != build_dataset(n=100, seed=1)["secret"]

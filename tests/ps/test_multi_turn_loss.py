@@ -48,6 +48,8 @@ def setup(tmp_path_factory):
     rows = [dataset[i // 4] for i in range(16)]
     batch, _ = generate_and_score(worker, rows, EventLog.off(), seed=0)
     batch.pop(REWARDS_KEY)
+    # The taught model answers most rows right (advantages near 0): advantages of both signs exercise the loss.
+    batch["advantages"] = torch.randn(batch["advantages"].shape, generator=torch.Generator().manual_seed(0))
     assert (batch["tool_mask"] == 0).any(dim=1).sum() >= 4, "rows with tool results"
     yield ps, worker, batch
     ps.publisher.close()
