@@ -42,27 +42,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from dynamic_sampling import WINDOW, log, reached
 from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_buffers
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-WINDOW = 10
 RUN_TIMEOUT_S = 3600
 CONFIGS = {"trl": None, "async1": 1, "async3": 3}
 LATENCY_ENV = "TOOL_LATENCY_MS"  # the slowed-down tool's latency bound, for every process of a run
 SEED_ENV = "TOOL_LATENCY_SEED"
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rolling(rewards: list[float]) -> list[float]:
-    return [statistics.fmean(rewards[max(0, i - WINDOW + 1):i + 1]) for i in range(len(rewards))]
-
-
-def reached(rewards: list[float], target: float) -> int | None:
-    return next((i + 1 for i, r in enumerate(rolling(rewards)) if i + 1 >= WINDOW and r >= target), None)
 
 
 def hyperparameters(seed: int) -> dict:

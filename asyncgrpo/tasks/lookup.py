@@ -47,11 +47,11 @@ import os
 import random
 from typing import Any
 
-import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from asyncgrpo.tasks import demo
 from asyncgrpo.tasks.demo import cpu_overrides  # noqa: F401  (re-exported: the same CPU overrides apply)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -61,7 +61,7 @@ DIGITS = "0123456789"
 CALL_TOKENS = tuple(f'<tool_call>{{"name": "lookup", "arguments": {{"key": {d}}}}}</tool_call>' for d in DIGITS)
 NO_SUCH_KEY = "no such key"  # one token too, so a wrong call's result is as short as a right one's
 CHARS = tuple(DIGITS) + tuple("key ?")  # everything else is one token per character
-MAX_POSITIONS = 64
+MAX_POSITIONS = demo.MAX_POSITIONS  # the model's context (demo.build_model builds it)
 
 # The "?" after the key matters: with "key K" the call (K, <assistant> -> CALL_K) and the answer (S, <assistant>
 # -> S) read a digit at the same offset, and the learned call circuit kept answering with calls; with "key K?"
@@ -215,22 +215,8 @@ def build_model(
     result -> answer), which a 64-wide model learns several times slower (also supervised: ~270 vs ~70 steps).
     """
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):  # seed only the construction, keep the caller's RNG state
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    model = demo.build_model(seed=seed, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                             intermediate_size=intermediate_size, tokenizer=tok)
     # TRL stops a completion at any of these ids and runs the tool loop on it; saved in generation_config.json.
     model.generation_config.eos_token_id = [tok.eos_token_id, *tok.convert_tokens_to_ids(list(CALL_TOKENS))]
     return model
