@@ -18,13 +18,14 @@ added the same way, from ``PeftArgs`` (asyncgrpo/peft_args.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import warnings
 from dataclasses import dataclass, field
 
 import yaml
-from trl import GRPOConfig, TrlParser
+from trl import DatasetMixtureConfig, GRPOConfig, TrlParser
 
 from asyncgrpo.jobqueue.queue import DEFAULT_MAX_ATTEMPTS
 from asyncgrpo.messages import first_line
@@ -104,7 +105,7 @@ class DatasetArguments:
 # More groups of flags are mixed in the same way: a dataclass of fields with defaults, added to
 # AsyncGRPOConfig's bases, its checks called from AsyncGRPOConfig.__post_init__ (PeftArgs: TRL's LoRA flags).
 @dataclass
-class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
+class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, DatasetMixtureConfig):
     # TRL's meaning: where the trained model is saved at the end. Checkpoints go to RUN/checkpoints.
     output_dir: str | None = field(default=None, metadata={
         "help": "Where the parameter server saves the final model and tokenizer (save_pretrained) at the end of "
@@ -253,6 +254,12 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs):
         self.final_model_dir = self.output_dir
         self._resolve_model_aliases()
         self._resolve_dataset_aliases()
+        # TRL's --datasets mixture, each entry kept as a plain dict (the config is written as JSON, e.g. to
+        # TensorBoard); asyncgrpo/inputs.py hands them to TRL's get_dataset.
+        self.datasets = [d if isinstance(d, dict) else dataclasses.asdict(d) for d in self.datasets or []]
+        if self.streaming:
+            raise ConfigError("--streaming: streamed datasets are not supported: the producer indexes the dataset's "
+                              "rows to resume exactly; load the mixture without streaming")
         if self.device_type == "auto":
             import torch
 
@@ -372,7 +379,7 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
                 given |= set(from_yaml.keys())
         except (IndexError, OSError, yaml.YAMLError, AttributeError) as err:
             raise ConfigError(f"--config: cannot read a YAML mapping: {err}") from None
-    if not given & {"model_name_or_path", "dataset_name", "reward_funcs"}:
+    if not given & {"model_name_or_path", "dataset_name", "datasets", "reward_funcs"}:
         if _flag_value(argv, "builtin_task", from_yaml.get("builtin_task")) == "lookup":
             from asyncgrpo.tasks.lookup import LOOKUP_DEFAULTS as task_defaults
         else:

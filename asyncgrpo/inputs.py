@@ -110,6 +110,21 @@ def _load_dataset(cfg: AsyncGRPOConfig):
     ``datasets.load_dataset`` loads (a folder of split files, a hub id), as trl grpo loads it."""
     import datasets
 
+    if cfg.datasets:  # TRL's mixture, loaded as trl grpo loads it (it wins over --dataset_name there too)
+        import numpy as np
+        from trl import DatasetMixtureConfig, get_dataset
+
+        # get_dataset's train/test split draws from numpy's global generator: seeded here, every load (the train
+        # and the test split, the PS and each worker) makes the same split.
+        saved = np.random.get_state()
+        np.random.seed(cfg.seed)
+        try:
+            return get_dataset(DatasetMixtureConfig(datasets=[dict(d) for d in cfg.datasets], streaming=cfg.streaming,
+                                                    test_split_size=cfg.test_split_size))
+        except Exception as err:
+            raise ConfigError(f"--datasets: cannot load the mixture: {first_line(err, with_type=False)}") from None
+        finally:
+            np.random.set_state(saved)
     name = os.path.expanduser(cfg.dataset_name)
     try:
         if os.path.isfile(name):
@@ -129,16 +144,20 @@ def _load_dataset(cfg: AsyncGRPOConfig):
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {reason}") from None
 
 
+def _source(cfg: AsyncGRPOConfig) -> str:
+    """The dataset as the user named it, for messages."""
+    return "--datasets (the mixture)" if cfg.datasets else f"--dataset_name {cfg.dataset_name}"
+
+
 def _split(cfg: AsyncGRPOConfig, loaded, split: str, flag: str):
     import datasets
 
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ConfigError(f"{flag} {split}: --dataset_name {cfg.dataset_name} has no split {split!r} "
-                              f"(has {', '.join(loaded)})")
+            raise ConfigError(f"{flag} {split}: {_source(cfg)} has no split {split!r} (has {', '.join(loaded)})")
         loaded = loaded[split]
     if "prompt" not in loaded.column_names:
-        raise ConfigError(f"--dataset_name {cfg.dataset_name}: no 'prompt' column in split {split!r} "
+        raise ConfigError(f"{_source(cfg)}: no 'prompt' column in split {split!r} "
                           f"(has {', '.join(loaded.column_names)})")
     return loaded
 
@@ -152,11 +171,11 @@ def _strategy(cfg: AsyncGRPOConfig) -> str:
 
 
 def load_train_dataset(cfg: AsyncGRPOConfig):
-    if cfg.dataset_name is None and cfg.builtin_task == "lookup":
+    if cfg.dataset_name is None and not cfg.datasets and cfg.builtin_task == "lookup":
         from asyncgrpo.tasks.lookup import build_dataset as build_lookup_dataset
 
         return build_lookup_dataset(seed=cfg.seed)
-    if cfg.dataset_name is None:
+    if cfg.dataset_name is None and not cfg.datasets:
         from asyncgrpo.tasks.demo import build_dataset
 
         return build_dataset(seed=cfg.seed)
@@ -167,7 +186,7 @@ def load_eval_dataset(cfg: AsyncGRPOConfig):
     """The split TRL evaluates on (--dataset_test_split) when --eval_strategy asks for evaluation, else None."""
     if not evaluates(cfg):
         return None
-    if cfg.dataset_name is None:
+    if cfg.dataset_name is None and not cfg.datasets:
         raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: the demo task has no "
                           "test split; give --dataset_name with a test split (--dataset_test_split)")
     loaded = _load_dataset(cfg)
@@ -175,9 +194,8 @@ def load_eval_dataset(cfg: AsyncGRPOConfig):
 
     if not isinstance(loaded, datasets.DatasetDict) or cfg.dataset_test_split not in loaded:
         has = ", ".join(loaded) if isinstance(loaded, datasets.DatasetDict) else "no splits"
-        raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: --dataset_name "
-                          f"{cfg.dataset_name} has no split {cfg.dataset_test_split!r} (--dataset_test_split; "
-                          f"it has {has})")
+        raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: {_source(cfg)} has no split "
+                          f"{cfg.dataset_test_split!r} (--dataset_test_split; it has {has})")
     return _split(cfg, loaded, cfg.dataset_test_split, "--dataset_test_split")
 
 

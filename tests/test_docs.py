@@ -34,7 +34,7 @@ PROSE_DEFAULTS = {
     "a new folder under `$ASYNCGRPO_RUNS`",  # run_dir None: a new run directory
 }
 # Fields of AsyncGRPOConfig's own that are TRL's flags all the same (`trl grpo`'s script arguments).
-TRL_SCRIPT_FLAGS = {"reward_funcs", "reward_model_name_or_path"}
+TRL_SCRIPT_FLAGS = {"reward_funcs", "reward_model_name_or_path", "datasets", "streaming", "test_split_size"}
 ASYNCGRPO_TABLE = "flag"  # the first header cell of each table
 TRL_TABLE = "TRL's flag"
 CODE_ROOTS = ("asyncgrpo", "ps", "worker", "queue_tools", "bench", "scripts", "docs", "tests")

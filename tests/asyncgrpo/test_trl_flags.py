@@ -100,6 +100,42 @@ def test_dataset_config_and_splits_select_what_trl_would(tmp_path):
     assert load_eval_dataset(cfg)["prompt"] == ["train-s:"]
 
 
+MIXTURE_YAML = """\
+datasets:
+  - path: json
+    data_files: a.jsonl
+    fraction: 0.75
+  - path: json
+    data_files: b.jsonl
+    columns: [prompt]
+    fraction: 0.25
+test_split_size: 0.25
+"""
+
+
+def test_a_dataset_mixture_in_the_yaml_file_is_what_trls_get_dataset_makes(tmp_path, monkeypatch):
+    """TRL's --datasets mixture: relative data_files from the user's folder, fractions, columns and the test split
+    as trl grpo's get_dataset makes them; the demo's defaults stay off; streaming is refused in one line."""
+    from trl import DatasetMixtureConfig, get_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"prompt": f"a{i}:", "level": i}) + "\n" for i in range(30)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"prompt": f"b{i}:", "level": i}) + "\n" for i in range(30)))
+    (tmp_path / "mix.yaml").write_text(MIXTURE_YAML)
+    cfg = parse("--config", "mix.yaml", "--eval_strategy", "steps", "--seed", "3")
+    assert cfg.learning_rate != 1e-3, "a mixture is the user's data: the demo's defaults are off"
+    expected = get_dataset(DatasetMixtureConfig(datasets=[
+        {"path": "json", "data_files": "a.jsonl", "fraction": 0.75},
+        {"path": "json", "data_files": "b.jsonl", "columns": ["prompt"], "fraction": 0.25}], test_split_size=0.25))
+    train, test = list(load_train_dataset(cfg)["prompt"]), list(load_eval_dataset(cfg)["prompt"])
+    assert sorted(train + test) == sorted(list(expected["train"]["prompt"]) + list(expected["test"]["prompt"]))
+    assert train == list(load_train_dataset(cfg)["prompt"]), "every load (each process) splits alike"
+    assert len(train) + len(test) == 40 and len(test) == 10  # 30 of a, 10 of b (fractions 3:1), a quarter held out
+    assert sum(p.startswith("b") for p in train + test) == 10
+    with pytest.raises(ConfigError, match="^--streaming: streamed datasets are not supported"):
+        parse("--config", "mix.yaml", "--streaming", "true")
+
+
 def test_reward_functions_import_from_the_current_folder_in_trls_spellings(tmp_path, monkeypatch):
     write_user_folder(tmp_path)
     monkeypatch.chdir(tmp_path)
