@@ -92,6 +92,9 @@ class DatasetArguments:
     dataset_test_split: str = field(default="test", metadata={
         "help": "Dataset split to use for evaluation (with --eval_strategy steps or epoch)."})
     dataset_split: str | None = field(default=None, metadata={"help": "Older name of --dataset_train_split."})
+    dataset_streaming: bool = field(default=False, metadata={
+        "help": "Whether to stream the dataset (TRL's flag). Refused: the producer indexes the dataset's rows to "
+                "resume exactly."})
 
     def _resolve_dataset_aliases(self) -> None:
         if self.dataset_split is not None:
@@ -257,9 +260,10 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
         # TRL's --datasets mixture, each entry kept as a plain dict (the config is written as JSON, e.g. to
         # TensorBoard); asyncgrpo/inputs.py hands them to TRL's get_dataset.
         self.datasets = [d if isinstance(d, dict) else dataclasses.asdict(d) for d in self.datasets or []]
-        if self.streaming:
-            raise ConfigError("--streaming: streamed datasets are not supported: the producer indexes the dataset's "
-                              "rows to resume exactly; load the mixture without streaming")
+        for flag in ("streaming", "dataset_streaming"):
+            if getattr(self, flag):
+                raise ConfigError(f"--{flag}: streamed datasets are not supported: the producer indexes the "
+                                  "dataset's rows to resume exactly; load the dataset without streaming")
         if self.device_type == "auto":
             import torch
 

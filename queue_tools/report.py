@@ -311,6 +311,8 @@ def format_text(r: dict) -> str:
     lines.append(f"{'':<22}{'count':>7}{'mean':>9}{'p50':>9}{'p99':>9}{'max':>9}")
     for key, label, _event, _field in STATS:
         s = r["stats"][key]
+        if key.startswith("turn_") and not s["count"]:  # single-turn jobs: no turns to show
+            continue
         lines.append(f"{label:<22}{s['count']:>7}" + "".join(f"{_fmt(s[k]):>9}" for k in ("mean", "p50", "p99", "max")))
     t = r["training"]
     if t["span_s"] is None:

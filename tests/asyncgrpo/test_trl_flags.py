@@ -134,6 +134,8 @@ def test_a_dataset_mixture_in_the_yaml_file_is_what_trls_get_dataset_makes(tmp_p
     assert sum(p.startswith("b") for p in train + test) == 10
     with pytest.raises(ConfigError, match="^--streaming: streamed datasets are not supported"):
         parse("--config", "mix.yaml", "--streaming", "true")
+    with pytest.raises(ConfigError, match="^--dataset_streaming: streamed datasets are not supported"):
+        parse("--dataset_name", "a.jsonl", "--dataset_streaming", "true")
 
 
 def test_reward_functions_import_from_the_current_folder_in_trls_spellings(tmp_path, monkeypatch):
