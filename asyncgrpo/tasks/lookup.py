@@ -39,6 +39,11 @@ the answer learns to start with the secret (0.5) more readily than to stop right
 costs ~260 ms alone (seed 2: mean 262, median 243), 320-450 ms with a second run on the 2 cores. With a
 32-rollout batch, seed 0 reached 0.55 at step 900. Also tried, with the earlier "key K" prompt: lr 2e-3
 and 3e-3 (unstable), hidden 256 (slower, no better).
+
+Under asyncgrpo the same defaults learn further, for a reason not found yet: `launch.sh --builtin_task lookup`
+(seed 0, 2-core CPU VM) reached a rolling-10 reward of 0.8 at step 542 with 3 workers and at step 290 with one
+worker in synchronous mode (`--max_staleness 0`), and 0.85-0.93 at step 1000; plain TRL, seed 0, re-run alone:
+0.5 at step 469, 0.45 at step 1000.
 """
 
 from __future__ import annotations
