@@ -97,6 +97,12 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     return trainer
 
 
+def generates_in_turns(trainer: GRPOTrainer) -> bool:
+    """Whether a job's rollouts take several generate calls or the user's own loop (tools, an environment, a
+    rollout function): such jobs are generated one per call, eagerly (see docs/design.md, Multi-turn jobs)."""
+    return bool(trainer.tools) or trainer.rollout_func is not None
+
+
 def job_seed(seed: int, job_id: str) -> int:
     """The sampling seed of one job: the run's seed and the job id, whichever worker runs it."""
     return (seed * 1_000_003 + zlib.crc32(job_id.encode())) % 2**63
@@ -161,7 +167,7 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
                        decoding: CompiledDecoding | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
-    if BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1") or trainer.tools:
+    if generates_in_turns(trainer) or BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
         return None
     prompt_ids = []
     for job in jobs:

@@ -42,7 +42,7 @@ from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.decoding import CompiledDecoding, resolve_mode
-from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
+from worker.generate import JobInput, build_trainer, error_record, generate_jobs, generates_in_turns, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
@@ -109,7 +109,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                                "(traceback in the worker's log)") from None
     # Multi-turn jobs (tools, a rollout function) are generated one by one: a second job claimed with the first
     # would only wait for it.
-    jobs_per_call = 1 if trainer.tools or trainer.rollout_func is not None else cfg.jobs_per_generate
+    jobs_per_call = 1 if generates_in_turns(trainer) else cfg.jobs_per_generate
     subscriber = make_subscriber(run, on_read=presence.announce_read)
     version = None
     status = 0
@@ -203,7 +203,7 @@ def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: E
     """With compiled decoding, compiles it now, before the first claim (worker/decoding.py)."""
     if resolve_mode(cfg.worker_decoding, cfg.device_type) != "compiled":
         return None
-    if trainer.tools or trainer.rollout_func is not None:  # turns of varying batch and length: one fixed graph won't do
+    if generates_in_turns(trainer):  # turns of varying batch and length: one fixed graph won't do
         log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
                  "function are given)", device)
         return None
