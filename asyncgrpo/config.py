@@ -93,8 +93,9 @@ class DatasetArguments:
         "help": "Dataset split to use for evaluation (with --eval_strategy steps or epoch)."})
     dataset_split: str | None = field(default=None, metadata={"help": "Older name of --dataset_train_split."})
     dataset_streaming: bool = field(default=False, metadata={
-        "help": "Whether to stream the dataset (TRL's flag). Refused: the producer indexes the dataset's rows to "
-                "resume exactly."})
+        "help": "Whether to stream the dataset (TRL's flag): rows are read as jobs need them, in TRL's order (a "
+                "buffered shuffle with --seed, reshuffled each epoch); a resumed PS reads the stream again up to where "
+                "it stopped. Needs --max_steps."})
 
     def _resolve_dataset_aliases(self) -> None:
         if self.dataset_split is not None:
@@ -261,9 +262,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
         # TensorBoard); asyncgrpo/inputs.py hands them to TRL's get_dataset.
         self.datasets = [d if isinstance(d, dict) else dataclasses.asdict(d) for d in self.datasets or []]
         for flag in ("streaming", "dataset_streaming"):
-            if getattr(self, flag):
-                raise ConfigError(f"--{flag}: streamed datasets are not supported: the producer indexes the "
-                                  "dataset's rows to resume exactly; load the dataset without streaming")
+            if getattr(self, flag) and self.max_steps <= 0:
+                raise ConfigError(f"--{flag}: give --max_steps: a streamed dataset has no length to count epochs by")
         if self.device_type == "auto":
             import torch
 

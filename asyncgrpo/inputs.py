@@ -12,6 +12,7 @@ folder it was started from), and reward modules import from it, as they would wi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -119,7 +120,7 @@ def _load_dataset(cfg: AsyncGRPOConfig):
         saved = np.random.get_state()
         np.random.seed(cfg.seed)
         try:
-            return get_dataset(DatasetMixtureConfig(datasets=[dict(d) for d in cfg.datasets], streaming=cfg.streaming,
+            return get_dataset(DatasetMixtureConfig(datasets=[dict(d) for d in cfg.datasets], streaming=streams(cfg),
                                                     test_split_size=cfg.test_split_size))
         except Exception as err:
             raise ConfigError(f"--datasets: cannot load the mixture: {first_line(err, with_type=False)}") from None
@@ -129,12 +130,12 @@ def _load_dataset(cfg: AsyncGRPOConfig):
     try:
         if os.path.isfile(name):
             kind = {".parquet": "parquet", ".csv": "csv"}.get(Path(name).suffix, "json")
-            return datasets.load_dataset(kind, data_files=name)
+            return datasets.load_dataset(kind, data_files=name, streaming=streams(cfg))
         if os.path.isdir(name) and any(Path(name, f).exists() for f in ("dataset_dict.json", "state.json")):
-            return datasets.load_from_disk(name)
+            return _streamed_if_asked(cfg, datasets.load_from_disk(name))
         if not os.path.isdir(name) and _looks_like_a_path(name):
             raise ConfigError(f"--dataset_name {cfg.dataset_name}: no such file or folder")
-        return datasets.load_dataset(name, name=cfg.dataset_config)
+        return datasets.load_dataset(name, name=cfg.dataset_config, streaming=streams(cfg))
     except ConfigError:
         raise
     except StopIteration:  # how datasets' file loaders say a file holds no rows
@@ -142,6 +143,22 @@ def _load_dataset(cfg: AsyncGRPOConfig):
     except Exception as err:
         reason = first_line(err, with_type=False)
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {reason}") from None
+
+
+def streams(cfg: AsyncGRPOConfig) -> bool:
+    """--dataset_streaming (TRL's flag for --dataset_name) or --streaming (its mixture's): either streams the data."""
+    return bool(cfg.dataset_streaming or cfg.streaming)
+
+
+def _streamed_if_asked(cfg: AsyncGRPOConfig, loaded):
+    """A dataset held whole (a save_to_disk folder, a built-in task's) as a stream when streaming is asked for."""
+    import datasets
+
+    if not streams(cfg):
+        return loaded
+    if isinstance(loaded, datasets.DatasetDict):
+        return datasets.IterableDatasetDict({name: split.to_iterable_dataset() for name, split in loaded.items()})
+    return loaded.to_iterable_dataset()
 
 
 def _source(cfg: AsyncGRPOConfig) -> str:
@@ -152,13 +169,21 @@ def _source(cfg: AsyncGRPOConfig) -> str:
 def _split(cfg: AsyncGRPOConfig, loaded, split: str, flag: str):
     import datasets
 
-    if isinstance(loaded, datasets.DatasetDict):
+    if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if split not in loaded:
             raise ConfigError(f"{flag} {split}: {_source(cfg)} has no split {split!r} (has {', '.join(loaded)})")
         loaded = loaded[split]
-    if "prompt" not in loaded.column_names:
-        raise ConfigError(f"{_source(cfg)}: no 'prompt' column in split {split!r} "
-                          f"(has {', '.join(loaded.column_names)})")
+    columns = loaded.column_names
+    if columns is None:  # a stream whose features are not declared: its first row says
+        try:
+            columns = list(next(iter(loaded)))
+        except StopIteration:
+            raise ConfigError(f"{_source(cfg)}: split {split!r} is empty (no rows)") from None
+        except Exception as err:
+            raise ConfigError(f"{_source(cfg)}: cannot read split {split!r}: {first_line(err, with_type=False)}") \
+                from None
+    if "prompt" not in columns:
+        raise ConfigError(f"{_source(cfg)}: no 'prompt' column in split {split!r} (has {', '.join(columns)})")
     return loaded
 
 
@@ -174,12 +199,18 @@ def load_train_dataset(cfg: AsyncGRPOConfig):
     if cfg.dataset_name is None and not cfg.datasets and cfg.builtin_task == "lookup":
         from asyncgrpo.tasks.lookup import build_dataset as build_lookup_dataset
 
-        return build_lookup_dataset(seed=cfg.seed)
+        return _streamed_if_asked(cfg, build_lookup_dataset(seed=cfg.seed))
     if cfg.dataset_name is None and not cfg.datasets:
         from asyncgrpo.tasks.demo import build_dataset
 
-        return build_dataset(seed=cfg.seed)
-    return _split(cfg, _load_dataset(cfg), cfg.dataset_train_split, "--dataset_train_split")
+        return _streamed_if_asked(cfg, build_dataset(seed=cfg.seed))
+    dataset = _split(cfg, _load_dataset(cfg), cfg.dataset_train_split, "--dataset_train_split")
+    prompts = cfg.generation_batch_size // cfg.num_generations
+    if sum(1 for _ in itertools.islice(dataset, prompts)) < prompts:  # (reads no further than that in a stream)
+        raise ConfigError(f"{_source(cfg)}: fewer than {prompts} prompts in split {cfg.dataset_train_split!r}: not "
+                          f"one generation batch ({cfg.generation_batch_size} rows, {cfg.num_generations} "
+                          "generations each)")
+    return dataset
 
 
 def load_eval_dataset(cfg: AsyncGRPOConfig):
@@ -192,8 +223,9 @@ def load_eval_dataset(cfg: AsyncGRPOConfig):
     loaded = _load_dataset(cfg)
     import datasets
 
-    if not isinstance(loaded, datasets.DatasetDict) or cfg.dataset_test_split not in loaded:
-        has = ", ".join(loaded) if isinstance(loaded, datasets.DatasetDict) else "no splits"
+    splits = (datasets.DatasetDict, datasets.IterableDatasetDict)
+    if not isinstance(loaded, splits) or cfg.dataset_test_split not in loaded:
+        has = ", ".join(loaded) if isinstance(loaded, splits) else "no splits"
         raise ConfigError(f"--eval_strategy {_strategy(cfg)}: no evaluation data: {_source(cfg)} has no split "
                           f"{cfg.dataset_test_split!r} (--dataset_test_split; it has {has})")
     return _split(cfg, loaded, cfg.dataset_test_split, "--dataset_test_split")

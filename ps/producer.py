@@ -43,6 +43,7 @@ holds the rows owed a re-throw and the rows set aside.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import statistics
@@ -51,9 +52,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from trl.trainer.utils import RepeatSampler
+from datasets import IterableDataset
+from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
-from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
 from asyncgrpo.jobqueue.names import next_job_id
 from asyncgrpo.run import fileops
@@ -65,6 +67,11 @@ STRAGGLER_FACTOR = 3.0  # held this many typical job times: a straggler
 STRAGGLER_MIN_S = 1.0
 TYPICAL_OF_LAST = 20  # jobs the typical time is the median of (none is judged a straggler before 3)
 HELD = (JobState.PROCESSING, JobState.COMMITTING)
+
+
+def too_few_prompts(size: int, G: int) -> ConfigError:
+    return ConfigError(f"the dataset has fewer than {size // G} prompts: not one generation batch of {size} rows "
+                       f"({G} generations each)")
 
 
 @dataclass
@@ -262,14 +269,35 @@ class JobProducer(WatchedThread):
                                    worker=str(holders.get(job_id)))
 
     def _generation_batches(self):
-        size = self.cfg.generation_batch_size
-        sampler = RepeatSampler(self.dataset, mini_repeat_count=self.cfg.num_generations,
-                                batch_size=size // self.cfg.num_generations, repeat_count=1,
+        """Generation batches in TRL's order, epoch after epoch (training length is max_steps). The same config
+        draws the same batches in any process, which is what lets a resumed PS skip what it already threw."""
+        size, G = self.cfg.generation_batch_size, self.cfg.num_generations
+        if isinstance(self.dataset, IterableDataset):
+            yield from self._streamed_batches(size, G)
+            return
+        sampler = RepeatSampler(self.dataset, mini_repeat_count=G, batch_size=size // G, repeat_count=1,
                                 shuffle=self.cfg.shuffle_dataset, seed=self.cfg.seed)
-        while True:  # epochs without end: training length is max_steps
+        while True:
             indices = list(sampler)
+            if len(indices) < size:
+                raise too_few_prompts(size, G)
             for start in range(0, len(indices) - size + 1, size):
                 yield [self.dataset[i] for i in indices[start:start + size]]
+
+    def _streamed_batches(self, size: int, G: int):
+        """A streamed dataset as TRL's get_train_dataloader reads it: a buffered shuffle seeded with --seed and
+        reshuffled each epoch (set_epoch), each prompt repeated G times, a short last batch dropped."""
+        stream = self.dataset.shuffle(seed=self.cfg.seed) if self.cfg.shuffle_dataset else self.dataset
+        stream = repeat_iterable_dataset(stream, mini_repeat_count=G, batch_size=size // G, repeat_count=1)
+        for epoch in itertools.count():
+            stream.set_epoch(epoch)
+            rows = iter(stream)
+            batch = list(itertools.islice(rows, size))
+            if len(batch) < size:
+                raise too_few_prompts(size, G)
+            while len(batch) == size:
+                yield batch
+                batch = list(itertools.islice(rows, size))
 
     def _next_rows(self) -> list:
         """The next job's rows: owed rows first, then rows set aside that are due back, then the next batch drawn.

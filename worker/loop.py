@@ -24,6 +24,7 @@ with its attempt counted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -207,8 +208,7 @@ def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: E
         log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
                  "function are given)", device)
         return None
-    dataset = trainer.train_dataset
-    rows = [dataset[i] for i in range(min(len(dataset), 1024))]
+    rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
     prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
     decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
     log.info("[gen] dev%s compiling its decoding step (batch %d rows, cache %d tokens) before its first job", device,

@@ -115,7 +115,8 @@ test_split_size: 0.25
 
 def test_a_dataset_mixture_in_the_yaml_file_is_what_trls_get_dataset_makes(tmp_path, monkeypatch):
     """TRL's --datasets mixture: relative data_files from the user's folder, fractions, columns and the test split
-    as trl grpo's get_dataset makes them; the demo's defaults stay off; streaming is refused in one line."""
+    as trl grpo's get_dataset makes them; the demo's defaults stay off; TRL's refusals (a streamed mixture with
+    fractions) in one line."""
     from trl import DatasetMixtureConfig, get_dataset
 
     monkeypatch.chdir(tmp_path)
@@ -132,9 +133,11 @@ def test_a_dataset_mixture_in_the_yaml_file_is_what_trls_get_dataset_makes(tmp_p
     assert train == list(load_train_dataset(cfg)["prompt"]), "every load (each process) splits alike"
     assert len(train) + len(test) == 40 and len(test) == 10  # 30 of a, 10 of b (fractions 3:1), a quarter held out
     assert sum(p.startswith("b") for p in train + test) == 10
-    with pytest.raises(ConfigError, match="^--streaming: streamed datasets are not supported"):
-        parse("--config", "mix.yaml", "--streaming", "true")
-    with pytest.raises(ConfigError, match="^--dataset_streaming: streamed datasets are not supported"):
+    streamed = parse("--config", "mix.yaml", "--streaming", "true", "--max_steps", "5")
+    with pytest.raises(ConfigError, match="^--datasets: cannot load the mixture: .*fraction.* not supported with "
+                                          "streaming"):  # TRL's own refusal, in one line
+        load_train_dataset(streamed)
+    with pytest.raises(ConfigError, match="^--dataset_streaming: give --max_steps: a streamed dataset has no length"):
         parse("--dataset_name", "a.jsonl", "--dataset_streaming", "true")
 
 
