@@ -145,7 +145,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
     tool_timeout_s: float = field(default=30.0, metadata={
         "help": "The longest one tool call may run on a worker: a call still running then is abandoned and its result "
                 "is the timeout's message, as a tool that raises gives its error (counted in tools/failure_frequency). "
-                "0: no limit."})
+                "An environment's reset() or get_reward() past it fails the job. 0: no limit."})
     builtin_task: str = field(default="repeat", metadata={
         "help": "The built-in task trained without --model_name_or_path, --dataset_name and --reward_funcs: 'repeat' "
                 "(prompt 'N:', repeat the digit N; reward: the fraction of characters right) or 'first_digit' "

@@ -514,6 +514,18 @@ def test_generate_returns_the_log_probs_fifth_and_the_tool_dicts_are_the_batch_s
     assert "sampling_per_token_logps_list," in scoring
 
 
+def test_environments_come_from_a_pool_and_the_factories_and_are_called_on_the_instance():
+    """worker/tools.py bounding_environments: TRL draws each batch's environments from _environment_pool, making
+    more with environment_factories, and calls reset() and get_reward() on the instance."""
+    scoring = inspect.getsource(inspect.unwrap(getattr(GRPOTrainer, GENERATE_AND_SCORE)))
+    assert "pool = self._environment_pool[name]" in scoring
+    assert "pool.append(self.environment_factories[name]())" in scoring
+    assert "observation = environment.reset(**reset_kwargs)" in scoring
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert "self._environment_pool[name] = [instance]" in init
+    assert "return [e.get_reward() if type(e) is _env_type else None for e in environments]" in init
+
+
 def test_generate_tokenizes_the_prompts_then_generates_them_in_one_single_turn_call(trainer):
     """What generate_jobs does for several jobs at once, and each job's _generate then replays: TRL's _generate
     tokenizes with _tokenize_prompts and takes its completions from one _generate_single_turn call."""

@@ -53,7 +53,7 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decoding import CompiledDecoding
-from worker.tools import RolloutTurns
+from worker.tools import RolloutTurns, bounding_environments
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
@@ -87,9 +87,11 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     # The same peft_config as the PS's: the same adapter modules, so the same trainable names to sync into;
     # with beta > 0 TRL's reference log-probs are the base's, with the adapter disabled (no second model).
     hooks = hooks or RolloutHooks()
-    # Tools (an environment's methods too) run on this worker under --tool_timeout_s (worker/tools.py).
+    # Tools (an environment's methods too) run on this worker under --tool_timeout_s (worker/tools.py), and so do
+    # an environment's reset() and get_reward().
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=cfg.peft_config(), **hooks.trainer_kwargs())
+    bounding_environments(trainer, cfg.tool_timeout_s)
     trainer.model.train()  # TRL's "train" mode: train-time num_generations and metric names
     # ... but no dropout (LoRA's included): the behaviour log-probs must be those of the policy the PS trains,
     # not of one random dropout mask per sample.

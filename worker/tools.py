@@ -9,6 +9,8 @@ through admission, the PS. ``RolloutTurns.bounding_tools`` wraps each of the bat
 call still running after ``--tool_timeout_s`` raises ToolTimeout in the loop instead, which TRL handles as
 any raised error. The call itself is abandoned: a Python thread cannot be killed, so a sync call runs in a
 daemon thread left to finish or not (it does not keep the process alive); an async one is cancelled.
+``bounding_environments`` puts an environment's ``reset()`` and ``get_reward()`` under the same bound: TRL has
+no handling for those, so one past the bound fails the job, as one that raises does.
 
 ``timing_turns`` records each generate call and the tool phase between two of them: events
 ``generate_turn_end`` and ``tools_end`` per turn (worker/generate.py emits them), which ``queue_tools report``
@@ -32,6 +34,77 @@ GENERATE_SINGLE_TURN = "_generate_single_turn"
 
 class ToolTimeout(TimeoutError):
     """A tool call ran past --tool_timeout_s; TRL makes its message the call's result."""
+
+
+def call_within(timeout_s: float, name: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)``, or ToolTimeout once ``timeout_s`` have passed (0: no bound). The call is left
+    running in a daemon thread: a Python thread cannot be killed."""
+    if not timeout_s:
+        return function(*args, **kwargs)
+    outcome: dict = {}
+    done = threading.Event()
+
+    def call():
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as err:  # re-raised in the caller's thread
+            outcome["error"] = err
+        done.set()
+
+    threading.Thread(target=call, name=f"tool-{name}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+async def await_within(timeout_s: float, name: str, awaitable):
+    """The awaitable's result, or ToolTimeout once ``timeout_s`` have passed (0: no bound); it is cancelled then."""
+    if not timeout_s:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)") from None
+
+
+def bounding_environments(trainer, timeout_s: float) -> None:
+    """Each environment's ``reset()`` and ``get_reward()`` under the tools' bound, so that neither can hold the
+    worker: past it ToolTimeout fails the job (thrown again, then reported), as an exception from them does.
+    TRL keeps a pool of instances per environment (``_environment_pool``), reset for each batch, and makes more
+    with ``environment_factories`` when a batch needs them: both are bounded here, once, when the trainer is built."""
+    factories = getattr(trainer, "environment_factories", None)
+    if not timeout_s or not factories:
+        return
+
+    def bounded_environment(factory):
+        environment = factory()
+        _bound_environment(environment, timeout_s)
+        return environment
+
+    for pool in trainer._environment_pool.values():
+        for environment in pool:
+            _bound_environment(environment, timeout_s)
+    trainer.environment_factories = {name: functools.partial(bounded_environment, factory)
+                                     for name, factory in factories.items()}
+
+
+def _bound_environment(environment, timeout_s: float) -> None:
+    """Instance attributes over the class's methods: TRL calls ``environment.reset(...)`` and
+    ``environment.get_reward()`` on the instance, and lists tools from the class."""
+    for method in ("reset", "get_reward"):
+        function = getattr(environment, method, None)
+        if function is None:
+            continue
+        name = f"{type(environment).__name__}.{method}()"
+        if asyncio.iscoroutinefunction(function):
+            async def bounded(*args, _function=function, _name=name, **kwargs):
+                return await await_within(timeout_s, _name, _function(*args, **kwargs))
+        else:
+            def bounded(*args, _function=function, _name=name, **kwargs):
+                return call_within(timeout_s, _name, _function, *args, **kwargs)
+        setattr(environment, method, functools.wraps(function)(bounded))
 
 
 @dataclass
@@ -77,26 +150,12 @@ class RolloutTurns:
             started = time.monotonic()
             outcome: dict = {}
             try:
-                if not self.timeout_s:
-                    return tool(**arguments)
-                done = threading.Event()
-
-                def call():
-                    try:
-                        outcome["value"] = tool(**arguments)
-                    except BaseException as err:  # handed to TRL's loop, which makes it the result
-                        outcome["error"] = err
-                    done.set()
-
-                threading.Thread(target=call, name=f"tool-{name}", daemon=True).start()
-                if not done.wait(self.timeout_s):
-                    outcome["timeout"] = True
-                    raise ToolTimeout(f"{name}: no result within {self.timeout_s:g} s (--tool_timeout_s)")
-                if "error" in outcome:
-                    raise outcome["error"]
-                return outcome["value"]
-            except BaseException:
-                outcome.setdefault("error", True)
+                return call_within(self.timeout_s, name, tool, **arguments)
+            except ToolTimeout:
+                outcome["timeout"] = True
+                raise
+            except BaseException:  # handed to TRL's loop, which makes it the result
+                outcome["error"] = True
                 raise
             finally:
                 self._count(started, outcome)
@@ -109,15 +168,12 @@ class RolloutTurns:
             started = time.monotonic()
             outcome: dict = {}
             try:
-                if not self.timeout_s:
-                    return await tool(**arguments)
-                try:
-                    return await asyncio.wait_for(tool(**arguments), self.timeout_s)
-                except asyncio.TimeoutError:
-                    outcome["timeout"] = True
-                    raise ToolTimeout(f"{name}: no result within {self.timeout_s:g} s (--tool_timeout_s)") from None
+                return await await_within(self.timeout_s, name, tool(**arguments))
+            except ToolTimeout:
+                outcome["timeout"] = True
+                raise
             except BaseException:
-                outcome.setdefault("error", True)
+                outcome["error"] = True
                 raise
             finally:
                 self._count(started, outcome)
@@ -127,7 +183,7 @@ class RolloutTurns:
     def _count(self, started: float, outcome: dict) -> None:
         with self._lock:  # async tools finish on TRL's event-loop thread
             self.tally.calls += 1
-            self.tally.failed += "error" in outcome
+            self.tally.failed += "error" in outcome or "timeout" in outcome
             self.tally.timed_out += "timeout" in outcome
             self.tally.busy_s += time.monotonic() - started
 

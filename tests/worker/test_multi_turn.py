@@ -158,6 +158,33 @@ def test_an_environment_whose_reset_raises_fails_that_job_only(tmp_path, tool_mo
     assert isinstance(outcome[0], RuntimeError) and "the sandbox did not start" in str(outcome[0])
 
 
+class HangingReset(LookupEnv):
+    def reset(self, **row) -> None:
+        HELD.wait(3)
+
+
+class HangingReward(LookupEnv):
+    def get_reward(self) -> float:
+        HELD.wait(3)
+        return 1.0
+
+
+@pytest.mark.parametrize("environment, expected", [
+    (HangingReset, "HangingReset.reset(): no result within 0.2 s (--tool_timeout_s)"),
+    (HangingReward, "HangingReward.get_reward(): no result within 0.2 s (--tool_timeout_s)")])
+def test_an_environment_whose_reset_or_reward_hangs_fails_that_job_within_the_tool_bound(tmp_path, tool_model,
+                                                                                         environment, expected):
+    """TRL has no bound on reset() or get_reward(): without one, a hung call would hold the worker and its job
+    for good (its heartbeat goes on, so the lease never takes the job back)."""
+    trainer = make_worker(tmp_path, tool_model, environment, tool_timeout_s=0.2, max_tool_calling_iterations=1)
+    HELD.clear()
+    try:  # (unbounded, the call would return after 3 s and the job succeed)
+        outcome = generate_jobs(trainer, [JobInput(job_rows(trainer), seed=0)], EventLog.off())
+    finally:
+        HELD.set()
+    assert isinstance(outcome[0], TimeoutError) and expected in str(outcome[0]), outcome
+
+
 def two_turn_rollout(prompts, trainer):
     """A user's own rollout (GRPOTrainer's rollout_func): generate, append the environment's reply " 5:" (tokens
     the model did not generate: env_mask 0), generate again; TRL's signature and keys."""
