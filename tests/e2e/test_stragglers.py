@@ -15,7 +15,9 @@ import helpers
 from helpers import PROCESS_ENV, REPO, assert_exactly_once, demo_flags, metrics, ps_events, run_flags, start_process
 
 FAULT_S = 10.0  # how long the slow reward call and the stop last
-STEPS = 400  # enough that training is still going through both faults (about 10 steps a second on 2 cores)
+# Enough that training is still going through both faults and the waits between them: 10-20 steps a second on
+# 2 cores, fewer during a fault (400 steps ended inside the second fault on a fast day).
+STEPS = 800
 # The demo task with another reward.
 FLAGS = [*demo_flags(), *run_flags(STEPS, save_steps=100, lease_s=60),
          "--reward_funcs", "tests.reward_faults:slow_once_when_told"]
@@ -38,10 +40,10 @@ def held_by(root, device: int) -> list[str]:
             f"_committing_by_dev{device}" in n]
 
 
-def stop_while_holding_a_job(root, worker, device: int) -> list[str]:
+def stop_while_holding_a_job(root, worker, device: int, ps) -> list[str]:
     """SIGSTOPs ``worker`` at a moment it holds a job (checked after the stop); returns the held files."""
     while True:
-        wait_for(lambda: held_by(root, device), f"dev{device} to hold a job", worker)
+        wait_for(lambda: held_by(root, device), f"dev{device} to hold a job", worker, ps)
         worker.send_signal(signal.SIGSTOP)
         if held := held_by(root, device):
             return held
@@ -65,7 +67,7 @@ def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
         wait_for((slow / "done").exists, "the slow reward call to end", ps, *workers.values())
         slow_window = (slow_window[0], step(root))
         # 2. Worker 2 is stopped while it holds a job: no heartbeat, no progress.
-        held = stop_while_holding_a_job(root, workers[2], 2)
+        held = stop_while_holding_a_job(root, workers[2], 2, ps)
         stopped_at, stop_step = time.monotonic(), step(root)
         try:
             wait_for(lambda: time.monotonic() - stopped_at > 7.0, "7 s")
