@@ -43,7 +43,11 @@ and 3e-3 (unstable), hidden 256 (slower, no better).
 Under asyncgrpo the same defaults learn further, for a reason not found yet: `launch.sh --builtin_task lookup`
 (seed 0, 2-core CPU VM) reached a rolling-10 reward of 0.8 at step 542 with 3 workers and at step 290 with one
 worker in synchronous mode (`--max_staleness 0`), and 0.85-0.93 at step 1000; plain TRL, seed 0, re-run alone:
-0.5 at step 469, 0.45 at step 1000.
+0.5 at step 469, 0.45 at step 1000. The two agree until step ~200 (rolling 0.2 at step 133 synchronous under
+asyncgrpo, ~140 under TRL), then part: asyncgrpo 0.32 at step 200 and 0.79 at 300, TRL 0.25 at 240. Ruled out: the
+learning-rate schedule (the PS's checkpoints log TRL's linear decay), the loss normaliser (both count the tokens
+under completion_mask * tool_mask), the loss on one batch (equal, tests/ps/test_multi_turn_loss.py). The
+synchronous asyncgrpo run is deterministic: two runs a day apart crossed 0.5 and 0.8 at the same steps.
 """
 
 from __future__ import annotations
