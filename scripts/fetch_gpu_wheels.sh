@@ -6,6 +6,10 @@
 #   bash scripts/fetch_gpu_wheels.sh            # run where pip reaches an index; then copy
 #                                               # the repository (with .whl/) to the GPU machine
 #
+# GPU_WHEELS_SKIP="pyarrow pandas ..." leaves out packages the GPU machine already has (a smaller
+# .whl/); GPU_WHEELS_EXTRA="bitsandbytes==0.50.2 ..." adds more (bitsandbytes for the QLoRA test,
+# transformers==5.24.0 to run the version .venv has rather than the machine's).
+#
 # Wheels only (--only-binary), for CPython 3.12 on manylinux x86_64 (override with
 # GPU_PYTHON_VERSION=3.11 etc.), no dependency resolution (--no-deps): the list below is
 # the whole set. Versions are the ones scripts/bootstrap.sh installed into .venv when this
@@ -36,12 +40,22 @@ PACKAGES=(
     iniconfig==2.3.1
 )
 
+# shellcheck disable=SC2206  # word splitting wanted: a list of specs
+PACKAGES+=(${GPU_WHEELS_EXTRA:-})
+for skip in ${GPU_WHEELS_SKIP:-}; do
+    for i in "${!PACKAGES[@]}"; do
+        [ "${PACKAGES[$i]%%==*}" = "$skip" ] && unset 'PACKAGES[i]'
+    done
+done
+PACKAGES=("${PACKAGES[@]}")
+
 mkdir -p "$DEST"
 echo "[fetch_gpu_wheels] ${#PACKAGES[@]} packages for CPython $PY_VERSION manylinux x86_64 into $DEST"
 for spec in "${PACKAGES[@]}"; do
     # (minus pip's warnings about index folders a machine's pip.conf names but lacks)
     "${PIP[@]}" download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 \
         -d "$DEST" "$spec" 2>&1 | { grep -v "is neither a file nor a directory" || true; } >&2
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[fetch_gpu_wheels] error: could not download $spec" >&2; exit 1; }
 done
