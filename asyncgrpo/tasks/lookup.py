@@ -46,7 +46,8 @@ worker in synchronous mode (`--max_staleness 0`), and 0.85-0.93 at step 1000; pl
 0.5 at step 469, 0.45 at step 1000. The two agree until step ~200 (rolling 0.2 at step 133 synchronous under
 asyncgrpo, ~140 under TRL), then part: asyncgrpo 0.32 at step 200 and 0.79 at 300, TRL 0.25 at 240. Ruled out: the
 learning-rate schedule (the PS's checkpoints log TRL's linear decay), the loss normaliser (both count the tokens
-under completion_mask * tool_mask), the loss on one batch (equal, tests/ps/test_multi_turn_loss.py). The
+under completion_mask * tool_mask), the loss on one batch (equal, tests/ps/test_multi_turn_loss.py), the
+off-policy weights (with `--off_policy_correction none` the synchronous run learned as fast: 0.85 at step 300). The
 synchronous asyncgrpo run is deterministic: two runs a day apart crossed 0.5 and 0.8 at the same steps.
 """
 
