@@ -142,6 +142,24 @@ def run_seed(seed: int, overrides: dict, model_kwargs: dict, early_stop_at: floa
     return result
 
 
+def set_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items as GRPOConfig keyword arguments, each VALUE parsed as JSON if it can be."""
+    overrides = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def model_shape(a: argparse.Namespace) -> dict:
+    """--hidden-size, --num-layers and --intermediate-size, those given, as build_model's keyword arguments."""
+    given = (("hidden_size", a.hidden_size), ("num_layers", a.num_layers), ("intermediate_size", a.intermediate_size))
+    return {k: v for k, v in given if v is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -170,21 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_generations": a.num_generations,
         "lr_scheduler_type": a.scheduler,
     }
-    for item in a.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    model_kwargs = {
-        k: v
-        for k, v in (
-            ("hidden_size", a.hidden_size),
-            ("num_layers", a.num_layers),
-            ("intermediate_size", a.intermediate_size),
-        )
-        if v is not None
-    }
+    overrides.update(set_overrides(a.set))
+    model_kwargs = model_shape(a)
     early = max(THRESHOLDS) if a.early_stop else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")

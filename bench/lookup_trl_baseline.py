@@ -27,6 +27,7 @@ import tempfile
 import time
 import warnings
 
+from demo_trl_baseline import model_shape, set_overrides
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
@@ -153,18 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         "per_device_train_batch_size": a.batch_size,
         "max_completion_length": a.max_completion_length,
     }
-    for item in a.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    model_kwargs = {
-        k: v
-        for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
-                     ("intermediate_size", a.intermediate_size))
-        if v is not None
-    }
+    overrides.update(set_overrides(a.set))
+    model_kwargs = model_shape(a)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")
 
