@@ -1,5 +1,10 @@
 """A worker that generates several jobs in one call (--jobs_per_generate) and is killed holding them: every
-one comes back through recovery and is trained exactly once, by another worker."""
+one comes back through recovery and is trained exactly once, by another worker.
+
+The second worker starts only once the PS has put all three back in pending (attempt 2). Started earlier, it
+would claim the jobs behind them and the run could train its 6 steps before recovery noticed the kill (the jobs
+then archived ``unused``, correctly: training had ended): which jobs trained would depend on timing. Claims are
+FIFO by job id, so the recovered jobs, the oldest, are generated first and must be trained."""
 
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ def test_a_worker_killed_holding_three_jobs_loses_and_repeats_none(tmp_path):
         assert sorted(json.loads(heartbeat.read_text())["job_ids"]) == held
         stuck.kill()
         stuck.wait(timeout=60)
+        requeued = [f"{job}_pending_a2.pt" for job in held]
+        wait_for(lambda: set(requeued) <= set(in_queue(root, "_pending_a2")), "the held jobs back in pending",
+                 TIMEOUT_S, procs=(ps,))
         second = start_process(root, tmp_path / "w2.log", "worker", "--device", "2", *FLAGS)
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
@@ -45,3 +53,6 @@ def test_a_worker_killed_holding_three_jobs_loses_and_repeats_none(tmp_path):
                 proc.wait()
     trained = assert_exactly_once(root, 6)
     assert set(held) <= set(trained)  # the jobs the killed worker held came back and were trained
+    done = os.listdir(root / "done")
+    for job in held:  # ... generated on their second attempt, by the second worker
+        assert f"{job}_processed_a2.pt" in done and f"{job}_processed.pt" not in done, sorted(done)

@@ -77,13 +77,21 @@ def trl_loss_grads(worker, batch):
     return loss.detach(), [p.grad.clone() for p in worker.model.parameters()]
 
 
+GRAD_RTOL = 1e-4  # of each gradient's norm (see assert_same)
+
+
 def assert_same(a, b):
+    """The same loss, and each parameter's gradient the same to GRAD_RTOL of its norm. Two model instances sum in
+    float32 in an order that depends on the CPU and its BLAS kernels: measured, their gradients differ by up to
+    ~1e-5 of a tensor's norm, elementwise by up to ~2e-6 (so no fixed absolute tolerance holds everywhere);
+    dropping the tool mask from the loss moves every tensor by 1e-2 to 8e-2 of its norm."""
     loss_a, grads_a = a
     loss_b, grads_b = b
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in grads_b)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-7)
+    for i, (ga, gb) in enumerate(zip(grads_a, grads_b, strict=True)):
+        off = float((ga - gb).norm())
+        assert off <= GRAD_RTOL * float(gb.norm()) + 1e-12, f"gradient {i}: |a - b| = {off:.3g}, |b| = {gb.norm():.3g}"
 
 
 def test_the_ps_loss_and_gradients_on_a_multi_turn_batch_are_trls(setup):
