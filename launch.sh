@@ -12,6 +12,9 @@
 #                   defaulting to ~/asyncgrpo-runs); relaunching on it resumes from its newest checkpoint
 #   --max-steps N   the same as --max_steps
 #   --device D      cpu, cuda or auto (default: cuda when torch sees a GPU)
+#   --mps M         auto, on or off (default auto): NVIDIA MPS, so that processes sharing a GPU run their
+#                   kernels at once instead of taking turns; auto starts it when a GPU holds more than one
+#                   process and nvidia-cuda-mps-control exists; stopped when the run ends, however it ends
 #   --join RUN      workers only, against RUN whose PS runs on another host (bash launch.sh --join RUN --help)
 #   -h, --help      this help
 #
@@ -39,7 +42,7 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch.txt"; return 0; }
 
 # ---- 1. arguments ------------------------------------------------------------------------
-WORKERS=3 PS_PROCS=1 RUN_DIR="" DEVICE=auto PASS=()
+WORKERS=3 PS_PROCS=1 RUN_DIR="" DEVICE=auto MPS=auto PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
@@ -47,6 +50,7 @@ while [ $# -gt 0 ]; do
         --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
+        --mps)       [ $# -ge 2 ] || die "--mps needs a value"; MPS="$2"; shift 2 ;;
         -h|--help)   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
     esac
@@ -54,6 +58,7 @@ done
 [[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || die "--workers needs a positive integer, got '$WORKERS'"
 [[ "$PS_PROCS" =~ ^[1-9][0-9]*$ ]] || die "--ps-procs needs a positive integer, got '$PS_PROCS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
+[[ "$MPS" =~ ^(auto|on|off)$ ]] || die "--mps must be auto, on or off, got '$MPS'"
 
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
@@ -75,6 +80,8 @@ if [ "$DEVICE" = cpu ]; then
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+trap stop_mps EXIT
+start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] && echo 1)" "$MPS" "$RUN_DIR"
 
 # ---- 3. start the PS and the workers -------------------------------------------------------
 gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)

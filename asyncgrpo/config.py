@@ -209,9 +209,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
     # How workers generate.
     worker_decoding: str = field(default="auto", metadata={
         "help": "'eager': TRL's generate (a dynamic KV cache, one Python-launched forward per token); 'compiled': a "
-                "static KV cache and the decoding step compiled with torch.compile (CUDA graphs on a GPU), compiled "
-                "at worker start before the first job; 'auto': compiled on CUDA, eager on CPU (where compiling "
-                "costs tens of seconds per batch shape and saves little)."})
+                "static KV cache and generate's decoding step compiled with torch.compile (CUDA graphs on a GPU); "
+                "'graph': the worker's own decoding loop, forward, sampling and bookkeeping of a token in one "
+                "compiled graph (where a setting needs generate, e.g. beam search or tools, it decodes as 'compiled' "
+                "or eagerly, and says why in its log); both compile at worker start, before the first job. 'auto': "
+                "graph on CUDA, eager on CPU (where compiling costs tens of seconds per batch shape)."})
     jobs_per_generate: int = field(default=2, metadata={
         "help": "A worker claims up to this many pending jobs at once (never waiting for more) and generates their "
                 "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "
@@ -283,8 +285,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
-            "worker_decoding": (self.worker_decoding in ("auto", "eager", "compiled"),
-                                "must be auto, eager or compiled"),
+            "worker_decoding": (self.worker_decoding in ("auto", "eager", "compiled", "graph"),
+                                "must be auto, eager, compiled or graph"),
             "jobs_per_generate": (self.jobs_per_generate >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),

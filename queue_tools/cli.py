@@ -142,7 +142,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "done_other": done_other,
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "global_step": global_step,
-        "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state,
+        "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
                                        "alive": pid_alive(ps.pid, ps.host),
                                        "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
@@ -238,6 +238,8 @@ def format_report(r: dict) -> str:
                      + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} in all)"
                         if last.get("groups_dropped_total") else "")
                      + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else ""))
+    if r["ps"] is not None and r["ps"].get("mps"):
+        lines.append(f"NVIDIA MPS: {r['ps']['mps']}")
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "

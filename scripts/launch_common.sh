@@ -66,3 +66,51 @@ restart_dead_workers() {
         fi
     done
 }
+
+# NVIDIA MPS (--mps auto|on|off): without it, a GPU runs one process's kernels at a time, so the PS and the workers
+# sharing a GPU take turns. start_mps SHARED MODE RUN: SHARED is 1 when a GPU holds more than one of the run's
+# processes (auto starts MPS only then). The daemon runs as the user, its pipe and log folders in RUN/mps, and is
+# tried with one CUDA call before any process relies on it: where it cannot start, one line says why and the run
+# goes on without it. Exports ASYNCGRPO_MPS ("on", or "off: why": ps.json and queue_tools ls show it); MPS_STARTED=1
+# when stop_mps has a daemon to stop.
+start_mps() {
+    local shared="$1" mode="$2" run="$3" why=""
+    MPS_STARTED=""
+    if [ "$DEVICE" != cuda ]; then why="not on a GPU"
+    elif [ "$mode" = off ]; then why="--mps off"
+    elif [ "$mode" = auto ] && [ "$shared" != 1 ]; then why="no GPU is shared by two processes"
+    elif ! command -v nvidia-cuda-mps-control > /dev/null; then why="nvidia-cuda-mps-control is not on PATH"
+    fi
+    if [ -z "$why" ]; then
+        export CUDA_MPS_PIPE_DIRECTORY="$run/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$run/mps/log"
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        if ! nvidia-cuda-mps-control -d > "$CUDA_MPS_LOG_DIRECTORY/start.txt" 2>&1; then
+            why="nvidia-cuda-mps-control -d failed: $(tail -n 1 "$CUDA_MPS_LOG_DIRECTORY/start.txt")"
+        else
+            MPS_STARTED=1
+            if ! timeout 120 "$VENV_PY" -c 'import torch; torch.ones(1, device="cuda").sum().item()' \
+                    > "$CUDA_MPS_LOG_DIRECTORY/probe.txt" 2>&1; then
+                why="a CUDA call under MPS failed: $(tail -n 1 "$CUDA_MPS_LOG_DIRECTORY/probe.txt")"
+                stop_mps
+            fi
+        fi
+        [ -n "$why" ] && unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+    if [ -n "$why" ]; then
+        export ASYNCGRPO_MPS="off: $why"
+        if [ "$mode" = on ] || { [ "$DEVICE" = cuda ] && [ "$shared" = 1 ]; }; then
+            say "NVIDIA MPS off ($why): the processes sharing a GPU take turns on it"
+        fi
+    else
+        export ASYNCGRPO_MPS=on
+        say "NVIDIA MPS on (control daemon in $CUDA_MPS_PIPE_DIRECTORY): the processes sharing a GPU run at once"
+    fi
+    return 0
+}
+
+stop_mps() {  # however the run ends (launch.sh's EXIT trap)
+    [ -n "${MPS_STARTED:-}" ] || return 0
+    echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+    MPS_STARTED=""
+    return 0
+}

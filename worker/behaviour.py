@@ -166,6 +166,10 @@ class BehaviourCapture:
         # The model TRL's transformers path generates with (unwrap_model_for_generation's).
         return self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
 
+    def given(self, tokens: torch.Tensor, logps: torch.Tensor) -> None:
+        """The log-probs of one generate call that decoded them itself (worker/decode_step.py), with its tokens."""
+        self.generate_calls, self.tokens, self.logps = 1, tokens, logps
+
     # ------------------------------------------------------------------ after scoring
 
     def rows(self, start: int, stop: int) -> BehaviourCapture:

@@ -1,4 +1,4 @@
-"""How a worker decodes: eager or compiled (``--worker_decoding``).
+"""How a worker decodes: eager, compiled or graph (``--worker_decoding``).
 
 eager: TRL's own ``generate`` call as TRL configures it (a dynamic KV cache, compilation off):
 one forward per token, each a few hundred kernel launches from Python.
@@ -12,6 +12,9 @@ on a GPU: one launch per token). The shapes are kept few, so a run compiles a ha
   a prompt beyond that still generates correctly, with a larger cache and a new graph;
 - the batch is fixed: a call generates ``jobs_per_generate`` jobs' rows, a call with fewer
   jobs is filled up with copies of its first row (their completions are thrown away).
+
+graph: the worker's own decoding loop, forward, sampling and bookkeeping in one compiled function per token
+(worker/decode_step.py). Where it does not apply (``GraphDecoding.unsupported``) the worker decodes compiled.
 
 ``warm_up`` compiles before the worker's first claim, so a job never waits on compilation;
 graphs compiled after it are counted (``compiled_graphs``) into the worker's events, its
@@ -35,17 +38,17 @@ from transformers import CompileConfig
 
 log = logging.getLogger("asyncgrpo.worker")
 
-DECODING_MODES = ("auto", "eager", "compiled")
+DECODING_MODES = ("auto", "eager", "compiled", "graph")
 PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
 COMPILED_CALL = "_compiled_call"  # what transformers' get_compiled_call returns when it is set (with the config below)
 LAST_COMPILE_CONFIG = "_last_compile_config"
 
 
 def resolve_mode(mode: str, device_type: str) -> str:
-    """``auto``: compiled on CUDA, eager on CPU. Measured on the 2-core CPU machine (docs/performance.md): a compiled
-    decoding step saves 8-15% of a generate call there and costs 12-35 s of compilation per batch shape."""
+    """``auto``: graph on CUDA, eager on CPU. On the 2-core CPU machine (docs/performance.md) compiling costs 10-35 s
+    per batch shape at every worker start, more than a short run's decoding saves."""
     if mode == "auto":
-        return "compiled" if device_type == "cuda" else "eager"
+        return "graph" if device_type == "cuda" else "eager"
     return mode
 
 

@@ -52,6 +52,7 @@ from asyncgrpo.messages import first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
+from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding
 from worker.tools import RolloutTurns, bounding_environments
 
@@ -132,7 +133,7 @@ class Pregenerated:
 
 
 def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                  decoding: CompiledDecoding | None = None, with_logs: bool = False
+                  decoding: CompiledDecoding | GraphDecoding | None = None, with_logs: bool = False
                   ) -> list[tuple[dict, dict, dict | None] | Exception]:
     """Several jobs, generated in one generate call where that applies, each scored on its own: for each job, its
     ``(batch, metrics)`` as generate_and_score returns them and, ``with_logs``, its completions table
@@ -166,7 +167,7 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
 
 
 def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                       decoding: CompiledDecoding | None) -> list[Pregenerated] | None:
+                       decoding: CompiledDecoding | GraphDecoding | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
     if generates_in_turns(trainer) or BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
@@ -186,8 +187,13 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
     for job in jobs:
         events.emit("generate_start", jobs_in_call=len(jobs), **job.fields)
     started = time.monotonic()
-    with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate():
-        completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
+    if isinstance(decoding, GraphDecoding):  # the worker's own decoding loop: the log-probs come with the tokens
+        with torch.no_grad(), trainer.accelerator.autocast():
+            completion_ids, tokens, logps = decoding.generate(batch)
+        capture.given(tokens, logps)
+    else:
+        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate():
+            completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
     dur_ms = (time.monotonic() - started) * 1e3
     for job in jobs:
         events.emit("generate_end", dur_ms=dur_ms, jobs_in_call=len(jobs), **job.fields)

@@ -42,6 +42,7 @@ from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
+from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, generates_in_turns, job_seed
 
@@ -200,31 +201,41 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
                          hooks=load_rollout_hooks(cfg))
 
 
-def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: EventLog) -> CompiledDecoding | None:
-    """With compiled decoding, compiles it now, before the first claim (worker/decoding.py)."""
-    if resolve_mode(cfg.worker_decoding, cfg.device_type) != "compiled":
+def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
+                      events: EventLog) -> CompiledDecoding | GraphDecoding | None:
+    """With compiled or graph decoding, compiles it now, before the first claim (worker/decoding.py)."""
+    mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
+    if mode == "eager":
         return None
     if generates_in_turns(trainer):  # turns of varying batch and length: one fixed graph won't do
         log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
                  "function are given)", device)
         return None
+    if mode == "graph" and (why := GraphDecoding.unsupported(trainer)) is not None:
+        log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
+        mode = "compiled"
     rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
     prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
-    decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
-    log.info("[gen] dev%s compiling its decoding step (batch %d rows, cache %d tokens) before its first job", device,
-             decoding.rows_per_call, trainer.generation_config.max_cache_len)
+    if mode == "graph":
+        decoding = GraphDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
+        cache_len = decoding.state.cache_len
+    else:
+        decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
+        cache_len = trainer.generation_config.max_cache_len
+    log.info("[gen] dev%s compiling its decoding step (%s, batch %d rows, cache %d tokens) before its first job",
+             device, mode, decoding.rows_per_call, cache_len)
     try:
         seconds = decoding.warm_up(prompt_ids)
     except Exception as err:  # torch.compile's backends fail in ways of their own: generation works without them
         if is_broken_device_error(err):
             raise
         decoding.undo()
-        log.exception("[gen] dev%s compiled decoding failed to compile (%s); decoding eagerly", device,
+        log.exception("[gen] dev%s %s decoding failed to compile (%s); decoding eagerly", device, mode,
                       first_line(err))
         return None
     events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
-                rows=decoding.rows_per_call)
-    log.info("[gen] dev%s decoding compiled in %.1f s", device, seconds)
+                rows=decoding.rows_per_call, mode=mode)
+    log.info("[gen] dev%s decoding compiled in %.1f s (%s)", device, seconds, mode)
     return decoding
 
 
@@ -245,7 +256,7 @@ def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
 
 
 def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version: int, events: EventLog,
-             claimed: float, decoding: CompiledDecoding | None) -> bool:
+             claimed: float, decoding: CompiledDecoding | GraphDecoding | None) -> bool:
     """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
     any of them raised (it is thrown again or reported failed)."""
     device = jobs[0].name.device

@@ -69,6 +69,9 @@ def runs_dir() -> Path:
     return Path(os.environ.get("ASYNCGRPO_RUNS") or DEFAULT_RUNS_DIR).expanduser()
 
 
+MPS_ENV = "ASYNCGRPO_MPS"  # set by launch.sh for the processes it starts: "on", or "off: why"
+
+
 @dataclass(frozen=True)
 class PSStatus:
     """``RUN/ps.json``: which parameter server the run has (or had) and where it stands.
@@ -88,12 +91,16 @@ class PSStatus:
     finished_at: float | None = None
     global_step: int | None = None
     final_model: str | None = None
+    # Whether the GPU's processes run under NVIDIA MPS, as launch.sh found it ("on", or "off: why"); None when
+    # the PS was not started by launch.sh.
+    mps: str | None = None
 
     @classmethod
     def starting(cls, model: str, resumed_from: str | None, generation: dict) -> PSStatus:
         """This process's status as it starts training."""
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
-                   started_at=time.time(), resumed_from=resumed_from, generation=generation)
+                   started_at=time.time(), resumed_from=resumed_from, generation=generation,
+                   mps=os.environ.get(MPS_ENV) or None)
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

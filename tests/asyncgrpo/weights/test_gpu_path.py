@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,6 +160,40 @@ def test_ps_closing_while_a_worker_maps_its_buffers(run, tmp_path):
     assert synced["reader_dropped"] is True  # and let go of the closed PS's buffers
     assert synced["from_new_ps"] == 1 and synced["values_from_new_ps"] == [2.0]
     assert reopened["close_s"] < 30
+
+
+@pytest.fixture
+def mps():
+    """An NVIDIA MPS control daemon of the test's own, started as launch.sh starts one (scripts/launch_common.sh
+    start_mps); yields the environment of its clients and its log folder, and quits it."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if ON_CPU or control is None:
+        pytest.skip("needs NVIDIA MPS (nvidia-cuda-mps-control on PATH)")
+    root = Path(tempfile.mkdtemp(prefix="mps-"))  # short: the control pipe is a Unix socket (108 characters)
+    folders = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+    for folder in folders.values():
+        os.makedirs(folder)
+    subprocess.run([control, "-d"], env={**os.environ, **folders}, check=True, timeout=60)
+    try:
+        yield folders, root / "log"
+    finally:
+        subprocess.run([control], input="quit\n", text=True, env={**os.environ, **folders}, timeout=60)
+
+
+def test_cuda_ipc_weights_are_exact_between_mps_clients(run, tmp_path, mps):
+    """The PS and a worker as launch.sh starts them with --mps on: CUDA IPC between two MPS clients."""
+    env, logs = mps
+    versions = "4"
+    ps = start_script(HERE, "ps_exact", str(run.root), str(tmp_path), versions,
+                      env={"CUDA_VISIBLE_DEVICES": launch_sh_visible_devices(0), **env})
+    worker = start_script(HERE, "worker_exact", str(run.root), str(tmp_path), versions,
+                          env={"CUDA_VISIBLE_DEVICES": launch_sh_visible_devices(1), **env})
+    published, synced = finish(ps, worker)
+    assert synced["versions"] == list(range(1, int(versions) + 1))
+    assert synced["mismatches"] == []
+    assert published["transport"] == synced["transport"] == "cuda_ipc"
+    # The MPS server starts when its first client connects: both processes ran as its clients.
+    assert (logs / "server.log").exists(), sorted(p.name for p in logs.iterdir())
 
 
 # ---------------------------------------------------------------- subprocess roles

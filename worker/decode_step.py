@@ -1,0 +1,287 @@
+"""The worker's own decoding step (``--worker_decoding graph``): one compiled function per token.
+
+transformers' ``generate`` runs host-side work around each (compiled) forward: the inputs sliced and the
+attention mask and positions concatenated, a float32 copy of the logits, the logits processors run eagerly
+(top-p sorts the whole vocabulary), ``torch.multinomial``, and a host sync on the unfinished rows every step.
+On a GPU that costs more than the forward itself. Here the whole step is one function, compiled with
+``fullgraph=True`` (CUDA graphs on a GPU: one launch per token):
+
+- the forward of every row's newest token over a static KV cache (transformers' ``StaticCache``), the attention
+  mask and the positions read from preallocated buffers;
+- the logits processing TRL's generation config asks for, in transformers' order: repetition penalty,
+  ``min_new_tokens``, temperature, top-k, top-p, min-p (top-p and min-p on the top-k survivors when top-k is set:
+  no sort of the whole vocabulary). Tokens tied with the k-th are cut, which transformers keeps;
+- sampling without a host sync: the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from the device's
+  generator, which picks token i with probability ``p_i / sum(p)`` as ``torch.multinomial`` does; greedy
+  (``do_sample=False``) takes the argmax;
+- the chosen token's behaviour log-prob with the definition worker/behaviour.py captures (TRL's recomputation):
+  ``log_softmax(logits / temperature)`` at the token, from the logits before any processing;
+- per row: pad once the row has ended, ended when the token is an EOS; the token and its log-prob written at the
+  step's column, the mask and position advanced. The step's index is a tensor: a Python int that changed each
+  step would compile a graph per step.
+
+The prefill runs eagerly over TRL's left-padded prompts and chooses the first token; the host then only launches
+steps, and asks whether every row has ended every DONE_CHECK_EVERY steps (one sync each). The result is what
+TRL's ``_generate_single_turn`` returns (completion ids cut after the first EOS) with the behaviour log-probs, so
+scoring, rewards and the PS do not change.
+
+Shapes are fixed: the rows (``jobs_per_generate`` jobs' rows; a call with fewer is filled up with copies of its
+first row) and the cache (the longest prompt seen at start-up rounded up to PROMPT_BUCKET, plus
+``max_completion_length``). A longer prompt gets a larger cache and a new graph, counted as a recompile. Weight
+syncs copy into the parameters' storage (asyncgrpo/weights), so the graph stays valid across syncs.
+
+What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate`` (worker/decoding.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, StaticCache
+
+from worker.behaviour import BehaviourCapture
+from worker.decoding import PROMPT_BUCKET, compiled_graphs, generating_model
+
+DONE_CHECK_EVERY = 16  # steps between the host's checks that every row has ended (each is one device sync)
+# GenerationConfig fields the step implements, or that only say how generate runs (cache, compilation). Any other
+# field set differently from transformers' default (beam search, no_repeat_ngram_size, suppress_tokens, a
+# watermark...) falls back to compiled generate.
+IMPLEMENTED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature", "top_k",
+               "top_p", "min_p", "repetition_penalty", "min_new_tokens", "cache_implementation", "max_cache_len",
+               "disable_compile", "compile_config", "transformers_version", "_from_model_config"}
+TINY = 1e-20  # floor of the race's exponential noise: Exp(1) draws 0 once in 2**24, and p / 0 is inf (or NaN)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """TRL's sampling settings as transformers applies them (each None or neutral when off)."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    min_new_tokens: int
+
+    @classmethod
+    def of(cls, gen: GenerationConfig) -> Sampling:
+        def active(value, neutral):
+            return None if value is None or value == neutral else value
+
+        return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature or 1.0),
+                   top_k=active(gen.top_k, 0), top_p=active(gen.top_p, 1.0), min_p=gen.min_p,
+                   repetition_penalty=active(gen.repetition_penalty, 1.0), min_new_tokens=gen.min_new_tokens or 0)
+
+
+def sample(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """One token per row from ``scores`` (float32 [rows, vocab], already penalised) as transformers' warpers and
+    ``torch.multinomial`` would draw it, without a host sync."""
+    if not s.do_sample:
+        return scores.argmax(dim=-1)
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    indices = None  # positions in the vocabulary of the columns of `scores`, when they are a subset or reordered
+    if s.top_k is not None:
+        scores, indices = torch.topk(scores, min(s.top_k, scores.size(-1)), dim=-1)  # sorted, largest first
+    elif s.top_p is not None:
+        scores, indices = torch.sort(scores, dim=-1, descending=True)
+    probs = torch.softmax(scores, dim=-1)
+    if s.top_p is not None:
+        # transformers drops a token when the probabilities up to it, counted from the least likely, are at most
+        # 1 - top_p: counted from the most likely, when the mass before it is at least top_p.
+        probs = torch.where(probs.cumsum(dim=-1) - probs < s.top_p, probs, 0.0)
+    if s.min_p is not None:
+        probs = torch.where(probs >= s.min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(TINY)
+    choice = (probs / noise).argmax(dim=-1)
+    return choice if indices is None else indices.gather(1, choice[:, None])[:, 0]
+
+
+class DecodeState:
+    """The step's preallocated buffers (their addresses never change: CUDA graphs read and write them in place)."""
+
+    def __init__(self, rows: int, cache_len: int, max_new: int, device: torch.device):
+        def buffer(*shape, dtype=torch.long):
+            t = torch.zeros(shape, dtype=dtype, device=device)
+            torch._dynamo.mark_static_address(t)
+            return t
+
+        self.cache_len = cache_len
+        self.mask = buffer(rows, cache_len)  # the attention mask over the cache (0: left padding, not yet written)
+        self.position = buffer(rows)  # each row's position of `last`
+        self.last = buffer(rows)  # the token each row feeds to the next forward
+        self.ended = buffer(rows, dtype=torch.bool)
+        self.step = buffer()  # the column of the next token
+        self.prompt_len = buffer()
+        self.tokens = buffer(rows, max_new)
+        self.logps = buffer(rows, max_new, dtype=torch.float32)
+        self.seen: torch.Tensor | None = None  # with a repetition penalty: [rows, vocab + 1], the tokens seen
+
+
+class GraphDecoding:
+    """The worker's own decoding loop (see the module's docstring)."""
+
+    def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]], compile: bool = True):
+        """``compile=False``: the same step run eagerly (for tests; the results are the same, slower)."""
+        gen = trainer.generation_config
+        self.trainer = trainer
+        self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        self.device = trainer.accelerator.device
+        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
+        self.max_new = int(gen.max_new_tokens)
+        self.sampling = Sampling.of(gen)
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        self.eos = torch.tensor([e for e in eos if e is not None], dtype=torch.long, device=self.device)
+        self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
+        longest = max((len(ids) for ids in prompt_ids), default=1)
+        self.cache: StaticCache | None = None
+        self.state: DecodeState | None = None
+        self._allocate(self.rows_per_call, longest)
+        on_cuda = self.device.type == "cuda"
+        self._compiled_step = torch.compile(self._step, fullgraph=True, dynamic=False,
+                                            mode="reduce-overhead" if on_cuda else None) if compile else self._step
+        self.graphs_after_warm_up: int | None = None
+
+    @staticmethod
+    def unsupported(trainer) -> str | None:
+        """Why the step cannot generate for this trainer (it then falls back to compiled generate), or None."""
+        from worker.generate import generates_in_turns  # (worker.generate imports this module)
+
+        why = BehaviourCapture.unsupported(trainer)
+        if why is not None:
+            return why
+        if generates_in_turns(trainer):
+            return "tools, an environment or a rollout function"
+        model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        if not getattr(model, "_can_compile_fullgraph", False):
+            return f"{type(model).__name__} does not declare a static cache that compiles in one graph"
+        if getattr(model.config, "is_encoder_decoder", False):
+            return "an encoder-decoder model"
+        settings = trainer.generation_config.to_diff_dict()
+        others = sorted(name for name in settings if name not in IMPLEMENTED)
+        if others:
+            return "generation settings the step does not implement: " + ", ".join(others)
+        if (trainer.generation_config.min_length or 0) > 0:
+            return "min_length"
+        return None
+
+    def undo(self) -> None:
+        """Nothing to put back (compilation failed): TRL's generation settings were never changed."""
+
+    def _allocate(self, rows: int, prompt_tokens: int) -> None:
+        bucketed = -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET
+        cache_len = bucketed + self.max_new
+        self.cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+        self.state = DecodeState(rows, cache_len, self.max_new, self.device)
+
+    # ------------------------------------------------------------------ inside the graph
+
+    def _step(self, cache: StaticCache, st: DecodeState) -> None:
+        out = self.model(input_ids=st.last[:, None], attention_mask=st.mask, position_ids=st.position[:, None],
+                         cache=cache, use_cache=True)
+        self._choose(out.logits[:, -1, :].float(), st)
+
+    def _choose(self, logits: torch.Tensor, st: DecodeState) -> None:
+        """Processes ``logits`` (float32, [rows, vocab], straight from the model), picks each row's token, records
+        it and its behaviour log-prob at column ``st.step``, and advances the row."""
+        s = self.sampling
+        scores = logits
+        if s.repetition_penalty is not None:
+            penalised = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
+            scores = torch.where(st.seen[:, :scores.size(-1)], penalised, scores)
+        if s.min_new_tokens:
+            is_eos = torch.isin(torch.arange(scores.size(-1), device=scores.device), self.eos)
+            scores = torch.where(is_eos & (st.step < s.min_new_tokens), -math.inf, scores)
+        token = sample(scores, s)
+        logp = torch.log_softmax(logits / s.temperature, dim=-1).gather(1, token[:, None])[:, 0]
+        token = torch.where(st.ended, self.pad, token)
+        logp = torch.where(st.ended, 0.0, logp)
+        column = st.step.view(1)
+        st.tokens.index_copy_(1, column, token[:, None])
+        st.logps.index_copy_(1, column, logp[:, None])
+        st.ended.logical_or_(torch.isin(token, self.eos))
+        st.last.copy_(token)
+        st.mask.index_fill_(1, (st.prompt_len + st.step).view(1), 1)  # where the next forward writes `token`
+        st.position.add_(1)
+        if st.seen is not None:
+            st.seen.scatter_(1, token[:, None], True)
+        st.step.add_(1)
+
+    # ------------------------------------------------------------------ on the host
+
+    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
+        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
+
+    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """TRL's ``_generate_single_turn`` for ``prompt_ids`` (left-padded as TRL pads them): each row's completion
+        ids, cut after its first EOS; and, on the CPU, the tokens [rows, steps] and their behaviour log-probs."""
+        rows, longest = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        if rows != self.state.tokens.size(0) or longest + self.max_new > self.state.cache_len:
+            self._allocate(rows, longest)  # new shapes: a new graph
+        st = self._prefill(prompt_ids)
+        for step in range(1, self.max_new):
+            self._compiled_step(self.cache, st)
+            if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
+                break
+        tokens, logps = st.tokens.cpu(), st.logps.cpu()
+        completion_ids = []
+        for row in tokens.tolist():
+            ends = [i for i, t in enumerate(row) if t in self._eos_ids]
+            completion_ids.append(row[:ends[0] + 1] if ends else row)
+        return completion_ids, tokens, logps
+
+    @property
+    def _eos_ids(self) -> set[int]:
+        return set(self.eos.tolist())
+
+    def _prefill(self, prompt_ids: list[list[int]]) -> DecodeState:
+        st, rows, longest = self.state, len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        ids = torch.full((rows, longest), self.pad, dtype=torch.long)
+        mask = torch.zeros((rows, longest), dtype=torch.long)
+        for row, prompt in enumerate(prompt_ids):  # left padding, as TRL pads
+            ids[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, longest - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
+        self.cache.reset()
+        st.mask.zero_()
+        st.mask[:, :longest] = mask
+        st.tokens.fill_(self.pad)
+        st.logps.zero_()
+        st.ended.zero_()
+        st.step.zero_()
+        st.prompt_len.fill_(longest)
+        out = self.model(input_ids=ids, attention_mask=st.mask, position_ids=position, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()
+        if self.sampling.repetition_penalty is not None:
+            if st.seen is None or st.seen.size(1) != logits.size(-1) + 1:
+                st.seen = torch.zeros((rows, logits.size(-1) + 1), dtype=torch.bool, device=self.device)
+                torch._dynamo.mark_static_address(st.seen)
+            st.seen.zero_()
+            # The prompt's tokens, not its padding (transformers' prompt_ignore_length): padding goes to the extra
+            # column.
+            st.seen.scatter_(1, ids.masked_fill(mask == 0, logits.size(-1)).clamp(max=logits.size(-1)), True)
+        st.position.copy_(position[:, -1])
+        self._choose(logits, st)
+        return st
+
+    def warm_up(self, prompt_ids: list[list[int]]) -> float:
+        """Compiles by generating one full batch twice (the second call replays what the first recorded); returns
+        the seconds it took."""
+        start = time.monotonic()
+        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
+        for _ in range(2):
+            with torch.no_grad(), self.trainer.accelerator.autocast():
+                self.generate(batch)
+        self.graphs_after_warm_up = compiled_graphs()
+        return time.monotonic() - start
+
+    def recompiles(self) -> int:
+        """Graphs compiled since the warm-up."""
+        return compiled_graphs() - (self.graphs_after_warm_up or 0)
