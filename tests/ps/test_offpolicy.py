@@ -100,17 +100,34 @@ def hand_grads(trainer, inputs, weights):
     return [p.grad.clone() for p in trainer.model.parameters()]
 
 
+# Of each gradient's norm (see assert_same). Both sides run the same forward and backward through the model; only
+# the loss on its log-probs differs. Measured: they agree to 5e-8 of the norm or better, and one token's weight
+# (of 22) 0.1% off moves them by ~5e-5 of it.
+GRAD_RTOL = 1e-5
+
+
+def relative_offsets(grads, expected) -> list[float]:
+    """Each parameter's |grad - expected| relative to |expected| (0 where both are 0)."""
+    return [float((g - e).norm()) / max(float(e.norm()), 1e-30) for g, e in zip(grads, expected, strict=True)]
+
+
 def assert_same(grads, expected):
+    """Each parameter's gradient the same to GRAD_RTOL of its norm. The two sides compute the loss by different
+    code paths (the PS's loss against a hand computation, or another loss type), which sum in float32 in orders
+    that depend on the CPU and its BLAS kernels: no fixed elementwise tolerance holds for every element (those
+    near 0 differ by rounding of the tensor's scale, not their own)."""
     assert any(g.abs().sum() > 0 for g in expected)
-    for g, e in zip(grads, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
+    for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
+        off = float((g - e).norm())
+        assert off <= GRAD_RTOL * float(e.norm()) + 1e-12, f"gradient {i}: |a - b| = {off:.3g}, |b| = {e.norm():.3g}"
 
 
 SEEDS = {"token_truncate": 0, "token_mask": 0, "sequence_truncate": SEQ_SEED, "sequence_mask": SEQ_SEED}
 
 
 def differ(grads, other):
-    return not all(torch.equal(a, b) for a, b in zip(grads, other, strict=True))
+    """Some gradient differs by more than assert_same lets pass."""
+    return max(relative_offsets(grads, other)) > GRAD_RTOL
 
 
 @pytest.mark.parametrize("mode", list(SEEDS))

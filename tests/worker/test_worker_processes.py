@@ -194,6 +194,11 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
         assert "Traceback" not in log and "job_failed" not in log
         held = re.findall(r"claimed job=(\S+) attempt=1", log)  # one generate call's jobs (--jobs_per_generate)
         assert held
+        # The next process starts once recovery has put them back in pending (attempt 2). Started sooner, it
+        # could claim the jobs behind them and the run train its 2 steps before recovery noticed the exit (they
+        # would then be archived unused): which jobs trained would depend on timing.
+        wait_for(lambda: all((root / "queue" / f"{job_id}_pending_a2.pt").exists() for job_id in held),
+                 "the held jobs back in pending", 600, procs=(ps,), log=tmp_path / "ps.log")
         healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
         assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
