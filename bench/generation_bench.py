@@ -1,7 +1,8 @@
 """A worker's generation speed: eager, compiled, and compiled with several jobs per generate call.
 
     .venv/bin/python bench/generation_bench.py [--shapes demo,larger,qwen0.5b,qwen1.5b] [--device cpu|cuda]
-        [--jobs 1,4] [--completion 64] [--batch 32] [--reps 5] [--peak-gbs N] [--out results.json]
+        [--settings eager,compiled,graph] [--jobs 1,4] [--completion 64] [--batch 32] [--reps 5] [--peak-gbs N]
+        [--profile] [--out results.json]
 
 Each shape is a randomly initialised Llama built from a config (no download), run through the worker's own
 code: a GRPOTrainer built as a worker builds it, and worker/generate.py generate_jobs over K jobs of --batch
@@ -12,6 +13,9 @@ per call is fixed. Settings, per shape:
     eagerK      the same, K jobs per call (the last of --jobs)
     compiled    static cache and compiled decoding step (worker/decoding.py), one job per call
     compiledK   the same, K jobs per call
+    graph       the worker's own decoding loop, a token's forward, sampling and bookkeeping in one compiled
+                function (worker/decode_step.py), one job per call
+    graphK      the same, K jobs per call
 
 For each: ms per generated token (one decoding step over the whole call's batch: call time / completion
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
@@ -19,6 +23,12 @@ of a decoding step is the bytes it must read (every weight once, and the KV cach
 peak bandwidth (--peak-gbs; on CUDA a table of known GPUs, on CPU measured here with a large copy). Ratios
 to eager are measured in this run. bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out),
 a table on stderr. Compilation (warm-up) time is reported apart, not counted in the timings.
+
+--profile: one more call per setting under torch.profiler, split into the regions the worker's code marks
+(record_function): decode.prefill, decode.steps and decode.to_host (graph), generate (transformers' generate:
+eager, compiled), behaviour_logps (their capture, inside generate), score (TRL's scoring of each job: rewards,
+advantages); and, on CUDA, the device's busy time (its kernels and copies) against the call's wall time: what is
+left is the host's, between steps.
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ def peak_gbs(device: str, given: float | None) -> float:
 def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path):
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
+    from worker.decode_step import GraphDecoding
     from worker.decoding import CompiledDecoding
     from worker.generate import build_trainer
 
@@ -97,10 +108,12 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                              "jobs_per_generate": jobs, "report_to": "none"})
     trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
     compiled, warm_s = None, 0.0
-    if decoding == "compiled":
+    if decoding in ("compiled", "graph"):
         dataset = trainer.train_dataset
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
-        compiled = CompiledDecoding(trainer, jobs, prompt_ids)
+        if decoding == "graph":
+            assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
+        compiled = (GraphDecoding if decoding == "graph" else CompiledDecoding)(trainer, jobs, prompt_ids)
         warm_s = compiled.warm_up(prompt_ids)
     return trainer, compiled, warm_s, sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -140,6 +153,7 @@ def measure(shape: str, device: str, jobs: int, decoding: str, a, work: Path) ->
             if isinstance(outcome, Exception):
                 raise outcome
     call_s = statistics.median(times)
+    profile = profiled_call(trainer, inputs, compiled, device) if a.profile else None
     rows = jobs * a.batch
     model = trainer.model
     prompt = max(len(x) for x in trainer._tokenize_prompts([r["prompt"] for r in inputs[0].rows])[0])
@@ -149,7 +163,37 @@ def measure(shape: str, device: str, jobs: int, decoding: str, a, work: Path) ->
             "samples_per_s": round(rows / call_s, 1), "tokens_per_s": round(rows * a.completion / call_s),
             "bandwidth_limit_ms_per_token": round(step_bytes / (a.peak_gbs * 1e9) * 1e3, 4),
             "warm_up_s": round(warm_s, 1), "recompiles": compiled.recompiles() if compiled else 0,
-            "weight_mb": round(weight_bytes / 1e6, 1)}
+            "weight_mb": round(weight_bytes / 1e6, 1), **({"profile": profile} if profile else {})}
+
+
+REGIONS = ("decode.prefill", "decode.steps", "decode.to_host", "generate", "behaviour_logps", "score")
+
+
+def profiled_call(trainer, inputs, decoding, device: str) -> dict:
+    """One generate_jobs call under torch.profiler: its wall time, the time in each marked region (summed over the
+    call: behaviour_logps runs once per decoding step, score once per job) and, on CUDA, the device's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.generate import generate_jobs
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        generate_jobs(trainer, inputs, NoEvents(), decoding)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    regions = {}
+    for event in prof.key_averages():
+        if event.key in REGIONS:
+            regions[event.key] = round(event.cpu_time_total / 1e3, 2)
+    out = {"wall_ms": round(wall_ms, 2), "regions_ms": regions}
+    if device == "cuda":
+        busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0
+                      and e.key not in REGIONS)
+        out["device_busy_ms"] = round(busy_us / 1e3, 2)
+        out["device_idle_share"] = round(1 - busy_us / 1e3 / wall_ms, 3)
+    return out
 
 
 def main() -> None:
@@ -161,7 +205,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peak-gbs", type=float, default=None)
-    p.add_argument("--settings", default="eager,compiled", help="eager, compiled or both")
+    p.add_argument("--settings", default="eager,compiled,graph", help="any of eager, compiled, graph")
+    p.add_argument("--profile", action="store_true", help="split one more call per setting with torch.profiler")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.device == "cpu":

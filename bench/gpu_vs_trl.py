@@ -13,10 +13,14 @@ measures learning). bf16 autocast on both sides (GRPOConfig's default on a GPU),
 Configs (every run real processes started from here, all on cuda:0):
     trl          plain TRL: one process that generates, scores and trains in turn
     asyncN       `python -m ps` + N `python -m worker`, placed as launch.sh places them on one GPU, with the
-                 workers' defaults (--worker_decoding auto: compiled on a GPU; --jobs_per_generate's default)
+                 workers' defaults (--worker_decoding auto: graph on a GPU; --jobs_per_generate's default)
     asyncN_eager the same with the workers as they were before compiled decoding: --worker_decoding eager
                  --jobs_per_generate 1
+    asyncN_compiled, asyncN_graph   the same with --worker_decoding compiled (transformers' generate with its
+                 decoding step compiled) or graph (the worker's own decoding loop)
     asyncN_kK    the same as asyncN with --jobs_per_generate K
+    ..._mps      the same under NVIDIA MPS (a control daemon of the run's own, as launch.sh --mps on starts it),
+                 suffixes combined in any order: async2_graph_mps
     *_cb         the same with --use_transformers_continuous_batching true (TRL's generation engine)
 
 Per run, from step --warmup to the last step: step_ms (median time between logged steps), samples_per_s
@@ -106,29 +110,49 @@ def run_trl(model_dir: Path, hp: dict, steps: int, work: Path) -> list[float]:
     return [x["t"] for x in e2e.read_jsonl(events) if x["event"] == "step"]
 
 
-def worker_settings(name: str) -> tuple[int, list[str]]:
-    """An asyncN config name: (N workers, the worker flags its suffix names)."""
-    base, _, setting = name.partition("_")
-    workers = int(base.removeprefix("async"))
-    if setting == "eager":
-        return workers, ["--worker_decoding", "eager", "--jobs_per_generate", "1"]
-    if setting.startswith("k"):
-        return workers, ["--jobs_per_generate", setting[1:]]
-    return workers, []
+def worker_settings(name: str) -> tuple[int, list[str], bool]:
+    """An asyncN config name: (N workers, the worker flags its suffixes name, whether under MPS)."""
+    base, *settings = name.split("_")
+    workers, extra = int(base.removeprefix("async")), []
+    for setting in settings:
+        if setting == "eager":
+            extra += ["--worker_decoding", "eager", "--jobs_per_generate", "1"]
+        elif setting in ("compiled", "graph"):
+            extra += ["--worker_decoding", setting]
+        elif setting.startswith("k"):
+            extra += ["--jobs_per_generate", setting[1:]]
+        elif setting != "mps":
+            raise SystemExit(f"gpu_vs_trl: unknown setting {setting!r} in {name!r}")
+    return workers, extra, "mps" in settings
+
+
+def mps_daemon(folder: Path) -> dict:
+    """Starts NVIDIA MPS as launch.sh --mps on does (scripts/launch_common.sh); returns its clients' environment."""
+    folders = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    for path in folders.values():
+        os.makedirs(path, exist_ok=True)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **folders}, check=True, timeout=60)
+    return folders
+
+
+def stop_mps(folders: dict) -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **folders}, timeout=60)
 
 
 def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str,
-              extra: list[str]) -> tuple[list[dict], Path]:
-    """PS + workers until the PS reaches max_steps; returns metrics.jsonl's lines and the run directory."""
+              extra: list[str], mps: bool = False) -> tuple[list[dict], Path]:
+    """PS + workers until the PS reaches max_steps (under MPS: a daemon of the run's own); returns metrics.jsonl's
+    lines and the run directory."""
     run = work / "run"
     (run / "logs").mkdir(parents=True)
+    mps_env = mps_daemon(Path(tempfile.mkdtemp(prefix="mps-"))) if mps else {}
     flags = ["--run_dir", str(run), "--device_type", device, "--model_name_or_path", str(model_dir)]
     flags += [f"--{k}={v}" for k, v in hp.items()] + extra
 
     def start(name, *cmd):
         logf = open(run / "logs" / name, "ab")
-        return subprocess.Popen([sys.executable, "-m", *cmd, *flags], cwd=REPO, env=env(), stdout=logf,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", *cmd, *flags], cwd=REPO, env={**env(), **mps_env},
+                                stdout=logf, stderr=subprocess.STDOUT)
 
     ps = start("log_parameter_server.txt", "ps")
     procs = [ps] + [start(f"log_worker_{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
@@ -141,6 +165,8 @@ def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str,
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         e2e.reap(procs, 60)
+        if mps_env:
+            stop_mps(mps_env)
     if ps.returncode != 0:
         text = (run / "logs" / "log_parameter_server.txt").read_text(errors="replace")
         raise RuntimeError(f"PS exited {ps.returncode}: {text[-1500:]}")
@@ -184,8 +210,8 @@ def main() -> int:
             if base == "trl":
                 res = throughput(run_trl(root / "model", hp, args.steps, root / name), args.warmup, batch)
             else:
-                workers, extra = worker_settings(base)
-                lines, run = run_async(root / "model", hp, workers, root / name, args.device, extra)
+                workers, extra, mps = worker_settings(base)
+                lines, run = run_async(root / "model", hp, workers, root / name, args.device, extra, mps)
                 res = throughput([x["time"] for x in lines], args.warmup, batch)
                 after = lines[args.warmup + 1:]
                 if after:

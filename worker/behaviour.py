@@ -14,6 +14,7 @@ import contextlib
 import functools
 
 import torch
+from torch.profiler import record_function
 from trl import GRPOTrainer
 
 from worker.decoding import CompiledDecodeStep, generating_model
@@ -116,6 +117,10 @@ class BehaviourCapture:
     def _on_forward(self, _module, args, kwargs, output):
         if self.why_not is not None:
             return
+        with record_function("behaviour_logps"):  # (what bench/generation_bench.py --profile reports)
+            self._take(args, kwargs, output)
+
+    def _take(self, args, kwargs, output) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         logits = getattr(output, "logits", None)
         if not isinstance(input_ids, torch.Tensor) or not isinstance(logits, torch.Tensor):

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 from transformers import GenerationConfig, StaticCache
 
 from worker.behaviour import BehaviourCapture
@@ -223,12 +224,15 @@ class GraphDecoding:
         rows, longest = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         if rows != self.state.tokens.size(0) or longest + self.max_new > self.state.cache_len:
             self._allocate(rows, longest)  # new shapes: a new graph
-        st = self._prefill(prompt_ids)
-        for step in range(1, self.max_new):
-            self._compiled_step(self.cache, st)
-            if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
-                break
-        tokens, logps = st.tokens.cpu(), st.logps.cpu()
+        with record_function("decode.prefill"):  # (the names bench/generation_bench.py --profile reports)
+            st = self._prefill(prompt_ids)
+        with record_function("decode.steps"):
+            for step in range(1, self.max_new):
+                self._compiled_step(self.cache, st)
+                if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
+                    break
+        with record_function("decode.to_host"):
+            tokens, logps = st.tokens.cpu(), st.logps.cpu()
         completion_ids = []
         for row in tokens.tolist():
             ends = [i for i, t in enumerate(row) if t in self._eos_ids]

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from trl import GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model
 
@@ -192,7 +193,8 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
             completion_ids, tokens, logps = decoding.generate(batch)
         capture.given(tokens, logps)
     else:
-        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate():
+        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate(), \
+                record_function("generate"):
             completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
     dur_ms = (time.monotonic() - started) * 1e3
     for job in jobs:
@@ -260,7 +262,7 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
         # The PS's forward passes run under the trainer's mixed precision (accelerate wraps the model it
         # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
         # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
-        with torch.no_grad(), trainer.accelerator.autocast():
+        with torch.no_grad(), trainer.accelerator.autocast(), record_function("score"):
             batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
             if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
                 _add_behaviour_logps(trainer, batch, capture)

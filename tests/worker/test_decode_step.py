@@ -1,0 +1,334 @@
+"""The worker's own decoding step (worker/decode_step.py, ``--worker_decoding graph``) against transformers'
+``generate`` (the tokens), torch.multinomial over transformers' warpers (the sampling distribution) and TRL's
+recomputation (the behaviour log-probs).
+
+The step runs eagerly (``compile=False``: the same function) where a test is about what it computes; the
+compiled decoders (one per sampling setting: compiling takes 5-15 s here) are shared by the module, and each
+test leaves their weights as it found them.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import closing
+
+import pytest
+import torch
+from helpers import demo_config
+from test_fast_decoding import Events, counted, job, trl_logps, two_jobs
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from asyncgrpo.run import RunDir
+from asyncgrpo.tasks.demo import build_dataset, build_tokenizer, repeat_digit_reward
+from asyncgrpo.weights import make_publisher, make_subscriber
+from worker import decode_step
+from worker.decode_step import GraphDecoding, Sampling, sample
+from worker.decoding import CompiledDecoding, generating_model
+from worker.generate import BEHAVIOUR_LOGPS, build_trainer, generate_jobs
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+SHAPES = {"demo": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96),
+          "larger": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=448)}
+# Prompts of 2 to 12 tokens: left padding of every width.
+PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:", "5:", "3 3:", "1 2 3 4 5 6:", "8:"]
+GREEDY = {"generation_kwargs": {"do_sample": False}, "max_completion_length": 24}
+SAMPLING = {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "max_completion_length": 12}
+
+
+def llama(shape: str = "demo", seed: int = 0, eos_bias: float = 0.0) -> LlamaForCausalLM:
+    """A Llama over the demo tokenizer whose greedy completions vary (initializer_range 0.3: some rows end early,
+    some never), deterministic given ``seed``; ``eos_bias`` added to EOS's output embedding makes it likelier."""
+    tok = build_tokenizer()
+    config = LlamaConfig(**SHAPES[shape], num_key_value_heads=4, vocab_size=len(tok), initializer_range=0.3,
+                         max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    if eos_bias:
+        with torch.no_grad():
+            model.lm_head.weight[tok.eos_token_id] += eos_bias * model.model.norm.weight
+    return model
+
+
+def trainer_for(tmp_path, model=None, **overrides):
+    tok = build_tokenizer()
+    return build_trainer(demo_config(tmp_path, **overrides), model if model is not None else llama(), tok,
+                         [repeat_digit_reward], build_dataset(n=40))
+
+
+def prompt_ids(trainer, prompts=PROMPTS) -> list[list[int]]:
+    return [[int(t) for t in ids] for ids in trainer._tokenize_prompts(prompts)[0]]
+
+
+def generated(trainer, ids) -> list[list[int]]:
+    """transformers' generate, as TRL's _generate_single_turn calls it."""
+    with torch.no_grad():
+        return trainer._generate_single_turn(ids, None, {}, trainer.num_generations)[0]
+
+
+def decoded(decoding: GraphDecoding, ids) -> list[list[int]]:
+    with torch.no_grad():
+        return decoding.generate(decoding.pad_batch(ids))[0][: len(ids)]
+
+
+def dataset_prompt_ids(trainer):
+    return prompt_ids(trainer, [row["prompt"] for row in trainer.train_dataset])
+
+
+@pytest.fixture(scope="module")
+def greedy_compiled(tmp_path_factory):
+    trainer = trainer_for(tmp_path_factory.mktemp("greedy"), **GREEDY)
+    decoding = GraphDecoding(trainer, 1, dataset_prompt_ids(trainer))
+    decoding.warm_up(dataset_prompt_ids(trainer))
+    return trainer, decoding
+
+
+@pytest.fixture(scope="module")
+def sampling_compiled(tmp_path_factory):
+    trainer = trainer_for(tmp_path_factory.mktemp("sampling"), **SAMPLING)
+    decoding = GraphDecoding(trainer, 2, dataset_prompt_ids(trainer))
+    decoding.warm_up(dataset_prompt_ids(trainer))
+    return trainer, decoding
+
+
+# ---------------------------------------------------------------- the tokens: greedy decoding is generate's
+
+@pytest.mark.parametrize("shape", ["demo", "larger"])
+@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "generation_kwargs": {"do_sample": False,
+                                                                                             "min_new_tokens": 5}}])
+def test_greedy_decoding_gives_the_tokens_of_transformers_generate(tmp_path, shape, settings):
+    trainer = trainer_for(tmp_path, llama(shape), **{**GREEDY, **settings})
+    ids = prompt_ids(trainer)
+    decoding = GraphDecoding(trainer, 1, ids, compile=False)
+    expected = generated(trainer, ids)
+    assert decoded(decoding, ids) == expected
+    lengths = [len(c) for c in expected]
+    # The cases that matter are all there: rows ending early (an EOS in the middle) and rows that never end.
+    assert min(lengths) < trainer.max_completion_length and max(lengths) == trainer.max_completion_length
+    assert all(c[-1] == 2 for c in expected if len(c) < trainer.max_completion_length)
+
+
+def test_compiled_greedy_decoding_is_generates_and_compiles_nothing_after_the_warm_up(greedy_compiled):
+    trainer, decoding = greedy_compiled
+    for prompts in (PROMPTS, ["3:", "45 6:", "8:", "1 1 1:"]):  # other lengths and another number of rows
+        ids = prompt_ids(trainer, prompts)
+        assert decoded(decoding, ids) == generated(trainer, ids)
+    assert decoding.recompiles() == 0
+
+
+def test_when_every_row_ends_early_the_loop_stops_and_the_completions_are_generates(tmp_path):
+    trainer = trainer_for(tmp_path, llama(eos_bias=30.0), generation_kwargs={"do_sample": False},
+                          max_completion_length=64)
+    ids = prompt_ids(trainer)
+    decoding = GraphDecoding(trainer, 1, ids, compile=False)
+    steps = counted(trainer, decoding, "_compiled_step")
+    expected = generated(trainer, ids)
+    assert decoded(decoding, ids) == expected
+    assert max(len(c) for c in expected) < decode_step.DONE_CHECK_EVERY  # every row ended before the first check
+    assert len(steps) == decode_step.DONE_CHECK_EVERY  # the check after step 16 stopped it: not run to step 63
+
+
+@pytest.mark.parametrize("transport", ["mmap", "safetensors"])
+def test_a_weight_sync_reaches_the_compiled_step_and_changes_what_it_decodes(greedy_compiled, tmp_path, transport):
+    trainer, decoding = greedy_compiled
+    model = trainer.model
+    original = {name: t.clone() for name, t in model.state_dict().items()}
+    ids = prompt_ids(trainer)
+    before = decoded(decoding, ids)
+    new_weights = llama(seed=1)  # what the PS trained
+    run = RunDir.create(tmp_path / "run")
+    addresses = [p.data_ptr() for p in model.parameters()]
+    with closing(make_publisher(run, new_weights, transport)) as publisher, closing(make_subscriber(run)) as sub:
+        publisher.publish(version=1, step=1)
+        assert sub.sync(model) == 1
+        try:
+            assert [p.data_ptr() for p in model.parameters()] == addresses  # in place: the graph stays valid
+            after = decoded(decoding, ids)
+            assert decoding.recompiles() == 0
+            assert after == generated(trainer_for(tmp_path / "eager", llama(seed=1), **GREEDY), ids)
+            assert after != before  # a graph holding the old weights would decode `before` again
+        finally:
+            model.load_state_dict(original)
+    assert decoded(decoding, ids) == before
+
+
+def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly_with_a_new_graph(greedy_compiled):
+    trainer, decoding = greedy_compiled
+    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
+    ids = prompt_ids(trainer, [long_prompt, "7:"])
+    cache_len = decoding.state.cache_len
+    assert len(ids[0]) + trainer.max_completion_length > cache_len
+    before = decoding.recompiles()
+    assert decoded(decoding, ids) == generated(trainer, ids)
+    assert decoding.state.cache_len > cache_len and decoding.recompiles() > before  # counted: a new graph
+
+
+def test_an_adapter_sync_reaches_the_step(tmp_path):
+    """LoRA: the worker decodes with the base model and the adapter layers in it; a synced adapter changes the
+    tokens exactly as generate's."""
+    overrides = {**GREEDY, "use_peft": True, "lora_r": 8, "lora_target_modules": "all-linear",
+                 "lora_modules_to_save": ["lm_head"]}
+    ps, worker = trainer_for(tmp_path / "ps", **overrides), trainer_for(tmp_path / "worker", **overrides)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a trained-looking adapter (a fresh one is a no-op)
+        for name, p in ps.model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = prompt_ids(worker)
+    decoding = GraphDecoding(worker, 1, ids, compile=False)
+    before = decoded(decoding, ids)
+    run = RunDir.create(tmp_path / "run")
+    with closing(make_publisher(run, ps.model, "mmap")) as publisher, closing(make_subscriber(run)) as sub:
+        publisher.publish(version=1, step=1)
+        assert sub.sync(worker.model) == 1
+    after = decoded(decoding, ids)
+    assert after == generated(worker, ids) == generated(ps, ids)
+    assert after != before
+
+
+# ---------------------------------------------------------------- the distribution: sampling is multinomial's
+
+def expected_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """What transformers samples from: its warpers, in its order, then softmax."""
+    scores = logits[None].clone()
+    warpers = [TemperatureLogitsWarper(s.temperature) if s.temperature != 1.0 else None,
+               TopKLogitsWarper(s.top_k) if s.top_k else None, TopPLogitsWarper(s.top_p) if s.top_p else None,
+               MinPLogitsWarper(s.min_p) if s.min_p else None]
+    for warper in filter(None, warpers):
+        scores = warper(None, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+SETTINGS = {"temperature": dict(temperature=0.6),
+            "top_k": dict(temperature=1.0, top_k=4),
+            "top_p": dict(temperature=1.0, top_p=0.8),
+            "min_p": dict(temperature=1.0, min_p=0.15),
+            "all": dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.05)}
+DRAWS = 40_000
+CHI2_LIMIT = 35.0  # chi-square with at most 9 degrees of freedom: p < 1e-4 beyond this
+
+
+NO_WARPER = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                 min_new_tokens=0)
+
+
+# Each setting eagerly; compiled once, with every warper (compiling costs seconds; the math is the same).
+@pytest.mark.parametrize(("setting", "compiled"), [(name, False) for name in SETTINGS] + [("all", True)])
+def test_sampling_draws_from_the_distribution_transformers_samples_from(setting, compiled):
+    s = Sampling(**{**NO_WARPER, **SETTINGS[setting]})
+    logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0])
+    want = expected_probs(logits, s)
+    draw = torch.compile(sample, fullgraph=True, dynamic=False) if compiled else sample
+    torch.manual_seed(0)
+    tokens = draw(logits.expand(DRAWS, -1).contiguous(), s)
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
+    kept = want > 0
+    expected = want[kept].double() * DRAWS
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
+    assert kept.sum() >= 2  # a real distribution, not one token
+
+
+def test_the_sampling_check_catches_a_wrong_distribution():
+    """The test above fails when the sampler is off: top-p cut one token later than transformers cuts."""
+    s = Sampling(**{**NO_WARPER, "top_p": 0.8})
+    logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0])
+    torch.manual_seed(0)
+    wrong = Sampling(**{**s.__dict__, "top_p": 0.9})
+    counts = torch.bincount(sample(logits.expand(DRAWS, -1).contiguous(), wrong), minlength=10).double()
+    want = expected_probs(logits, s)
+    assert (counts[want == 0] > 0).any()
+
+
+# ---------------------------------------------------------------- the behaviour log-probs are TRL's
+
+def test_behaviour_log_probs_equal_trls_recomputation_without_a_second_forward(sampling_compiled):
+    trainer, decoding = sampling_compiled
+    forward_passes = counted(trainer, trainer, BEHAVIOUR_LOGPS)
+    try:
+        outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
+        outcomes += generate_jobs(trainer, [job(2, ["3:"], trainer)], Events(), decoding)  # a short call
+    finally:
+        delattr(trainer, BEHAVIOUR_LOGPS)
+    assert forward_passes == []
+    assert decoding.recompiles() == 0
+    lengths = set()
+    for outcome in outcomes:
+        assert not isinstance(outcome, Exception), outcome
+        batch, _, _ = outcome
+        mask = batch["completion_mask"]
+        diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * mask
+        assert diff.max().item() < 1e-4
+        lengths |= set(mask.sum(dim=1).tolist())
+    assert min(lengths) < trainer.max_completion_length == max(lengths)  # EOS in the middle, and rows never ending
+
+
+# ---------------------------------------------------------------- what the step does not implement
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({"generation_kwargs": {"num_beams": 2}}, "num_beams > 1"),
+    ({"generation_kwargs": {"no_repeat_ngram_size": 2}}, "no_repeat_ngram_size"),
+    ({"generation_kwargs": {"sequence_bias": {"[3]": -5.0}}}, "sequence_bias"),
+    ({"generation_kwargs": {"suppress_tokens": [3]}}, "suppress_tokens"),
+])
+def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp_path, monkeypatch, caplog,
+                                                                             overrides, why):
+    from worker import loop
+
+    monkeypatch.setattr(CompiledDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
+    trainer = trainer_for(tmp_path, worker_decoding="graph", **overrides)
+    decoding = loop._compile_decoding(trainer.args, trainer, 1, Events())
+    assert isinstance(decoding, CompiledDecoding)
+    lines = [r.getMessage() for r in caplog.records if "instead of its own decoding graph" in r.getMessage()]
+    assert len(lines) == 1 and why in lines[0], lines
+    decoding.undo()
+
+
+def test_supported_settings_get_the_step(tmp_path, monkeypatch):
+    from worker import loop
+
+    monkeypatch.setattr(GraphDecoding, "warm_up", lambda self, prompt_ids: 0.0)
+    trainer = trainer_for(tmp_path, worker_decoding="graph", temperature=0.8, top_k=5, top_p=0.9, min_p=0.05,
+                          repetition_penalty=1.1, generation_kwargs={"min_new_tokens": 2})
+    assert GraphDecoding.unsupported(trainer) is None
+    assert isinstance(loop._compile_decoding(trainer.args, trainer, 1, Events()), GraphDecoding)
+
+
+def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
+    from worker.decoding import resolve_mode
+
+    assert resolve_mode("auto", "cuda") == "graph"
+    assert resolve_mode("auto", "cpu") == "eager"
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+    # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
+    # difference there, where a wrong token or a stale weight differs by whole units.
+    trainer = trainer_for(tmp_path, use_cpu=False, device_type="cuda", bf16=True, **SAMPLING)
+    trainer.model.to("cuda")
+    decoding = GraphDecoding(trainer, 2, dataset_prompt_ids(trainer))
+    decoding.warm_up(dataset_prompt_ids(trainer))
+    outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
+    assert decoding.recompiles() == 0
+    for outcome in outcomes:
+        assert not isinstance(outcome, Exception), outcome
+        batch, _, _ = outcome
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
+        assert diff.max().item() < 0.05
+    assert math.isfinite(diff.sum().item())
+    model = generating_model(trainer.model)
+    assert model.device.type == "cuda"
