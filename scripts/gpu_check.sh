@@ -6,8 +6,10 @@
 #   1. pytest -m gpu      the CUDA IPC tests (tests/ files with gpu-marked tests)
 #   2. weights bench      bench/weights_bench.py --gpu: sync of a 1.5B bf16 model through CUDA
 #                         IPC against a raw device-to-device copy of the same bytes, and publish
-#   3. launch.sh          bash launch.sh --workers 1 --device cuda, a short demo run (the worker decodes
-#                         compiled, the default on CUDA: it must compile at start and not after)
+#   3. launch.sh          bash launch.sh --workers 2 --device cuda, a short demo run with the PS and both
+#                         workers on GPU 0 (NVIDIA MPS started if nvidia-cuda-mps-control is here; the
+#                         summary says whether it ran); each worker decodes with its own decoding graph,
+#                         the default on CUDA: it must compile at start and not after
 #
 # then one summary block (each part PASS/FAIL and its figures). Exit status 0 when every part
 # passed, 1 when one failed, 2 when there is no GPU here. The whole run fits in about 10
@@ -111,9 +113,9 @@ printf '#!/bin/sh\nexec "%s" "$@"\n' "$PY" > "$VENV/bin/python"
 chmod +x "$VENV/bin/python"
 echo "$(sha256sum < "$REPO_ROOT/pyproject.toml" | cut -c1-16) ${ASYNCGRPO_TORCH_SPEC:-torch==2.13.0}" \
     > "$VENV/.asyncgrpo-installed"
-echo "[gpu_check] bash launch.sh --workers 1 --device cuda --max-steps $STEPS"
+echo "[gpu_check] bash launch.sh --workers 2 --device cuda --max-steps $STEPS"
 t0=$SECONDS
-ASYNCGRPO_VENV="$VENV" timeout -k 30 "$(cap 170)" bash launch.sh --workers 1 --device cuda --max-steps "$STEPS" \
+ASYNCGRPO_VENV="$VENV" timeout -k 30 "$(cap 170)" bash launch.sh --workers 2 --device cuda --max-steps "$STEPS" \
     --run-dir "$WORK/run" > "$WORK/launch.log" 2>&1
 LAUNCH_RC=$?
 LAUNCH_S=$(( SECONDS - t0 ))
@@ -179,15 +181,20 @@ except (OSError, ValueError, KeyError):
     transport = "?"
 syncs = [float(x) for x in re.findall(r"synced version=\d+ sync_ms=([\d.]+)", read("run/logs/log_worker_1.txt"))]
 restarts = read("run/logs/launch.txt").count("exited with status")
-compiled = re.search(r"decoding compiled in ([\d.]+) s", read("run/logs/log_worker_1.txt"))
+compiled = re.search(r"decoding compiled in ([\d.]+) s \((\w+)\)", read("run/logs/log_worker_1.txt"))
+try:
+    mps = json.loads((run / "ps.json").read_text()).get("mps") or "?"
+except (OSError, ValueError):
+    mps = "?"
 recompiles = max([json.loads(x).get("recompiles", 0) for x in read("run/logs/events-worker-dev1.jsonl").splitlines()
                   if '"result_written"' in x] or [0])
-ok = launch_rc == 0 and done == steps and transport == "cuda_ipc" and restarts == 0 and compiled and recompiles == 0
+ok = (launch_rc == 0 and done == steps and transport == "cuda_ipc" and restarts == 0 and compiled
+      and compiled[2] == "graph" and recompiles == 0)
 rows.append(("launch.sh", ok, f"{done}/{steps} steps in {launch_s} s{timed_out(launch_rc)}, exit {launch_rc}, "
              f"transport {transport}, {len(syncs)} worker syncs"
              + (f" (median {statistics.median(syncs):.1f} ms)" if syncs else "") + f", {restarts} worker restarts"
-             + (f", decoding compiled in {compiled[1]} s, {recompiles} recompiles" if compiled else
-                ", decoding NOT compiled")
+             + (f", decoding ({compiled[2]}) compiled in {compiled[1]} s, {recompiles} recompiles" if compiled else
+                ", decoding NOT compiled") + f", NVIDIA MPS {mps}"
              + ("" if ok else f"; see {work}/launch.log and {run}/logs/")))
 
 print()
