@@ -21,7 +21,7 @@ For each: ms per generated token (one decoding step over the whole call's batch:
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
 of a decoding step is the bytes it must read (every weight once, and the KV cache so far) over the device's
 peak bandwidth (--peak-gbs; on CUDA a table of known GPUs, on CPU measured here with a large copy). Ratios
-to eager are measured in this run. bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out),
+to the first setting (eager unless --settings says otherwise), one job a call, are measured in this run. bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out),
 a table on stderr. Compilation (warm-up) time is reported apart, not counted in the timings.
 
 --profile: one more call per setting under torch.profiler, split into the regions the worker's code marks
@@ -170,8 +170,10 @@ REGIONS = ("decode.prefill", "decode.steps", "decode.to_host", "generate", "beha
 
 
 def profiled_call(trainer, inputs, decoding, device: str) -> dict:
-    """One generate_jobs call under torch.profiler: its wall time, the time in each marked region (summed over the
-    call: behaviour_logps runs once per decoding step, score once per job) and, on CUDA, the device's busy time."""
+    """One generate_jobs call under torch.profiler: its wall time, the host time in each marked region (summed
+    over the call: behaviour_logps runs once per decoding step, score once per job) and, on CUDA, the device's
+    busy time (the union of its kernels' and copies' intervals) and the kernels that took the most of it."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from worker.generate import generate_jobs
@@ -183,16 +185,25 @@ def profiled_call(trainer, inputs, decoding, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    regions = {}
-    for event in prof.key_averages():
-        if event.key in REGIONS:
-            regions[event.key] = round(event.cpu_time_total / 1e3, 2)
-    out = {"wall_ms": round(wall_ms, 2), "regions_ms": regions}
+    events = prof.events()
+    regions: dict[str, float] = {}
+    for e in events:
+        if e.name in REGIONS and e.device_type == DeviceType.CPU:
+            regions[e.name] = regions.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    out = {"wall_ms": round(wall_ms, 2), "regions_ms": {k: round(v, 2) for k, v in regions.items()}}
     if device == "cuda":
-        busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0
-                      and e.key not in REGIONS)
+        on_device = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                           if e.device_type == DeviceType.CUDA and e.name not in REGIONS)
+        busy_us, reach, by_kernel = 0.0, float("-inf"), {}
+        for begin, end, name in on_device:
+            busy_us += max(0.0, end - max(begin, reach))
+            reach = max(reach, end)
+            by_kernel[name] = by_kernel.get(name, 0.0) + (end - begin)
         out["device_busy_ms"] = round(busy_us / 1e3, 2)
         out["device_idle_share"] = round(1 - busy_us / 1e3 / wall_ms, 3)
+        out["device_kernels"] = len(on_device)
+        out["top_kernels_ms"] = {name[:80]: round(us / 1e3, 2)
+                                 for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}
     return out
 
 
@@ -221,21 +232,21 @@ def main() -> None:
                     log(f"{shape} {decoding} jobs_per_call={jobs}")
                     rows.append(measure(shape, a.device, jobs, decoding, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
-    for row in rows:
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["decoding"] == "eager"
-                    and r["jobs_per_call"] == 1)
-        row["job_speedup_vs_eager"] = round(base["ms_per_job"] / row["ms_per_job"], 2)
-        row["samples_per_s_vs_eager"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
+    for row in rows:  # ratios to the first setting of the shape with one job a call (eager by default)
+        base = next(r for r in rows if r["shape"] == row["shape"] and r["jobs_per_call"] == 1)
+        row["baseline"] = base["decoding"]
+        row["job_speedup_vs_baseline"] = round(base["ms_per_job"] / row["ms_per_job"], 2)
+        row["samples_per_s_vs_baseline"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
         row["x_bandwidth_limit"] = round(row["ms_per_token"] / row["bandwidth_limit_ms_per_token"], 1)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
            "peak_gbs": round(a.peak_gbs, 1), "torch": torch.__version__, "completion": a.completion,
            "batch": a.batch, "results": rows}
-    print(f"{'shape':<9} {'decoding':<9} {'K':>2} {'ms/token':>9} {'ms/job':>8} {'samples/s':>10} {'vs eager':>9} "
+    print(f"{'shape':<9} {'decoding':<9} {'K':>2} {'ms/token':>9} {'ms/job':>8} {'samples/s':>10} {'vs first':>9} "
           f"{'x limit':>8} {'warm-up s':>9}", file=sys.stderr)
     for r in rows:
         print(f"{r['shape']:<9} {r['decoding']:<9} {r['jobs_per_call']:>2} {r['ms_per_token']:>9.2f} "
-              f"{r['ms_per_job']:>8.1f} {r['samples_per_s']:>10.1f} {r['job_speedup_vs_eager']:>8.2f}x "
+              f"{r['ms_per_job']:>8.1f} {r['samples_per_s']:>10.1f} {r['job_speedup_vs_baseline']:>8.2f}x "
               f"{r['x_bandwidth_limit']:>8.1f} {r['warm_up_s']:>9.1f}", file=sys.stderr)
     text = json.dumps(doc, indent=2)
     print(text)

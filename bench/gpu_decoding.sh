@@ -28,7 +28,11 @@ part() {  # part NAME SECONDS CMD...: runs CMD with at most SECONDS (or what is 
     echo "[gpu_decoding] $name (at most $want s): $*"
     local t0=$SECONDS
     timeout -k 10 "$want" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
-    echo "[gpu_decoding] $name: exit $? in $(( SECONDS - t0 )) s" | tee -a "$OUT/summary.txt"
+    local rc=$?
+    echo "[gpu_decoding] $name: exit $rc in $(( SECONDS - t0 )) s" | tee -a "$OUT/summary.txt"
+    # What failed, on the terminal too (the files may not reach whoever reads this).
+    [ "$rc" -ne 0 ] && grep -vE "Warning|warnings.warn|^\s*$" "$OUT/$name.out" "$OUT/$name.err" | tail -n 25
+    return 0
 }
 
 shopt -s nullglob

@@ -102,3 +102,8 @@ def _rank_main(run_root: str, what: str) -> None:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], sys.argv[2])
+    # Everything checked: leave without the interpreter's finalisation, in which gloo's worker threads can still
+    # free work objects holding tensors and abort the process (SIGABRT, "terminate called without an active
+    # exception"; seen on one rank in about 1 run in 5 here, after both had passed every check).
+    sys.stdout.flush()
+    os._exit(0)
