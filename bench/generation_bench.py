@@ -21,8 +21,9 @@ For each: ms per generated token (one decoding step over the whole call's batch:
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
 of a decoding step is the bytes it must read (every weight once, and the KV cache so far) over the device's
 peak bandwidth (--peak-gbs; on CUDA a table of known GPUs, on CPU measured here with a large copy). Ratios
-to the first setting (eager unless --settings says otherwise), one job a call, are measured in this run. bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out),
-a table on stderr. Compilation (warm-up) time is reported apart, not counted in the timings.
+to the first setting (eager unless --settings says otherwise), one job a call, are measured in this run.
+bf16 on CUDA, float32 on CPU. One JSON document on stdout (and --out), a table on stderr. Compilation
+(warm-up) time is reported apart, not counted in the timings.
 
 --profile: one more call per setting under torch.profiler, split into the regions the worker's code marks
 (record_function): decode.prefill, decode.steps and decode.to_host (graph), generate (transformers' generate:

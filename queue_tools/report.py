@@ -329,6 +329,8 @@ def format_text(r: dict) -> str:
         lines.append(f"downtime: {down['down_s']:.1f} s between {down['restarts'] + 1} PS lives, left out of the "
                      "figures here (" + ", ".join(f"{g['down_s']:.1f} s after step {g['after_step']}"
                                                   for g in down["gaps"]) + ")")
+    if r.get("mps"):
+        lines.append(f"NVIDIA MPS: {r['mps']}")
     lines.append(f"workers: {len(r['workers'])} (time busy on a job / syncing or waiting for weights / idle)")
     for w in r["workers"]:
         lines.append(f"  {w['process']:<14} pid {w['pid']!s:<8} {w['device']:<7} life {w['life_s']:6.1f} s  "
@@ -371,6 +373,8 @@ def make_report(run: RunDir) -> dict | None:
               "processes": [{"process": t.process, "pid": t.pid, "role": t.role, "device": t.device,
                              "events": len(t.events)} for t in tracks],
               **analyse(tracks)}
+    ps = run.read_ps_status()
+    report["mps"] = ps.mps if ps is not None else None  # NVIDIA MPS, as launch.sh found it ("on", "off: why")
     out_dir = run.root / "report"
     out_dir.mkdir(exist_ok=True)
     trace = build_trace(tracks)

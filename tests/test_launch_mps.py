@@ -33,7 +33,8 @@ def fake_tools(folder, *, daemon_ok: bool = True, probe_ok: bool = True):
         f'#!/bin/sh\nif [ "$1" = -d ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; '
         f'{"exit 0" if daemon_ok else "echo cannot open pipe >&2; exit 1"}\n'
         f'else echo "$(cat)" >> {calls}; fi\n')
-    (folder / "python").write_text("#!/bin/sh\n" + ("exit 0\n" if probe_ok else "echo 'CUDA error: MPS client failed' >&2\nexit 1\n"))
+    probe = "exit 0\n" if probe_ok else "echo 'CUDA error: MPS client failed' >&2\nexit 1\n"
+    (folder / "python").write_text("#!/bin/sh\n" + probe)
     for tool in ("nvidia-cuda-mps-control", "python"):
         os.chmod(folder / tool, 0o755)
     return calls

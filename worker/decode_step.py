@@ -30,7 +30,8 @@ first row) and the cache (the longest prompt seen at start-up rounded up to PROM
 ``max_completion_length``). A longer prompt gets a larger cache and a new graph, counted as a recompile. Weight
 syncs copy into the parameters' storage (asyncgrpo/weights), so the graph stays valid across syncs.
 
-What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate`` (worker/decoding.py).
+What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate``
+(worker/decoding.py).
 """
 
 from __future__ import annotations

@@ -222,3 +222,19 @@ def test_ls_watch_refreshes_until_ctrl_c_with_the_last_step(busy_run):
     finally:
         proc.kill()
     assert proc.stderr.read() == ""
+
+
+@pytest.mark.parametrize("mps", ["on", "off: nvidia-cuda-mps-control is not on PATH", None])
+def test_ls_says_whether_nvidia_mps_is_on(run, capsys, monkeypatch, mps):
+    """What launch.sh found (ASYNCGRPO_MPS, into ps.json by the PS); nothing for a PS launch.sh did not start."""
+    from asyncgrpo.run.rundir import MPS_ENV, PSStatus
+
+    if mps is None:
+        monkeypatch.delenv(MPS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MPS_ENV, mps)
+    run.write_ps_status(PSStatus.starting("model", None, {}))
+    _, out, _ = run_cli(capsys, "ls", run.root, "--json")
+    assert json.loads(out)["ps"]["mps"] == mps
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert (f"NVIDIA MPS: {mps}\n" in out) if mps else ("NVIDIA MPS" not in out)

@@ -577,3 +577,14 @@ def test_steps_a_resumed_ps_trains_again_and_downtime_in_a_latency_count_once(tm
     assert r["training"]["steps"] == 5 and r["training"]["samples"] == 5 * 32  # step 3 once
     assert r["archived"]["consumed"] == 5  # as done/ and `ls` count them
     assert r["stats"]["collect_latency_ms"]["max"] == pytest.approx(1000.0 + 500.0)
+
+
+def test_the_report_says_whether_nvidia_mps_was_on(tmp_path, capsys, monkeypatch):
+    from asyncgrpo.run.rundir import MPS_ENV, PSStatus
+
+    run = two_ps_lives(tmp_path / "run")
+    monkeypatch.setenv(MPS_ENV, "on")
+    run.write_ps_status(PSStatus.starting("model", None, {}))
+    assert report_json(capsys, run.root)["mps"] == "on"
+    assert call_main(["report", run.root]) == 0
+    assert "NVIDIA MPS: on\n" in capsys.readouterr().out

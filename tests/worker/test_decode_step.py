@@ -9,7 +9,6 @@ test leaves their weights as it found them.
 
 from __future__ import annotations
 
-import math
 from contextlib import closing
 
 import pytest
@@ -25,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from asyncgrpo.run import RunDir
-from asyncgrpo.tasks.demo import build_dataset, build_tokenizer, repeat_digit_reward
+from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker import decode_step
 from worker.decode_step import GraphDecoding, Sampling, sample
@@ -179,7 +178,7 @@ def test_an_adapter_sync_reaches_the_step(tmp_path):
     ps, worker = trainer_for(tmp_path / "ps", **overrides), trainer_for(tmp_path / "worker", **overrides)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a trained-looking adapter (a fresh one is a no-op)
-        for name, p in ps.model.named_parameters():
+        for p in ps.model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     ids = prompt_ids(worker)
@@ -317,7 +316,10 @@ def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
 def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
     # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
     # difference there, where a wrong token or a stale weight differs by whole units.
-    trainer = trainer_for(tmp_path, use_cpu=False, device_type="cuda", bf16=True, **SAMPLING)
+    # The demo's own model (initializer_range 0.02): bf16 rounds a logit to 0.4% of its size, and the sharper
+    # logits of llama()'s (0.3) would move log-probs by more than the tolerance.
+    trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
+                          device_type="cuda", bf16=True, **SAMPLING)
     trainer.model.to("cuda")
     decoding = GraphDecoding(trainer, 2, dataset_prompt_ids(trainer))
     decoding.warm_up(dataset_prompt_ids(trainer))
@@ -329,6 +331,4 @@ def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tol
         with torch.autocast("cuda", dtype=torch.bfloat16):
             diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
         assert diff.max().item() < 0.05
-    assert math.isfinite(diff.sum().item())
-    model = generating_model(trainer.model)
-    assert model.device.type == "cuda"
+    assert generating_model(trainer.model).device.type == "cuda"
