@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from transformers import GenerationConfig, StaticCache
 
 from worker.behaviour import BehaviourCapture
-from worker.decoding import PROMPT_BUCKET, compiled_graphs, generating_model
+from worker.decoding import PROMPT_BUCKET, compiled_graphs, generates_in_turns, generating_model
 
 DONE_CHECK_EVERY = 16  # steps between the host's checks that every row has ended (each is one device sync)
 # GenerationConfig fields the step implements, or that only say how generate runs (cache, compilation). Any other
@@ -151,8 +151,6 @@ class GraphDecoding:
     @staticmethod
     def unsupported(trainer) -> str | None:
         """Why the step cannot generate for this trainer (it then falls back to compiled generate), or None."""
-        from worker.generate import generates_in_turns  # (worker.generate imports this module)
-
         why = BehaviourCapture.unsupported(trainer)
         if why is not None:
             return why

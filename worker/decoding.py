@@ -52,6 +52,12 @@ def resolve_mode(mode: str, device_type: str) -> str:
     return mode
 
 
+def generates_in_turns(trainer) -> bool:
+    """Whether a job's rollouts take several generate calls or the user's own loop (tools, an environment, a
+    rollout function): such jobs are generated one per call, eagerly (see docs/design.md, Multi-turn jobs)."""
+    return bool(trainer.tools) or trainer.rollout_func is not None
+
+
 def generating_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model whose generate runs the decoding loop: a PEFT model's base model (with the adapter
     layers in it), else the model itself."""

@@ -54,7 +54,7 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decode_step import GraphDecoding
-from worker.decoding import CompiledDecoding
+from worker.decoding import CompiledDecoding, generates_in_turns
 from worker.tools import RolloutTurns, bounding_environments
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
@@ -99,12 +99,6 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     # not of one random dropout mask per sample.
     disable_dropout_in_model(trainer.model)
     return trainer
-
-
-def generates_in_turns(trainer: GRPOTrainer) -> bool:
-    """Whether a job's rollouts take several generate calls or the user's own loop (tools, an environment, a
-    rollout function): such jobs are generated one per call, eagerly (see docs/design.md, Multi-turn jobs)."""
-    return bool(trainer.tools) or trainer.rollout_func is not None
 
 
 def job_seed(seed: int, job_id: str) -> int:

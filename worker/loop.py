@@ -43,8 +43,8 @@ from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.decode_step import GraphDecoding
-from worker.decoding import CompiledDecoding, resolve_mode
-from worker.generate import JobInput, build_trainer, error_record, generate_jobs, generates_in_turns, job_seed
+from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
+from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event

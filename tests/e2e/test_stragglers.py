@@ -89,9 +89,10 @@ def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
         codes = [worker.wait(timeout=120) for worker in workers.values()]
     assert codes == [0, 0, 0], codes
 
-    # The trainer kept training through both faults, never waiting long for a result.
+    # The trainer kept training through both faults, never waiting long for a result: at least 20 steps during
+    # each, or on to the run's last step inside it (on a fast day the run ends before the second fault does).
     for start, end in (slow_window, stop_window):
-        assert end - start >= 20, f"only {end - start} steps trained during a {FAULT_S:g} s fault"
+        assert end - start >= 20 or end == STEPS, f"only {end - start} steps trained during a {FAULT_S:g} s fault"
     waits = {e["step"]: e["dur_ms"] / 1e3 for e in ps_events(root, "wait_result")}
     longest = max(waits[s] for s in range(slow_window[0] + 1, stop_window[1] + 1) if s in waits)
     assert longest < LONGEST_WAIT_S, f"the trainer waited {longest:.1f} s for a result"
