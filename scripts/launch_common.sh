@@ -71,13 +71,13 @@ restart_dead_workers() {
 # sharing a GPU take turns. start_mps SHARED MODE RUN: SHARED is 1 when a GPU holds more than one of the run's
 # processes (auto starts MPS only then). The daemon runs as the user, its pipe and log folders in RUN/mps, and is
 # tried with one CUDA call before any process relies on it: where it cannot start, one line says why and the run
-# goes on without it. Exports ASYNCGRPO_MPS ("on", or "off: why": ps.json and queue_tools ls show it); MPS_STARTED=1
-# when stop_mps has a daemon to stop.
+# goes on without it. On a GPU, exports ASYNCGRPO_MPS ("on", or "off: why": ps.json and queue_tools ls show it);
+# MPS_STARTED=1 when stop_mps has a daemon to stop.
 start_mps() {
     local shared="$1" mode="$2" run="$3" why=""
     MPS_STARTED=""
-    if [ "$DEVICE" != cuda ]; then why="not on a GPU"
-    elif [ "$mode" = off ]; then why="--mps off"
+    [ "$DEVICE" = cuda ] || return 0  # nothing to say on CPU
+    if [ "$mode" = off ]; then why="--mps off"
     elif [ "$mode" = auto ] && [ "$shared" != 1 ]; then why="no GPU is shared by two processes"
     elif ! command -v nvidia-cuda-mps-control > /dev/null; then why="nvidia-cuda-mps-control is not on PATH"
     fi
@@ -98,7 +98,7 @@ start_mps() {
     fi
     if [ -n "$why" ]; then
         export ASYNCGRPO_MPS="off: $why"
-        if [ "$mode" = on ] || { [ "$DEVICE" = cuda ] && [ "$shared" = 1 ]; }; then
+        if [ "$mode" = on ] || [ "$shared" = 1 ]; then
             say "NVIDIA MPS off ($why): the processes sharing a GPU take turns on it"
         fi
     else

@@ -75,10 +75,14 @@ def test_mps_that_cannot_start_is_said_in_one_line_and_the_run_goes_on_without_i
         assert calls[-1] == "quit"  # the daemon that started is not left behind
 
 
+def test_on_cpu_nothing_is_started_or_said(tmp_path):
+    out, fields, calls, _ = launch_part(tmp_path, device="cpu", mode="on")
+    assert fields["ASYNCGRPO_MPS"] == "" and calls == [] and "[launch]" not in out.stdout
+
+
 @pytest.mark.parametrize(("settings", "why", "said"), [
     ({"mode": "off"}, "--mps off", True),
     ({"shared": ""}, "no GPU is shared by two processes", False),
-    ({"device": "cpu"}, "not on a GPU", False),
     ({"path_has_tools": False}, "nvidia-cuda-mps-control is not on PATH", True),
     ({"path_has_tools": False, "mode": "on", "shared": ""}, "nvidia-cuda-mps-control is not on PATH", True),
 ])
