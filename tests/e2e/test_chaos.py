@@ -48,7 +48,11 @@ from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
 from asyncgrpo.run import RunDir
 
-MAX_STEPS = 200
+MAX_STEPS = 300
+# The kills are scheduled over the first KILL_SPAN steps (the last worker kill excepted: in the final steps), so
+# that the steps after them leave the test time to catch up with a PS that trains fast: with the kills spread up
+# to step 180 of 200, a run once ended with 2 of them still to come (36 steps a second after a relaunch).
+KILL_SPAN = 200
 SAVE_STEPS = 5  # small, so that a killed PS loses few steps
 LEASE_S = 4
 MAX_ATTEMPTS = 3  # the default
@@ -236,11 +240,11 @@ class Chaos:
         (finishing is a moment too: the PS must drain the queue while workers die), and the PS
         twice: once at a random moment, and its next life inside a checkpoint save (in the first one
         after a step chosen at random)."""
-        steps = self.rng.sample(range(3, int(MAX_STEPS * 0.9)), WORKER_KILLS - 1)
+        steps = self.rng.sample(range(3, int(KILL_SPAN * 0.9)), WORKER_KILLS - 1)
         plan = [(s, "worker") for s in steps] + [(self.rng.randrange(MAX_STEPS - 4, MAX_STEPS), "worker")]
-        in_save_after = self.rng.randrange(int(MAX_STEPS * 0.45), int(MAX_STEPS * 0.6))
+        in_save_after = self.rng.randrange(int(KILL_SPAN * 0.45), int(KILL_SPAN * 0.6))
         self.save_to_die_in = (in_save_after // SAVE_STEPS + 1) * SAVE_STEPS
-        plan += [(self.rng.randrange(int(MAX_STEPS * 0.15), int(MAX_STEPS * 0.3)), "ps-any"),
+        plan += [(self.rng.randrange(int(KILL_SPAN * 0.15), int(KILL_SPAN * 0.3)), "ps-any"),
                  (in_save_after, "ps-saving")]
         return sorted(plan)
 
