@@ -137,7 +137,8 @@ class GraphDecoding:
         self.max_new = int(gen.max_new_tokens)
         self.sampling = Sampling.of(gen)
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-        self.eos = torch.tensor([e for e in eos if e is not None], dtype=torch.long, device=self.device)
+        self.eos_ids = {int(e) for e in eos if e is not None}
+        self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
         self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.cache: StaticCache | None = None
@@ -233,14 +234,10 @@ class GraphDecoding:
         with record_function("decode.to_host"):
             tokens, logps = st.tokens.cpu(), st.logps.cpu()
         completion_ids = []
-        for row in tokens.tolist():
-            ends = [i for i, t in enumerate(row) if t in self._eos_ids]
-            completion_ids.append(row[:ends[0] + 1] if ends else row)
+        for row in tokens.tolist():  # (on the host: self.eos is on the device)
+            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            completion_ids.append(row if end is None else row[:end + 1])
         return completion_ids, tokens, logps
-
-    @property
-    def _eos_ids(self) -> set[int]:
-        return set(self.eos.tolist())
 
     def _prefill(self, prompt_ids: list[list[int]]) -> DecodeState:
         st, rows, longest = self.state, len(prompt_ids), max(len(ids) for ids in prompt_ids)
