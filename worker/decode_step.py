@@ -37,15 +37,15 @@ What the step does not implement (``GraphDecoding.unsupported``) falls back to c
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 from transformers import GenerationConfig, StaticCache
+from trl.trainer.utils import pad
 
 from worker.behaviour import BehaviourCapture
-from worker.decoding import PROMPT_BUCKET, compiled_graphs, generates_in_turns, generating_model
+from worker.decoding import FixedBatchDecoding, bucketed, generates_in_turns, generating_model
 
 DONE_CHECK_EVERY = 16  # steps between the host's checks that every row has ended (each is one device sync)
 # GenerationConfig fields the step implements, or that only say how generate runs (cache, compilation). Any other
@@ -124,16 +124,15 @@ class DecodeState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [rows, vocab + 1], the tokens seen
 
 
-class GraphDecoding:
+class GraphDecoding(FixedBatchDecoding):
     """The worker's own decoding loop (see the module's docstring)."""
 
     def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]], compile: bool = True):
         """``compile=False``: the same step run eagerly (for tests; the results are the same, slower)."""
+        super().__init__(trainer, jobs_per_generate)
         gen = trainer.generation_config
-        self.trainer = trainer
         self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         self.device = trainer.accelerator.device
-        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
         self.max_new = int(gen.max_new_tokens)
         self.sampling = Sampling.of(gen)
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
@@ -147,7 +146,6 @@ class GraphDecoding:
         on_cuda = self.device.type == "cuda"
         self._compiled_step = torch.compile(self._step, fullgraph=True, dynamic=False,
                                             mode="reduce-overhead" if on_cuda else None) if compile else self._step
-        self.graphs_after_warm_up: int | None = None
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -174,8 +172,7 @@ class GraphDecoding:
         """Nothing to put back (compilation failed): TRL's generation settings were never changed."""
 
     def _allocate(self, rows: int, prompt_tokens: int) -> None:
-        bucketed = -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET
-        cache_len = bucketed + self.max_new
+        cache_len = bucketed(prompt_tokens) + self.max_new
         self.cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
         self.state = DecodeState(rows, cache_len, self.max_new, self.device)
 
@@ -214,18 +211,18 @@ class GraphDecoding:
 
     # ------------------------------------------------------------------ on the host
 
-    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
-        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
-
-    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-        """TRL's ``_generate_single_turn`` for ``prompt_ids`` (left-padded as TRL pads them): each row's completion
-        ids, cut after its first EOS; and, on the CPU, the tokens [rows, steps] and their behaviour log-probs."""
-        rows, longest = len(prompt_ids), max(len(ids) for ids in prompt_ids)
-        if rows != self.state.tokens.size(0) or longest + self.max_new > self.state.cache_len:
-            self._allocate(rows, longest)  # new shapes: a new graph
+    def decode_batch(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """TRL's ``_generate_single_turn`` for ``prompt_ids``: each row's completion ids, cut after its first EOS;
+        and, on the CPU, the tokens [rows, steps] and their behaviour log-probs."""
+        # Left-padded as TRL pads them.
+        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
+                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
+                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        if ids.size(0) != self.state.tokens.size(0) or ids.size(1) + self.max_new > self.state.cache_len:
+            self._allocate(*ids.shape)  # new shapes: a new graph
         with record_function("decode.prefill"):  # (the names bench/generation_bench.py --profile reports)
-            st = self._prefill(prompt_ids)
+            st = self._prefill(ids.to(self.device), mask.to(self.device))
         with record_function("decode.steps"):
             for step in range(1, self.max_new):
                 self._compiled_step(self.cache, st)
@@ -239,14 +236,8 @@ class GraphDecoding:
             completion_ids.append(row if end is None else row[:end + 1])
         return completion_ids, tokens, logps
 
-    def _prefill(self, prompt_ids: list[list[int]]) -> DecodeState:
-        st, rows, longest = self.state, len(prompt_ids), max(len(ids) for ids in prompt_ids)
-        ids = torch.full((rows, longest), self.pad, dtype=torch.long)
-        mask = torch.zeros((rows, longest), dtype=torch.long)
-        for row, prompt in enumerate(prompt_ids):  # left padding, as TRL pads
-            ids[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, longest - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> DecodeState:
+        st, (rows, longest) = self.state, ids.shape
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
         self.cache.reset()
         st.mask.zero_()
@@ -270,18 +261,3 @@ class GraphDecoding:
         st.position.copy_(position[:, -1])
         self._choose(logits, st)
         return st
-
-    def warm_up(self, prompt_ids: list[list[int]]) -> float:
-        """Compiles by generating one full batch twice (the second call replays what the first recorded); returns
-        the seconds it took."""
-        start = time.monotonic()
-        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
-        for _ in range(2):
-            with torch.no_grad(), self.trainer.accelerator.autocast():
-                self.generate(batch)
-        self.graphs_after_warm_up = compiled_graphs()
-        return time.monotonic() - start
-
-    def recompiles(self) -> int:
-        """Graphs compiled since the warm-up."""
-        return compiled_graphs() - (self.graphs_after_warm_up or 0)

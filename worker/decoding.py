@@ -84,14 +84,49 @@ class CompiledDecodeStep:
         return output
 
 
-class CompiledDecoding:
+def bucketed(prompt_tokens: int) -> int:
+    """The static cache's prompt part for prompts of up to ``prompt_tokens`` tokens: a multiple of PROMPT_BUCKET."""
+    return -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
+class FixedBatchDecoding:
+    """What compiled and graph decoding share: a fixed batch of ``jobs_per_generate`` jobs' rows, a warm-up that
+    compiles before the first job, and the count of graphs compiled after it. ``decode_batch`` generates."""
+
+    def __init__(self, trainer, jobs_per_generate: int):
+        self.trainer = trainer
+        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
+        self.graphs_after_warm_up: int | None = None
+
+    def decode_batch(self, prompt_ids: list[list[int]]):
+        raise NotImplementedError
+
+    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
+        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
+
+    def warm_up(self, prompt_ids: list[list[int]]) -> float:
+        """Compiles by generating one full batch of ``prompt_ids`` twice (the first call compiles the step, the
+        second runs it after a fresh cache, recording CUDA graphs); returns the seconds it took."""
+        start = time.monotonic()
+        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
+        for _ in range(2):
+            with torch.no_grad(), self.trainer.accelerator.autocast():
+                self.decode_batch(batch)
+        self.graphs_after_warm_up = compiled_graphs()
+        return time.monotonic() - start
+
+    def recompiles(self) -> int:
+        """Graphs compiled since the warm-up."""
+        return compiled_graphs() - (self.graphs_after_warm_up or 0)
+
+
+class CompiledDecoding(FixedBatchDecoding):
     """Compiled decoding on a worker's trainer (see the module's docstring)."""
 
     def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]]):
-        self.trainer = trainer
-        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
-        longest = max((len(ids) for ids in prompt_ids), default=1)
-        self.prompt_tokens = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+        super().__init__(trainer, jobs_per_generate)
+        self.prompt_tokens = bucketed(max((len(ids) for ids in prompt_ids), default=1))
         gen = trainer.generation_config
         self._eager = {name: getattr(gen, name) for name in
                        ("cache_implementation", "max_cache_len", "disable_compile", "compile_config")}
@@ -106,7 +141,6 @@ class CompiledDecoding:
         self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         setattr(self.model, COMPILED_CALL, CompiledDecodeStep(self.model, gen.compile_config))
         setattr(self.model, LAST_COMPILE_CONFIG, gen.compile_config)
-        self.graphs_after_warm_up: int | None = None
 
     def undo(self) -> None:
         """Back to TRL's eager generation (compilation failed)."""
@@ -116,21 +150,5 @@ class CompiledDecoding:
         for name in (COMPILED_CALL, LAST_COMPILE_CONFIG):
             self.model.__dict__.pop(name, None)
 
-    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
-        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
-
-    def warm_up(self, prompt_ids: list[list[int]]) -> float:
-        """Compiles by generating one full batch of ``prompt_ids`` twice (the first call compiles the step, the
-        second the step after a fresh cache); returns the seconds it took."""
-        start = time.monotonic()
-        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
-        for _ in range(2):
-            with torch.no_grad(), self.trainer.accelerator.autocast():
-                self.trainer._generate_single_turn(batch, None, {}, self.trainer.num_generations)
-        self.graphs_after_warm_up = compiled_graphs()
-        return time.monotonic() - start
-
-    def recompiles(self) -> int:
-        """Graphs compiled since the warm-up."""
-        return compiled_graphs() - (self.graphs_after_warm_up or 0)
+    def decode_batch(self, prompt_ids: list[list[int]]):
+        return self.trainer._generate_single_turn(prompt_ids, None, {}, self.trainer.num_generations)

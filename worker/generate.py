@@ -184,7 +184,7 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
     started = time.monotonic()
     if isinstance(decoding, GraphDecoding):  # the worker's own decoding loop: the log-probs come with the tokens
         with torch.no_grad(), trainer.accelerator.autocast():
-            completion_ids, tokens, logps = decoding.generate(batch)
+            completion_ids, tokens, logps = decoding.decode_batch(batch)
         capture.given(tokens, logps)
     else:
         with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate(), \

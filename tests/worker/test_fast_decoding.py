@@ -258,8 +258,6 @@ def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_decoding_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
-    # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
-    # difference there, where a wrong token or a stale weight differs by whole units.
     trainer = make_trainer(tmp_path, use_cpu=False, device_type="cuda", bf16=True)
     trainer.model.to("cuda")
     dataset = trainer.train_dataset
@@ -269,6 +267,12 @@ def test_compiled_decoding_on_the_gpu_with_cuda_graphs_captures_log_probs_within
     assert trainer.generation_config.compile_config.mode == "reduce-overhead"  # CUDA graphs
     outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
     assert decoding.recompiles() == 0
+    assert_captured_within_bf16_of_trls(trainer, outcomes)
+
+
+def assert_captured_within_bf16_of_trls(trainer, outcomes):
+    # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
+    # difference there, where a wrong token or a stale weight differs by whole units.
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
         batch, _, _ = outcome
