@@ -241,4 +241,12 @@ def leave_status_for_the_launcher(status: int) -> None:
 if __name__ == "__main__":
     exit_status = main()
     leave_status_for_the_launcher(exit_status)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a data-parallel PS, done (its group destroyed, everything saved and closed): it leaves without
+        # the interpreter's finalisation, in which gloo's threads can abort the process (SIGABRT, "terminate called
+        # without an active exception"; seen once in a few CPU runs), and torchrun would report the run failed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_status)
     sys.exit(exit_status)
