@@ -16,6 +16,8 @@ per call is fixed. Settings, per shape:
     graph       the worker's own decoding loop, a token's forward, sampling and bookkeeping in one compiled
                 function (worker/decode_step.py), one job per call
     graphK      the same, K jobs per call
+    graph-autotune  graph compiled with torch.compile's max-autotune (GEMM kernels chosen by timing them; CUDA
+                graphs), for comparison: slower to compile
 
 For each: ms per generated token (one decoding step over the whole call's batch: call time / completion
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
@@ -109,12 +111,15 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                              "jobs_per_generate": jobs, "report_to": "none"})
     trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
     compiled, warm_s = None, 0.0
-    if decoding in ("compiled", "graph"):
+    if decoding in ("compiled", "graph", "graph-autotune"):
         dataset = trainer.train_dataset
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
-        if decoding == "graph":
+        if decoding == "compiled":
+            compiled = CompiledDecoding(trainer, jobs, prompt_ids)
+        else:
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
-        compiled = (GraphDecoding if decoding == "graph" else CompiledDecoding)(trainer, jobs, prompt_ids)
+            mode = "max-autotune" if decoding == "graph-autotune" else None
+            compiled = GraphDecoding(trainer, jobs, prompt_ids, compile_mode=mode)
         warm_s = compiled.warm_up(prompt_ids)
     return trainer, compiled, warm_s, sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -199,12 +204,15 @@ def profiled_call(trainer, inputs, decoding, device: str) -> dict:
         for begin, end, name in on_device:
             busy_us += max(0.0, end - max(begin, reach))
             reach = max(reach, end)
-            by_kernel[name] = by_kernel.get(name, 0.0) + (end - begin)
+            calls, us = by_kernel.get(name, (0, 0.0))
+            by_kernel[name] = (calls + 1, us + (end - begin))
         out["device_busy_ms"] = round(busy_us / 1e3, 2)
         out["device_idle_share"] = round(1 - busy_us / 1e3 / wall_ms, 3)
         out["device_kernels"] = len(on_device)
-        out["top_kernels_ms"] = {name[:80]: round(us / 1e3, 2)
-                                 for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}
+        # Each kernel's calls, total ms and mean µs a call: what a decoding step is made of.
+        out["top_kernels"] = [{"name": name[:120], "calls": calls, "ms": round(us / 1e3, 2),
+                               "us_per_call": round(us / calls, 1)}
+                              for name, (calls, us) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]]
     return out
 
 
@@ -217,7 +225,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peak-gbs", type=float, default=None)
-    p.add_argument("--settings", default="eager,compiled,graph", help="any of eager, compiled, graph")
+    p.add_argument("--settings", default="eager,compiled,graph", help="any of eager, compiled, graph, graph-autotune")
     p.add_argument("--profile", action="store_true", help="split one more call per setting with torch.profiler")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -243,10 +251,10 @@ def main() -> None:
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
            "peak_gbs": round(a.peak_gbs, 1), "torch": torch.__version__, "completion": a.completion,
            "batch": a.batch, "results": rows}
-    print(f"{'shape':<9} {'decoding':<9} {'K':>2} {'ms/token':>9} {'ms/job':>8} {'samples/s':>10} {'vs first':>9} "
+    print(f"{'shape':<9} {'decoding':<14} {'K':>2} {'ms/token':>9} {'ms/job':>8} {'samples/s':>10} {'vs first':>9} "
           f"{'x limit':>8} {'warm-up s':>9}", file=sys.stderr)
     for r in rows:
-        print(f"{r['shape']:<9} {r['decoding']:<9} {r['jobs_per_call']:>2} {r['ms_per_token']:>9.2f} "
+        print(f"{r['shape']:<9} {r['decoding']:<14} {r['jobs_per_call']:>2} {r['ms_per_token']:>9.2f} "
               f"{r['ms_per_job']:>8.1f} {r['samples_per_s']:>10.1f} {r['job_speedup_vs_baseline']:>8.2f}x "
               f"{r['x_bandwidth_limit']:>8.1f} {r['warm_up_s']:>9.1f}", file=sys.stderr)
     text = json.dumps(doc, indent=2)

@@ -4,11 +4,12 @@
 #
 #   bash bench/gpu_decoding.sh [OUT_DIR]
 #
-#   1. pytest             the gpu tests of the decoding step and of CUDA IPC under MPS
-#   2. generation_bench   Qwen2.5-0.5B's shape (then 1.5B's), 32 and 128 rows (1 and 4 jobs a call):
-#                         compiled generate against the worker's own decoding graph, with --profile
-#   3. gpu_vs_trl         TRL, then asyncgrpo with 2 workers: compiled generate, the decoding graph, and the
-#                         decoding graph under NVIDIA MPS (when nvidia-cuda-mps-control is here)
+#   1. pytest             the gpu tests (pytest -m gpu)
+#   2. generation_bench   Qwen2.5-0.5B's shape, 32 and 128 rows (1 and 4 jobs a call): compiled generate
+#                         against the worker's own decoding graph, with --profile
+#   3. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, without and (when
+#                         nvidia-cuda-mps-control is here) with NVIDIA MPS, and 3 workers with MPS
+#   4. generation_bench   the graph compiled with max-autotune (0.5B, 32 rows), then the graph at 1.5B's shape
 #
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it measured to OUT_DIR
 # (default a /tmp folder) as it goes, so a part cut short still leaves the others' figures. Needs what
@@ -49,12 +50,13 @@ MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part pytest 90 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/worker/test_decode_step.py \
-    "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
-part generation_05b 170 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings compiled,graph --jobs 1,4 \
+part pytest 110 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests
+part generation_05b 150 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings compiled,graph --jobs 1,4 \
     --reps 3 --profile --out "$OUT/generation_05b.json"
-part gpu_vs_trl 300 "$PY" bench/gpu_vs_trl.py --configs "trl,async2_compiled,async2_graph$MPS_CONFIG" --steps 20 \
-    --warmup 6 --out "$OUT/gpu_vs_trl.json"
-part generation_15b 120 "$PY" bench/generation_bench.py --shapes qwen1.5b --settings compiled,graph --jobs 1 \
+part gpu_vs_trl 210 "$PY" bench/gpu_vs_trl.py --configs "trl,async2_graph$MPS_CONFIG${MPS_CONFIG:+,async3_graph_mps}" \
+    --steps 20 --warmup 6 --out "$OUT/gpu_vs_trl.json"
+part generation_autotune 100 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-autotune --jobs 1 \
+    --reps 3 --profile --out "$OUT/generation_autotune.json"
+part generation_15b 80 "$PY" bench/generation_bench.py --shapes qwen1.5b --settings graph --jobs 1 \
     --reps 3 --out "$OUT/generation_15b.json"
 echo "[gpu_decoding] figures in $OUT"

@@ -105,12 +105,16 @@ class FixedBatchDecoding:
         """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
         return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
 
+    # Calls that compile and record: the first compiles the step, the second runs it after a fresh cache, recording
+    # CUDA graphs.
+    WARM_UP_CALLS = 2
+
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
-        """Compiles by generating one full batch of ``prompt_ids`` twice (the first call compiles the step, the
-        second runs it after a fresh cache, recording CUDA graphs); returns the seconds it took."""
+        """Compiles by generating one full batch of ``prompt_ids`` WARM_UP_CALLS times; returns the seconds it
+        took."""
         start = time.monotonic()
         batch = self.pad_batch(prompt_ids[: self.rows_per_call])
-        for _ in range(2):
+        for _ in range(self.WARM_UP_CALLS):
             with torch.no_grad(), self.trainer.accelerator.autocast():
                 self.decode_batch(batch)
         self.graphs_after_warm_up = compiled_graphs()

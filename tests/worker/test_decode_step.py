@@ -82,16 +82,17 @@ def dataset_prompt_ids(trainer):
     return prompt_ids(trainer, [row["prompt"] for row in trainer.train_dataset])
 
 
-def warmed_up(trainer, jobs_per_generate: int) -> tuple:
+def warmed_up(trainer, jobs_per_generate: int, **options) -> tuple:
     """(trainer, its compiled GraphDecoding for ``jobs_per_generate`` jobs a call, warmed up)."""
-    decoding = GraphDecoding(trainer, jobs_per_generate, dataset_prompt_ids(trainer))
+    decoding = GraphDecoding(trainer, jobs_per_generate, dataset_prompt_ids(trainer), **options)
     decoding.warm_up(dataset_prompt_ids(trainer))
     return trainer, decoding
 
 
 @pytest.fixture(scope="module")
 def greedy_compiled(tmp_path_factory):
-    return warmed_up(trainer_for(tmp_path_factory.mktemp("greedy"), **GREEDY), 1)
+    # The prefill compiled too (as on a GPU): one graph for every prompt width.
+    return warmed_up(trainer_for(tmp_path_factory.mktemp("greedy"), **GREEDY), 1, compile_prefill=True)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +160,21 @@ def test_a_weight_sync_reaches_the_compiled_step_and_changes_what_it_decodes(gre
         finally:
             model.load_state_dict(original)
     assert decoded(decoding, ids) == before
+
+
+def test_the_compiled_prefill_writes_into_a_cache_allocated_outside_the_graph(greedy_compiled, monkeypatch):
+    """CUDA graphs write into the cache in place only when its tensors' addresses are marked static, which
+    transformers does only where it allocates them outside a compiled region: the first prefill into a cache runs
+    eagerly, the later ones compiled."""
+    trainer, decoding = greedy_compiled
+    layers = decoding.cache.layers
+    assert all(getattr(layer.keys, "_dynamo_static_input_type", None) for layer in layers)
+    addresses = [layer.keys.data_ptr() for layer in layers]
+    prefills, compiled = [], decoding._compiled_prefill
+    monkeypatch.setattr(decoding, "_compiled_prefill", lambda *args: prefills.append(1) or compiled(*args))
+    ids = prompt_ids(trainer)
+    assert decoded(decoding, ids) == generated(trainer, ids)
+    assert len(prefills) == 1 and [layer.keys.data_ptr() for layer in layers] == addresses
 
 
 def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly_with_a_new_graph(greedy_compiled):
