@@ -4,14 +4,17 @@
 #
 #   bash bench/gpu_decoding.sh [OUT_DIR]
 #
-#   1. pytest             the gpu tests (pytest -m gpu)
-#   2. generation_bench   Qwen2.5-0.5B's shape, 32 and 128 rows (1 and 4 jobs a call): compiled generate
-#                         against the worker's own decoding graph, with --profile
-#   3. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, without and (when
-#                         nvidia-cuda-mps-control is here) with NVIDIA MPS, and 3 workers with MPS
-#   4. generation_bench   the graph compiled with max-autotune (0.5B, 32 rows), then the graph at 1.5B's shape
+#   1. generation_bench   the worker's own decoding graph at Qwen2.5-0.5B's shape, 32 and 128 rows (1 and 4
+#                         jobs a call), with --profile
+#   2. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
+#   3. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
+#                         nvidia-cuda-mps-control is here
+#   4. generation_bench   compiled generate at 0.5B, 32 rows (the reference), then the graph at 1.5B's shape
 #
-# Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it measured to OUT_DIR
+# (On the H200, 2026-11-26: a generation_bench setting took 50-100 s, compilation included; TRL's run in
+# gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left.)
+#
+# Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
 # (default a /tmp folder) as it goes, so a part cut short still leaves the others' figures. Needs what
 # scripts/gpu_check.sh needs (the wheels of .whl/ are installed the same way, into /tmp/site).
 set -uo pipefail
@@ -22,17 +25,17 @@ mkdir -p "$OUT"
 PY="$(command -v "${PYTHON:-python3}")"
 BUDGET_S="${GPU_DECODING_BUDGET_S:-540}"
 left() { echo $(( BUDGET_S - SECONDS )); }
-part() {  # part NAME SECONDS CMD...: runs CMD with at most SECONDS (or what is left), stdout/stderr to OUT/NAME.*
+part() {  # part NAME SECONDS CMD...: runs CMD with at most SECONDS (or what is left), stdout and stderr to OUT/NAME.log
     local name="$1" want="$2" l; shift 2
     l=$(left); [ "$l" -lt "$want" ] && want="$l"
     if [ "$want" -lt 20 ]; then echo "[gpu_decoding] $name: skipped, the budget is spent" | tee -a "$OUT/summary.txt"; return; fi
     echo "[gpu_decoding] $name (at most $want s): $*"
     local t0=$SECONDS
-    timeout -k 10 "$want" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+    timeout -k 10 "$want" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "[gpu_decoding] $name: exit $rc in $(( SECONDS - t0 )) s" | tee -a "$OUT/summary.txt"
     # What failed, on the terminal too (the files may not reach whoever reads this).
-    [ "$rc" -ne 0 ] && grep -vE "Warning|warnings.warn|^\s*$" "$OUT/$name.out" "$OUT/$name.err" | tail -n 25
+    [ "$rc" -ne 0 ] && grep -vE "Warning|warnings.warn|^\s*$" "$OUT/$name.log" | tail -n 25
     return 0
 }
 
@@ -50,13 +53,11 @@ MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part pytest 110 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests
-part generation_05b 150 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings compiled,graph --jobs 1,4 \
-    --reps 3 --profile --out "$OUT/generation_05b.json"
-part gpu_vs_trl 210 "$PY" bench/gpu_vs_trl.py --configs "trl,async2_graph$MPS_CONFIG${MPS_CONFIG:+,async3_graph_mps}" \
-    --steps 20 --warmup 6 --out "$OUT/gpu_vs_trl.json"
-part generation_autotune 100 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-autotune --jobs 1 \
-    --reps 3 --profile --out "$OUT/generation_autotune.json"
-part generation_15b 80 "$PY" bench/generation_bench.py --shapes qwen1.5b --settings graph --jobs 1 \
-    --reps 3 --out "$OUT/generation_15b.json"
+part generation_05b 170 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 1,4 --reps 3 \
+    --profile
+part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker \
+    "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
+part gpu_vs_trl 240 "$PY" bench/gpu_vs_trl.py --configs "trl,async2_graph$MPS_CONFIG" --steps 20 --warmup 6
+part generation_reference 80 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings compiled --jobs 1 --reps 3
+part generation_15b 80 "$PY" bench/generation_bench.py --shapes qwen1.5b --settings graph --jobs 1 --reps 3
 echo "[gpu_decoding] figures in $OUT"

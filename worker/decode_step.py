@@ -44,7 +44,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
-from transformers import GenerationConfig, StaticCache
+from transformers import AttentionInterface, GenerationConfig, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from trl.trainer.utils import pad
 
 from worker.behaviour import BehaviourCapture
@@ -106,6 +108,28 @@ def sample(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
     return choice if indices is None else indices.gather(1, choice[:, None])[:, 0]
 
 
+PACKED_SDPA = "sdpa_gqa_packed"  # the attention implementation the step sets on a model that uses "sdpa"
+
+
+def sdpa_gqa_packed(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, except that a single query token's heads are packed onto their key/value heads
+    (grouped-query attention) in a compiled region too. transformers packs them only outside one; compiled, it
+    repeats each key/value head for its query heads: a copy of the whole cache in every layer at every step, and an
+    attention kernel that fills one query row of each tile."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, _ = query.shape
+    if q_len != 1 or groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kv_heads = heads // groups
+    # Query head h attends with key/value head h // groups, as after transformers' repeat_kv.
+    if attention_mask.shape[1] != 1:
+        attention_mask = attention_mask.reshape(batch, kv_heads, groups, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups, -1), key, value, attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    return out.reshape(batch, heads, 1, -1).transpose(1, 2).contiguous(), None
+
+
 class DecodeState:
     """The step's preallocated buffers (their addresses never change: CUDA graphs read and write them in place)."""
 
@@ -150,6 +174,10 @@ class GraphDecoding(FixedBatchDecoding):
         self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
         self.vocab = self.model.get_output_embeddings().weight.size(0)
         self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
+        if self.model.config._attn_implementation == "sdpa":
+            AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
+            AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+            self.model.set_attn_implementation(PACKED_SDPA)
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.cache: StaticCache | None = None
         self.state: DecodeState | None = None
@@ -186,7 +214,10 @@ class GraphDecoding(FixedBatchDecoding):
         return None
 
     def undo(self) -> None:
-        """Nothing to put back (compilation failed): TRL's generation settings were never changed."""
+        """Back to transformers' sdpa attention (compilation failed); TRL's generation settings were never
+        changed."""
+        if self.model.config._attn_implementation == PACKED_SDPA:
+            self.model.set_attn_implementation("sdpa")
 
     def _allocate(self, rows: int, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)  # every prefill's width

@@ -10,12 +10,14 @@ test leaves their weights as it found them.
 from __future__ import annotations
 
 from contextlib import closing
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import demo_config
 from test_fast_decoding import Events, assert_captured_within_bf16_of_trls, counted, job, trl_logps, two_jobs
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -27,7 +29,7 @@ from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker import decode_step
-from worker.decode_step import GraphDecoding, Sampling, sample
+from worker.decode_step import PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
 from worker.decoding import CompiledDecoding
 from worker.generate import BEHAVIOUR_LOGPS, build_trainer, generate_jobs
 
@@ -41,11 +43,11 @@ GREEDY = {"generation_kwargs": {"do_sample": False}, "max_completion_length": 24
 SAMPLING = {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "max_completion_length": 12}
 
 
-def llama(shape: str = "demo", seed: int = 0, eos_bias: float = 0.0) -> LlamaForCausalLM:
+def llama(shape: str = "demo", seed: int = 0, eos_bias: float = 0.0, kv_heads: int = 4) -> LlamaForCausalLM:
     """A Llama over the demo tokenizer whose greedy completions vary (initializer_range 0.3: some rows end early,
     some never), deterministic given ``seed``; ``eos_bias`` added to EOS's output embedding makes it likelier."""
     tok = build_tokenizer()
-    config = LlamaConfig(**SHAPES[shape], num_key_value_heads=4, vocab_size=len(tok), initializer_range=0.3,
+    config = LlamaConfig(**SHAPES[shape], num_key_value_heads=kv_heads, vocab_size=len(tok), initializer_range=0.3,
                          max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
     with torch.random.fork_rng(devices=[]):
@@ -136,6 +138,27 @@ def test_when_every_row_ends_early_the_loop_stops_and_the_completions_are_genera
     assert decoded(decoding, ids) == expected
     assert max(len(c) for c in expected) < decode_step.DONE_CHECK_EVERY  # every row ended before the first check
     assert len(steps) == decode_step.DONE_CHECK_EVERY  # the check after step 16 stopped it: not run to step 63
+
+
+@pytest.mark.parametrize("mask_heads", [1, 8])
+def test_a_tokens_query_heads_packed_onto_their_key_value_heads_attend_as_after_repeating_them(mask_heads):
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+    mask = torch.rand(3, mask_heads, 1, 10) > 0.4
+    mask[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 4), repeat_kv(value, 4),
+                                                                attn_mask=mask).transpose(1, 2)
+    out, _ = sdpa_gqa_packed(SimpleNamespace(num_key_value_groups=4), query, key, value, mask, scaling=None)
+    torch.testing.assert_close(out, expected)
+
+
+def test_with_grouped_query_attention_the_compiled_step_packs_the_heads_and_decodes_generates_tokens(tmp_path):
+    trainer = trainer_for(tmp_path, llama(kv_heads=2), **GREEDY)
+    ids = prompt_ids(trainer)
+    expected = generated(trainer, ids)  # transformers' own sdpa attention
+    decoding = GraphDecoding(trainer, 1, ids)
+    assert decoding.model.config._attn_implementation == PACKED_SDPA
+    assert decoded(decoding, ids) == expected
 
 
 @pytest.mark.parametrize("transport", ["mmap", "safetensors"])
