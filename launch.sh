@@ -63,15 +63,16 @@ done
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, restart_dead_workers
+source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, claim_run, stop_workers, restart_dead_workers
 resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
 RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
 ARGS[1]="$RUN_DIR"
-LOGS="$RUN_DIR/logs"
 set_file_modes "${PASS[@]}"
+claim_run "$RUN_DIR"  # before anything is written into it
+LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"
 
 # On CPU the processes share the cores: one thread each avoids oversubscription.
@@ -97,7 +98,7 @@ gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
 declare -A WORKER_PID WORKER_LOG
 start_worker() {
     WORKER_LOG[$1]="$LOGS/log_worker_$1.txt"
-    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 9>&- &
     WORKER_PID[$1]=$!
 }
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
@@ -108,13 +109,13 @@ PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL o
 # torchrun exits 1 whatever status a rank exits with: the first rank writes its own here (ps/__main__.py).
 PS_STATUS_FILE=$(mktemp)
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) ASYNCGRPO_PS_STATUS_FILE="$PS_STATUS_FILE" "${PS_CMD[@]}" "${ARGS[@]}" \
-    >> "$LOGS/log_parameter_server.txt" 2>&1 &
+    >> "$LOGS/log_parameter_server.txt" 2>&1 9>&- &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # Progress on the terminal: the PS's [train] and [eval] lines and its one-line reason if it stops on an
 # error ("ps: error: ..."; the same reason logged at ERROR level is not shown twice). tail ends when the PS does.
-tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null |
-    grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: ' &
+{ tail --pid="$PS_PID" -n0 -F "$LOGS/log_parameter_server.txt" 2>/dev/null |
+    grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: '; } 9>&- &
 TAIL_PID=$!
 
 on_interrupt() {

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -52,16 +53,31 @@ class PSAlreadyRunning(RuntimeError):
     pass
 
 
-def hold_ps_lock(run: RunDir) -> int:
-    """One PS per run directory: an exclusive flock, held until this process exits."""
+def hold_ps_lock(run: RunDir, record: bool = True) -> int:
+    """One PS per run directory: an exclusive flock, held until this process exits. The holder writes its pid and
+    host into the lock file at once (its ps.json comes seconds later), so whoever is refused can name it
+    (``record=False``: only trying the lock)."""
     fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        other = run.read_ps_status()
-        raise PSAlreadyRunning(f"another parameter server is running on {run.root} "
-                               f"(pid {other.pid if other else '?'} on {other.host if other else '?'})") from None
+        os.close(fd)
+        raise PSAlreadyRunning(f"another parameter server is running on {run.root} ({lock_holder(run)})") from None
+    if record:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
     return fd
+
+
+def lock_holder(run: RunDir) -> str:
+    """'pid P on HOST' of the PS holding the run's lock, waiting up to a second for it to write itself."""
+    for _ in range(20):
+        holder = run.ps_lock_file.read_text(errors="replace").strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    other = run.read_ps_status()  # a PS of an older version wrote itself only there
+    return f"pid {other.pid} on {other.host}" if other else "its pid not written yet"
 
 
 def set_tensorboard_dir(final_dir: str) -> None:
@@ -75,7 +91,7 @@ def set_tensorboard_dir(final_dir: str) -> None:
 def refuse_if_a_ps_runs(run: RunDir) -> None:
     """PSAlreadyRunning when a PS holds the run's lock now (launch.sh asks before it starts anything)."""
     if run.ps_lock_file.exists():
-        os.close(hold_ps_lock(run))  # taken and given back at once
+        os.close(hold_ps_lock(run, record=False))  # taken and given back at once
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,23 @@ resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch see
     return 0
 }
 
+# Two launches on one run folder at the same moment both pass `ps --check_only` (no PS runs yet): claim_run RUN
+# takes an exclusive lock on RUN/launch.lock for the shell's life (fd 9, which the processes it starts must not
+# inherit: `9>&-`), and writes its holder into it; the second launch exits 3 naming the holder, having started
+# and written nothing.
+claim_run() {
+    mkdir -p "$1" && exec 9<> "$1/launch.lock" || die "cannot create $1/launch.lock"
+    if ! flock -n 9; then
+        local holder="" _
+        for _ in $(seq 1 20); do  # the holder writes itself right after it takes the lock
+            holder=$(cat "$1/launch.lock" 2>/dev/null); [ -n "$holder" ] && break; sleep 0.1
+        done
+        echo "launch.sh: error: another launch.sh is running on $1 (${holder:-its pid not written}); nothing started" >&2
+        exit 3
+    fi
+    echo "pid $$ on $(hostname)" > "$1/launch.lock"
+}
+
 set_file_modes() {  # set_file_modes FLAG...: what launch.sh creates (logs) is as private as the PS's files
     umask 077
     local i value
@@ -84,7 +101,7 @@ start_mps() {
     if [ -z "$why" ]; then
         export CUDA_MPS_PIPE_DIRECTORY="$run/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$run/mps/log"
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        if ! nvidia-cuda-mps-control -d > "$CUDA_MPS_LOG_DIRECTORY/start.txt" 2>&1; then
+        if ! nvidia-cuda-mps-control -d > "$CUDA_MPS_LOG_DIRECTORY/start.txt" 2>&1 9>&-; then
             why="nvidia-cuda-mps-control -d failed: $(tail -n 1 "$CUDA_MPS_LOG_DIRECTORY/start.txt")"
         else
             MPS_STARTED=1
