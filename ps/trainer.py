@@ -363,6 +363,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "groups_dropped": record["groups_dropped"],
             "groups_dropped_total": self._groups_dropped_total + record["groups_dropped"],
             "prompts_skipped": self.pipeline.producer.prompts_skipped,
+            "tool_failure_rate": logs.get("tools/failure_frequency"),  # TRL's, averaged over the step's jobs
             "step_time_s": round(now - self._last_step_end, 4),
             "queue_depth": self.queue.counts(),
             "time": time.time(),
@@ -382,7 +383,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
                  (f" dropped_prompts={dropped}" if dropped else "")
                  + (f" groups_dropped={line['groups_dropped']}" if self.cfg.dynamic_sampling else "")
-                 + (f" prompts_skipped={line['prompts_skipped']}" if self.cfg.difficulty_filter else ""))
+                 + (f" prompts_skipped={line['prompts_skipped']}" if self.cfg.difficulty_filter else "")
+                 + (f" tool_failures={line['tool_failure_rate']:.0%}" if line["tool_failure_rate"] is not None
+                    else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",

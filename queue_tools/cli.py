@@ -31,6 +31,7 @@ from asyncgrpo.run.liveness import fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
+TOOL_FAILURES_WARN = 0.5  # the share of a step's tool calls that failed from which health warns
 SILENT_AFTER_S = 5.0  # a live worker whose heartbeat (every second) is this old while it holds jobs: said in health
 
 
@@ -177,7 +178,7 @@ def last_logged_step(run: RunDir) -> dict | None:
         if isinstance(record, dict) and "step" in record:
             return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max",
                                                "trainer_wait_s", "groups_dropped", "groups_dropped_total",
-                                               "prompts_skipped", "time")}
+                                               "prompts_skipped", "tool_failure_rate", "time")}
     return None
 
 
@@ -203,6 +204,10 @@ def _health(report: dict) -> str:
         problems.append(f"{len(dead)} dead worker(s)")
     if report["junk"]:
         problems.append(f"{len(report['junk'])} file(s) outside the queue grammar")
+    last = report["last_step"]
+    if last is not None and (last.get("tool_failure_rate") or 0) >= TOOL_FAILURES_WARN:
+        problems.append(f"{last['tool_failure_rate']:.0%} of the tool calls failed at step {last['step']} (the "
+                        "workers' logs name the errors: their [tools] lines)")
     if report["pending"] and not alive:
         problems.append("jobs are pending but no worker is alive")
     if report["done"]["failed"]:
@@ -237,7 +242,9 @@ def format_report(r: dict) -> str:
                      f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
                      + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} in all)"
                         if last.get("groups_dropped_total") else "")
-                     + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else ""))
+                     + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else "")
+                     + (f" tool calls failed {last['tool_failure_rate']:.0%}"
+                        if last.get("tool_failure_rate") is not None else ""))
     if r["ps"] is not None and r["ps"].get("mps"):
         lines.append(f"NVIDIA MPS: {r['ps']['mps']}")
     lines.append(f"workers: {len(r['workers'])}")

@@ -12,6 +12,11 @@ daemon thread left to finish or not (it does not keep the process alive); an asy
 ``bounding_environments`` puts an environment's ``reset()`` and ``get_reward()`` under the same bound: TRL has
 no handling for those, so one past the bound fails the job, as one that raises does.
 
+Every failed call (an error, a timeout, a name that is not among the tools: TRL answers that one itself, with
+"Tool X not found.", which ``bounding_tools`` makes it do through a wrapper so that it is counted too) is
+counted and logged with its text, rate-limited (``ToolErrorLog``); launch.sh shows these ``[tools]`` lines on
+the terminal.
+
 ``timing_turns`` records each generate call and the tool phase between two of them: events
 ``generate_turn_end`` and ``tools_end`` per turn (worker/generate.py emits them), which ``queue_tools report``
 turns into a job's split between generation, tool calls and reward.
@@ -22,11 +27,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from asyncgrpo.events import EventLog
+from asyncgrpo.messages import first_line
+
+log = logging.getLogger("asyncgrpo.worker")
 
 SYNC_TOOLS, ASYNC_TOOLS = "_sync_tool_dicts", "_async_tool_dicts"  # per rollout, {name: callable}, built per batch
 GENERATE_SINGLE_TURN = "_generate_single_turn"
@@ -107,6 +117,64 @@ def _bound_environment(environment, timeout_s: float) -> None:
         setattr(environment, method, functools.wraps(function)(bounded))
 
 
+class ToolErrorLog:
+    """Failed tool calls in the worker's log: the first of each kind (the tool, and its error's type and message)
+    at once, the repeats counted and logged together every ``every_s`` seconds (and when a job ends past that)."""
+
+    def __init__(self, every_s: float = 60.0, clock=time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self.seen: set[str] = set()
+        self.repeats: Counter[str] = Counter()
+        self.since = clock()
+        self._lock = threading.Lock()  # async tools fail on TRL's event-loop thread
+
+    def failed(self, kind: str) -> None:
+        with self._lock:
+            if kind in self.seen:
+                self.repeats[kind] += 1
+            else:
+                self.seen.add(kind)
+                log.warning("[tools] %s (the first such failure; repeats are counted and logged every %g s)",
+                            kind, self.every_s)
+        self.flush()
+
+    def flush(self) -> None:
+        """Logs the repeats counted since the last such line, if ``every_s`` has passed."""
+        with self._lock:
+            now = self.clock()
+            if self.repeats and now - self.since >= self.every_s:
+                log.warning("[tools] failed again in the last %.0f s: %s", now - self.since,
+                            "; ".join(f"{kind} (x{n})" for kind, n in self.repeats.most_common()))
+                self.repeats.clear()
+            if not self.repeats:
+                self.since = now
+
+
+TOOL_ERRORS = ToolErrorLog()  # the worker process's
+
+
+def failure_kind(name: str, err: BaseException) -> str:
+    if isinstance(err, ToolTimeout):
+        return str(err)
+    return f"{name}: {first_line(err)[:300]}"
+
+
+class ToolsAnsweringAnyName(dict):
+    """One row's sync tools, as TRL's loop looks a called name up (``name in sync``, then ``name in async``, else
+    it raises "Tool X not found." itself, out of this module's sight). A name in neither is answered here, with
+    a call that raises the same error, so that it is counted and logged with the name the model called."""
+
+    def __init__(self, tools: dict, async_tools: dict, not_a_tool):
+        super().__init__(tools)
+        self.async_tools, self.not_a_tool = async_tools, not_a_tool
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name not in self.async_tools
+
+    def __missing__(self, name):
+        return self.not_a_tool(name)
+
+
 @dataclass
 class ToolTally:
     calls: int = 0
@@ -137,12 +205,24 @@ class RolloutTurns:
 
     def bounding_tools(self, trainer) -> None:
         """Wraps every tool of the trainer's current batch (call after TRL built them, before its loop runs)."""
-        for tools in getattr(trainer, SYNC_TOOLS, None) or []:
-            for name, tool in tools.items():
-                tools[name] = self._bounded_sync(name, tool)
-        for tools in getattr(trainer, ASYNC_TOOLS, None) or []:
+        sync_dicts = getattr(trainer, SYNC_TOOLS, None) or []
+        async_dicts = getattr(trainer, ASYNC_TOOLS, None) or [{}] * len(sync_dicts)
+        for tools in async_dicts:
             for name, tool in tools.items():
                 tools[name] = self._bounded_async(name, tool)
+        known = sorted({name for tools in (*sync_dicts, *async_dicts) for name in tools})
+        for i, (tools, async_tools) in enumerate(zip(sync_dicts, async_dicts)):
+            bounded = {name: self._bounded_sync(name, tool) for name, tool in tools.items()}
+            sync_dicts[i] = ToolsAnsweringAnyName(bounded, async_tools, functools.partial(self._not_a_tool, known))
+
+    def _not_a_tool(self, known: list[str], name: str):
+        def not_a_tool(**_arguments):
+            self._count(time.monotonic(), {"error": True})
+            TOOL_ERRORS.failed(f"the model called {name!r}, which is not a tool of this run "
+                               f"(its tools: {', '.join(known) or 'none'})")
+            raise ValueError(f"Tool {name} not found.")  # TRL's own message for it
+
+        return not_a_tool
 
     def _bounded_sync(self, name, tool):
         @functools.wraps(tool)  # TRL looks tools up by __name__
@@ -151,11 +231,13 @@ class RolloutTurns:
             outcome: dict = {}
             try:
                 return call_within(self.timeout_s, name, tool, **arguments)
-            except ToolTimeout:
+            except ToolTimeout as err:
                 outcome["timeout"] = True
+                TOOL_ERRORS.failed(failure_kind(name, err))
                 raise
-            except BaseException:  # handed to TRL's loop, which makes it the result
+            except BaseException as err:  # handed to TRL's loop, which makes it the result
                 outcome["error"] = True
+                TOOL_ERRORS.failed(failure_kind(name, err))
                 raise
             finally:
                 self._count(started, outcome)
@@ -169,11 +251,13 @@ class RolloutTurns:
             outcome: dict = {}
             try:
                 return await await_within(self.timeout_s, name, tool(**arguments))
-            except ToolTimeout:
+            except ToolTimeout as err:
                 outcome["timeout"] = True
+                TOOL_ERRORS.failed(failure_kind(name, err))
                 raise
-            except BaseException:
+            except BaseException as err:
                 outcome["error"] = True
+                TOOL_ERRORS.failed(failure_kind(name, err))
                 raise
             finally:
                 self._count(started, outcome)
@@ -216,6 +300,7 @@ class RolloutTurns:
                 delattr(trainer, GENERATE_SINGLE_TURN)
             else:
                 setattr(trainer, GENERATE_SINGLE_TURN, own)
+            TOOL_ERRORS.flush()
             if self.tally.calls:  # tools after the last generation (every result overlong): still counted
                 self.events.emit("tools_end", turn=self.turns, dur_ms=self.tally.busy_s * 1e3, **self.tally.take(),
                                  **self.job_fields)

@@ -238,3 +238,16 @@ def test_ls_says_whether_nvidia_mps_is_on(run, capsys, monkeypatch, mps):
     assert json.loads(out)["ps"]["mps"] == mps
     _, out, _ = run_cli(capsys, "ls", run.root)
     assert (f"NVIDIA MPS: {mps}\n" in out) if mps else ("NVIDIA MPS" not in out)
+
+
+@pytest.mark.parametrize("rate, warned", [(1.0, True), (0.5, True), (0.2, False), (None, False)])
+def test_ls_shows_the_tool_failure_rate_and_warns_from_half_the_calls_failing(run, capsys, rate, warned):
+    line = json.loads(metrics_line(40, 0.25, 1.0))
+    (run.root / "metrics.jsonl").write_text(json.dumps({**line, "tool_failure_rate": rate}) + "\n")
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    [training] = [x for x in out.splitlines() if x.startswith("training:")]
+    assert training.endswith(f" tool calls failed {rate:.0%}" if rate is not None else " trainer wait 12 ms")
+    health = out.strip().splitlines()[-1]
+    warning = (f"health: WARN: {rate:.0%} of the tool calls failed at step 40 (the workers' logs name the errors: "
+               "their [tools] lines)") if warned else None
+    assert (health == warning) if warned else health.startswith("health: OK")

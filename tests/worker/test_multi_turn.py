@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 from asyncgrpo.events import EventLog
 from asyncgrpo.tasks.lookup import LookupEnv, build_dataset, build_model
 from asyncgrpo.user_code import RolloutHooks
+from worker import tools as worker_tools
 from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_and_score, generate_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -135,25 +136,65 @@ def tool_results(trainer) -> list[str]:
     return [m["content"] for c in completions for m in c if isinstance(m, dict) and m.get("role") == "tool"]
 
 
-@pytest.mark.parametrize("environment, expected", [(RaisingLookup, "the vault is closed"),
-                                                   (HangingLookup, "no result within 0.2 s")])
-def test_a_tool_that_raises_or_hangs_gives_its_error_as_the_result_and_is_counted(tmp_path, tool_model, environment,
-                                                                                    expected):
+class ToolsWithoutLookup:
+    """Tools of another name than the one the model calls."""
+
+    def reset(self, **row) -> None:
+        pass
+
+    def fetch(self, key: int) -> str:
+        """Fetch the value stored under a key.
+
+        Args:
+            key: The key to fetch.
+        """
+        return "0"
+
+
+@pytest.mark.parametrize("environment, expected, logged", [
+    (RaisingLookup, "the vault is closed", "[tools] lookup: KeyError: 'the vault is closed' (the first such failure"),
+    (HangingLookup, "no result within 0.2 s", "[tools] lookup: no result within 0.2 s (--tool_timeout_s) (the first"),
+    (ToolsWithoutLookup, "Tool lookup not found.",
+     "[tools] the model called 'lookup', which is not a tool of this run (its tools: fetch) (the first")])
+def test_a_tool_that_raises_hangs_or_is_not_there_gives_its_error_as_the_result_and_is_counted_and_logged(
+        tmp_path, tool_model, environment, expected, logged, monkeypatch, caplog):
+    errors = worker_tools.ToolErrorLog(every_s=3600)
+    monkeypatch.setattr(worker_tools, "TOOL_ERRORS", errors)
     trainer = make_worker(tmp_path, tool_model, environment, tool_timeout_s=0.2, max_tool_calling_iterations=1,
                           max_completion_length=128)
     events = RecordedEvents()
     HELD.clear()
     try:
-        batch, metrics = generate_and_score(trainer, job_rows(trainer), events, seed=0, job_id="j1")
+        with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+            batch, metrics = generate_and_score(trainer, job_rows(trainer), events, seed=0, job_id="j1")
         results = tool_results(trainer)
     finally:
         HELD.set()
-    assert results and all(expected in r for r in results), results[:3]
+    assert len(results) >= 2 and all(expected in r for r in results), results[:3]
     assert metrics["tools/failure_frequency"] == 1.0
     tools = [e for e in events.records if e["event"] == "tools_end"]
-    assert sum(t["failed"] for t in tools) == len(results)
+    assert sum(t["failed"] for t in tools) == sum(t["calls"] for t in tools) == len(results)
     assert sum(t["timed_out"] for t in tools) == (len(results) if environment is HangingLookup else 0)
     assert (batch["tool_mask"] == 0).any()
+    # Its text in the log once; the repeats counted for the next line.
+    lines = [r.getMessage() for r in caplog.records if "[tools]" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(logged), lines
+    assert sum(errors.repeats.values()) == len(results) - 1
+
+
+def test_repeated_tool_failures_are_logged_together_once_the_interval_has_passed(caplog):
+    now = [0.0]
+    errors = worker_tools.ToolErrorLog(every_s=60, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        for t in range(100):  # one failure a second, of two kinds
+            now[0] = float(t)
+            errors.failed("lookup: KeyError: 'closed'" if t % 4 else "lookup: no result within 30 s")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:2] == ["[tools] lookup: no result within 30 s (the first such failure; repeats are counted and "
+                         "logged every 60 s)", "[tools] lookup: KeyError: 'closed' (the first such failure; repeats "
+                         "are counted and logged every 60 s)"]
+    assert lines[2:] == ["[tools] failed again in the last 60 s: lookup: KeyError: 'closed' (x45); "
+                         "lookup: no result within 30 s (x15)"]  # from t=2 to t=61
 
 
 class BrokenReset(LookupEnv):
