@@ -160,5 +160,10 @@ if [ "$PS_STATUS" -ne 0 ]; then
     exit "$PS_STATUS"
 fi
 say "training finished. Metrics: $RUN_DIR/metrics.jsonl"
+# A job a worker had in hand when it stopped (given back, or left by a worker killed after 30 s) is archived
+# unused by cleanup on a finished run: nothing is left pending or processing.
+"$VENV_PY" -m queue_tools cleanup "$RUN_DIR" | grep -v '^cleanup: nothing to do$' | while IFS= read -r line; do
+    say "queue: $line"
+done
 "$VENV_PY" -m queue_tools ls "$RUN_DIR"
 exit 0

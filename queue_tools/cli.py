@@ -284,8 +284,21 @@ def cmd_ls(run: RunDir, args) -> int:
         return 0
 
 
+def training_is_over(run: RunDir) -> bool:
+    """The run's PS finished training (RUN/ps.json) and is gone: nothing in queue/ will be trained on."""
+    ps = run.read_ps_status()
+    return ps is not None and ps.state == "finished" and not pid_alive(ps.pid, ps.host)
+
+
 def cmd_cleanup(run: RunDir, args) -> int:
-    actions = JobQueue(run).recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run)
+    # A finished run's leftovers (a worker stopped or killed with a job in hand, a job given back) are archived
+    # unused: re-queued, they would wait for a worker and a PS that will not come.
+    over = training_is_over(run)
+    queue = JobQueue(run)
+    actions = queue.recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run,
+                            requeue=not over)
+    if over:
+        actions += queue.archive_leftovers(dry_run=args.dry_run)
     retention = None
     if args.keep_files or args.keep_mb:
         retention = compact_archive(run, args.keep_files, args.keep_mb, dry_run=args.dry_run)

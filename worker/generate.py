@@ -55,7 +55,7 @@ from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns
-from worker.tools import RolloutTurns, bounding_environments
+from worker.tools import RolloutTurns, WorkerStopping, bounding_environments
 
 GENERATE_AND_SCORE = "_generate_and_score_completions"
 BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
@@ -263,6 +263,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     finally:
         delattr(trainer, GENERATE)  # back to the class's methods
         delattr(trainer, CALCULATE_REWARDS)
+    if turns is not None and turns.stopped:  # its tool calls were cut short: not a result to train on
+        raise WorkerStopping("the worker is stopping: tool calls of this job were cut")
     if generated_at:
         events.emit("score_end", dur_ms=(time.monotonic() - generated_at[0]) * 1e3, **job_fields)
     metrics = {name: statistics.fmean(values) for name, values in trainer._metrics["train"].items() if values}

@@ -4,8 +4,9 @@
 
 A worker holds its liveness lock and heartbeat for its whole life, recovers jobs an
 earlier process left under its device number, waits for the PS's first weights, then
-loops. SIGTERM or Ctrl-C: it finishes the job in hand (or releases it if it cannot) and
-exits 0. When the PS goes away it keeps its weights and waits for a new one.
+loops. SIGTERM or Ctrl-C: it finishes the job in hand (or releases it if it cannot: a job whose
+tool calls the stop cut short, worker/tools.py, is given back) and exits 0. When the PS goes
+away it keeps its weights and waits for a new one.
 
 A job whose generation or scoring raises goes back to the queue as its next attempt, the
 error (type, message, which reward function) added to its payload; after ``max_attempts``
@@ -42,6 +43,7 @@ from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
+from worker import tools
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
@@ -84,8 +86,10 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
 
     def request_stop(signum, _frame):
-        log.info("[worker] dev%s got signal %d: finishing the job in hand, then exiting", device, signum)
+        log.info("[worker] dev%s got signal %d: finishing the job in hand (giving it back if a tool call is "
+                 "running: tool calls are cut now), then exiting", device, signum)
         stop.set()
+        tools.STOPPING.set()
         watcher.wake()
 
     signal.signal(signal.SIGTERM, request_stop)
@@ -269,6 +273,12 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
     recompiles = decoding.recompiles() if decoding is not None else 0
     all_done = True
     for job, outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, tools.WorkerStopping):  # cut short: given back as it was, for a worker that goes on
+            queue.release(job)
+            events.emit("job_released", job_id=job.job_id)
+            log.info("[queue] dev%s gave job=%s back: %s", device, job.job_id, outcome)
+            all_done = False
+            continue
         if isinstance(outcome, Exception):
             _fail(cfg, queue, job, outcome, version, events)
             all_done = False

@@ -46,9 +46,20 @@ class ToolTimeout(TimeoutError):
     """A tool call ran past --tool_timeout_s; TRL makes its message the call's result."""
 
 
+class WorkerStopping(Exception):
+    """The worker was asked to stop (SIGTERM, Ctrl-C) while a tool call ran or was due: the call is cut, and the
+    job's rollouts, cut with it, are not a result: the worker gives the job back (worker/loop.py)."""
+
+
+STOPPING = threading.Event()  # set by the worker's stop request: tool calls in flight and due are cut at once
+STOP_POLL_S = 0.1
+
+
 def call_within(timeout_s: float, name: str, function, *args, **kwargs):
-    """``function(*args, **kwargs)``, or ToolTimeout once ``timeout_s`` have passed (0: no bound). The call is left
-    running in a daemon thread: a Python thread cannot be killed."""
+    """``function(*args, **kwargs)``, or ToolTimeout once ``timeout_s`` have passed (0: no bound), or WorkerStopping
+    once STOPPING is set. The call is left running in a daemon thread: a Python thread cannot be killed."""
+    if STOPPING.is_set():
+        raise WorkerStopping(f"{name}: not called, the worker is stopping")
     if not timeout_s:
         return function(*args, **kwargs)
     outcome: dict = {}
@@ -62,21 +73,37 @@ def call_within(timeout_s: float, name: str, function, *args, **kwargs):
         done.set()
 
     threading.Thread(target=call, name=f"tool-{name}", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(max(0.0, min(STOP_POLL_S, deadline - time.monotonic()))):
+        if STOPPING.is_set():
+            raise WorkerStopping(f"{name}: cut, the worker is stopping")
+        if time.monotonic() >= deadline:
+            raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
 
 
 async def await_within(timeout_s: float, name: str, awaitable):
-    """The awaitable's result, or ToolTimeout once ``timeout_s`` have passed (0: no bound); it is cancelled then."""
+    """The awaitable's result, or ToolTimeout once ``timeout_s`` have passed (0: no bound), or WorkerStopping once
+    STOPPING is set; it is cancelled then."""
+    if STOPPING.is_set():
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()  # never awaited: no "coroutine was never awaited" warning
+        raise WorkerStopping(f"{name}: not called, the worker is stopping")
     if not timeout_s:
         return await awaitable
-    try:
-        return await asyncio.wait_for(awaitable, timeout_s)
-    except asyncio.TimeoutError:
-        raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)") from None
+    task = asyncio.ensure_future(awaitable)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, min(STOP_POLL_S, deadline - time.monotonic())))
+        if done:
+            return task.result()
+        if STOPPING.is_set() or time.monotonic() >= deadline:
+            task.cancel()
+            if STOPPING.is_set():
+                raise WorkerStopping(f"{name}: cut, the worker is stopping")
+            raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
 
 
 def bounding_environments(trainer, timeout_s: float) -> None:
@@ -198,6 +225,7 @@ class RolloutTurns:
     job_fields: dict = field(default_factory=dict)
     tally: ToolTally = field(default_factory=ToolTally)
     turns: int = 0  # generate calls so far
+    stopped: bool = False  # a tool call was cut because the worker is stopping (WorkerStopping)
     _last_turn_end: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -211,7 +239,7 @@ class RolloutTurns:
             for name, tool in tools.items():
                 tools[name] = self._bounded_async(name, tool)
         known = sorted({name for tools in (*sync_dicts, *async_dicts) for name in tools})
-        for i, (tools, async_tools) in enumerate(zip(sync_dicts, async_dicts)):
+        for i, (tools, async_tools) in enumerate(zip(sync_dicts, async_dicts, strict=True)):
             bounded = {name: self._bounded_sync(name, tool) for name, tool in tools.items()}
             sync_dicts[i] = ToolsAnsweringAnyName(bounded, async_tools, functools.partial(self._not_a_tool, known))
 
@@ -231,6 +259,9 @@ class RolloutTurns:
             outcome: dict = {}
             try:
                 return call_within(self.timeout_s, name, tool, **arguments)
+            except WorkerStopping:
+                self.stopped = True
+                raise
             except ToolTimeout as err:
                 outcome["timeout"] = True
                 TOOL_ERRORS.failed(failure_kind(name, err))
@@ -251,6 +282,9 @@ class RolloutTurns:
             outcome: dict = {}
             try:
                 return await await_within(self.timeout_s, name, tool(**arguments))
+            except WorkerStopping:
+                self.stopped = True
+                raise
             except ToolTimeout as err:
                 outcome["timeout"] = True
                 TOOL_ERRORS.failed(failure_kind(name, err))

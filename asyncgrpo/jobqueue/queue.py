@@ -475,6 +475,16 @@ class JobQueue:
                 log.warning("[queue] recover: %s", action.line())
         return actions
 
+    def archive_leftovers(self, dry_run: bool = False) -> list[RecoveryAction]:
+        """After training is over: each pending job and each result still in queue/ archived ``unused`` (no PS will
+        train on them; pending, a worker would only take them)."""
+        actions = []
+        for name in sorted(self.scan()[0]):
+            if name.state in (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED):
+                actions.append(self._recovery_move(self.path(name), name, ArchiveReason.UNUSED,
+                                                   f"{name.state.value} after training was over", dry_run))
+        return actions
+
     def _recovery_move(self, path: Path, name: QueueName | None, reason: ArchiveReason | None,
                        why: str, dry_run: bool) -> RecoveryAction:
         if reason is None:  # requeue

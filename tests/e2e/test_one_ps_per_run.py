@@ -45,8 +45,11 @@ def test_launches_at_the_same_instant_start_one_run_and_the_others_nothing(tmp_p
         launches = [subprocess.Popen(cmd, cwd=tmp_path, env=PROCESS_ENV, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(3)]
         try:
-            exited = wait_for(lambda: [p for p in launches if p.poll() is not None] if sum(
-                p.poll() is not None for p in launches) >= 2 else None, "two launches of three to exit", TIMEOUT_S)
+            def two_exited(launches=launches):
+                exited = [p for p in launches if p.poll() is not None]
+                return exited if len(exited) >= 2 else None
+
+            exited = wait_for(two_exited, "two launches of three to exit", TIMEOUT_S)
             assert len(exited) == 2, [p.communicate() for p in exited]
             winner = next(p for p in launches if p not in exited)
             wait_for((root / "ps.json").exists, "the winner's PS to start", TIMEOUT_S, procs=(winner,))

@@ -44,3 +44,52 @@ def test_failed_tool_calls_are_on_the_terminal_in_the_train_lines_and_in_ls(tmp_
     steps = [line for line in out.splitlines() if "[train] step=" in line]
     assert len(steps) == 4 and all(line.endswith(" tool_failures=100%") for line in steps), steps
     assert "health: WARN: 100% of the tool calls failed at step 4" in out
+
+
+HANGING_FROM_THE_SECOND_JOB = '''
+import time
+
+
+class SlowAfterFirstJob:
+    """The lookup tool, which hangs from each environment's second rollout on (TRL resets an environment of its
+    pool once per job)."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self, key: int, secret: int, **row) -> None:
+        self.resets += 1
+        self.secret = secret
+
+    def lookup(self, key: int) -> str:
+        """Look up the secret digit stored under a key.
+
+        Args:
+            key: The key to look up, a digit.
+        """
+        if self.resets >= 2:
+            time.sleep(3600)
+        return str(self.secret)
+
+    def get_reward(self) -> float:
+        return 0.0
+'''
+
+
+def test_a_run_that_ends_while_tools_hang_leaves_no_job_behind(tmp_path):
+    """The PS trains on the first jobs and finishes while both workers hang in a tool call of their next job (a
+    bound of 600 s): stopped, each cuts its calls and gives its job back at once (not killed 30 s later with the
+    job in hand), and launch.sh archives what is left unused: nothing pending or processing, health OK."""
+    (tmp_path / "hangenv.py").write_text(HANGING_FROM_THE_SECOND_JOB)
+    run = tmp_path / "run"
+    result = launch_sh(tmp_path, "--workers", "2", "--run-dir", str(run), "--builtin_task", "lookup",
+                       "--environment_factory", "hangenv:SlowAfterFirstJob", "--tool_timeout_s", "600",
+                       "--lease_s", "4", "--max-steps", "2", "--seed", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "queue: pending 0 (oldest -) | processing 0 | committing 0 | complete 0 | collected 0" in out, out
+    assert out.strip().splitlines()[-1].startswith("health: OK"), out
+    for n in (1, 2):
+        log = (run / "logs" / f"log_worker_{n}.txt").read_text()
+        assert f"[queue] dev{n} gave job=" in log and f"[worker] dev{n} stopped" in log, log[-2000:]
+    assert "pending after training was over" in (run / "logs" / "launch.txt").read_text()

@@ -1,5 +1,6 @@
 """queue_tools ls and cleanup: what they report and do, and their errors."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from helpers import backdate
 
 from asyncgrpo.jobqueue import ArchiveReason, make_job_id
 from asyncgrpo.run import RunDir, WorkerPresence
+from asyncgrpo.run.rundir import PSStatus
 from queue_tools.cli import main
 
 LEASE_S = 30.0
@@ -251,3 +253,40 @@ def test_ls_shows_the_tool_failure_rate_and_warns_from_half_the_calls_failing(ru
     warning = (f"health: WARN: {rate:.0%} of the tool calls failed at step 40 (the workers' logs name the errors: "
                "their [tools] lines)") if warned else None
     assert (health == warning) if warned else health.startswith("health: OK")
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def finished_ps(run) -> None:
+    """ps.json as a PS that finished training and exited leaves it."""
+    status = PSStatus.starting("model", None, {}).finished(global_step=10, final_model="final_model")
+    run.write_ps_status(dataclasses.replace(status, pid=dead_pid()))
+
+
+def test_cleanup_on_a_finished_run_archives_what_is_left_unused_and_requeues_nothing(run, queue, capsys):
+    for i in range(4):
+        queue.put_job(make_job_id(9, i), {}, created_step=9)
+    queue.claim(1)  # held by dev1, which is gone (killed at the end with the job in hand)
+    queue.complete(queue.claim(2), {}, weights_version=9)  # a result written after the PS's last collect
+    finished_ps(run)
+    code, out, _ = run_cli(capsys, "cleanup", run.root)
+    assert code == 0
+    assert queue.counts() == {state: 0 for state in queue.counts()}
+    assert sorted(p.name for p in run.done.iterdir()) == [
+        "000009_000_unused.pt", "000009_001_processed.pt", "000009_001_unused.pt", "000009_002_unused.pt",
+        "000009_003_unused.pt"]
+    assert "requeue" not in out and "training is over" in out and "pending after training was over" in out
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert out.strip().splitlines()[-1].startswith("health: OK")
+
+
+def test_cleanup_on_a_run_whose_ps_is_still_training_requeues_a_dead_workers_job(run, queue, capsys):
+    queue.put_job(make_job_id(9, 0), {}, created_step=9)
+    queue.claim(1)
+    run.write_ps_status(PSStatus.starting("model", None, {}))  # this process: alive, training
+    code, out, _ = run_cli(capsys, "cleanup", run.root)
+    assert code == 0 and out.startswith("requeue 000009_000_processing_by_dev1.pt -> 000009_000_pending_a2.pt")

@@ -17,13 +17,13 @@ import torch
 from helpers import demo_config
 from test_fast_decoding import Events, assert_captured_within_bf16_of_trls, counted, job, trl_logps, two_jobs
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward

@@ -277,3 +277,35 @@ def test_a_rollout_function_runs_on_the_worker_and_its_env_mask_becomes_the_tool
     expected = forward_logps(trainer, batch)
     torch.testing.assert_close(batch["old_per_token_logps"][model_tokens], expected[model_tokens])
     assert "sampling_per_token_logps" not in batch, "the rollout's own log-probs are not taken as vLLM's"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_stop_request_cuts_a_running_tool_call_and_refuses_the_next(monkeypatch, kind):
+    """Within the bound (600 s here), a worker asked to stop does not wait for a tool that hangs."""
+    import asyncio
+
+    stopping = threading.Event()
+    monkeypatch.setattr(worker_tools, "STOPPING", stopping)
+    entered, never = threading.Event(), threading.Event()
+
+    def hangs():
+        entered.set()
+        never.wait(60)
+
+    async def hangs_async():
+        entered.set()
+        await asyncio.sleep(60)
+
+    def call():
+        if kind == "sync":
+            return worker_tools.call_within(600, "lookup", hangs)
+        return asyncio.run(worker_tools.await_within(600, "lookup", hangs_async()))
+
+    threading.Thread(target=lambda: entered.wait(60) and stopping.set(), daemon=True).start()
+    try:
+        with pytest.raises(worker_tools.WorkerStopping, match="lookup: cut, the worker is stopping"):
+            call()
+        with pytest.raises(worker_tools.WorkerStopping, match="lookup: not called, the worker is stopping"):
+            call()
+    finally:
+        never.set()
