@@ -338,6 +338,37 @@ def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
     return model, tokenizer
 
 
+HUB_TIMEOUT_S = 10.0
+
+
+def _check_hub_model(name: str, revision: str | None) -> None:
+    """A hub id: in the local Hugging Face cache, or on a hub that answers one request. transformers would retry an
+    unreachable hub 5 times over half a minute, with two log lines a try, before the same refusal."""
+    from huggingface_hub import constants, model_info
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, revision=revision, local_files_only=True)
+        return  # cached: loads without the network (the tokenizer and weights are checked next)
+    except Exception:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, and not in the Hugging Face cache "
+                          "(HF_HUB_OFFLINE is set)") from None
+    try:
+        model_info(name, revision=revision, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists; the load says what access it needs
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, and not on the Hugging Face hub "
+                          f"({first_line(err, with_type=False)})") from None
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, not in the Hugging Face cache, and the "
+                          f"hub cannot be reached ({first_line(err)}): download it where the hub can be reached "
+                          "(hf download), or give a local folder") from None
+
+
 def _check_model(cfg: AsyncGRPOConfig) -> str | None:
     """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
     from transformers import AutoConfig, AutoTokenizer
@@ -353,6 +384,8 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
                               "in that folder")
     kwargs = model_load_kwargs(cfg)
     where = {"revision": kwargs.get("revision"), "trust_remote_code": kwargs.get("trust_remote_code", False)}
+    if not os.path.isdir(name):
+        _check_hub_model(cfg.model_name_or_path, where["revision"])
     try:
         config = AutoConfig.from_pretrained(name, **where)
     except Exception as err:

@@ -104,6 +104,23 @@ def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
     assert result.stdout == "" and not (user_folder / "runs").exists()
 
 
+@pytest.mark.parametrize("hub, message", [
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens there: the hub cannot be reached
+     "not a local folder, not in the Hugging Face cache, and the hub cannot be reached (ConnectError"),
+    ({"HF_HUB_OFFLINE": "1"}, "not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")])
+def test_a_hub_model_that_cannot_be_had_is_refused_in_one_line_without_retries(user_folder, tmp_path, hub, message):
+    """transformers retries an unreachable hub 5 times over half a minute, two warning lines a try."""
+    env = {**PROCESS_ENV, "HF_HUB_CACHE": str(tmp_path / "empty_cache"), **hub}
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--workers", "1", "--run-dir", "runs/r",
+                             *USER_FLAGS[2:], "--model_name_or_path", "someorg/somemodel"], cwd=user_folder, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines()
+                                          if line.startswith("ps: error: --model_name_or_path someorg/somemodel: ")
+                                          and message in line], result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
 def run_python(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
                           timeout=300)
