@@ -19,6 +19,7 @@ added the same way, from ``PeftArgs`` (asyncgrpo/peft_args.py).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 import warnings
@@ -367,6 +368,22 @@ def _flag_names(argv: list[str]) -> set[str]:
     return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
+def _refuse_unknown_flags(argv: list[str], parser) -> None:
+    """ConfigError naming the first flag the parser does not know, with the flags it could be a typo or an
+    abbreviation of."""
+    known = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} | {"--config"}
+    spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag in known:
+            continue
+        typed = "--" + flag[2:].replace("-", "_")
+        candidates = [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(typed, spelled, n=3,
+                                                                                              cutoff=0.75)
+        raise ConfigError(f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
+                                                     else " (--help lists them)"))
+
+
 def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None
                  ) -> AsyncGRPOConfig:
     """Flags and ``--config`` YAML into an AsyncGRPOConfig; ConfigError with one line on bad input.
@@ -395,6 +412,8 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
         defaults = {**task_defaults, "save_strategy": "steps", "save_steps": 100, "save_total_limit": 2}
         argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
     parser = TrlParser((AsyncGRPOConfig,), prog=prog, description=description)
+    parser.allow_abbrev = False  # argparse would take --learning_rat for --learning_rate, silently
+    _refuse_unknown_flags(argv, parser)
 
     def one_line_error(message: str):  # argparse would print its whole usage block and exit
         raise ConfigError(message)

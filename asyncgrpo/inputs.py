@@ -369,6 +369,18 @@ def _check_hub_model(name: str, revision: str | None) -> None:
                           "(hf download), or give a local folder") from None
 
 
+def _check_tool_calling(cfg: AsyncGRPOConfig, tokenizer, model: str) -> None:
+    """With tools, TRL refuses a chat template that cannot render a tool call when it builds the trainer, after the
+    processes started: refused here, before."""
+    from trl.chat_template_utils import supports_tool_calling
+
+    if (cfg.tools or cfg.environment_factory) and not supports_tool_calling(tokenizer):
+        flag = f"--tools {' '.join(cfg.tools)}" if cfg.tools else f"--environment_factory {cfg.environment_factory}"
+        raise ConfigError(f"{flag}: the chat template of {model} cannot call tools (TRL needs one that renders a "
+                          "user turn, an assistant turn with tool_calls and a tool turn): give a "
+                          "--model_name_or_path whose template can, or use --builtin_task lookup's model")
+
+
 def _check_model(cfg: AsyncGRPOConfig) -> str | None:
     """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
     from transformers import AutoConfig, AutoTokenizer
@@ -392,10 +404,11 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: bad config: "
                           f"{first_line(err, with_type=False)}") from None
     try:
-        AutoTokenizer.from_pretrained(name, **where)
+        tokenizer = AutoTokenizer.from_pretrained(name, **where)
     except Exception as err:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
+    _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
     return _half_dtype_note(dtype, cfg.device_type)[0]
 
@@ -432,8 +445,13 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
                           "--reward_funcs: nothing would score the rollouts")
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg))
-    elif cfg.dtype != "auto":
-        notes.append(_half_dtype_note(cfg.dtype, cfg.device_type)[0])
+    else:
+        from asyncgrpo.tasks import demo, lookup
+
+        task = lookup if cfg.builtin_task == "lookup" else demo
+        _check_tool_calling(cfg, task.build_tokenizer(), f"the built-in {cfg.builtin_task!r} task's model")
+        if cfg.dtype != "auto":
+            notes.append(_half_dtype_note(cfg.dtype, cfg.device_type)[0])
     if cfg.fsdp_plugin_args and cfg.device_type == "cpu":
         notes.append("--fsdp: accelerate shards a model on GPUs only; on CPU every PS process holds the whole model")
     load_train_dataset(cfg)

@@ -62,6 +62,11 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--environment_factory", "agent:Sandbox"], "--environment_factory 'agent:Sandbox': agent has no class Sandbox"),
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
+    (["--tools", "rewards:ones"], "--tools rewards:ones: the chat template of mymodel cannot call tools"),
+    (["--learning_rat", "1e-5"], "--learning_rat: not a flag; did you mean --learning_rate?"),  # not abbreviated
+    (["--num_gen=4"], "--num_gen: not a flag; did you mean --num_generations or --num_generations_eval?"),
+    (["--lerning_rate", "1e-5"], "--lerning_rate: not a flag; did you mean --learning_rate?"),
+    (["--no_such_flag", "1"], "--no_such_flag: not a flag (--help lists them)"),
 ]
 # Without --reward_funcs an environment must score the rollouts itself.
 BAD_INPUTS_WITHOUT_REWARDS = [
@@ -85,6 +90,17 @@ def test_an_environment_without_a_reward_needs_reward_functions(user_folder, fla
         cfg = parse_config(["--device_type", "cpu", "--run_dir", "runs/r", *USER_FLAGS[:4], *flags])
         check_inputs(cfg, cfg.run_dir)
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("task, refused", [("repeat", True), ("lookup", False)])
+def test_tools_with_a_built_in_model_whose_template_cannot_call_them_are_refused(user_folder, task, refused):
+    cfg = parse_config(["--device_type", "cpu", "--builtin_task", task, "--tools", "rewards:ones"])
+    if not refused:  # the tool-calling task's template renders tool calls
+        check_inputs(cfg, user_folder / "run")
+        return
+    with pytest.raises(ConfigError, match="^--tools rewards:ones: the chat template of the built-in 'repeat' task's "
+                                          "model cannot call tools"):
+        check_inputs(cfg, user_folder / "run")
 
 
 def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_folder):
