@@ -154,9 +154,20 @@ stop_workers
 wait "$TAIL_PID" 2>/dev/null
 free_dead_weight_buffers "$RUN_DIR"  # nothing to free unless the PS was killed (SIGKILL, out of memory)
 if [ "$PS_STATUS" -ne 0 ]; then
-    say "the parameter server exited with status $PS_STATUS; workers stopped. See $LOGS/log_parameter_server.txt"
-    # Its last lines, unless it ended with its one-line reason, already shown above.
-    tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: ' || tail -n 5 "$LOGS/log_parameter_server.txt" >&2
+    case "$PS_STATUS" in  # 128 + N: signal N
+        130) HOW=" (interrupted: SIGINT, Ctrl-C)" ;;
+        137) HOW=" (killed: SIGKILL, by kill -9 or the kernel's out-of-memory killer)" ;;
+        143) HOW=" (stopped: SIGTERM)" ;;
+        *)   HOW="" ;;
+    esac
+    say "the parameter server exited with status $PS_STATUS$HOW; workers stopped. Relaunch with --run-dir $RUN_DIR" \
+        "to resume from its last checkpoint. Its log: $LOGS/log_parameter_server.txt"
+    # Its last error, unless it ended with its one-line reason, already shown above (not its last lines: those
+    # are often TRL's metric dictionaries).
+    if ! tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: '; then
+        grep -aE ' ERROR |^[A-Za-z_.]*(Error|Exception|Interrupt)(: |$)' "$LOGS/log_parameter_server.txt" |
+            tail -n 1 | cut -c1-500 >&2
+    fi
     exit "$PS_STATUS"
 fi
 say "training finished. Metrics: $RUN_DIR/metrics.jsonl"

@@ -245,8 +245,14 @@ def format_report(r: dict) -> str:
                      + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else "")
                      + (f" tool calls failed {last['tool_failure_rate']:.0%}"
                         if last.get("tool_failure_rate") is not None else ""))
-    if r["ps"] is not None and r["ps"].get("mps"):
-        lines.append(f"NVIDIA MPS: {r['ps']['mps']}")
+    ps = r["ps"]
+    if ps is None:
+        lines.append("parameter server: none yet (no ps.json)")
+    else:
+        lines.append(f"parameter server: pid {ps['pid']} on {ps['host']}, {ps['state']}, "
+                     + (f"alive (heartbeat {_age(ps['heartbeat_age_s'])} ago)" if ps["alive"] else "not running"))
+    if ps is not None and ps.get("mps"):
+        lines.append(f"NVIDIA MPS: {ps['mps']}")
     lines.append(f"workers: {len(r['workers'])}")
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
@@ -357,6 +363,10 @@ def _run_command(args) -> int:
             from queue_tools.report import cmd_report
             return cmd_report(run, args)
         return cmd_ls(run, args) if args.command == "ls" else cmd_cleanup(run, args)
+    except BrokenPipeError:  # `queue_tools ls | head`: the reader has what it wanted
+        # (and Python's own flush of stdout at exit would fail again: stdout now goes nowhere)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as err:
         print(f"queue_tools: error: {err}", file=sys.stderr)
         return 1

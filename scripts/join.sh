@@ -27,12 +27,13 @@ while [ $# -gt 0 ]; do
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
         --run-dir)   die "--run-dir: with --join the run directory is the one after --join" ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
-        -h|--help)   sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help)   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
     esac
 done
 [[ "$WORKERS" =~ ^[1-9][0-9]{0,2}$ ]] || die "--workers needs an integer from 1 to 999, got '$WORKERS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
+[ -n "$RUN" ] || die "no run directory: bash launch.sh --join RUN [--workers N] [flags...] (--help says more)"
 [ -d "$RUN/queue" ] && [ -d "$RUN/done" ] || die "$RUN is not an asyncgrpo run directory (no queue/ and done/ inside)"
 RUN="$(cd "$RUN" && pwd)"
 

@@ -162,6 +162,18 @@ def test_launch_help_prints_only_its_help(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing created, nothing started
 
 
+def test_join_help_is_whole_and_join_without_a_run_says_what_is_missing(tmp_path):
+    result = launch_sh(tmp_path, "--join", str(tmp_path), "--help", timeout=30)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("Start and supervise workers only")
+    assert result.stdout.rstrip().endswith("saying so once a minute."), result.stdout  # the whole comment block
+    alone = subprocess.run(["bash", str(REPO / "scripts" / "join.sh")], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=30)
+    assert alone.returncode == 2
+    assert alone.stderr == "launch.sh: error: no run directory: bash launch.sh --join RUN [--workers N] [flags...] " \
+                           "(--help says more)\n"
+
+
 def test_a_report_to_integration_that_is_not_installed_is_refused_with_how_to_install(monkeypatch):
     import transformers.integrations
 

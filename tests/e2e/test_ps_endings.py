@@ -63,8 +63,10 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
     finally:
         kill_run(run_root, proc)
     out = proc.stdout.read()
-    assert "the parameter server exited with status 137" in out
+    assert (f"the parameter server exited with status 137 (killed: SIGKILL, by kill -9 or the kernel's "
+            f"out-of-memory killer); workers stopped. Relaunch with --run-dir {run_root} to resume") in out, out
     assert "Killed" not in out  # bash's own job line ("launch.sh: line N: PID Killed ...") is not shown
+    assert "{'" not in out  # not the log's last lines: TRL's metric dictionaries
     assert f"of weight buffers the parameter server left in {folder}" in out
     assert buffers_of(run_root) == []
 

@@ -290,3 +290,24 @@ def test_cleanup_on_a_run_whose_ps_is_still_training_requeues_a_dead_workers_job
     run.write_ps_status(PSStatus.starting("model", None, {}))  # this process: alive, training
     code, out, _ = run_cli(capsys, "cleanup", run.root)
     assert code == 0 and out.startswith("requeue 000009_000_processing_by_dev1.pt -> 000009_000_pending_a2.pt")
+
+
+def test_ls_names_the_parameter_server_and_its_state(run, capsys):
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert "parameter server: none yet (no ps.json)\n" in out
+    run.write_ps_status(PSStatus.starting("model", None, {}))  # this process, alive
+    run.ps_heartbeat_file.touch()
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    [line] = [x for x in out.splitlines() if x.startswith("parameter server:")]
+    assert line.startswith(f"parameter server: pid {os.getpid()} on {os.uname().nodename}, training, alive "
+                           "(heartbeat ") and line.endswith(" ago)")
+    finished_ps(run)
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert ", finished, not running\n" in out
+
+
+def test_ls_into_a_pipe_closed_early_ends_quietly(busy_run):
+    """`queue_tools ls RUN --watch | head -1`: the reader leaves after one line; the next frame meets a closed pipe."""
+    result = subprocess.run(f"{sys.executable} -m queue_tools ls {busy_run.root} --watch | head -1",
+                            shell=True, capture_output=True, text=True, timeout=60)
+    assert result.stdout.startswith("\033[H\033[Jrun: ") and result.stderr == "", result.stderr
