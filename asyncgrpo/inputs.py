@@ -448,6 +448,11 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     else:
         from asyncgrpo.tasks import demo, lookup
 
+        if cfg.dataset_name or cfg.datasets or cfg.reward_funcs:  # so the task's own settings were not applied
+            notes.append(f"no --model_name_or_path: training the built-in {cfg.builtin_task!r} task's tiny model, "
+                         f"with TRL's defaults for what you did not set (learning_rate {cfg.learning_rate:g}, "
+                         f"max_steps {cfg.max_steps}, ...), not the task's own; give --model_name_or_path for "
+                         "your model")
         task = lookup if cfg.builtin_task == "lookup" else demo
         _check_tool_calling(cfg, task.build_tokenizer(), f"the built-in {cfg.builtin_task!r} task's model")
         if cfg.dtype != "auto":

@@ -240,7 +240,7 @@ def format_report(r: dict) -> str:
         lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "
                      f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']}) "
                      f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
-                     + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} in all)"
+                     + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} groups in all)"
                         if last.get("groups_dropped_total") else "")
                      + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else "")
                      + (f" tool calls failed {last['tool_failure_rate']:.0%}"
@@ -268,7 +268,7 @@ def format_report(r: dict) -> str:
     archived = [f"{reason} {n}" for reason, n in r["done"].items() if n]
     if r["done_other"]:
         archived.append(f"other {r['done_other']}")
-    lines.append("done: " + (" | ".join(archived) if archived else "empty"))
+    lines.append("done (files, by reason): " + (" | ".join(archived) if archived else "empty"))
     lines.append(f"health: {r['health']}")
     return "\n".join(lines)
 

@@ -103,6 +103,16 @@ def test_tools_with_a_built_in_model_whose_template_cannot_call_them_are_refused
         check_inputs(cfg, user_folder / "run")
 
 
+def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(user_folder):
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS[2:]])  # data and reward, no model
+    [note] = [n for n in check_inputs(cfg, user_folder / "run") if "--model_name_or_path" in n]
+    assert note == ("no --model_name_or_path: training the built-in 'repeat' task's tiny model, with TRL's defaults "
+                    "for what you did not set (learning_rate 1e-06, max_steps -1, ...), not the task's own; give "
+                    "--model_name_or_path for your model")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
+    assert not [n for n in check_inputs(cfg, user_folder / "run") if "--model_name_or_path" in n]
+
+
 def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_folder):
     cfg = parse_config(["--device_type", "cpu", "--eval_strategy", "steps"])
     with pytest.raises(ConfigError, match="^--eval_strategy steps: no evaluation data: the demo task"):

@@ -20,6 +20,7 @@ from helpers import (
     assert_exactly_once,
     heartbeat_pid,
     kill_run,
+    launch_sh,
     metrics,
     modes_beyond,
     pid_alive,
@@ -236,3 +237,19 @@ def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
     assert status != 0
     assert "the parameter server exited with status 137" in proc.stdout.read()
     assert not any(pid_alive(pid) for pid in workers)
+
+
+def test_a_finished_run_resumed_for_more_steps_says_how_its_learning_rate_schedule_changes(tmp_path):
+    """The demo: learning rate 1e-3, linear to 0 at max_steps. Trained to 4 steps its rate reached 0; resumed
+    towards 8, transformers recomputes the schedule, and the rate at step 4 is 1e-3 * 4/8."""
+    run = tmp_path / "run"
+    first = launch_sh(tmp_path, "--workers", "1", "--run-dir", str(run), "--max-steps", "4", "--save_steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "learning-rate schedule" not in first.stdout
+    second = launch_sh(tmp_path, "--workers", "1", "--run-dir", str(run), "--max-steps", "8")
+    assert second.returncode == 0, second.stderr[-3000:]
+    [line] = [x for x in second.stdout.splitlines() if "learning-rate schedule" in x]
+    assert line.split(" INFO ")[1].startswith(
+        "[train] resumed at step 4 of a run trained towards max_steps=4, now max_steps=8: the learning-rate schedule "
+        "(linear) is recomputed over 8 steps: the learning rate goes from ")
+    assert line.endswith(" (its last step's) to 0.0005")
