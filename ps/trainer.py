@@ -156,8 +156,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if getattr(scheduler, "lr_lambdas", None):  # transformers' schedules (get_last_lr is the saved, old rate)
             new_lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](self.state.global_step)
         log.info("[train] resumed at step %d of a run trained towards max_steps=%d, now max_steps=%d: the "
-                 "learning-rate schedule (%s) is recomputed over %d steps: the learning rate goes from %s (its last step's) "
-                 "to %s",
+                 "learning-rate schedule (%s) is recomputed over %d steps: the learning rate goes from %s "
+                 "(its last step's) to %s",
                  self.state.global_step, old_steps, self.state.max_steps,
                  getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type), self.state.max_steps,
                  *("-" if lr is None else f"{lr:.3g}" for lr in (old_lr, new_lr)))
