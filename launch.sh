@@ -164,7 +164,14 @@ if [ "$PS_STATUS" -ne 0 ]; then
         "to resume from its last checkpoint. Its log: $LOGS/log_parameter_server.txt"
     # Its last error, unless it ended with its one-line reason, already shown above (not its last lines: those
     # are often TRL's metric dictionaries).
-    if ! tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: '; then
+    if [ "$PS_PROCS" -gt 1 ] && grep -aq 'Root Cause (first observed failure)' "$LOGS/log_parameter_server.txt"; then
+        # torchrun's banner: the rank that failed first, its exit code and signal, in one line.
+        awk '/Root Cause \(first observed failure\)/ { why = ""; on = 1; next }
+             on && (/^ *(rank|exitcode) *:/ || /^ *traceback *: Signal/) {
+                 sub(/^ +/, ""); sub(/ +$/, ""); gsub(/ +: /, ": "); why = why (why ? "; " : "") $0 }
+             /^=+$/ { on = 0 }
+             END { if (why) print "torchrun: the first PS rank to fail: " why }' "$LOGS/log_parameter_server.txt" >&2
+    elif ! tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: '; then
         grep -aE ' ERROR |^[A-Za-z_.]*(Error|Exception|Interrupt)(: |$)' "$LOGS/log_parameter_server.txt" |
             tail -n 1 | cut -c1-500 >&2
     fi

@@ -4,6 +4,8 @@ the queue and every rank trains on its slice, so 2 ranks make the update 1 rank 
 Synchronous mode (--max_staleness 0) and seeded sampling make the jobs the same in both runs: job ids,
 prompts, and the weights each job is generated with (up to float rounding between the runs)."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from helpers import (
     metrics,
     start_process,
     start_ps_ranks,
+    wait_for,
 )
 from safetensors.torch import load_file
 
@@ -101,7 +104,8 @@ def test_two_ranks_resume_from_their_checkpoint(tmp_path):
     assert_exactly_once(run, jobs=2)
 
 
-def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
+@pytest.mark.parametrize("start", [1, 2])  # started again: a start failed once in six (a rank's exit, see ps)
+def test_launch_with_two_ps_processes_and_two_workers(tmp_path, start):
     """launch.sh --ps-procs 2: two PS ranks (torchrun, gloo), two workers, every job trained on once."""
     run = tmp_path / "run"
     result = launch_sh(tmp_path, "--workers", "2", "--ps-procs", "2", "--device", "cpu", "--run-dir", str(run),
@@ -111,6 +115,7 @@ def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
     assert_exactly_once(run, jobs=4)
     ps_log = (run / "logs" / "log_parameter_server.txt").read_text()
     assert ps_log.count("[model] loaded") == 2  # both ranks trained
+    assert "Root Cause" not in ps_log and "terminate called" not in ps_log  # no rank failed, even after training
 
 
 def test_ps_processes_other_than_the_ranks_started_is_refused(tmp_path):
@@ -163,3 +168,36 @@ def test_launch_with_two_ps_processes_exits_with_the_first_ranks_status(tmp_path
         os.close(lock)
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "ps: error: another parameter server is running on" in result.stdout + result.stderr
+
+
+def rank_pid(run: Path, rank: int) -> int | None:
+    """The pid of the PS rank ``rank`` of the run (torchrun's child: ``-m ps``, RANK in its environment)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"ps" in cmdline and str(run).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_ps_rank_that_dies_is_named_on_the_terminal(tmp_path):
+    """A rank killed in training: launch.sh stops, exit non-zero, and names the rank torchrun saw fail first
+    with its exit code (torchrun's banner, not the log's last lines)."""
+    run = tmp_path / "run"
+    launch = subprocess.Popen(["bash", str(REPO / "launch.sh"), "--workers", "1", "--ps-procs", "2", "--device",
+                               "cpu", "--run-dir", str(run), "--max-steps", "100000"], cwd=tmp_path, env=PROCESS_ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(metrics(run)) >= 2, "two training steps", 300, procs=(launch,))
+        os.kill(wait_for(lambda: rank_pid(run, 1), "rank 1's pid", 30), signal.SIGKILL)
+        out, _ = launch.communicate(timeout=180)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert launch.returncode != 0
+    [line] = [x for x in out.splitlines() if x.startswith("torchrun: ")]
+    assert line.startswith("torchrun: the first PS rank to fail: rank: ") and "; exitcode: " in line, out[-3000:]
+    assert "{'" not in out  # no metric dictionaries from the log's tail
