@@ -130,6 +130,12 @@ def sdpa_gqa_packed(module, query, key, value, attention_mask, **kwargs):
     return out.reshape(batch, heads, 1, -1).transpose(1, 2).contiguous(), None
 
 
+# Registered once, at import: registering again later changes transformers' mappings, which the compiled steps of
+# other decoders in the process are guarded on (they would compile again).
+AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
+AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+
+
 class DecodeState:
     """The step's preallocated buffers (their addresses never change: CUDA graphs read and write them in place)."""
 
@@ -175,8 +181,6 @@ class GraphDecoding(FixedBatchDecoding):
         self.vocab = self.model.get_output_embeddings().weight.size(0)
         self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
         if self.model.config._attn_implementation == "sdpa":
-            AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
-            AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
             self.model.set_attn_implementation(PACKED_SDPA)
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.cache: StaticCache | None = None

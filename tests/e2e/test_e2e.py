@@ -157,7 +157,7 @@ def test_a_ps_killed_inside_a_save_resumes_from_the_checkpoint_before(tmp_path):
 # launch.sh's own refusals, and two of check_inputs' through it (every bad input's line is checked in process:
 # tests/asyncgrpo/test_cli_inputs.py).
 @pytest.mark.parametrize("args, message", [
-    (["--frobnicate", "1"], "not used by the HfArgumentParser"),
+    (["--frobnicate", "1"], "--frobnicate: not a flag"),
     (["--run-dir", "{tmp}/a_file/run"], "not writable"),
     (["--workers", "zero"], "--workers needs a positive integer"),
     (["--ps-procs", "0"], "--ps-procs needs a positive integer"),
