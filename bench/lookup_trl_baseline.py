@@ -8,7 +8,7 @@ fraction of rollouts answered right; at the end ONE JSON object on stdout: per s
 wall seconds) at which the rolling-10 reward reaches 0.5, 0.8 and 0.9, the initial reward (first 10 steps),
 the final rolling reward and call frequency, and the mean / median step time.
 
-Run:  .venv/bin/python bench/lookup_trl_baseline.py [--seeds 0 1 2] [--max-steps N] [--stop-at 0.9]
+Run:  .venv/bin/python bench/lookup_trl_baseline.py [--seeds 0 1 2] [--max-steps N] [--stop-at 0.9] [--job-seeds]
           [--lr X] [--temperature T] [--batch-size B] [--max-completion-length L] [--hidden-size H]
           [--num-layers K] [--intermediate-size I] [--log-every N] [--set GRPOCONFIG_FIELD=VALUE ...]
 --stop-at R ends a run once the rolling mean reaches R (max_steps still sets the learning-rate decay).
@@ -84,7 +84,25 @@ class Recorder(TrainerCallback):
             control.should_training_stop = True
 
 
-def run_seed(seed: int, overrides: dict, model_kwargs: dict, log_every: int, stop_at: float | None) -> dict:
+def seed_each_batch_as_a_worker(trainer, seed: int) -> None:
+    """Each generation batch's sampling seeded as an asyncgrpo worker seeds a job (worker/generate.py job_seed: the
+    run's seed and the job id, here the batch's number), instead of one RNG stream running on through the run."""
+    import torch
+
+    from worker.generate import job_seed
+
+    generate_and_score, batches = trainer._generate_and_score_completions, [0]
+
+    def seeded(inputs):
+        torch.manual_seed(job_seed(seed, f"{batches[0]:06d}_000"))
+        batches[0] += 1
+        return generate_and_score(inputs)
+
+    trainer._generate_and_score_completions = seeded
+
+
+def run_seed(seed: int, overrides: dict, model_kwargs: dict, log_every: int, stop_at: float | None,
+             job_seeds: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     out = tempfile.mkdtemp(prefix=f"lookup_trl_baseline_s{seed}_", dir="/tmp")
@@ -103,6 +121,8 @@ def run_seed(seed: int, overrides: dict, model_kwargs: dict, log_every: int, sto
             environment_factory=LookupEnv,
             callbacks=[recorder],
         )
+        if job_seeds:
+            seed_each_batch_as_a_worker(trainer, seed)
         # disable_tqdm=True swaps the progress bar for PrinterCallback, which prints every log dict on stdout.
         trainer.remove_callback(PrinterCallback)
         t0 = time.perf_counter()
@@ -145,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other GRPOConfig field (VALUE parsed as JSON if it can be)")
+    p.add_argument("--job-seeds", action="store_true",
+                   help="seed each generation batch's sampling as an asyncgrpo worker seeds a job")
     a = p.parse_args(argv)
 
     overrides = {
@@ -162,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for seed in a.seeds:
         print(f"seed {seed}", file=sys.stderr, flush=True)
-        runs.append(run_seed(seed, overrides, model_kwargs, a.log_every, a.stop_at))
+        runs.append(run_seed(seed, overrides, model_kwargs, a.log_every, a.stop_at, a.job_seeds))
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
 
     summary = {"seeds": len(runs), "mean_step_ms": round(statistics.fmean(r["mean_step_ms"] for r in runs), 1)}
