@@ -17,6 +17,10 @@ resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch see
 # inherit: `9>&-`), and writes its holder into it; the second launch exits 3 naming the holder, having started
 # and written nothing.
 claim_run() {
+    if ! command -v flock > /dev/null; then  # (util-linux's; the PS's own lock still keeps a second PS off)
+        say "flock is not installed: a second launch.sh at the same moment on $1 would not be refused"
+        return 0
+    fi
     mkdir -p "$1" && exec 9<> "$1/launch.lock" || die "cannot create $1/launch.lock"
     if ! flock -n 9; then
         local holder="" _

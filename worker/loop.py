@@ -92,6 +92,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         tools.STOPPING.set()
         watcher.wake()
 
+    tools.STOPPING.clear()  # (a worker run in a process that ran one before: tests)
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
