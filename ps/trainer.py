@@ -383,6 +383,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "reward": logs.get("reward"),
             "reward_std": logs.get("reward_std"),
             "loss": logs.get("loss"),
+            "grad_norm": logs.get("grad_norm"),  # TRL's (transformers'), before clipping
             "staleness_mean": logs["staleness/mean"],
             "staleness_max": logs["staleness/max"],
             "weights_version": logs["weights_version"],
