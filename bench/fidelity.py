@@ -50,8 +50,8 @@ def task_parts(task: str) -> dict:
     if task == "lookup":
         tok = lookup.build_tokenizer()
         return {"defaults": lookup.LOOKUP_DEFAULTS, "tokenizer": tok,
-                "model": lookup.build_model(seed=0, tokenizer=tok), "reward": lookup.lookup_reward, "hooks": {"environment_factory": lookup.LookupEnv},
-                "dataset": lookup.build_dataset}
+                "model": lookup.build_model(seed=0, tokenizer=tok), "reward": lookup.lookup_reward,
+                "hooks": {"environment_factory": lookup.LookupEnv}, "dataset": lookup.build_dataset}
     tok = demo.build_tokenizer()
     reward = demo.first_digit_reward if task == "first_digit" else demo.repeat_digit_reward
     return {"defaults": demo.DEMO_DEFAULTS, "tokenizer": tok, "model": demo.build_model(seed=0, tokenizer=tok),
