@@ -453,8 +453,9 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
                          f"with TRL's defaults for what you did not set (learning_rate {cfg.learning_rate:g}, "
                          f"max_steps {cfg.max_steps}, ...), not the task's own; give --model_name_or_path for "
                          "your model")
-        task = lookup if cfg.builtin_task == "lookup" else demo
-        _check_tool_calling(cfg, task.build_tokenizer(), f"the built-in {cfg.builtin_task!r} task's model")
+        if cfg.tools or cfg.environment_factory:
+            task = lookup if cfg.builtin_task == "lookup" else demo
+            _check_tool_calling(cfg, task.build_tokenizer(), f"the built-in {cfg.builtin_task!r} task's model")
         if cfg.dtype != "auto":
             notes.append(_half_dtype_note(cfg.dtype, cfg.device_type)[0])
     if cfg.fsdp_plugin_args and cfg.device_type == "cpu":

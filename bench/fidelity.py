@@ -60,12 +60,11 @@ def task_parts(task: str) -> dict:
 
 def run_trl(task: str, seed: int, max_steps: int, job_seeds: bool) -> list[float]:
     """Plain TRL on the task: each step's reward."""
-    import torch
+    from lookup_trl_baseline import seed_each_batch_as_a_worker
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncgrpo.tasks.demo import cpu_overrides
-    from worker.generate import job_seed
 
     parts = task_parts(task)
     out = tempfile.mkdtemp(prefix="fidelity_trl_")
@@ -75,14 +74,7 @@ def run_trl(task: str, seed: int, max_steps: int, job_seeds: bool) -> list[float
                           train_dataset=parts["dataset"](seed=seed), processing_class=parts["tokenizer"],
                           **parts["hooks"])
     if job_seeds:
-        generate_and_score, batches = trainer._generate_and_score_completions, [0]
-
-        def seeded_as_a_job(inputs):
-            torch.manual_seed(job_seed(seed, f"{batches[0]:06d}_000"))
-            batches[0] += 1
-            return generate_and_score(inputs)
-
-        trainer._generate_and_score_completions = seeded_as_a_job
+        seed_each_batch_as_a_worker(trainer, seed)
     rewards = []
 
     class Keep(TrainerCallback):
