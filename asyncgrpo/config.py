@@ -246,6 +246,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
         "help": "Open the run directory, its files and the shared-memory weight buffers to the run directory's "
                 "group (read and write), for workers run by other users of a cluster. By default only their owner "
                 "can open them."})
+    checkpoint_on_sigterm: bool = field(default=False, metadata={
+        "help": "SIGTERM stops the parameter server at the next batch boundary after saving a checkpoint there (what "
+                "a scheduler sends before it preempts or requeues a job: the next start resumes from it). Without it "
+                "SIGTERM stops at once, and a relaunch resumes from the last checkpoint saved by save_steps. The "
+                "Slurm batch script turns it on."})
     max_failed_in_a_row: int = field(default=8, metadata={
         "help": "Stop the run (the PS exits 1, naming the error) when this many jobs in a row failed on each of "
                 "their max_attempts attempts with no result in between: the failure is systematic (a reward "

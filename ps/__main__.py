@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -132,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps: error: {err}", file=sys.stderr)
         return 3
     # Explicit handlers: a process that bash starts in the background inherits SIGINT ignored,
-    # and Python keeps it that way. Either signal unwinds training (threads stopped, lock freed).
-    signal.signal(signal.SIGTERM, _interrupt)
+    # and Python keeps it that way. Either signal unwinds training (threads stopped, lock freed);
+    # with --checkpoint_on_sigterm, SIGTERM stops at the next batch boundary with a checkpoint saved there.
+    signal.signal(signal.SIGTERM, _save_and_stop if cfg.checkpoint_on_sigterm else _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    from ps.pipeline import PipelineError
+    from ps.pipeline import PipelineError, StopRequested
 
     try:
         with PSHeartbeat(run):
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
         return 130
+    except StopRequested:  # the checkpoint is saved (train)
+        return 128 + signal.SIGTERM
     except Exception as err:  # the traceback goes to the log, the first cause to the operator's terminal
         log.error("[train] stopped: %s", first_line(err), exc_info=err)
         print(f"ps: error: {first_cause(err, run.root)}", file=sys.stderr)
@@ -181,6 +185,19 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# Set by SIGTERM under --checkpoint_on_sigterm: the trainer stops at the next batch boundary (ps/pipeline.py).
+STOP_AT_BOUNDARY = threading.Event()
+
+
+def _save_and_stop(signum, _frame):
+    """SIGTERM under --checkpoint_on_sigterm: training goes on to the next batch boundary (at once when it waits
+    for results), saves a checkpoint there and stops. A scheduler signals every process of a job, and a launcher
+    passes its own SIGTERM on: more SIGTERMs change nothing; SIGINT still unwinds at once."""
+    if not STOP_AT_BOUNDARY.is_set():
+        log.warning("[train] SIGTERM: saving a checkpoint at the next batch boundary, then stopping")
+    STOP_AT_BOUNDARY.set()
+
+
 def _already_stopping(signum, _frame):
     log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force", signum)
 
@@ -190,6 +207,7 @@ def train(cfg, run: RunDir) -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
+    from ps.pipeline import StopRequested
     from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
 
     # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
@@ -207,7 +225,8 @@ def train(cfg, run: RunDir) -> int:
     # space a relaunch needs); then every rank resumes from the same one.
     resume = last_complete_checkpoint(run.checkpoints) if PartialState().is_main_process else None
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
-                               eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg))
+                               eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),
+                               stop_at_boundary=STOP_AT_BOUNDARY)
     try:
         first_rank = trainer.is_queue_client
         previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any
@@ -228,6 +247,13 @@ def train(cfg, run: RunDir) -> int:
                 trainer._load_from_checkpoint(resume)  # the final save saves the checkpoint's weights (or adapter)
             else:
                 trainer.train(resume_from_checkpoint=resume)
+        except StopRequested:
+            saved = trainer.save_checkpoint_at_stop()
+            log.warning("[train] stopped after step %d on SIGTERM, %s; relaunch with the same --run_dir to resume "
+                        "from it", trainer.state.global_step,
+                        f"its checkpoint saved: {saved}" if saved else "its checkpoint was saved already"
+                        if trainer.state.global_step else "nothing trained yet")
+            raise
         except RuntimeError as err:
             if resume and (misfit := checkpoint_misfit(err, resume, path, previous)):
                 raise misfit from err

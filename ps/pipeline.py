@@ -41,6 +41,7 @@ closest to going stale), then the lowest job id; ``fifo`` takes results in job o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ MIN_YIELD = 0.1  # admission never counts on fewer informative groups per result
 
 class PipelineError(RuntimeError):
     """A pipeline thread failed, or every job fails; training cannot go on."""
+
+
+class StopRequested(Exception):
+    """A request to save a checkpoint and stop (``stop_at_boundary``) met the trainer between batches, where the
+    weights, the optimizer and the ledger agree on a step: the trainer saves there and stops."""
 
 
 @dataclass
@@ -106,8 +112,12 @@ class TrainingBatch:
 
 
 class JobPipeline:
-    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset, pad_token_id: int = 0):
+    def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset, pad_token_id: int = 0,
+                 stop_at_boundary: threading.Event | None = None):
         self.cfg, self.run, self.queue = cfg, run, queue
+        # Set (by a signal handler) to stop at the next batch boundary: next_batch raises StopRequested there
+        # instead of taking a batch, even while it waits for results (within a second: see ResultCache.take).
+        self.stop_at_boundary = stop_at_boundary or threading.Event()
         self.pad_token_id = pad_token_id  # the tokenizer's: assembled batches pad their ids with it
         # The ledger: results whose every group is trained into the weights (or dropped), and the groups done of
         # results partly trained. Groups of the batch in training enter it when its last step has trained.
@@ -184,13 +194,15 @@ class JobPipeline:
         if self.in_training is not None:
             raise PipelineError(f"a batch was asked for at step {step} while the one in training has "
                                 f"{self.in_training.steps_left} step(s) left to train")
+        if self.stop_at_boundary.is_set():
+            raise StopRequested(f"stop requested before step {step + 1}")
         groups_per_batch = self.cfg.generation_batch_size // self.cfg.num_generations
         parts: list[tuple[CollectedResult, list[int]]] = []
         dropped = 0
         started = time.monotonic()
         while (room := groups_per_batch - sum(len(groups) for _, groups in parts)) > 0:
             if self.leftover is None:
-                result = self._next_result(step, started)
+                result = self._next_result(step, started, stoppable=not parts)
                 partly_done = result.job_id in self.groups_done
                 informative, dropped_now = self._informative_groups(result)
                 dropped += dropped_now
@@ -215,11 +227,14 @@ class JobPipeline:
         logs = [slice_logs(r.data.get("logs"), group_rows(g, G)) for r, g in parts]
         return TrainingBatch(tensors, merge_logs(logs), in_training)
 
-    def _next_result(self, step: int, started: float) -> CollectedResult:
-        """The next result to take groups from; stale and duplicate results are archived on the way."""
+    def _next_result(self, step: int, started: float, stoppable: bool) -> CollectedResult:
+        """The next result to take groups from; stale and duplicate results are archived on the way. While
+        ``stoppable`` (no result taken into this batch yet: the state is the last step's), a stop request raises
+        StopRequested; a batch half assembled (dynamic sampling) is completed first."""
+        pick = self._pick_unless_stopping if stoppable else self._pick
         while True:
             self._raise_failure()
-            result = self.cache.take(self._pick, timeout=WAIT_REPORT_S)
+            result = self.cache.take(pick, timeout=WAIT_REPORT_S)
             if result is None:
                 log.warning("[train] step=%d has waited %.0fs for a result; queue %s%s", step,
                             time.monotonic() - started, self.queue.counts(), self.failed.summary())
@@ -229,6 +244,11 @@ class JobPipeline:
                     return result
             finally:
                 self.progress.judging = None
+
+    def _pick_unless_stopping(self, cached: dict) -> str | None:
+        if self.stop_at_boundary.is_set():  # raised inside take: the cache stays as it was
+            raise StopRequested("stop requested while waiting for a result")
+        return self._pick(cached)
 
     def _accept(self, result: CollectedResult, step: int) -> bool:
         """True: groups of ``result`` train from step ``step + 1`` on; False: archived stale or duplicate. The

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import BatchInTraining, JobPipeline
+from ps.pipeline import BatchInTraining, JobPipeline, StopRequested
 
 log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
@@ -89,7 +90,7 @@ def checkpoint_step(folder: str) -> int:
 
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None,
-                 hooks: RolloutHooks | None = None):
+                 hooks: RolloutHooks | None = None, stop_at_boundary: threading.Event | None = None):
         # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
         # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
@@ -103,7 +104,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.is_queue_client:
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
             self.queue = JobQueue(run, events=self.events, max_payload_bytes=cfg.max_payload_bytes)
-            self.pipeline = JobPipeline(cfg, run, self.queue, dataset, pad_token_id=self._tokenizer.pad_token_id)
+            self.pipeline = JobPipeline(cfg, run, self.queue, dataset, pad_token_id=self._tokenizer.pad_token_id,
+                                        stop_at_boundary=stop_at_boundary)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
         self._job_copy: BatchInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)
@@ -209,6 +211,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         job = self._take_job() if self.is_queue_client else None
         if self.accelerator.num_processes > 1:  # the other ranks wait here while the first waits for a result
             job = broadcast_object_list([job], from_process=0)[0]
+        if job["stop"]:  # every rank leaves the training loop here, and saves (save_checkpoint_at_stop)
+            raise StopRequested(job["stop"])
         waited = time.monotonic() - started
         batch = job["batch"]
         if not self.is_queue_client:
@@ -236,14 +240,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _take_job(self) -> dict:
         """The next batch from the pipeline (the queue client's part): its tensors and what every rank logs."""
         started = time.monotonic()
-        taken = self.pipeline.next_batch(self.state.global_step)
+        try:
+            taken = self.pipeline.next_batch(self.state.global_step)
+        except StopRequested as stop:
+            return {"stop": str(stop)}
         step = self.state.global_step + 1  # the step this batch starts
         self.events.emit("wait_result", step=step, dur_ms=(time.monotonic() - started) * 1e3)
         for part in taken.in_training.parts:  # one event per result the batch takes groups from
             self.events.emit("result_consumed", job_id=part.job_id, weights_version=part.weights_version, step=step,
                              staleness=step - 1 - part.weights_version, samples=part.samples, tokens=part.tokens,
                              groups=part.groups, of_groups=part.of_groups)
-        return {"batch": taken.tensors, "logs": taken.logs, "in_training": taken.in_training}
+        return {"batch": taken.tensors, "logs": taken.logs, "in_training": taken.in_training, "stop": None}
 
     @property
     def job(self) -> BatchInTraining | None:
@@ -344,6 +351,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
                      "trained", self.state.global_step)
         elif self._save_due_after_job and not inside_a_job:
             control.should_save, self._save_due_after_job = True, False
+
+    def save_checkpoint_at_stop(self) -> str | None:
+        """After StopRequested (every rank): the checkpoint of the last trained step, unless it is saved already
+        or nothing was trained. Between batches, so the ledger holds exactly the results trained into these
+        weights. The folder saved, or None."""
+        step = self.state.global_step
+        folder = Path(self.args.output_dir) / f"checkpoint-{step}"
+        if step == 0 or (folder / LEDGER_FILE).is_file():
+            return None
+        self._save_checkpoint(self.model, trial=None)
+        return str(folder)
 
     def _publish_weights(self) -> None:
         """On every rank: under FSDP2 each holds a shard, and they gather the whole tensors together for the

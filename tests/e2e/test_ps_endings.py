@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import PROCESS_ENV, REPO, kill_run, metrics, start_process
+from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, run_flags, start_process
 
 from asyncgrpo.run import fileops
 
@@ -69,6 +69,38 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
     assert "{'" not in out  # not the log's last lines: TRL's metric dictionaries
     assert f"of weight buffers the parameter server left in {folder}" in out
     assert buffers_of(run_root) == []
+
+
+def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch_resumes_there(tmp_path):
+    """What a scheduler does before it preempts or requeues a job: SIGTERM to every process at once (the PS, its
+    workers, launch.sh). With --checkpoint_on_sigterm the PS saves the step it trained last, though no save_steps
+    falls there, and the next launch resumes from it: nothing trained twice, nothing lost."""
+    run_root = tmp_path / "run"
+    flags = [*run_flags(10, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
+    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    try:
+        wait_for_training(run_root, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        kill_run(run_root, proc)
+    trained = len(metrics(run_root))
+    assert 3 <= trained < 10
+    log = (run_root / "logs" / "log_parameter_server.txt").read_text()
+    assert f"stopped after step {trained} on SIGTERM, its checkpoint saved: {run_root / 'checkpoints'}" in log, log
+    assert [p.name for p in (run_root / "checkpoints").glob("checkpoint-*")] == [f"checkpoint-{trained}"]
+    assert_exactly_once(run_root, jobs=trained)  # the ledger of the step saved: every result trained, once
+
+    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    try:
+        out, _ = relaunch.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_run(run_root, relaunch)
+    assert relaunch.returncode == 0, out[-3000:]
+    assert f"resuming from {run_root / 'checkpoints' / f'checkpoint-{trained}'}" in \
+        (run_root / "logs" / "log_parameter_server.txt").read_text()
+    assert [m["step"] for m in metrics(run_root)] == list(range(1, 11))
+    assert_exactly_once(run_root, jobs=10)
 
 
 def queue_tools_ls(run_root: Path) -> dict:

@@ -18,7 +18,7 @@ from helpers import inject_disk_full
 from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.run import fileops
-from ps.pipeline import JobPipeline, PipelineError
+from ps.pipeline import JobPipeline, PipelineError, StopRequested
 
 ROWS = 4  # generation_batch_size: 2 prompts x 2 generations
 WAIT_S = 10.0
@@ -112,6 +112,32 @@ def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatc
         thread.join(WAIT_S)
         assert not thread.is_alive()
         assert "result collector stopped: RuntimeError: recovery broke" in str(outcome["error"])
+    finally:
+        pipeline.stop()
+
+
+def test_a_stop_request_ends_the_wait_for_a_result_and_leaves_the_results_for_the_next_start(run):
+    pipeline = make_pipeline(run, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        work_one(pipeline.queue, version=0)
+        assert take(pipeline, step=0)[0].job_id == "000000_000"
+        pipeline.on_step_end(1)
+        picked = threading.Event()  # set once the trainer looks into the cache: it is past next_batch's first check
+        pick = pipeline._pick
+        pipeline._pick = lambda cached: (picked.set(), pick(cached))[1]
+        thread, outcome = next_batch_in_thread(pipeline, step=1)  # no result: it waits
+        assert picked.wait(WAIT_S)
+        pipeline.stop_at_boundary.set()
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the trainer kept waiting after the stop request"
+        assert isinstance(outcome.get("error"), StopRequested), outcome
+        assert pipeline.in_training is None and pipeline.state_dict()["consumed"] == ["000000_000"]
+        work_one(pipeline.queue, version=1)  # a result that comes now is not taken: the next start trains it
+        with pytest.raises(StopRequested):
+            pipeline.next_batch(1)
+        assert pipeline.state_dict()["consumed"] == ["000000_000"] and not list(run.done.glob("000000_001*consumed*"))
     finally:
         pipeline.stop()
 
