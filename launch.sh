@@ -5,7 +5,8 @@
 # stops them cleanly. With no model, dataset or reward flag: the built-in demo task (a tiny
 # Llama made offline learns to repeat a digit).
 #
-#   --workers N     worker processes (default 3); a worker that exits is restarted
+#   --workers N     worker processes (default 3); a worker that exits is restarted. 0: the PS alone, its
+#                   workers joining from other hosts (--join)
 #   --ps-procs K    the PS as K data-parallel processes (torchrun; default 1): on CPU K gloo
 #                   processes, on GPU one GPU each (GPUs 0..K-1), the workers on the others
 #   --run-dir DIR   the run directory (default $ASYNCGRPO_RUNS/<date-time>, ASYNCGRPO_RUNS
@@ -25,12 +26,12 @@
 # launch.sh from. The final model is saved to --output_dir, else to RUN/final_model. Logs:
 # RUN/logs/.
 
-# Placement (gpu_env below), with G GPUs and --ps-procs 1 (K > 1: the PS sees GPUs 0..K-1, worker
+# Placement (gpu_env in scripts/launch_common.sh), with G GPUs and --ps-procs 1 (K > 1: the PS sees GPUs 0..K-1, worker
 # i runs on GPU K + (i-1) mod (G-K) with CUDA_VISIBLE_DEVICES="that,0", or on GPU 0 when G = K): the PS sees GPU 0 only; worker i runs on GPU
 # i mod G with CUDA_VISIBLE_DEVICES="i mod G,0" (its cuda:0 is its own GPU, cuda:1 the PS's,
 # for CUDA IPC); a worker whose i mod G is 0 sees GPU 0 only and shares it with the PS (all
-# workers when G is 1; worker G, 2G, ... otherwise). GPU numbers are the machine's: a
-# CUDA_VISIBLE_DEVICES set before launch.sh is replaced, not narrowed. A worker that exits
+# workers when G is 1; worker G, 2G, ... otherwise). GPU numbers count the GPUs launch.sh may use: a
+# CUDA_VISIBLE_DEVICES set before launch.sh (as a scheduler sets it) names them, else all of the machine's. A worker that exits
 # with status 3 had a GPU failure (a CUDA error). Every process runs in the folder launch.sh
 # was started from, with this repository's code first on the path (PYTHONSAFEPATH: a ps.py
 # there does not shadow it); reward modules there import as with `python`.
@@ -55,7 +56,7 @@ while [ $# -gt 0 ]; do
         *)           PASS+=("$1"); shift ;;
     esac
 done
-[[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || die "--workers needs a positive integer, got '$WORKERS'"
+[[ "$WORKERS" =~ ^(0|[1-9][0-9]*)$ ]] || die "--workers needs a number (0: workers join from other hosts), got '$WORKERS'"
 [[ "$PS_PROCS" =~ ^[1-9][0-9]*$ ]] || die "--ps-procs needs a positive integer, got '$PS_PROCS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
 [[ "$MPS" =~ ^(auto|on|off)$ ]] || die "--mps must be auto, on or off, got '$MPS'"
@@ -63,7 +64,7 @@ done
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, claim_run, stop_workers, restart_dead_workers
+source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, gpu_env, claim_run, stop_workers, restart_dead_workers
 resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
@@ -85,16 +86,6 @@ trap stop_mps EXIT
 start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] && echo 1)" "$MPS" "$RUN_DIR"
 
 # ---- 3. start the PS and the workers -------------------------------------------------------
-gpu_env() {  # gpu_env I: CUDA_VISIBLE_DEVICES for worker I (0 = the PS)
-    if [ "$NGPU" -eq 0 ]; then echo ""; return; fi
-    if [ "$PS_PROCS" -gt 1 ]; then  # the PS's GPUs are 0..K-1; the workers' the others (GPU 0 when none is left)
-        if [ "$1" -eq 0 ]; then seq -s, 0 $(( PS_PROCS - 1 )); return; fi
-        if [ "$NGPU" -eq "$PS_PROCS" ]; then echo "0"; return; fi
-        echo "$(( PS_PROCS + ($1 - 1) % (NGPU - PS_PROCS) )),0"; return
-    fi
-    local gpu=$(( $1 % NGPU ))
-    if [ "$gpu" -eq 0 ]; then echo "0"; else echo "$gpu,0"; fi
-}
 declare -A WORKER_PID WORKER_LOG
 start_worker() {
     WORKER_LOG[$1]="$LOGS/log_worker_$1.txt"
@@ -135,7 +126,7 @@ trap on_interrupt INT TERM
 exec 3>&2
 while kill -0 "$PS_PID" 2>/dev/null; do
     restart_dead_workers
-    if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input: nothing would generate
+    if [ "$WORKERS" -gt 0 ] && [ "${#WORKER_PID[@]}" -eq 0 ]; then  # each exited with bad input: none would generate
         say "no worker left (each exited with bad input): stopping the parameter server"
         kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null; wait "$TAIL_PID" 2>/dev/null
         stop_workers; free_dead_weight_buffers "$RUN_DIR"

@@ -2,30 +2,33 @@
 # Start and supervise workers only, on a host other than the PS's, against a run directory
 # this host mounts (NFS, ...). Run through launch.sh:
 #
-#   bash launch.sh --join RUN [--workers N] [--device cpu|cuda] [config flags, the same as the PS's]
+#   bash launch.sh --join RUN [--workers N] [--device cpu|cuda] [--exit-when-finished] [config flags, the same as the PS's]
 #
 # The PS must publish safetensors snapshots (start it with --weight_transport safetensors): a
 # worker on another host cannot read the PS's /dev/shm buffers or GPU memory. Worker i is
 # dev{i}.{host id} in the queue's file names (host id: asyncgrpo/run/hosts.py,
-# $ASYNCGRPO_HOST_ID overrides it) and runs on GPU (i-1) mod G. Logs: RUN/logs/
+# $ASYNCGRPO_HOST_ID overrides it) and runs on GPU (i-1) mod G (of those a CUDA_VISIBLE_DEVICES set
+# before names, else of all the host's). Logs: RUN/logs/
 # log_worker_{i}.{host id}.txt and launch-{host id}.txt. A worker that exits is restarted (its
 # job returns through recovery); when the PS finishes (RUN/ps.json says so), or on Ctrl-C,
 # the workers are stopped: each finishes, or gives back, the job in hand. Joining a run whose PS
 # has already finished, or has not started, waits for its next PS (a relaunch that trains
-# further), saying so once a minute.
+# further), saying so once a minute; with --exit-when-finished (what a scheduler's job array of
+# workers passes: it must not hold its nodes) it stops as soon as RUN/ps.json says finished.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch --join] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch-$HOST_ID.txt"; return 0; }
 
 # ---- 1. arguments ------------------------------------------------------------------------
-RUN="" WORKERS=1 DEVICE=auto PASS=()
+RUN="" WORKERS=1 DEVICE=auto EXIT_WHEN_FINISHED="" PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --join)      [ $# -ge 2 ] || die "--join needs a run directory"; RUN="$2"; shift 2 ;;
         --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
         --run-dir)   die "--run-dir: with --join the run directory is the one after --join" ;;
+        --exit-when-finished) EXIT_WHEN_FINISHED=1; shift ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         -h|--help)   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
@@ -59,7 +62,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 declare -A WORKER_PID WORKER_LOG
 start_worker() {
     local gpus=""
-    [ "$NGPU" -gt 0 ] && gpus=$(( ($1 - 1) % NGPU ))
+    [ "$NGPU" -gt 0 ] && gpus=${GPU_IDS[$(( ($1 - 1) % NGPU ))]}
     WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
     CUDA_VISIBLE_DEVICES=$gpus "$VENV_PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
     WORKER_PID[$1]=$!
@@ -70,7 +73,7 @@ PS_JSON_AT_START=$(cat "$RUN/ps.json" 2>/dev/null)
 ps_finished() {
     local now
     now=$(cat "$RUN/ps.json" 2>/dev/null) || return 1
-    [ "$now" != "$PS_JSON_AT_START" ] && [[ "$now" == *'"state": "finished"'* ]]
+    { [ -n "$EXIT_WHEN_FINISHED" ] || [ "$now" != "$PS_JSON_AT_START" ]; } && [[ "$now" == *'"state": "finished"'* ]]
 }
 # What the workers wait for, when they wait for a PS (a line once a minute; empty while one trains).
 waiting_for() {

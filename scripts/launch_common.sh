@@ -2,14 +2,35 @@
 # Expects VENV_PY and die; the supervision also WORKER_PID and WORKER_LOG (associative arrays: worker
 # number -> pid, log file), start_worker N and say.
 
-resolve_device() {  # sets DEVICE (auto -> cuda or cpu) and NGPU (GPUs torch sees on cuda, else 0)
+# resolve_device sets DEVICE (auto -> cuda or cpu), NGPU (GPUs torch sees on cuda, else 0) and GPU_IDS (their
+# CUDA_VISIBLE_DEVICES names: those of a CUDA_VISIBLE_DEVICES set before the launch, as a scheduler sets it for
+# the GPUs it gave the job, else 0..NGPU-1). The processes' own CUDA_VISIBLE_DEVICES are picked from GPU_IDS.
+resolve_device() {
     if [ "$DEVICE" = auto ]; then
         DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
     fi
-    NGPU=0
+    NGPU=0 GPU_IDS=()
     [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
     [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
+    if [ "$NGPU" -gt 0 ]; then
+        if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a GPU_IDS <<< "$CUDA_VISIBLE_DEVICES"
+        else read -r -a GPU_IDS <<< "$(seq 0 $(( NGPU - 1 )) | tr '\n' ' ')"; fi
+        GPU_IDS=("${GPU_IDS[@]:0:$NGPU}")  # (torch stops at the first id it cannot use)
+    fi
     return 0
+}
+
+gpu_env() {  # gpu_env I: launch.sh's CUDA_VISIBLE_DEVICES for worker I (0: the PS; launch.sh's header says
+    # where each runs), from GPU_IDS; expects NGPU, GPU_IDS and PS_PROCS
+    if [ "$NGPU" -eq 0 ]; then echo ""; return; fi
+    local first="${GPU_IDS[0]}"
+    if [ "$PS_PROCS" -gt 1 ]; then  # the PS's GPUs are 0..K-1; the workers' the others (GPU 0 when none is left)
+        if [ "$1" -eq 0 ]; then local ps_gpus=("${GPU_IDS[@]:0:$PS_PROCS}"); (IFS=,; echo "${ps_gpus[*]}"); return; fi
+        if [ "$NGPU" -eq "$PS_PROCS" ]; then echo "$first"; return; fi
+        echo "${GPU_IDS[$(( PS_PROCS + ($1 - 1) % (NGPU - PS_PROCS) ))]},$first"; return
+    fi
+    local gpu=$(( $1 % NGPU ))
+    if [ "$gpu" -eq 0 ]; then echo "$first"; else echo "${GPU_IDS[$gpu]},$first"; fi
 }
 
 # Two launches on one run folder at the same moment both pass `ps --check_only` (no PS runs yet): claim_run RUN
