@@ -176,7 +176,7 @@ def test_join_help_is_whole_and_join_without_a_run_says_what_is_missing(tmp_path
     result = launch_sh(tmp_path, "--join", str(tmp_path), "--help", timeout=30)
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith("Start and supervise workers only")
-    assert result.stdout.rstrip().endswith("saying so once a minute."), result.stdout  # the whole comment block
+    assert result.stdout.rstrip().endswith("it stops as soon as RUN/ps.json says finished."), result.stdout  # whole
     alone = subprocess.run(["bash", str(REPO / "scripts" / "join.sh")], cwd=tmp_path, capture_output=True,
                            text=True, timeout=30)
     assert alone.returncode == 2

@@ -159,7 +159,7 @@ def test_a_ps_killed_inside_a_save_resumes_from_the_checkpoint_before(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--frobnicate", "1"], "--frobnicate: not a flag"),
     (["--run-dir", "{tmp}/a_file/run"], "not writable"),
-    (["--workers", "zero"], "--workers needs a positive integer"),
+    (["--workers", "zero"], "--workers needs a number (0: workers join from other hosts), got 'zero'"),
     (["--ps-procs", "0"], "--ps-procs needs a positive integer"),
 ])
 def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, message):
