@@ -97,7 +97,7 @@ say "cluster up: $(sinfo -h -o '%P %D nodes %t %N') (Slurm $(sinfo -V | cut -d' 
 
 # ---- 3. the run ---------------------------------------------------------------------------------------------
 RUN="$CLUSTER/run"
-FLAGS=(--max-steps "$STEPS" --save_steps 500 --lease_s 5 --seed 0)
+FLAGS=(--max-steps "$STEPS" --save_steps 700 --lease_s 5 --seed 0)
 SBATCH="$REPO_ROOT/scripts/slurm/asyncgrpo.sbatch"
 cd "$CLUSTER/user"  # a user's folder: the jobs' output files land here
 step() { cat "$RUN/global_step.txt" 2> /dev/null || echo 0; }
@@ -143,7 +143,9 @@ say "main job $MAIN: $(job_field "$MAIN" JobState), restarts $(job_field "$MAIN"
 
 # ---- 4. checks ----------------------------------------------------------------------------------------------
 PS_LOG="$RUN/logs/log_parameter_server.txt"
-SAVED=$(grep -ao 'stopped after step [0-9]* on SIGTERM, its checkpoint saved' "$PS_LOG" | head -n 1 | grep -o '[0-9]*')
+# (a SIGTERM that comes right after a save_steps checkpoint finds it saved already)
+SAVED=$(grep -aoE 'stopped after step [0-9]+ on SIGTERM, its checkpoint (saved|was saved already)' "$PS_LOG" |
+        head -n 1 | grep -o '[0-9]*')
 check "the run finished: $STEPS steps, final model saved" \
     grep -q "\"state\": \"finished\"" "$RUN/ps.json"
 check "the main job completed after one requeue (exit 0)" \
