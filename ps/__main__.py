@@ -248,11 +248,12 @@ def train(cfg, run: RunDir) -> int:
             else:
                 trainer.train(resume_from_checkpoint=resume)
         except StopRequested:
+            step = trainer.state.global_step
             saved = trainer.save_checkpoint_at_stop()
+            what = (f"its checkpoint saved: {saved}" if saved else
+                    "its checkpoint was saved already" if step else "nothing trained yet")
             log.warning("[train] stopped after step %d on SIGTERM, %s; relaunch with the same --run_dir to resume "
-                        "from it", trainer.state.global_step,
-                        f"its checkpoint saved: {saved}" if saved else "its checkpoint was saved already"
-                        if trainer.state.global_step else "nothing trained yet")
+                        "from it", step, what)
             raise
         except RuntimeError as err:
             if resume and (misfit := checkpoint_misfit(err, resume, path, previous)):

@@ -14,7 +14,7 @@ resolve_device() {
     [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
     if [ "$NGPU" -gt 0 ]; then
         if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a GPU_IDS <<< "$CUDA_VISIBLE_DEVICES"
-        else read -r -a GPU_IDS <<< "$(seq 0 $(( NGPU - 1 )) | tr '\n' ' ')"; fi
+        else GPU_IDS=($(seq 0 $(( NGPU - 1 )))); fi
         GPU_IDS=("${GPU_IDS[@]:0:$NGPU}")  # (torch stops at the first id it cannot use)
     fi
     return 0
