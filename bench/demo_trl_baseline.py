@@ -30,8 +30,8 @@ import tempfile
 import time
 import warnings
 
+from common import model_shape, set_overrides, step_times_ms, steps_to_thresholds, thresholds_summary, train_timed
 from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback
 
 from asyncgrpo.tasks.demo import (
     DEMO_DEFAULTS,
@@ -107,30 +107,21 @@ def run_seed(seed: int, overrides: dict, model_kwargs: dict, early_stop_at: floa
             processing_class=tok,
             callbacks=[recorder],
         )
-        # disable_tqdm=True swaps the progress bar for PrinterCallback, which prints every log dict on stdout.
-        trainer.remove_callback(PrinterCallback)
-        t0 = time.perf_counter()
-        trainer.train()
-        train_s = time.perf_counter() - t0
+        train_s = train_timed(trainer)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    durations = recorder.step_durations[1:] or recorder.step_durations  # the first step pays warm-up
     result = {
         "seed": seed,
         "steps_run": len(recorder.rewards),
         "train_wall_s": round(train_s, 2),
         "initial_reward": round(statistics.fmean(recorder.rewards[:WINDOW]), 4),
         "final_rolling_reward": round(statistics.fmean(recorder.rewards[-WINDOW:]), 4),
-        "mean_step_ms": round(1000 * statistics.fmean(durations), 2),
-        "median_step_ms": round(1000 * statistics.median(durations), 2),
+        **step_times_ms(recorder.step_durations, digits=2),
         "n_params": sum(p.numel() for p in model.parameters()),
+        **steps_to_thresholds(recorder.reached, THRESHOLDS, digits=2),
     }
     rolling = [statistics.fmean(recorder.rewards[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(recorder.rewards))]
-    for th in THRESHOLDS:
-        step, secs = recorder.reached.get(th, (None, None))
-        result[f"steps_to_{th}"] = step
-        result[f"seconds_to_{th}"] = None if secs is None else round(secs, 2)
     # Stability once learned: the lowest rolling mean after first reaching 0.99, and how many steps after that
     # the rolling mean spent below 0.95 (only telling without --early-stop).
     step_99 = result["steps_to_0.99"]
@@ -140,24 +131,6 @@ def run_seed(seed: int, overrides: dict, model_kwargs: dict, early_stop_at: floa
     if curve:
         result["rewards"] = [round(r, 4) for r in recorder.rewards]
     return result
-
-
-def set_overrides(items: list[str]) -> dict:
-    """``--set KEY=VALUE`` items as GRPOConfig keyword arguments, each VALUE parsed as JSON if it can be."""
-    overrides = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    return overrides
-
-
-def model_shape(a: argparse.Namespace) -> dict:
-    """--hidden-size, --num-layers and --intermediate-size, those given, as build_model's keyword arguments."""
-    given = (("hidden_size", a.hidden_size), ("num_layers", a.num_layers), ("intermediate_size", a.intermediate_size))
-    return {k: v for k, v in given if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_seed(seed, overrides, model_kwargs, early, a.curve))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "rewards"}), file=sys.stderr, flush=True)
 
-    summary = {"seeds": len(runs)}
-    for th in THRESHOLDS:
-        steps = [r[f"steps_to_{th}"] for r in runs]
-        summary[f"all_reached_{th}"] = all(s is not None for s in steps)
-        ok = [s for s in steps if s is not None]
-        summary[f"max_steps_to_{th}"] = max(ok) if ok else None
+    summary = {"seeds": len(runs), **thresholds_summary(runs, THRESHOLDS)}
     mins = [r["min_rolling_after_0.99"] for r in runs if r["min_rolling_after_0.99"] is not None]
     summary["min_rolling_after_0.99"] = min(mins) if mins else None
     summary["mean_step_ms"] = round(statistics.fmean(r["mean_step_ms"] for r in runs), 2)

@@ -33,17 +33,28 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
-from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_buffers
+from common import (
+    child_env,
+    read_jsonl,
+    read_trl_steps,
+    ready_to_train_at,
+    remove_weight_buffers,
+    run_matrix,
+    run_trl_child,
+    start_python,
+    terminate_and_reap,
+    train_trl_child,
+)
 
-REPO = Path(__file__).resolve().parents[1]
+from asyncgrpo.run import RunDir, metrics
+
 WINDOW = 10
 RUN_TIMEOUT_S = 1800
 # asyncN: N workers; _ds: --dynamic_sampling; _df: --difficulty_filter DIFFICULTY_K as well.
@@ -51,10 +62,6 @@ CONFIGS = {"trl": None, "async1": (1, False, 0), "async1_ds": (1, True, 0), "asy
            "async3_ds": (3, True, 0), "async3_ds_df": (3, True, 2)}
 DIFFICULTY_K = 2
 BATCH = 32  # completions per step (DEMO_DEFAULTS)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def rolling(rewards: list[float]) -> list[float]:
@@ -75,35 +82,15 @@ def hyperparameters(seed: int) -> dict:
 def trl_child(spec_path: str) -> int:
     """Plain TRL on first_digit until the target or the cap; one JSON line per step to spec['log']."""
     spec = json.loads(Path(spec_path).read_text())
-    out = open(spec["log"], "a", buffering=1)
-    import warnings
-
     warnings.filterwarnings("ignore")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from asyncgrpo.tasks.demo import build_dataset, first_digit_reward, write_demo_model
 
+    def should_stop(rewards: list[float], step: int) -> bool:
+        return reached(rewards, spec["target"]) is not None or step >= spec["cap"]
+
     work = tempfile.mkdtemp(prefix="ds_trl_", dir=spec["tmp"])
-    model_dir = write_demo_model(os.path.join(work, "demo_model"))
-    rewards = []
-
-    class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
-                out.write(json.dumps({"t": time.time(), "step": state.global_step, "reward": rewards[-1]}) + "\n")
-                if reached(rewards, spec["target"]) or state.global_step >= spec["cap"]:
-                    control.should_training_stop = True
-
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=first_digit_reward,
-                          args=GRPOConfig(**spec["config"], output_dir=os.path.join(work, "out")),
-                          train_dataset=build_dataset(n=1000, seed=spec["config"]["seed"]),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Recorder()])
-    trainer.remove_callback(PrinterCallback)
-    out.write(json.dumps({"t": time.time(), "event": "ready"}) + "\n")
-    trainer.train()
+    train_trl_child(spec, work, write_demo_model(os.path.join(work, "demo_model")), first_digit_reward,
+                    build_dataset(n=1000, seed=spec["config"]["seed"]), should_stop)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -112,14 +99,8 @@ def run_trl(seed: int, target: float, cap: int, work: Path) -> dict:
     work.mkdir(parents=True)
     spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "log": str(work / "steps.jsonl"),
             "tmp": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    with open(work / "trl.log", "wb") as logf:
-        proc = subprocess.Popen([sys.executable, __file__, "--trl-child", str(work / "spec.json")], cwd=REPO,
-                                env=child_env(1), stdout=logf, stderr=subprocess.STDOUT)
-        reap([proc], RUN_TIMEOUT_S)
-    lines = read_jsonl(work / "steps.jsonl")
-    ready = next((x["t"] for x in lines if x.get("event") == "ready"), None)
-    steps = [x for x in lines if "step" in x]
+    proc, _cpu = run_trl_child(__file__, spec, work, child_env(1), RUN_TIMEOUT_S)
+    ready, steps = read_trl_steps(work / "steps.jsonl")
     return summarize([s["reward"] for s in steps], [s["t"] for s in steps], ready, target,
                      samples=lambda step, _t: step * BATCH, dropped=None, returncode=proc.returncode)
 
@@ -132,30 +113,24 @@ def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target:
     env = child_env(max(1, (os.cpu_count() or 1) // (workers + 1)))  # launch.sh on CPU
 
     def start(name, *cmd):
-        with open(run / "logs" / name, "ab") as logf:
-            return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
-                                    stderr=subprocess.STDOUT)
+        return start_python(run / "logs" / name, "-m", *cmd, *args, env=env)
 
     ps = start("ps.txt", "ps", *(["--dynamic_sampling"] if dynamic else []),
                *(["--difficulty_filter", str(difficulty_k)] if difficulty_k else []))
     procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
+    metrics_file = RunDir(run).metrics_file
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while ps.poll() is None and time.monotonic() < deadline:
-            rewards = [s["reward"] for s in read_jsonl(run / "metrics.jsonl")]
+            rewards = [s["reward"] for s in metrics.read_lines(metrics_file)]
             if reached(rewards, target) or len(rewards) >= cap:
                 break
             time.sleep(0.2)
     finally:
-        for proc in procs:  # the PS first: workers then finish the job in hand and exit
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        reap(procs, 120)
+        terminate_and_reap(procs, 120)  # the PS first: workers then finish the job in hand and exit
     remove_weight_buffers(run)
-    steps = read_jsonl(run / "metrics.jsonl")
-    ps_started = (json.loads((run / "ps.json").read_text()) if (run / "ps.json").exists() else {}).get("started_at")
-    ready = ready_times(run, workers)
-    all_ready = max([ps_started or 0.0, *ready.values()]) if len(ready) == workers else None
+    steps = metrics.read_lines(metrics_file)
+    all_ready = ready_to_train_at(run, workers)
     written = [e for i in range(1, workers + 1) for e in read_jsonl(run / "logs" / f"events-worker-dev{i}.jsonl")
                if e.get("event") == "result_written"]
     dropped = sum(s.get("groups_dropped") or 0 for s in steps)
@@ -249,23 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
-    work = Path(tempfile.mkdtemp(prefix="bench_ds_"))
-    results: dict[str, list] = {c: [] for c in configs}
-    try:
-        for seed in seeds:
-            for config in configs:
-                log(f"{config} seed {seed}")
-                started = time.time()
-                where = work / f"{config}_{seed}"
-                if CONFIGS[config] is None:
-                    result = run_trl(seed, args.target, args.cap, where)
-                else:
-                    result = run_async(seed, *CONFIGS[config], args.target, args.cap, where)
-                results[config].append({"seed": seed, **result})
-                log(f"  steps {result['steps']} samples {result['samples']} wall {result['wall_s']} s "
-                    f"dropped {result['dropped']} ({time.time() - started:.0f} s)")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    def run_one(config: str, seed: int, work: Path) -> dict:
+        if CONFIGS[config] is None:
+            return run_trl(seed, args.target, args.cap, work)
+        return run_async(seed, *CONFIGS[config], args.target, args.cap, work)
+
+    def summary_line(r: dict) -> str:
+        return f"steps {r['steps']} samples {r['samples']} wall {r['wall_s']} s dropped {r['dropped']}"
+
+    results = run_matrix(seeds, configs, "bench_ds_", run_one, summary_line)
     text, ratios = table(results, seeds)
     plot(results, Path(args.png), args.target)
     doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

@@ -54,14 +54,12 @@ Progress goes to stderr; the table and then the JSON document to stdout (and the
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -69,7 +67,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import (
+    REPO,
+    child_env,
+    read_jsonl,
+    ready_times,
+    reap,
+    remove_weight_buffers,
+    run_trl_child,
+    start_python,
+    terminate_and_reap,
+)
+
+from asyncgrpo.run import RunDir, metrics
+
 TARGET = 0.9       # rolling mean reward to reach
 WINDOW = 20        # steps in the rolling mean
 WARMUP = 20        # samples/s, step time and idle fraction count from this step on
@@ -178,30 +189,6 @@ def trl_child(spec_path: str) -> int:
 
 # ----------------------------------------------------------------------------- processes
 
-def reap(procs: list[subprocess.Popen], timeout: float) -> float:
-    """Waits for every process (SIGKILL after timeout); returns their CPU seconds (user + system, rusage)."""
-    cpu, deadline = 0.0, time.monotonic() + timeout
-    pending = [p for p in procs if p.returncode is None]
-    while pending:
-        for proc in list(pending):
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                cpu += usage.ru_utime + usage.ru_stime
-                pending.remove(proc)
-        if pending and time.monotonic() > deadline:
-            for proc in pending:
-                proc.kill()
-            deadline = time.monotonic() + 30
-        time.sleep(0.02)
-    return cpu
-
-
-def child_env(threads: int) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-
-
 def hyperparameters(workload: str, seed: int) -> dict:
     """The GRPOConfig keyword arguments both sides train with."""
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, cpu_overrides
@@ -218,12 +205,8 @@ def run_trl(workload: str, seed: int, model_dir: str | None, cap: int, margin: i
     events = work / "trl_events.jsonl"
     spec = {"config": hyperparameters(workload, seed), "model_dir": model_dir, "cap": cap, "margin": margin,
             "max_step_s": max_step_s, "log": str(events), "tmp": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    logf = open(work / "trl.log", "wb")
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, __file__, "--trl-child", str(work / "spec.json")], cwd=REPO,
-                            env=child_env(threads), stdout=logf, stderr=subprocess.STDOUT)
-    cpu = reap([proc], RUN_TIMEOUT_S)
+    proc, cpu = run_trl_child(__file__, spec, work, child_env(threads), RUN_TIMEOUT_S)
     t_end = time.time()
     lines = [json.loads(x) for x in events.read_text().splitlines()] if events.exists() else []
     steps = [x for x in lines if x["event"] == "step"]
@@ -271,14 +254,12 @@ def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin:
     env = child_env(threads)
 
     def start(name, *cmd):
-        logf = open(run / "logs" / name, "ab")
-        return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
-                                stderr=subprocess.STDOUT)
+        return start_python(run / "logs" / name, "-m", *cmd, *args, env=env)
 
     t0 = time.time()
     ps = start("log_parameter_server.txt", "ps")
     procs = [ps] + [start(f"log_worker_{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
-    metrics_path, offset, steps, buf = run / "metrics.jsonl", 0, [], b""
+    metrics_file, offset, steps = RunDir(run).metrics_file, 0, []
     ps_started = None
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -288,25 +269,16 @@ def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin:
                     ps_started = json.loads((run / "ps.json").read_text()).get("started_at")
                 except (OSError, ValueError):
                     pass
-            if metrics_path.exists():
-                with open(metrics_path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                offset += len(chunk)
-                buf += chunk
-                *complete, buf = buf.split(b"\n")
-                steps += [json.loads(x) for x in complete if x.strip()]
-                if steps and should_stop([s["reward"] for s in steps], cap, margin):
-                    break
+            appended, offset = metrics.read_new_lines(metrics_file, offset)
+            steps += appended
+            if steps and should_stop([s["reward"] for s in steps], cap, margin):
+                break
             time.sleep(0.1)
     finally:
-        for proc in procs:  # the PS first: workers then finish the job in hand and exit
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        cpu = reap(procs, 120)
+        cpu = terminate_and_reap(procs, 120)  # the PS first: workers then finish the job in hand and exit
     t_end = time.time()
     leaked = remove_weight_buffers(run)
-    steps = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    steps = metrics.read_lines(metrics_file)
     for s in steps:
         s["t"] = s["time"]
     ready = ready_times(run, workers)
@@ -328,20 +300,6 @@ def run_async(workload: str, seed: int, model_dir: str | None, cap: int, margin:
     if result["returncode"] != 0:
         result["error"] = (run / "logs" / "log_parameter_server.txt").read_text(errors="replace")[-2000:]
     return result
-
-
-def remove_weight_buffers(run: Path) -> int:
-    """Removes the run's mmap weight folders in /dev/shm that outlived its PS; returns how many there were.
-
-    A PS stopped by SIGTERM/SIGINT leaves them (only a later PS of the same run directory removes them), so
-    without this every run of the benchmark would leave its two weight buffers in RAM."""
-    from asyncgrpo.weights.mmap_file import PREFIX, SHM_ROOT
-
-    tag = hashlib.sha1(str(run.resolve()).encode()).hexdigest()[:12]  # mmap_file.run_tag
-    folders = list(SHM_ROOT.glob(f"{PREFIX}{tag}-*"))
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
-    return len(folders)
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -375,39 +333,6 @@ def summarize(steps: list[dict], t0: float, t_end: float, ready: float | None, c
         res["samples_per_s"] = r1(n * batch / span)
         res["step_ms"] = r1(1e3 * span / n)
     return res
-
-
-def ready_times(run: Path, workers: int) -> dict[int, float]:
-    """When each worker first held the PS's weights: its first weights_synced event, else its first log line
-    '[weights] devN synced version=' (logging's asctime, local time, ms)."""
-    ready = {}
-    for i in range(1, workers + 1):
-        events = run / "logs" / f"events-worker-dev{i}.jsonl"
-        for e in read_jsonl(events):
-            if e.get("event") == "weights_synced":
-                ready[i] = e["t"]
-                break
-        if i in ready:
-            continue
-        logf = run / "logs" / f"log_worker_{i}.txt"
-        text = logf.read_text(errors="replace") if logf.exists() else ""
-        m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) worker\d+ INFO \[weights\] dev\d+ synced version=",
-                      text, re.M)
-        if m:
-            ready[i] = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
-    return ready
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def med(xs: list[float]) -> float | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncgrpo.events import EventLog  # noqa: E402
-from asyncgrpo.run import RunDirError, latest_run  # noqa: E402
+from asyncgrpo.run import RunDir, RunDirError, latest_run, metrics  # noqa: E402
 
 EMITS = 20_000
 
@@ -45,13 +45,14 @@ def main() -> int:
     except RunDirError as err:
         print(f"events_overhead: error: {err}", file=sys.stderr)
         return 2
-    if not (run / "metrics.jsonl").is_file():
+    metrics_file = RunDir(run).metrics_file
+    if not metrics_file.is_file():
         print("events_overhead: error: give a finished run directory (bash launch.sh --workers 3 makes one)",
               file=sys.stderr)
         return 2
     cost_us = emit_cost_us()
     print(f"one emit: {cost_us:.1f} us (best of 5 x {EMITS})")
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = metrics.read_lines(metrics_file)
     step_s = statistics.median(s["step_time_s"] for s in steps)
     print(f"run {run}: {len(steps)} steps, median step {step_s * 1e3:.1f} ms")
     for path in sorted((run / "logs").glob("events-*.jsonl")):

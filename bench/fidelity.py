@@ -60,7 +60,7 @@ def task_parts(task: str) -> dict:
 
 def run_trl(task: str, seed: int, max_steps: int, job_seeds: bool) -> list[float]:
     """Plain TRL on the task: each step's reward."""
-    from lookup_trl_baseline import seed_each_batch_as_a_worker
+    from common import seed_each_batch_as_a_worker
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -94,7 +94,9 @@ def run_asyncgrpo(task: str, seed: int, max_steps: int, workers: int, sync: bool
     result = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=7200)
     if result.returncode != 0:
         raise SystemExit(f"fidelity: {' '.join(cmd)} exited {result.returncode}: {result.stderr[-2000:]}")
-    return [json.loads(line)["reward"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from asyncgrpo.run import RunDir, metrics
+
+    return [line["reward"] for line in metrics.read_lines(RunDir(run).metrics_file)]
 
 
 def rolling(rewards: list[float]) -> list[float]:

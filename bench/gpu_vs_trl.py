@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_vs_trl as e2e  # noqa: E402
+from common import REPO, read_jsonl, run_trl_child, start_python, terminate_and_reap  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from asyncgrpo.run import RunDir, metrics  # noqa: E402
+
 QWEN05_SHAPE = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
                 "intermediate_size": 4864, "vocab_size": 151936}
 RUN_TIMEOUT_S = 900
@@ -100,14 +101,10 @@ def run_trl(model_dir: Path, hp: dict, steps: int, work: Path) -> list[float]:
     events = work / "trl_events.jsonl"
     spec = {"config": hp, "model_dir": str(model_dir), "cap": steps, "margin": 0, "max_step_s": None,
             "log": str(events), "tmp": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    with open(work / "trl.log", "wb") as logf:
-        proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "e2e_vs_trl.py"), "--trl-child",
-                                 str(work / "spec.json")], cwd=REPO, env=env(), stdout=logf, stderr=subprocess.STDOUT)
-        e2e.reap([proc], RUN_TIMEOUT_S)
+    proc, _cpu = run_trl_child(REPO / "bench" / "e2e_vs_trl.py", spec, work, env(), RUN_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL exited {proc.returncode}: {(work / 'trl.log').read_text(errors='replace')[-1500:]}")
-    return [x["t"] for x in e2e.read_jsonl(events) if x["event"] == "step"]
+    return [x["t"] for x in read_jsonl(events) if x["event"] == "step"]
 
 
 def worker_settings(name: str) -> tuple[int, list[str], bool]:
@@ -150,9 +147,7 @@ def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str,
     flags += [f"--{k}={v}" for k, v in hp.items()] + extra
 
     def start(name, *cmd):
-        logf = open(run / "logs" / name, "ab")
-        return subprocess.Popen([sys.executable, "-m", *cmd, *flags], cwd=REPO, env={**env(), **mps_env},
-                                stdout=logf, stderr=subprocess.STDOUT)
+        return start_python(run / "logs" / name, "-m", *cmd, *flags, env={**env(), **mps_env})
 
     ps = start("log_parameter_server.txt", "ps")
     procs = [ps] + [start(f"log_worker_{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
@@ -161,16 +156,13 @@ def run_async(model_dir: Path, hp: dict, workers: int, work: Path, device: str,
     except subprocess.TimeoutExpired:
         log(f"async{workers}: the PS did not finish in {RUN_TIMEOUT_S} s")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        e2e.reap(procs, 60)
+        terminate_and_reap(procs, 60)
         if mps_env:
             stop_mps(mps_env)
     if ps.returncode != 0:
         text = (run / "logs" / "log_parameter_server.txt").read_text(errors="replace")
         raise RuntimeError(f"PS exited {ps.returncode}: {text[-1500:]}")
-    return e2e.read_jsonl(run / "metrics.jsonl"), run
+    return metrics.read_lines(RunDir(run).metrics_file), run
 
 
 def throughput(times: list[float], warmup: int, batch: int) -> dict:

@@ -27,9 +27,16 @@ import tempfile
 import time
 import warnings
 
-from demo_trl_baseline import model_shape, set_overrides
+from common import (
+    model_shape,
+    seed_each_batch_as_a_worker,
+    set_overrides,
+    step_times_ms,
+    steps_to_thresholds,
+    thresholds_summary,
+    train_timed,
+)
 from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback
 
 from asyncgrpo.tasks.lookup import (
     LOOKUP_DEFAULTS,
@@ -84,23 +91,6 @@ class Recorder(TrainerCallback):
             control.should_training_stop = True
 
 
-def seed_each_batch_as_a_worker(trainer, seed: int) -> None:
-    """Each generation batch's sampling seeded as an asyncgrpo worker seeds a job (worker/generate.py job_seed: the
-    run's seed and the job id, here the batch's number), instead of one RNG stream running on through the run."""
-    import torch
-
-    from worker.generate import job_seed
-
-    generate_and_score, batches = trainer._generate_and_score_completions, [0]
-
-    def seeded(inputs):
-        torch.manual_seed(job_seed(seed, f"{batches[0]:06d}_000"))
-        batches[0] += 1
-        return generate_and_score(inputs)
-
-    trainer._generate_and_score_completions = seeded
-
-
 def run_seed(seed: int, overrides: dict, model_kwargs: dict, log_every: int, stop_at: float | None,
              job_seeds: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
@@ -123,31 +113,21 @@ def run_seed(seed: int, overrides: dict, model_kwargs: dict, log_every: int, sto
         )
         if job_seeds:
             seed_each_batch_as_a_worker(trainer, seed)
-        # disable_tqdm=True swaps the progress bar for PrinterCallback, which prints every log dict on stdout.
-        trainer.remove_callback(PrinterCallback)
-        t0 = time.perf_counter()
-        trainer.train()
-        train_s = time.perf_counter() - t0
+        train_s = train_timed(trainer)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    durations = recorder.step_durations[1:] or recorder.step_durations  # the first step pays warm-up
-    result = {
+    return {
         "seed": seed,
         "steps_run": len(recorder.rewards),
         "train_wall_s": round(train_s, 1),
         "initial_reward": round(statistics.fmean(recorder.rewards[:WINDOW]), 3),
         "final_rolling_reward": round(statistics.fmean(recorder.rewards[-WINDOW:]), 3),
         "final_call_frequency": round(statistics.fmean(recorder.call_freq[-WINDOW:]), 3),
-        "mean_step_ms": round(1000 * statistics.fmean(durations), 1),
-        "median_step_ms": round(1000 * statistics.median(durations), 1),
+        **step_times_ms(recorder.step_durations, digits=1),
         "n_params": sum(p.numel() for p in model.parameters()),
+        **steps_to_thresholds(recorder.reached, THRESHOLDS, digits=1),
     }
-    for th in THRESHOLDS:
-        step, secs = recorder.reached.get(th, (None, None))
-        result[f"steps_to_{th}"] = step
-        result[f"seconds_to_{th}"] = None if secs is None else round(secs, 1)
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_seed(seed, overrides, model_kwargs, a.log_every, a.stop_at, a.job_seeds))
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
 
-    summary = {"seeds": len(runs), "mean_step_ms": round(statistics.fmean(r["mean_step_ms"] for r in runs), 1)}
-    for th in THRESHOLDS:
-        steps = [r[f"steps_to_{th}"] for r in runs]
-        summary[f"all_reached_{th}"] = all(s is not None for s in steps)
-        summary[f"max_steps_to_{th}"] = max((s for s in steps if s is not None), default=None)
+    summary = {"seeds": len(runs), "mean_step_ms": round(statistics.fmean(r["mean_step_ms"] for r in runs), 1),
+               **thresholds_summary(runs, THRESHOLDS)}
     config = {**LOOKUP_DEFAULTS, **cpu_overrides(), **overrides, "model_kwargs": model_kwargs}
     print(json.dumps({"config": config, "runs": runs, "summary": summary}, indent=1))
     return 0

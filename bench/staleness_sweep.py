@@ -48,6 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_vs_trl as e2e  # noqa: E402
 
+from asyncgrpo.run import RunDir, metrics  # noqa: E402
+
 NO_CORRECTION = "none"
 DEFAULT = "default"  # no --off_policy_correction flag: the config's default
 KNOWN = {NO_CORRECTION, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", DEFAULT}
@@ -79,7 +81,7 @@ def label(correction: str) -> str:
 
 def sweep_figures(result: dict, run: Path, cap: int, batch: int) -> dict:
     """The sweep's own per-run figures, from run_async's result and the run directory (before it is removed)."""
-    steps = e2e.read_jsonl(run / "metrics.jsonl")
+    steps = metrics.read_lines(RunDir(run).metrics_file)
     archived = result.get("archived") or {}
     stale = archived.get("stale", 0)
     taken = archived.get("consumed", 0) + stale + archived.get("duplicate", 0)

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncgrpo.run import RunDir, metrics  # noqa: E402
 
 
 def step(run: Path) -> int:
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (OSError, ValueError, KeyError):
-        return 0
+    last = metrics.last_line(RunDir(run).metrics_file)
+    return last["step"] if last else 0
 
 
 def events(paths, name: str) -> list[dict]:

@@ -34,18 +34,29 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
-from dynamic_sampling import WINDOW, log, reached
-from e2e_vs_trl import child_env, read_jsonl, ready_times, reap, remove_weight_buffers
+from common import (
+    REPO,
+    child_env,
+    read_trl_steps,
+    ready_to_train_at,
+    remove_weight_buffers,
+    run_matrix,
+    run_trl_child,
+    start_python,
+    terminate_and_reap,
+    train_trl_child,
+)
+from dynamic_sampling import WINDOW, reached
 
-REPO = Path(__file__).resolve().parents[1]
+from asyncgrpo.run import RunDir, metrics
+
 BENCH = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 3600
 CONFIGS = {"trl": None, "async1": 1, "async3": 3}
@@ -63,38 +74,17 @@ def hyperparameters(seed: int) -> dict:
 def trl_child(spec_path: str) -> int:
     """Plain TRL with the slowed-down environment until the target or the cap; one JSON line per step."""
     spec = json.loads(Path(spec_path).read_text())
-    out = open(spec["log"], "a", buffering=1)
-    import warnings
-
     warnings.filterwarnings("ignore")
     from slow_lookup import SlowLookup
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from asyncgrpo.tasks.lookup import build_dataset, lookup_reward, write_lookup_model
 
+    def should_stop(rewards: list[float], step: int) -> bool:
+        return (reached(rewards, spec["target"]) is not None and step >= spec["steps"]) or step >= spec["cap"]
+
     work = tempfile.mkdtemp(prefix="tl_trl_", dir=spec["tmp"])
-    model_dir = write_lookup_model(os.path.join(work, "lookup_model"))
-    rewards = []
-
-    class Recorder(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
-                out.write(json.dumps({"t": time.time(), "step": state.global_step, "reward": rewards[-1]}) + "\n")
-                if (reached(rewards, spec["target"]) and state.global_step >= spec["steps"]) \
-                        or state.global_step >= spec["cap"]:
-                    control.should_training_stop = True
-
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=lookup_reward,
-                          args=GRPOConfig(**spec["config"], output_dir=os.path.join(work, "out")),
-                          train_dataset=build_dataset(n=1000, seed=spec["config"]["seed"]),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Recorder()],
-                          environment_factory=SlowLookup)
-    trainer.remove_callback(PrinterCallback)
-    out.write(json.dumps({"t": time.time(), "event": "ready"}) + "\n")
-    trainer.train()
+    train_trl_child(spec, work, write_lookup_model(os.path.join(work, "lookup_model")), lookup_reward,
+                    build_dataset(n=1000, seed=spec["config"]["seed"]), should_stop, environment_factory=SlowLookup)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -111,14 +101,8 @@ def run_trl(seed: int, latency_ms: float, steps: int, target: float, cap: int, w
     work.mkdir(parents=True)
     spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "steps": steps,
             "log": str(work / "steps.jsonl"), "tmp": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    with open(work / "trl.log", "wb") as logf:
-        proc = subprocess.Popen([sys.executable, __file__, "--trl-child", str(work / "spec.json")], cwd=REPO,
-                                env=bench_env(1, latency_ms, seed), stdout=logf, stderr=subprocess.STDOUT)
-        reap([proc], RUN_TIMEOUT_S)
-    lines = read_jsonl(work / "steps.jsonl")
-    ready = next((x["t"] for x in lines if x.get("event") == "ready"), None)
-    rows = [x for x in lines if "step" in x]
+    proc, _cpu = run_trl_child(__file__, spec, work, bench_env(1, latency_ms, seed), RUN_TIMEOUT_S)
+    ready, rows = read_trl_steps(work / "steps.jsonl")
     batch = spec["config"]["per_device_train_batch_size"]
     return summarize([r["reward"] for r in rows], [r["t"] for r in rows], ready, batch, steps, target,
                      tools=None, returncode=proc.returncode)
@@ -137,30 +121,23 @@ def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: fl
     env = bench_env(max(1, (os.cpu_count() or 1) // (workers + 1)), latency_ms, seed)  # launch.sh on CPU
 
     def start(name, *cmd):
-        with open(run / "logs" / name, "ab") as logf:
-            return subprocess.Popen([sys.executable, "-m", *cmd, *args], cwd=REPO, env=env, stdout=logf,
-                                    stderr=subprocess.STDOUT)
+        return start_python(run / "logs" / name, "-m", *cmd, *args, env=env)
 
     ps = start("ps.txt", "ps")
     procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
+    metrics_file = RunDir(run).metrics_file
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while ps.poll() is None and time.monotonic() < deadline:
-            rewards = [s["reward"] for s in read_jsonl(run / "metrics.jsonl")]
+            rewards = [s["reward"] for s in metrics.read_lines(metrics_file)]
             if (reached(rewards, target) and len(rewards) >= steps) or len(rewards) >= cap:
                 break
             time.sleep(0.2)
     finally:
-        for proc in procs:  # the PS first: workers then finish the job in hand and exit
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        reap(procs, 180)
+        terminate_and_reap(procs, 180)  # the PS first: workers then finish the job in hand and exit
     remove_weight_buffers(run)
-    rows = read_jsonl(run / "metrics.jsonl")
-    ps_started = (json.loads((run / "ps.json").read_text()) if (run / "ps.json").exists() else {}).get("started_at")
-    ready = ready_times(run, workers)
-    all_ready = max([ps_started or 0.0, *ready.values()]) if len(ready) == workers else None
-    from asyncgrpo.run import RunDir
+    rows = metrics.read_lines(metrics_file)
+    all_ready = ready_to_train_at(run, workers)
     from queue_tools.report import make_report
 
     report = make_report(RunDir(run)) or {}
@@ -229,23 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
-    work = Path(tempfile.mkdtemp(prefix="bench_tools_"))
-    results: dict[str, list] = {c: [] for c in configs}
-    try:
-        for seed in seeds:
-            for config in configs:
-                log(f"{config} seed {seed}")
-                started = time.time()
-                where = work / f"{config}_{seed}"
-                if CONFIGS[config] is None:
-                    result = run_trl(seed, args.latency_ms, args.steps, args.target, args.cap, where)
-                else:
-                    result = run_async(seed, CONFIGS[config], args.latency_ms, args.steps, args.target, args.cap,
-                                       where)
-                results[config].append({"seed": seed, **result})
-                log(f"  {result} ({time.time() - started:.0f} s)")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    def run_one(config: str, seed: int, work: Path) -> dict:
+        if CONFIGS[config] is None:
+            return run_trl(seed, args.latency_ms, args.steps, args.target, args.cap, work)
+        return run_async(seed, CONFIGS[config], args.latency_ms, args.steps, args.target, args.cap, work)
+
+    results = run_matrix(seeds, configs, "bench_tools_", run_one, str)
     text, ratios = table(results)
     doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
            "latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": WINDOW,

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncgrpo.run import RunDir, metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,7 +45,7 @@ def run_once(root: Path, workers: int, steps: int) -> dict:
         for proc in procs:
             proc.wait(timeout=120)
     wall = time.time() - started
-    lines = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics.read_lines(RunDir(root).metrics_file)
     training_s = lines[-1]["time"] - lines[0]["time"]
     waited = sum(m["trainer_wait_s"] for m in lines[1:])  # the first step also waits for start-up
     return {

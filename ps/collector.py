@@ -14,68 +14,28 @@ import sys
 import threading
 import time
 
-import torch
-
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher, is_failure_report
+from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue.handoff import FailureReport, ResultData, read_result
 from asyncgrpo.jobqueue.retention import ArchiveRetention
 from ps.background import WatchedThread
 from ps.failures import FailedJobs
 
 log = logging.getLogger("asyncgrpo.ps")
 
-# The contract between worker and PS: TRL's result dict, plus behaviour log-probs.
-PER_SEQUENCE = ("advantages",)
-PER_PROMPT_TOKEN = ("prompt_ids", "prompt_mask")
-PER_COMPLETION_TOKEN = ("completion_ids", "completion_mask")
-BEHAVIOUR_KEY = "old_per_token_logps"  # optional: absent when the worker generated with the newest weights
-REWARDS_KEY = "rewards"  # per completion, the weighted sum TRL normalises (worker/generate.py); dynamic sampling's
-
-
-def validate_result(payload: dict, rows_per_job: int) -> None:
-    """Raises ValueError unless the result's batch has the keys and shapes the trainer needs (or, for a
-    failure report, unless it holds its errors and the job's rows)."""
+def read_result_payload(payload: dict, rows_per_job: int) -> None:
+    """Checks a collected result (ValueError otherwise) and puts its data in typed form (asyncgrpo/jobqueue/
+    handoff.py): a ResultData, or a FailureReport for a job given up after its last attempt."""
     version = payload["weights_version"]
     if type(version) is not int or version < 0:
         raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
-    data = payload["data"]
-    if is_failure_report(payload):
-        errors, job = data["errors"], data.get("job")
-        if not isinstance(errors, list) or not errors or not all(isinstance(e, dict) for e in errors):
-            raise ValueError("a failure report's errors must be a non-empty list of dicts")
-        if not isinstance(job, dict) or not isinstance(job.get("rows"), list):
-            raise ValueError("a failure report must hold the job's data with its rows")
-        return
-    if not isinstance(data, dict) or not isinstance(data.get("batch"), dict) or "rows" not in data:
-        raise ValueError("result data must hold 'batch', 'metrics' and 'rows'")
-    if not isinstance(data.get("logs", {}), dict):
-        raise ValueError("result data's 'logs' (the completions table rows) must be a dict")
-    batch = data["batch"]
-    for key in PER_SEQUENCE + PER_PROMPT_TOKEN + PER_COMPLETION_TOKEN:
-        if not isinstance(batch.get(key), torch.Tensor):
-            raise ValueError(f"batch[{key!r}] is missing or not a tensor")
-    n = batch["advantages"].shape[0]
-    if n != rows_per_job or batch["advantages"].dim() != 1:
-        raise ValueError(f"advantages has shape {tuple(batch['advantages'].shape)}, expected ({rows_per_job},)")
-    rewards = batch.get(REWARDS_KEY)
-    if rewards is not None and (not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (n,)
-                                or not rewards.is_floating_point()):
-        raise ValueError(f"batch[{REWARDS_KEY!r}] must be a float tensor of shape ({n},)")
-    completion_keys = PER_COMPLETION_TOKEN + ((BEHAVIOUR_KEY,) if BEHAVIOUR_KEY in batch else ())
-    if BEHAVIOUR_KEY in batch and not isinstance(batch[BEHAVIOUR_KEY], torch.Tensor):
-        raise ValueError(f"batch[{BEHAVIOUR_KEY!r}] is not a tensor")
-    for group in (PER_PROMPT_TOKEN, completion_keys):
-        shapes = {tuple(batch[key].shape) for key in group}
-        if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
-            raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
+    payload["data"] = read_result(payload["data"], rows_per_job)
 
 
-def _intern_metric_names(data: dict) -> None:
+def _intern_metric_names(data: ResultData) -> None:
     """The worker's metric names come out of torch.load as new strings in every result, and
     TRL's log history keeps each logged step's keys: one shared string per name, not one per step."""
-    metrics = data.get("metrics")
-    if isinstance(metrics, dict):
-        data["metrics"] = {sys.intern(k) if type(k) is str else k: v for k, v in metrics.items()}
+    data.metrics = {sys.intern(k) if type(k) is str else k: v for k, v in data.metrics.items()}
 
 
 class ResultCache:
@@ -135,11 +95,11 @@ class ResultCollector(WatchedThread):
         """Collects what is complete (and with ``readopt`` what an earlier PS collected); the number of results
         cached for the trainer."""
         rows = self.cfg.generation_batch_size
-        results = self.queue.collect(lambda payload: validate_result(payload, rows), readopt=readopt)
+        results = self.queue.collect(lambda payload: read_result_payload(payload, rows), readopt=readopt)
         now = time.time()
         cached = 0
         for result in results:
-            if is_failure_report(result.payload):
+            if isinstance(result.data, FailureReport):
                 self.failed.record(result)
                 continue
             self.failed.result_arrived(result.job_id)

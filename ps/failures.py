@@ -49,7 +49,7 @@ class FailedJobs:
 
     def record(self, report: CollectedResult) -> None:
         """A failure report: archived ``failed`` (its errors inside), counted, logged; may stop the run."""
-        errors = report.data["errors"]
+        errors = report.data.errors  # a FailureReport (ps/collector.py read it)
         self.last_error = describe_error(errors[-1])
         archived = self.queue.archive_if_present(report.path, report.job_id, ArchiveReason.FAILED, report.attempt)
         self._dropped(report.job_id, f"failed on all {report.attempt} attempt(s) ({self.last_error})",

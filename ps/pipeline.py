@@ -40,6 +40,7 @@ closest to going stale), then the lowest job id; ``fifo`` takes results in job o
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -49,9 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState, is_failure_report
+from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState
+from asyncgrpo.jobqueue.handoff import FailureReport
 from asyncgrpo.run import RunDir
-from ps.collector import REWARDS_KEY, ResultCache, ResultCollector
+from ps.collector import ResultCache, ResultCollector, read_result_payload
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
 from ps.producer import JobProducer, TrainingProgress
@@ -134,6 +136,11 @@ class JobPipeline:
         self.producer = JobProducer(cfg, queue, dataset, self.progress, self.cache, self._thread_failed)
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def prompts_skipped(self) -> int:
+        """Prompts difficulty filtering set aside so far (ps/producer.py)."""
+        return self.producer.prompts_skipped
 
     def start(self, state: dict | None, published_version: int) -> None:
         """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
@@ -222,16 +229,16 @@ class JobPipeline:
         self.in_training = in_training
         self.progress.next_take_step = step + self.cfg.steps_per_job
         self.producer.wake()
-        tensors = assemble([({k: v for k, v in r.data["batch"].items() if k != REWARDS_KEY}, g) for r, g in parts],
+        tensors = assemble([(r.data.batch, g) for r, g in parts],
                            G, self.pad_token_id)
-        logs = [slice_logs(r.data.get("logs"), group_rows(g, G)) for r, g in parts]
+        logs = [slice_logs(r.data.logs, group_rows(g, G)) for r, g in parts]
         return TrainingBatch(tensors, merge_logs(logs), in_training)
 
     def _next_result(self, step: int, started: float, stoppable: bool) -> CollectedResult:
         """The next result to take groups from; stale and duplicate results are archived on the way. While
         ``stoppable`` (no result taken into this batch yet: the state is the last step's), a stop request raises
         StopRequested; a batch half assembled (dynamic sampling) is completed first."""
-        pick = self._pick_unless_stopping if stoppable else self._pick
+        pick = self._pick_unless_stopping if stoppable else self.pick
         while True:
             self._raise_failure()
             result = self.cache.take(pick, timeout=WAIT_REPORT_S)
@@ -248,7 +255,7 @@ class JobPipeline:
     def _pick_unless_stopping(self, cached: dict) -> str | None:
         if self.stop_at_boundary.is_set():  # raised inside take: the cache stays as it was
             raise StopRequested("stop requested while waiting for a result")
-        return self._pick(cached)
+        return self.pick(cached)
 
     def _accept(self, result: CollectedResult, step: int) -> bool:
         """True: groups of ``result`` train from step ``step + 1`` on; False: archived stale or duplicate. The
@@ -258,7 +265,7 @@ class JobPipeline:
         if staleness > self.cfg.max_staleness and result.job_id not in self.groups_done:
             log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
                      result.job_id, staleness, self.cfg.max_staleness)
-            self.producer.owe(result.job_id, result.data["rows"])  # journal first: a crash loses no rows
+            self.producer.owe(result.job_id, result.data.rows)  # journal first: a crash loses no rows
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
             return False
         if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
@@ -272,17 +279,17 @@ class JobPipeline:
         group's outcome feeds difficulty filtering (the producer's settled prompts)."""
         G = self.cfg.num_generations
         done = self.groups_done.get(result.job_id, set())
-        todo = [g for g in range(result.data["batch"]["advantages"].size(0) // G) if g not in done]
+        todo = [g for g in range(result.data.completions // G) if g not in done]
         if not (self.cfg.dynamic_sampling or self.cfg.difficulty_filter):
             return todo, 0
-        rewards = result.data["batch"].get(REWARDS_KEY)  # its shape checked on collection (ps/collector.py)
+        rewards = result.data.rewards  # its shape checked on collection (asyncgrpo/jobqueue/handoff.py)
         if rewards is None:
             raise PipelineError(f"result {result.job_id} carries no rewards per completion, which dynamic sampling "
                                 "and difficulty filtering need: its worker runs an older asyncgrpo")
         spread = group_reward_std(rewards, G)
         flat = [g for g in todo if spread[g] <= max(self.cfg.dynamic_sampling_max_std, ZERO_STD)]
         for g in todo:
-            self.producer.settled.record(result.data["rows"][g * G], g in flat)
+            self.producer.settled.record(result.data.rows[g * G], g in flat)
         if not self.cfg.dynamic_sampling:
             return todo, 0
         if flat:
@@ -301,12 +308,11 @@ class JobPipeline:
         self.queue.events.emit("groups_dropped", job_id=result.job_id, groups=groups, reward_std=stds,
                                reason=DROP_REASON)
         log.debug("[train] %s: groups %s dropped (%s)", result.job_id, groups, DROP_REASON)
-        if len(groups) * G == result.data["batch"]["advantages"].size(0):
+        if len(groups) * G == result.data.completions:
             return
         rows = group_rows(groups, G)
         record = {"job_id": result.job_id, "groups": groups, "reason": DROP_REASON, "reward_std": stds,
-                  "rows": [result.data["rows"][i] for i in rows],
-                  "rewards": result.data["batch"][REWARDS_KEY][rows].tolist()}
+                  "rows": [result.data.rows[i] for i in rows], "rewards": result.data.rewards[rows].tolist()}
         self.queue.archive_record(result.job_id, ArchiveReason.FILTERED, record)
 
     def _close_untrained(self, result: CollectedResult, partly_done: bool) -> None:
@@ -318,7 +324,8 @@ class JobPipeline:
         elif self.queue.consume(result):
             self.consumed.add(result.job_id)
 
-    def _pick(self, cached: dict[str, CollectedResult]) -> str | None:
+    def pick(self, cached: dict[str, CollectedResult]) -> str | None:
+        """Which cached result to take next (``--consume_order``), or None to wait; raises a pipeline failure."""
         self._raise_failure()
         if not cached:
             return None
@@ -365,8 +372,9 @@ class JobPipeline:
                     self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED,
                                                   name.attempt)
             self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
-            for result in self.queue.collect(readopt=True) + self.cache.drain():
-                if is_failure_report(result.payload):
+            read = functools.partial(read_result_payload, rows_per_job=self.cfg.generation_batch_size)
+            for result in self.queue.collect(read, readopt=True) + self.cache.drain():
+                if isinstance(result.data, FailureReport):
                     self.failed.record(result)  # archived failed, with its errors
                 else:
                     self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
@@ -381,7 +389,7 @@ class JobPipeline:
 
 
 def _groups_taken(result: CollectedResult, groups: list[int], num_generations: int) -> GroupsTaken:
-    batch = result.data["batch"]
+    batch = result.data.batch
     rows = group_rows(groups, num_generations)
     return GroupsTaken(result.job_id, result.payload["weights_version"], groups,
                        batch["advantages"].size(0) // num_generations, len(rows),
@@ -392,7 +400,7 @@ def _weighted_metrics(parts: list[tuple[CollectedResult, list[int]]]) -> dict:
     """The workers' TRL metrics of the results a batch takes groups from, each weighted by the groups it gives."""
     totals, weights = {}, {}
     for result, groups in parts:
-        for name, value in result.data["metrics"].items():
+        for name, value in result.data.metrics.items():
             totals[name] = totals.get(name, 0.0) + value * len(groups)
             weights[name] = weights.get(name, 0) + len(groups)
     return {name: totals[name] / weights[name] for name in totals}

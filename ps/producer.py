@@ -12,21 +12,8 @@ them) is settled; when a newly drawn batch holds it, its group is set aside for
 (and is thrown whatever it has become). Nothing leaves the epoch's accounting: rows set aside
 are in the journal, and counted (``prompts_skipped``).
 
-Admission: a job is thrown only if every result in flight can still be trained within
-``max_staleness``. A result's staleness is the number of optimizer steps between its
-weights version and the step that takes it; each job trains ``steps_per_job`` steps, and in
-the worst case every other job in flight is trained before the oldest one, so the producer
-throws only while
-
-    next_take_step + in_flight * expected_yield * steps_per_job - oldest_version <= max_staleness
-
-where ``next_take_step`` is the trainer's step when it takes its next result,
-``in_flight`` counts the jobs in queue/ and the cache, ``expected_yield`` is the fraction of
-a result's groups that are trained (1, or with dynamic sampling as measured over the last
-results: more jobs are thrown when most groups are dropped), and ``oldest_version`` is the lowest
-weights version any job not yet collected can have been generated with. A pending job will
-sync at least the version published when it was last seen pending, so that is its floor.
-Also at most ``max_pending`` pending and ``max_outstanding`` in flight.
+Admission (ps/admission.py): a job is thrown only while every result in flight can still be trained within
+``max_staleness``; the producer reads the snapshot admission decides on.
 
 Stragglers: a job a worker has held STRAGGLER_FACTOR times longer than the typical job (the median
 of the last jobs, at least STRAGGLER_MIN_S) no longer holds admission back: its floor leaves the
@@ -57,8 +44,10 @@ from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.jobqueue.names import next_job_id
 from asyncgrpo.run import fileops
+from ps.admission import Limits, Snapshot, admit
 from ps.background import WatchedThread
 from ps.collector import ResultCache
 
@@ -173,7 +162,8 @@ class JobProducer(WatchedThread):
         self.set_aside: list[dict] = []
         self.prompts_skipped = 0
         self.settled = SettledPrompts(cfg.difficulty_filter)
-        self.version_floor: dict[str, int] = {}
+        self.limits = Limits.of(cfg)
+        self.version_floor: dict[str, int] = {}  # admission's, from one decision to the next
         self.hold_times = HoldTimes()
 
     # ------------------------------------------------------------------ durable state
@@ -205,7 +195,7 @@ class JobProducer(WatchedThread):
         newest_in_queue = max(active, default=None)
         if newest_in_queue and (self.last_job_id is None or newest_in_queue > self.last_job_id):
             self.last_job_id = newest_in_queue  # the journal was lost: never reuse an id in the queue
-        self._batches = self._generation_batches()
+        self._batches = self.generation_batches()
         for _ in range(self.batches_drawn):  # skip what an earlier PS already threw
             next(self._batches)
 
@@ -223,38 +213,34 @@ class JobProducer(WatchedThread):
 
     def _loop(self) -> None:
         while not self.stop_event.is_set():
-            while self._may_throw() and not self.stop_event.is_set():
-                self._throw()
+            while self.may_throw() and not self.stop_event.is_set():
+                self.throw()
             self.watcher.wait(self.hold_times.next_straggler_in_s(time.monotonic()))
 
-    def _may_throw(self) -> bool:
-        # Read before the scan: a job still pending in the scan is claimed after this read, and its
-        # worker syncs at least these weights (published versions only grow).
+    def may_throw(self) -> bool:
+        """Admission (ps/admission.py) over a snapshot read now."""
+        decision = admit(self.snapshot(), self.limits, self.version_floor)
+        self.version_floor = decision.version_floor
+        return decision.throw
+
+    def snapshot(self) -> Snapshot:
+        """What admission reads, in this order. The published version before the scan: a job still pending in
+        the scan is claimed after this read, and its worker syncs at least these weights (published versions
+        only grow). Then the result being judged, then next_take_step: a result taken from the cache since the
+        scan is either still judging or already counted in next_take_step (the pipeline moves next_take_step
+        on before it clears judging)."""
         published = self.progress.published_version
         names = self.queue.scan()[0]  # every job in queue/ is in flight
         cached = self.cache.versions()
-        # Then the result being judged, then next_take_step: a result taken from the cache since is either
-        # still judging or already counted in next_take_step (the pipeline updates it before judging ends).
         judging = self.progress.judging
         next_take_step = self.progress.next_take_step
         now = time.monotonic()
         self.hold_times.observe(names, now)
         stragglers = self.hold_times.stragglers(now)
         self._report(stragglers, names)
-        floors = {}
-        for name in names:
-            if name.state is JobState.PENDING:
-                self.version_floor[name.job_id] = published
-            if name.job_id not in cached:
-                floors[name.job_id] = self.version_floor.setdefault(name.job_id, published)
-        self.version_floor = {job_id: self.version_floor[job_id] for job_id in floors}
-        pending = sum(n.state is JobState.PENDING for n in names)
-        in_flight = len({n.job_id for n in names} | cached.keys() | ({judging} if judging else set()))
-        if pending >= self.cfg.max_pending or in_flight >= self.cfg.max_outstanding:
-            return False
-        oldest = min((floor for job_id, floor in floors.items() if job_id not in stragglers), default=published)
-        batches_in_flight = in_flight * self.progress.expected_yield
-        return next_take_step + batches_in_flight * self.cfg.steps_per_job - oldest <= self.cfg.max_staleness
+        return Snapshot(published, frozenset(n.job_id for n in names),
+                        frozenset(n.job_id for n in names if n.state is JobState.PENDING), frozenset(cached),
+                        judging, next_take_step, self.progress.expected_yield, frozenset(stragglers))
 
     def _report(self, stragglers: dict[str, float], names: list) -> None:
         new = stragglers.keys() - self.hold_times.reported
@@ -268,7 +254,7 @@ class JobProducer(WatchedThread):
             self.queue.events.emit("job_straggling", job_id=job_id, held_s=round(stragglers[job_id], 3),
                                    worker=str(holders.get(job_id)))
 
-    def _generation_batches(self):
+    def generation_batches(self):
         """Generation batches in TRL's order, epoch after epoch (training length is max_steps). The same config
         draws the same batches in any process, which is what lets a resumed PS skip what it already threw."""
         size, G = self.cfg.generation_batch_size, self.cfg.num_generations
@@ -328,7 +314,8 @@ class JobProducer(WatchedThread):
             self.owed.insert(0, {"from_job": None, "rows": rows[size:]})
         return rows[:size]
 
-    def _throw(self) -> None:
+    def throw(self) -> None:
+        """Throws the next job: owed rows first (see _next_rows); the journal is written before the job file."""
         with self.lock:
             rows = self._next_rows()
             job_id = next_job_id(self.last_job_id, self.progress.next_take_step)
@@ -342,5 +329,5 @@ class JobProducer(WatchedThread):
         self.queue.events.emit("job_created", job_id=job_id, weights_version=min_version, rows=len(rows),
                                created_step=created_step)
         self.version_floor[job_id] = self.progress.published_version  # before a worker can claim it
-        self.queue.put_job(job_id, {"rows": rows, "min_weights_version": min_version}, created_step=created_step)
+        self.queue.put_job(job_id, JobData(rows, min_version).to_dict(), created_step=created_step)
         log.debug("[queue] threw job %s (%d rows, min_weights_version=%d)", job_id, len(rows), min_version)

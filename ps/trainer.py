@@ -28,7 +28,7 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
 - Several processes (``--ps_processes``, started by torchrun / accelerate launch): the first rank
   alone is the queue client (pipeline, events, metrics.jsonl) and publishes weights (under FSDP2 the
   ranks first gather each tensor whole together: adapter.gather_full_tensors); it
-  broadcasts each result (TRL's own vLLM-server pattern) and every rank trains on its
+  broadcasts each batch (ps/batches.py, TRL's own vLLM-server pattern) and every rank trains on its
   ``process_slice`` with the job's ``num_items_in_batch``, so K ranks make the update one
   rank would. A checkpoint's ledger is written once every rank has saved its part.
 """
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import rotate_checkpoints
@@ -54,13 +53,20 @@ from trl import GRPOTrainer
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobQueue
-from asyncgrpo.run import RunDir, fileops
-from asyncgrpo.run.rundir import LEDGER_FILE, checkpoint_folders, newest_complete_checkpoint
+from asyncgrpo.run import RunDir, metrics
+from asyncgrpo.run.checkpoints import (
+    checkpoint_folders,
+    is_complete,
+    newest_complete_checkpoint,
+    read_ledger,
+    write_ledger,
+)
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
+from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import BatchInTraining, JobPipeline, StopRequested
+from ps.pipeline import BatchInTraining, JobPipeline
 
 log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
@@ -79,13 +85,8 @@ def last_complete_checkpoint(checkpoints: Path) -> str | None:
     return str(complete) if complete else None
 
 
-def checkpoint_state(folder: str) -> dict:
-    with open(os.path.join(folder, LEDGER_FILE)) as f:
-        return json.load(f)
-
-
 def checkpoint_step(folder: str) -> int:
-    return int(checkpoint_state(folder)["global_step"])
+    return read_ledger(folder).global_step
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -108,7 +109,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                         stop_at_boundary=stop_at_boundary)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
-        self._job_copy: BatchInTraining | None = None  # under --ps-procs, the other ranks' copy (see job)
+        self.batches: BatchSource = (
+            PipelineBatches(self.pipeline, self.events, broadcast=self.accelerator.num_processes > 1)
+            if self.is_queue_client else BroadcastBatches())
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self._step_record = _new_step_record()  # since the last logged step
@@ -133,7 +136,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._publish_weights()
         if not self.is_queue_client:
             return
-        state = checkpoint_state(self._resume_checkpoint) if self._resume_checkpoint else None
+        state = read_ledger(self._resume_checkpoint).pipeline_state if self._resume_checkpoint else None
         if self._resume_checkpoint:
             self._say_if_the_schedule_changed(self._resume_checkpoint)
         self._groups_dropped_total = self._forget_metrics_after(self.state.global_step)
@@ -168,24 +171,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
         training lost with the old PS, and those steps are trained again. Returns the groups dynamic sampling
         dropped in the lines kept (where the running total each line carries goes on from)."""
-        path = self.run.metrics_file
-        if not path.exists():
-            return 0
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        kept, torn, groups_dropped = [], 0, 0
-        for line in lines:
-            try:
-                record = json.loads(line)
-                if record["step"] <= step:
-                    kept.append(line)
-                    groups_dropped += record.get("groups_dropped") or 0
-            except (ValueError, KeyError, TypeError):  # a line cut short by a crash (or written over by hand)
-                torn += 1
-        if len(kept) < len(lines):
-            fileops.replace_file(path, "".join(f"{line}\n" for line in kept).encode())
+        truncated = metrics.truncate_after(self.run.metrics_file, step)
+        torn = truncated.unreadable  # a line cut short by a crash (or written over by hand)
+        if truncated.removed or torn:
             log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)%s",
-                     len(lines) - len(kept) - torn, step, f", {torn} unreadable line(s) removed" if torn else "")
-        return groups_dropped
+                     truncated.removed, step, f", {torn} unreadable line(s) removed" if torn else "")
+        return sum(line.get("groups_dropped") or 0 for line in truncated.kept)
 
     def finish(self) -> None:
         """End of training: what is left in queue/ is archived 'unused'; buffers freed."""
@@ -208,15 +199,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.model.training:  # evaluation generates here, as TRL does
             return super()._generate_and_score_completions(inputs)
         started = time.monotonic()
-        job = self._take_job() if self.is_queue_client else None
-        if self.accelerator.num_processes > 1:  # the other ranks wait here while the first waits for a result
-            job = broadcast_object_list([job], from_process=0)[0]
-        if job["stop"]:  # every rank leaves the training loop here, and saves (save_checkpoint_at_stop)
-            raise StopRequested(job["stop"])
+        # StopRequested: every rank leaves the training loop here, and saves (save_checkpoint_at_stop)
+        taken = self.batches.take(self.state.global_step)
         waited = time.monotonic() - started
-        batch = job["batch"]
-        if not self.is_queue_client:
-            self._job_copy = job["in_training"]
+        batch = taken.tensors
         self._step_wait_s += waited
         self._step_record["trainer_wait_s"] += waited
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
@@ -226,7 +212,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._step_record["groups_dropped"] += self.job.groups_dropped
             self._metrics["train"]["dynamic_sampling/groups_dropped"].append(self.job.groups_dropped)
         if self.log_completions and self.is_queue_client:
-            self._add_completion_logs(job["logs"])
+            self._add_completion_logs(taken.logs)
         batch = self._process_slice(batch)
         behaviour = batch.pop("old_per_token_logps", None)
         if behaviour is not None:
@@ -237,26 +223,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             batch["old_per_token_logps"] = self._proximal_logps(batch)
         return batch
 
-    def _take_job(self) -> dict:
-        """The next batch from the pipeline (the queue client's part): its tensors and what every rank logs."""
-        started = time.monotonic()
-        try:
-            taken = self.pipeline.next_batch(self.state.global_step)
-        except StopRequested as stop:
-            return {"stop": str(stop)}
-        step = self.state.global_step + 1  # the step this batch starts
-        self.events.emit("wait_result", step=step, dur_ms=(time.monotonic() - started) * 1e3)
-        for part in taken.in_training.parts:  # one event per result the batch takes groups from
-            self.events.emit("result_consumed", job_id=part.job_id, weights_version=part.weights_version, step=step,
-                             staleness=step - 1 - part.weights_version, samples=part.samples, tokens=part.tokens,
-                             groups=part.groups, of_groups=part.of_groups)
-        return {"batch": taken.tensors, "logs": taken.logs, "in_training": taken.in_training, "stop": None}
-
     @property
     def job(self) -> BatchInTraining | None:
-        """The batch in training: the pipeline's on the first rank, the copy broadcast with the tensors on the
-        others (each counts its steps down after every optimizer step)."""
-        return self.pipeline.in_training if self.is_queue_client else self._job_copy
+        """The batch in training (ps/batches.py: alike on every rank)."""
+        return self.batches.in_training
 
     def _process_slice(self, batch: dict) -> dict:
         """This rank's rows of the job, as TRL's process_slice; num_items_in_batch stays the job's token count
@@ -331,16 +301,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._step_record["staleness"] += [step - 1 - part.weights_version] * len(part.groups)
             self._step_record["weights_versions"].append(part.weights_version)
         staleness = max(step - 1 - part.weights_version for part in self.job.parts)
-        if not self.is_queue_client and self._job_copy.trained_one_step():
-            self._job_copy = None  # (the first rank's pipeline counts its own in on_step_end, below)
         if self.is_queue_client:
             self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
                              wait_ms=self._step_wait_s * 1e3, staleness=staleness)
         self._publish_weights()
-        if not self.is_queue_client:
-            return
-        self.run.write_global_step(step)
-        self.pipeline.on_step_end(step)
+        if self.is_queue_client:
+            self.run.write_global_step(step)
+        self.batches.step_trained(step)
 
     def hold_save_until_job_ends(self, control) -> None:
         """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
@@ -358,7 +325,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         weights. The folder saved, or None."""
         step = self.state.global_step
         folder = Path(self.args.output_dir) / f"checkpoint-{step}"
-        if step == 0 or (folder / LEDGER_FILE).is_file():
+        if step == 0 or is_complete(folder):
             return None
         self._save_checkpoint(self.model, trial=None)
         return str(folder)
@@ -396,47 +363,46 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not is_step_log or not self.is_queue_client:
             return
         now = time.monotonic()
-        line = {
-            "step": self.state.global_step,
-            "reward": logs.get("reward"),
-            "reward_std": logs.get("reward_std"),
-            "loss": logs.get("loss"),
-            "grad_norm": logs.get("grad_norm"),  # TRL's (transformers'), before clipping
-            "staleness_mean": logs["staleness/mean"],
-            "staleness_max": logs["staleness/max"],
-            "weights_version": logs["weights_version"],
-            "trainer_wait_s": logs["trainer_wait_s"],
-            "groups_dropped": record["groups_dropped"],
-            "groups_dropped_total": self._groups_dropped_total + record["groups_dropped"],
-            "prompts_skipped": self.pipeline.producer.prompts_skipped,
-            "tool_failure_rate": logs.get("tools/failure_frequency"),  # TRL's, averaged over the step's jobs
-            "step_time_s": round(now - self._last_step_end, 4),
-            "queue_depth": self.queue.counts(),
-            "time": time.time(),
-        }
+        line = metrics.StepMetrics(
+            step=self.state.global_step,
+            reward=logs.get("reward"),
+            reward_std=logs.get("reward_std"),
+            loss=logs.get("loss"),
+            grad_norm=logs.get("grad_norm"),
+            staleness_mean=logs["staleness/mean"],
+            staleness_max=logs["staleness/max"],
+            weights_version=logs["weights_version"],
+            trainer_wait_s=logs["trainer_wait_s"],
+            groups_dropped=record["groups_dropped"],
+            groups_dropped_total=self._groups_dropped_total + record["groups_dropped"],
+            prompts_skipped=self.pipeline.prompts_skipped,
+            tool_failure_rate=logs.get("tools/failure_frequency"),
+            step_time_s=round(now - self._last_step_end, 4),
+            queue_depth=self.queue.counts(),
+            time=time.time(),
+        )
         self._last_step_end = now
-        self._groups_dropped_total = line["groups_dropped_total"]
+        self._groups_dropped_total = line.groups_dropped_total
         self._step_record = _new_step_record()
-        fileops.append_line(self.run.metrics_file, json.dumps(line))
+        metrics.append(self.run.metrics_file, line)
         self._show_progress(line)
 
-    def _show_progress(self, line: dict) -> None:
-        depth = line["queue_depth"]
+    def _show_progress(self, line: metrics.StepMetrics) -> None:
+        depth = line.queue_depth
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
         log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s queue=pending:%d processing:%d "
-                 "complete:%d%s", line["step"], line["reward"], line["staleness_mean"], line["trainer_wait_s"] * 1e3,
-                 f"{line['loss']:.4f}" if line["loss"] is not None else "-", depth["pending"],
+                 "complete:%d%s", line.step, line.reward, line.staleness_mean, line.trainer_wait_s * 1e3,
+                 f"{line.loss:.4f}" if line.loss is not None else "-", depth["pending"],
                  depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
                  (f" dropped_prompts={dropped}" if dropped else "")
-                 + (f" groups_dropped={line['groups_dropped']}" if self.cfg.dynamic_sampling else "")
-                 + (f" prompts_skipped={line['prompts_skipped']}" if self.cfg.difficulty_filter else "")
-                 + (f" tool_failures={line['tool_failure_rate']:.0%}" if line["tool_failure_rate"] is not None
-                    else ""))
+                 + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
+                 + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")
+                 + (f" tool_failures={line.tool_failure_rate:.0%}" if line.tool_failure_rate is not None else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
-                callback.training_bar.set_postfix(reward=f"{line['reward']:.3f}",
-                                                  staleness=f"{line['staleness_mean']:.1f}",
-                                                  wait_ms=f"{line['trainer_wait_s'] * 1e3:.0f}", refresh=False)
+                callback.training_bar.set_postfix(reward=f"{line.reward:.3f}",
+                                                  staleness=f"{line.staleness_mean:.1f}",
+                                                  wait_ms=f"{line.trainer_wait_s * 1e3:.0f}", refresh=False)
 
     def create_model_card(self, *args, **kwargs):
         """TRL's card names the hub model it was fine-tuned from, and a local folder (the demo's, a user's) as
@@ -462,8 +428,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return
         run_dir = self._get_output_dir(trial=trial)
         final = self.state.global_step >= self.state.max_steps
-        fileops.write_json(os.path.join(run_dir, f"checkpoint-{self.state.global_step}", LEDGER_FILE),
-                           {"global_step": self.state.global_step, **self.pipeline.state_dict(final)}, fsync=True)
+        write_ledger(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"), self.state.global_step,
+                     self.pipeline.state_dict(final))
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)

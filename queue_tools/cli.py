@@ -26,7 +26,7 @@ import time
 from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describe_error
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
-from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers
+from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers, metrics
 from asyncgrpo.run.liveness import fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
@@ -164,22 +164,12 @@ def failure_of(path) -> str | None:
 
 def last_logged_step(run: RunDir) -> dict | None:
     """The newest line of RUN/metrics.jsonl (step, reward, staleness, ...), read from its tail."""
-    try:
-        with open(run.metrics_file, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
-            tail = f.read().splitlines()
-    except OSError:
+    record = metrics.last_line(run.metrics_file)
+    if record is None:
         return None
-    for line in reversed(tail):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the first, cut line of the tail, or a line being written
-        if isinstance(record, dict) and "step" in record:
-            return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max",
-                                               "trainer_wait_s", "groups_dropped", "groups_dropped_total",
-                                               "prompts_skipped", "tool_failure_rate", "time")}
-    return None
+    return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max", "trainer_wait_s",
+                                       "groups_dropped", "groups_dropped_total", "prompts_skipped",
+                                       "tool_failure_rate", "time")}
 
 
 def _health(report: dict) -> str:

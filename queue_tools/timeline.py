@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from asyncgrpo.run import RunDir
+from asyncgrpo.run import RunDir, metrics
 
 COMMON = ("event", "t", "mono", "pid", "process", "role", "device")  # fields every event has
 
@@ -131,16 +131,4 @@ def subtract(intervals, holes) -> list:
 
 def load_metrics(run: RunDir) -> list[dict]:
     """metrics.jsonl's lines; corrupt ones are skipped."""
-    rows = []
-    try:
-        lines = run.metrics_file.read_text(errors="replace").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return metrics.read_lines(run.metrics_file)

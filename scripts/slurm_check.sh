@@ -174,7 +174,7 @@ check "every job trained exactly once (ledger = done/ consumed, none twice, none
 import json, os, re, sys
 from collections import Counter
 from pathlib import Path
-from asyncgrpo.run.rundir import LEDGER_FILE, newest_complete_checkpoint
+from asyncgrpo.run.checkpoints import LEDGER_FILE, newest_complete_checkpoint
 run, steps = Path(sys.argv[1]), int(sys.argv[2])
 ledger = json.loads((newest_complete_checkpoint(run / "checkpoints") / LEDGER_FILE).read_text())["consumed"]
 consumed = [m[1] for name in os.listdir(run / "done")

@@ -25,7 +25,7 @@ import sys
 from safetensors import SafetensorError
 from transformers import Trainer
 
-from asyncgrpo.run.rundir import LEDGER_FILE, newest_complete_checkpoint
+from asyncgrpo.run.checkpoints import LEDGER_FILE, newest_complete_checkpoint
 from asyncgrpo.weights import snapshot
 
 FAULT, ARG = os.environ["PS_FAULT"].split()

@@ -7,10 +7,12 @@ GRPOTrainer built in process (the demo's model, tokenizer and config; no downloa
 what ps/ and worker/ need of its behaviour, so that a change in what TRL or transformers does fails here,
 not only a change in how their source reads."""
 
+import ast
 import contextlib
 import dataclasses
 import inspect
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 import trl
-from helpers import demo_config
+from helpers import REPO, demo_config
 from packaging.version import Version
 from transformers import GenerationMixin, TrainerCallback
 from transformers.trainer_callback import ProgressCallback, TrainerControl, TrainerState
@@ -26,20 +28,13 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from asyncgrpo.events import EventLog
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward, write_demo_model
 from worker.behaviour import BehaviourCapture
 from worker.decoding import COMPILED_CALL, LAST_COMPILE_CONFIG
-from worker.generate import (
-    BEHAVIOUR_LOGPS,
-    GENERATE,
-    GENERATE_AND_SCORE,
-    GENERATE_SINGLE_TURN,
-    REWARDS_KEY,
-    completion_logs,
-    error_record,
-    generate_and_score,
-)
+from worker.generate import completion_logs, error_record, generate_and_score
+from worker.trl_seam import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE, GENERATE_SINGLE_TURN, TRL_INTERNALS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -751,3 +746,24 @@ def test_a_peft_model_s_reference_is_the_base_with_the_adapter_disabled(tmp_path
     assert "ref_per_token_logps" in batch
     torch.testing.assert_close(batch["ref_per_token_logps"][on], base[on])
     assert not torch.allclose(base[on], adapted[on], atol=1e-3), "the adapter changes nothing: the test proves nothing"
+
+
+def test_the_worker_names_trl_s_internals_only_in_its_seam():
+    """worker/trl_seam.py lists every GRPOTrainer internal a worker calls, overrides or reads: each is still in
+    TRL's source, and no other worker module names one (as a string, or as an attribute of a trainer)."""
+    source = inspect.getsource(inspect.getmodule(GRPOTrainer))
+    for name in TRL_INTERNALS:
+        assert f"def {name}(" in source or f"self.{name} = " in source, f"GRPOTrainer.{name} is gone"
+    internals = {name for name in vars(GRPOTrainer) if name.startswith("_") and not name.startswith("__")}
+    internals |= set(re.findall(r"self\.(_[a-z]\w*) = ", source))
+    assert set(TRL_INTERNALS) <= internals
+    named = []
+    for path in sorted((REPO / "worker").glob("*.py")):
+        if path.name == "trl_seam.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in internals:
+                named.append(f"{path.name}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in internals and "trainer" in ast.unparse(node.value):
+                named.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not named, f"TRL internals named outside worker/trl_seam.py: {named}"

@@ -18,8 +18,7 @@ from torch.profiler import record_function
 from trl import GRPOTrainer
 
 from worker.decoding import CompiledDecodeStep, generating_model
-
-GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over token ids: a turn
+from worker.trl_seam import overriding
 
 
 class BehaviourCapture:
@@ -74,20 +73,13 @@ class BehaviourCapture:
 
     @contextlib.contextmanager
     def watching_generate(self):
-        """For the span of TRL's ``_generate``: the generating model's ``generate`` is wrapped."""
+        """For the span of one job's TRL call (worker/trl_seam.py): the generating model's ``generate`` is wrapped."""
         if self.why_not is not None:  # not a single model.generate call: nothing to watch
             yield
             return
         model = self._model()
-        own = model.__dict__.get("generate")  # an instance attribute someone else set, if any
-        model.generate = functools.partial(self._generate, model, model.generate)
-        try:
+        with overriding(model, "generate", functools.partial(self._generate, model, model.generate)):
             yield
-        finally:
-            if own is None:
-                del model.generate  # back to the class's method
-            else:
-                model.generate = own
 
     def _generate(self, model, original, *args, **kwargs):
         self.generate_calls += 1
@@ -251,12 +243,10 @@ class MultiTurnCapture:
         self.completion_ids: list[list[int]] | None = None
         self.logps: list[list[float]] | None = None
 
-    @contextlib.contextmanager
-    def watching_generate(self):
+    def capturing(self, generate_single_turn):
+        """TRL's ``_generate_single_turn``, each call (a turn) watched by a BehaviourCapture of its own."""
         if self.why_not is not None:
-            yield
-            return
-        generate_single_turn = getattr(self.trainer, GENERATE_SINGLE_TURN)  # maybe a timing wrapper: kept inside
+            return generate_single_turn
 
         def capturing(prompt_ids, *args, **kwargs):
             turn = BehaviourCapture(self.trainer)
@@ -269,15 +259,7 @@ class MultiTurnCapture:
                 lists = [[0.0] * len(ids) for ids in completion_ids]
             return completion_ids, lists
 
-        own = self.trainer.__dict__.get(GENERATE_SINGLE_TURN)
-        setattr(self.trainer, GENERATE_SINGLE_TURN, capturing)
-        try:
-            yield
-        finally:
-            if own is None:
-                delattr(self.trainer, GENERATE_SINGLE_TURN)
-            else:
-                setattr(self.trainer, GENERATE_SINGLE_TURN, own)
+        return capturing
 
     def received(self, generated: tuple) -> tuple:
         """TRL's ``_generate`` output with the assembled log-probs taken out (kept here)."""

@@ -36,6 +36,8 @@ import time
 import torch
 from transformers import CompileConfig
 
+from worker.trl_seam import GENERATE_SINGLE_TURN
+
 log = logging.getLogger("asyncgrpo.worker")
 
 DECODING_MODES = ("auto", "eager", "compiled", "graph")
@@ -155,4 +157,4 @@ class CompiledDecoding(FixedBatchDecoding):
             self.model.__dict__.pop(name, None)
 
     def decode_batch(self, prompt_ids: list[list[int]]):
-        return self.trainer._generate_single_turn(prompt_ids, None, {}, self.trainer.num_generations)
+        return getattr(self.trainer, GENERATE_SINGLE_TURN)(prompt_ids, None, {}, self.trainer.num_generations)

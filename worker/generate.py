@@ -15,7 +15,8 @@ where capture does not apply. Except in synchronous mode (``max_staleness == 0``
 there the PS trains with the weights the worker generated with, so without capture the
 key is left out and the PS uses its own current log-probs.
 
-Generation and scoring are timed apart by wrapping TRL's ``_generate`` for the call.
+Generation and scoring are timed apart, and what the job needs is read off TRL's call, by the overrides of
+worker/trl_seam.py (the one place that names TRL's internals).
 
 Several jobs share one generate call (generate_jobs, ``--jobs_per_generate``): where decoding is
 bound by kernel launches, a larger batch costs little more per call. Each job is then scored
@@ -31,7 +32,6 @@ on, are checked by tests/test_trl_contract.py, which fails loudly, naming what c
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import logging
@@ -49,6 +49,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY
 from asyncgrpo.messages import first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
@@ -56,17 +57,18 @@ from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns
 from worker.tools import RolloutTurns, WorkerStopping, bounding_environments
-
-GENERATE_AND_SCORE = "_generate_and_score_completions"
-BEHAVIOUR_LOGPS = "_get_per_token_logps_and_entropies"
-GENERATE = "_generate"
-GENERATE_SINGLE_TURN = "_generate_single_turn"  # one model.generate call over token ids
-CALCULATE_REWARDS = "_calculate_rewards"  # its loop variable reward_func_name names the function being called
-# Added to each result's batch (the PS takes it out before training): per completion, the weighted sum of its
-# rewards that TRL normalises into advantages (NaN where no reward function scored it). Dynamic sampling reads
-# each group's spread from it (ps/groups.py); ps/collector.py checks its shape.
-REWARDS_KEY = "rewards"
-COMPLETION_LOGS = "_logs"  # TRL's completions table: prompt, completion, rewards (per function), advantages, extra
+from worker.trl_seam import (
+    BEHAVIOUR_LOGPS,
+    CALCULATE_REWARDS,
+    COMPLETION_LOGS,
+    GENERATE,
+    GENERATE_AND_SCORE,
+    GENERATE_SINGLE_TURN,
+    METRICS,
+    TOKENIZE_PROMPTS,
+    Pregenerated,
+    scoring_one_job,
+)
 
 log = logging.getLogger("asyncgrpo.worker")
 
@@ -117,16 +119,6 @@ class JobInput:
     fields: dict = field(default_factory=dict)
 
 
-@dataclass
-class Pregenerated:
-    """One job's share of a generate call made for several jobs: what TRL's ``_generate_single_turn`` returns for
-    its rows, and the behaviour log-probs captured for them."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    capture: BehaviourCapture
-
-
 def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
                   decoding: CompiledDecoding | GraphDecoding | None = None, with_logs: bool = False
                   ) -> list[tuple[dict, dict, dict | None] | Exception]:
@@ -170,7 +162,8 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
     prompt_ids = []
     for job in jobs:
         # What TRL's _generate does with a job's prompts before it generates.
-        ids, images, multimodal_fields = trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in job.rows]))
+        ids, images, multimodal_fields = getattr(trainer, TOKENIZE_PROMPTS)(
+            copy.deepcopy([row["prompt"] for row in job.rows]))
         if images is not None or multimodal_fields:
             return None
         prompt_ids.append([list(x) for x in ids])
@@ -219,58 +212,27 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     ``_generate_single_turn`` returns them instead of generating."""
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
-    trainer._metrics["train"].clear()  # metrics of this job only, not cumulative
+    metrics_of = getattr(trainer, METRICS)["train"]
+    metrics_of.clear()  # metrics of this job only, not cumulative
     _clear_completion_logs(trainer)  # and its completions table rows only
-    generate = getattr(trainer, GENERATE)
-    calculate_rewards = getattr(trainer, CALCULATE_REWARDS)
-    rewards_per_func = []
-    generated_at = []
     capture = capture_for(trainer) if pregenerated is None else pregenerated.capture
     turns = RolloutTurns(trainer.args.tool_timeout_s, events, job_fields) if trainer.tools else None
-
-    def timed_generate(*args, **kwargs):
-        if turns is not None:  # TRL's tool loop: turns timed, tools bounded (worker/tools.py)
-            turns.bounding_tools(trainer)
-            with events.span("generate", **job_fields), capture.watching_generate(), turns.timing_turns(trainer):
-                out = generate(*args, **kwargs)
-            out = capture.received(out)
-        elif pregenerated is None:
-            with events.span("generate", **job_fields), capture.watching_generate():
-                out = generate(*args, **kwargs)
-            if trainer.rollout_func is not None:  # its log-probs are not known to be the policy's, as TRL computes
-                out = out[:4] + (None,) + out[5:]  # them: TRL would take them as vLLM's; the forward pass replaces
-        else:
-            with _replaying(trainer, pregenerated):
-                out = generate(*args, **kwargs)
-        generated_at.append(time.monotonic())
-        events.emit("score_start", **job_fields)
-        return out
-
-    def kept_rewards(*args, **kwargs):
-        rewards_per_func.append(calculate_rewards(*args, **kwargs))
-        return rewards_per_func[-1]
-
-    setattr(trainer, GENERATE, timed_generate)
-    setattr(trainer, CALCULATE_REWARDS, kept_rewards)
-    try:
-        # The PS's forward passes run under the trainer's mixed precision (accelerate wraps the model it
-        # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
-        # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
-        with torch.no_grad(), trainer.accelerator.autocast(), record_function("score"):
-            batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
-            if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
-                _add_behaviour_logps(trainer, batch, capture)
-    finally:
-        delattr(trainer, GENERATE)  # back to the class's methods
-        delattr(trainer, CALCULATE_REWARDS)
+    # The PS's forward passes run under the trainer's mixed precision (accelerate wraps the model it
+    # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
+    # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
+    with torch.no_grad(), trainer.accelerator.autocast(), record_function("score"), \
+            scoring_one_job(trainer, events, job_fields, capture, turns, pregenerated) as seen:
+        batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
+        if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
+            _add_behaviour_logps(trainer, batch, capture)
     if turns is not None and turns.stopped:  # its tool calls were cut short: not a result to train on
         raise WorkerStopping("the worker is stopping: tool calls of this job were cut")
-    if generated_at:
-        events.emit("score_end", dur_ms=(time.monotonic() - generated_at[0]) * 1e3, **job_fields)
-    metrics = {name: statistics.fmean(values) for name, values in trainer._metrics["train"].items() if values}
-    trainer._metrics["train"].clear()
+    if seen.generated_at is not None:
+        events.emit("score_end", dur_ms=(time.monotonic() - seen.generated_at) * 1e3, **job_fields)
+    metrics = {name: statistics.fmean(values) for name, values in metrics_of.items() if values}
+    metrics_of.clear()
     on_cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    on_cpu[REWARDS_KEY] = _weighted_rewards(trainer, rewards_per_func[-1])
+    on_cpu[REWARDS_KEY] = _weighted_rewards(trainer, seen.rewards_per_func)
     return on_cpu, metrics
 
 
@@ -280,23 +242,6 @@ def _weighted_rewards(trainer: GRPOTrainer, rewards_per_func: torch.Tensor) -> t
     rewards = (rewards_per_func * trainer.reward_weights.float().cpu().unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
     return rewards
-
-
-@contextlib.contextmanager
-def _replaying(trainer: GRPOTrainer, pregenerated: Pregenerated):
-    """For the span of one job's TRL ``_generate``: ``_generate_single_turn`` returns the job's share of the shared
-    call, after checking that TRL asks for the prompts that call generated for."""
-
-    def replay(prompt_ids, *_args, **_kwargs):
-        if [list(x) for x in prompt_ids] != pregenerated.prompt_ids:
-            raise RuntimeError("the job's prompts tokenized otherwise than for the shared generate call")
-        return pregenerated.completion_ids, None
-
-    setattr(trainer, GENERATE_SINGLE_TURN, replay)
-    try:
-        yield
-    finally:
-        delattr(trainer, GENERATE_SINGLE_TURN)
 
 
 def error_record(err: BaseException) -> dict:

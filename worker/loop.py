@@ -35,7 +35,8 @@ import time
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
-from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher, describe_error
+from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher, describe_error
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY, JobData, ResultData
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
@@ -47,6 +48,7 @@ from worker import tools
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
+from worker.trl_seam import TOKENIZE_PROMPTS
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
@@ -145,6 +147,9 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             jobs = [job]
             while len(jobs) < jobs_per_call and (more := queue.claim(device)) is not None:
                 jobs.append(more)  # only jobs already pending: a job in hand never waits for another
+            jobs = _readable(cfg, queue, jobs, version, events)
+            if not jobs:
+                continue
             claimed = time.monotonic()
             presence.update(state="busy", job_id=job.job_id, job_ids=[j.job_id for j in jobs])
             for j in jobs:
@@ -153,7 +158,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, j.job_id, j.attempt,
                          queue_wait_ms)
             version = _sync(subscriber, trainer.model, device, events) or version
-            needed = max(j.data["min_weights_version"] for j in jobs)
+            needed = max(j.job_data.min_weights_version for j in jobs)
             if version < needed:
                 waited_from = time.monotonic()
                 while version < needed and not stop.is_set():
@@ -220,7 +225,7 @@ def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
         log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
         mode = "compiled"
     rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
-    prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in rows])
+    prompt_ids, _, _ = getattr(trainer, TOKENIZE_PROMPTS)([row["prompt"] for row in rows])
     if mode == "graph":
         decoding = GraphDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
         cache_len = decoding.state.cache_len
@@ -250,6 +255,21 @@ def _device_label(cfg: AsyncGRPOConfig) -> str:
     return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}"  # the physical GPU launch.sh chose
 
 
+def _readable(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list[ClaimedJob], version: int,
+              events: EventLog) -> list[ClaimedJob]:
+    """The jobs whose data a worker can read (asyncgrpo/jobqueue/handoff.py), each with its ``job_data``; any
+    other fails as a job whose generation raised would (thrown again, then reported to the PS)."""
+    readable = []
+    for job in jobs:
+        try:
+            job.job_data = JobData.from_dict(job.data)
+        except ValueError as err:
+            _fail(cfg, queue, job, err, version, events)
+            continue
+        readable.append(job)
+    return readable
+
+
 def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
     start = time.monotonic()
     version = subscriber.sync(model)
@@ -266,7 +286,7 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
     any of them raised (it is thrown again or reported failed)."""
     device = jobs[0].name.device
     started = time.time()
-    inputs = [JobInput(job.data["rows"], job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
+    inputs = [JobInput(job.job_data.rows, job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
                        {"job_id": job.job_id, "weights_version": version}) for job in jobs]
     # A bad prompt or reward function fails its job, not the worker (an error of a broken device is raised).
     outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions)
@@ -284,10 +304,9 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
             _fail(cfg, queue, job, outcome, version, events)
             all_done = False
             continue
-        batch, metrics, logs = outcome
-        data = {"batch": batch, "metrics": metrics, "rows": job.data["rows"]}
-        if logs is not None:
-            data["logs"] = logs  # the PS prints TRL's completions table from these
+        batch, metrics, logs = outcome  # logs: the PS prints TRL's completions table from these
+        data = ResultData({k: v for k, v in batch.items() if k != REWARDS_KEY}, batch.get(REWARDS_KEY), metrics,
+                          job.job_data.rows, logs).to_dict()
         try:
             published = queue.complete(
                 job, data, weights_version=version, queue_time=job.claimed_at - job.payload["created_at"],

@@ -17,15 +17,14 @@ Every failed call (an error, a timeout, a name that is not among the tools: TRL 
 counted and logged with its text, rate-limited (``ToolErrorLog``); launch.sh shows these ``[tools]`` lines on
 the terminal.
 
-``timing_turns`` records each generate call and the tool phase between two of them: events
-``generate_turn_end`` and ``tools_end`` per turn (worker/generate.py emits them), which ``queue_tools report``
+``RolloutTurns.timed`` records each generate call and the tool phase between two of them: events
+``generate_turn_end`` and ``tools_end`` per turn (installed by worker/trl_seam.py), which ``queue_tools report``
 turns into a job's split between generation, tool calls and reward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import threading
@@ -35,11 +34,10 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.messages import first_line
+from worker.trl_seam import ENVIRONMENT_POOL
 
 log = logging.getLogger("asyncgrpo.worker")
 
-SYNC_TOOLS, ASYNC_TOOLS = "_sync_tool_dicts", "_async_tool_dicts"  # per rollout, {name: callable}, built per batch
-GENERATE_SINGLE_TURN = "_generate_single_turn"
 
 
 class ToolTimeout(TimeoutError):
@@ -120,7 +118,7 @@ def bounding_environments(trainer, timeout_s: float) -> None:
         _bound_environment(environment, timeout_s)
         return environment
 
-    for pool in trainer._environment_pool.values():
+    for pool in getattr(trainer, ENVIRONMENT_POOL).values():
         for environment in pool:
             _bound_environment(environment, timeout_s)
     trainer.environment_factories = {name: functools.partial(bounded_environment, factory)
@@ -231,10 +229,10 @@ class RolloutTurns:
 
     # ------------------------------------------------------------------ tools
 
-    def bounding_tools(self, trainer) -> None:
-        """Wraps every tool of the trainer's current batch (call after TRL built them, before its loop runs)."""
-        sync_dicts = getattr(trainer, SYNC_TOOLS, None) or []
-        async_dicts = getattr(trainer, ASYNC_TOOLS, None) or [{}] * len(sync_dicts)
+    def bounding_tools(self, sync_dicts: list[dict], async_dicts: list[dict] | None) -> None:
+        """Wraps every tool of the current batch, in place: TRL's per-rollout dicts of sync and async tools (call
+        after TRL built them, before its loop runs)."""
+        async_dicts = async_dicts or [{}] * len(sync_dicts)
         for tools in async_dicts:
             for name, tool in tools.items():
                 tools[name] = self._bounded_async(name, tool)
@@ -307,12 +305,11 @@ class RolloutTurns:
 
     # ------------------------------------------------------------------ turns
 
-    @contextlib.contextmanager
-    def timing_turns(self, trainer):
-        """For the span of TRL's ``_generate``: each ``_generate_single_turn`` call is a turn; the time since the
-        previous turn ended is that turn's tool phase."""
-        generate_single_turn = getattr(trainer, GENERATE_SINGLE_TURN)
+    def timed(self, generate_single_turn):
+        """TRL's ``_generate_single_turn`` for one job's tool loop: each call is a turn; the time since the previous
+        turn ended is that turn's tool phase."""
 
+        @functools.wraps(generate_single_turn)
         def timed(prompt_ids, *args, **kwargs):
             started = time.monotonic()
             if self._last_turn_end is not None:  # the tools this generation follows
@@ -325,16 +322,12 @@ class RolloutTurns:
             self.turns += 1
             return out
 
-        own = trainer.__dict__.get(GENERATE_SINGLE_TURN)  # a replay or a capture set for this job, if any
-        setattr(trainer, GENERATE_SINGLE_TURN, timed)
-        try:
-            yield
-        finally:
-            if own is None:
-                delattr(trainer, GENERATE_SINGLE_TURN)
-            else:
-                setattr(trainer, GENERATE_SINGLE_TURN, own)
-            TOOL_ERRORS.flush()
-            if self.tally.calls:  # tools after the last generation (every result overlong): still counted
-                self.events.emit("tools_end", turn=self.turns, dur_ms=self.tally.busy_s * 1e3, **self.tally.take(),
-                                 **self.job_fields)
+        return timed
+
+    def finish(self) -> None:
+        """The job's TRL call is over: repeated tool failures logged, and the tools after the last generation
+        (every result overlong) counted."""
+        TOOL_ERRORS.flush()
+        if self.tally.calls:
+            self.events.emit("tools_end", turn=self.turns, dur_ms=self.tally.busy_s * 1e3, **self.tally.take(),
+                             **self.job_fields)

@@ -7,7 +7,7 @@ step is safe are in docs/design.md, "The file protocol".
 
 The PS calls ``put_job``, ``collect``, ``consume``/``archive`` and ``recover``; a worker
 calls ``claim``, then ``complete``, ``fail`` (thrown again, or reported to the PS as failed) or
-``release``.
+``release``. Recovery (``recover``, ``archive_leftovers``) is in recovery.py; these methods delegate to it.
 """
 
 from __future__ import annotations
@@ -21,18 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncgrpo.events import EventLog
+from asyncgrpo.jobqueue import recovery
+from asyncgrpo.jobqueue.handoff import FailureReport, JobData
 from asyncgrpo.jobqueue.names import (
     ArchiveReason,
     JobState,
     QueueName,
     done_name,
-    invalid_name_stem,
     is_job_id,
     parse_done_name,
     parse_queue_name,
 )
+from asyncgrpo.jobqueue.recovery import RecoveryAction
 from asyncgrpo.run import fileops
-from asyncgrpo.run.liveness import DEFAULT_LEASE_S, fs_now, worker_status
+from asyncgrpo.run.liveness import DEFAULT_LEASE_S
 from asyncgrpo.run.rundir import RunDir, WorkerId
 
 SCHEMA_VERSION = 1
@@ -63,27 +65,13 @@ def validate_payload(payload: dict, kind: str, job_id: str) -> None:
         raise ValueError(f"payload job_id {str(payload['job_id'])[:40]!r} does not match file name job id {job_id}")
 
 
-def describe_error(error: dict) -> str:
-    """One line for one of a job's ``errors``: "reward function 'f' raised ValueError: ..." (or "generation
-    raised ..."). A record holds ``type``, ``message``, ``reward_function`` (None outside one), ``stage``
-    ("generation" or "scoring"), ``traceback``, ``attempt``, ``worker_device``, ``weights_version``, ``time``."""
-    where = f"reward function {error['reward_function']!r}" if error.get("reward_function") else error.get("stage")
-    lines = str(error.get("message", "")).strip().splitlines() or [""]
-    message = lines[0][:300] + (" ..." if len(lines) > 1 or len(lines[0]) > 300 else "")
-    return f"{where or 'the job'} raised {error.get('type', 'an exception')}: {message}"
-
-
-def is_failure_report(payload: dict) -> bool:
-    """A result that reports a job given up after its last attempt (JobQueue.fail), not a generated batch."""
-    return isinstance(payload.get("data"), dict) and "errors" in payload["data"]
-
-
 @dataclass
 class ClaimedJob:
     name: QueueName  # its processing name
     path: Path
     payload: dict
     claimed_at: float
+    job_data: JobData | None = None  # its data as the worker read it (JobData.from_dict)
 
     @property
     def job_id(self) -> str:
@@ -111,18 +99,6 @@ class CollectedResult:
     @property
     def data(self):
         return self.payload["data"]
-
-
-@dataclass
-class RecoveryAction:
-    what: str  # requeue | archive | reap
-    src: str
-    dst: str | None
-    why: str
-    job_id: str | None = None  # set when a job's file was recovered (not for temp files or junk)
-
-    def line(self) -> str:
-        return f"{self.what} {self.src} -> {self.dst or '(removed)'}: {self.why}"
 
 
 class JobQueue:
@@ -237,7 +213,7 @@ class JobQueue:
         return self._fenced_publish(job, payload, result, ArchiveReason.PROCESSED)
 
     def fail(self, job: ClaimedJob, error: dict, *, max_attempts: int, weights_version: int) -> bool:
-        """A job whose generation or scoring raised: ``error`` (see describe_error) is added to the
+        """A job whose generation or scoring raised: ``error`` (handoff.ERROR_KEYS) is added to the
         ``errors`` of its payload, and the job goes back to pending as attempt + 1, or, after its
         ``max_attempts``-th attempt, to the PS as a *failure report*: a result whose data holds
         ``errors`` and ``job`` (the job's data) instead of a batch; the PS archives it ``failed``.
@@ -245,7 +221,7 @@ class JobQueue:
         Fenced like complete(): False if the job was recovered from this worker meanwhile."""
         errors = [*job.payload.get("errors", []), error]
         if job.attempt >= max_attempts:
-            return self.complete(job, {"errors": errors, "job": job.data}, weights_version=weights_version)
+            return self.complete(job, FailureReport(errors, job.data).to_dict(), weights_version=weights_version)
         again = job.name.moved_to(JobState.PENDING, attempt=job.attempt + 1)
         return self._fenced_publish(job, {**job.payload, "errors": errors}, again, ArchiveReason.RETRIED)
 
@@ -407,136 +383,16 @@ class JobQueue:
         except FileNotFoundError:
             return None
 
-    # ---------------------------------------------------------------- recovery
+    # ---------------------------------------------------------------- recovery (recovery.py)
 
     def recover(self, *, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                 dry_run: bool = False, own_device: WorkerId | None = None,
                 requeue: bool = True) -> list[RecoveryAction]:
-        """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk.
-
-        A processing or committing file is stale when its worker is dead (its lock is
-        free, or on another host its heartbeat is older than the lease: liveness.py), when the
-        worker's heartbeat is older than the lease (stopped, hung), or when the worker
-        has moved on to another job and the file is older than the lease. A stale job
-        whose result exists is archived ``processed`` (the result wins), one whose job is
-        already in the queue as a later attempt (its worker threw it again, then died)
-        ``duplicate``; else it goes back to pending with attempt + 1, or to done/ as
-        ``orphaned`` after ``max_attempts``. ``own_device``: a worker starting up recovers every file left
-        under its device number, since the process that left them is gone.
-        ``requeue=False`` (the PS's end of training): a stale job without a result is
-        archived ``unused`` instead of going back to pending, where a worker would take it.
-        Temp files are reaped when older than the lease, or at once when their writer (a
-        process of this host) is dead.
-        Idempotent, and safe next to running workers: every move is no-clobber.
-        """
-        now = fs_now(self.run)
-        names, junk = self.scan()
-        with_result = {n.job_id for n in names if n.state in (JobState.COMPLETE, JobState.COLLECTED)}
-        latest_attempt: dict[str, int] = {}
-        for n in names:
-            if n.state in (JobState.PENDING, JobState.PROCESSING, JobState.COMMITTING):
-                latest_attempt[n.job_id] = max(n.attempt, latest_attempt.get(n.job_id, 0))
-        statuses = {}
-        actions = []
-        for name in sorted(names):
-            if name.state not in (JobState.PROCESSING, JobState.COMMITTING):
-                continue
-            path = self.path(name)
-            if own_device is not None:
-                if name.device != own_device:
-                    continue
-                why = f"left by an earlier run of worker dev{own_device}"
-            else:
-                try:
-                    file_age = now - os.lstat(path).st_mtime
-                except FileNotFoundError:
-                    continue
-                if name.device not in statuses:
-                    statuses[name.device] = worker_status(self.run, name.device, now, lease_s)
-                why = _stale_reason(statuses[name.device], name, file_age, lease_s)
-                if why is None:
-                    continue
-            reason = None  # requeue
-            if name.job_id in with_result or self.was_consumed(name.job_id):
-                reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
-            elif name.attempt < latest_attempt[name.job_id]:  # its worker threw it again and died right after
-                reason, why = ArchiveReason.DUPLICATE, why + f"; attempt {latest_attempt[name.job_id]} is in the queue"
-            elif name.attempt >= max_attempts:
-                reason, why = ArchiveReason.ORPHANED, why + f"; attempt {name.attempt} of {max_attempts}"
-            elif not requeue:
-                reason, why = ArchiveReason.UNUSED, why + "; training is over"
-            actions.append(self._recovery_move(path, name, reason, why, dry_run))
-        actions += self._reap_temp_files(now, lease_s, dry_run)
-        for entry in junk:
-            actions.append(self._recovery_move(Path(entry.path), None, ArchiveReason.FAILED_LOAD,
-                                               "name outside the queue grammar", dry_run))
-        if not dry_run:
-            for action in actions:
-                log.warning("[queue] recover: %s", action.line())
-        return actions
+        """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk: recovery.recover."""
+        return recovery.recover(self, lease_s=lease_s, max_attempts=max_attempts, dry_run=dry_run,
+                                own_device=own_device, requeue=requeue)
 
     def archive_leftovers(self, dry_run: bool = False) -> list[RecoveryAction]:
-        """After training is over: each pending job and each result still in queue/ archived ``unused`` (no PS will
-        train on them; pending, a worker would only take them)."""
-        actions = []
-        for name in sorted(self.scan()[0]):
-            if name.state in (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED):
-                actions.append(self._recovery_move(self.path(name), name, ArchiveReason.UNUSED,
-                                                   f"{name.state.value} after training was over", dry_run))
-        return actions
-
-    def _recovery_move(self, path: Path, name: QueueName | None, reason: ArchiveReason | None,
-                       why: str, dry_run: bool) -> RecoveryAction:
-        if reason is None:  # requeue
-            target = self.path(name.moved_to(JobState.PENDING, attempt=name.attempt + 1))
-            action = RecoveryAction("requeue", path.name, target.name, why, name.job_id)
-            if not dry_run:
-                try:
-                    fileops.move(path, target)
-                except FileExistsError:
-                    why += "; already requeued"
-                    action = self._recovery_move(path, name, ArchiveReason.DUPLICATE, why, dry_run)
-                except FileNotFoundError:
-                    action.why += " (someone else moved it first)"
-            return action
-        job_id = name.job_id if name else invalid_name_stem(path.name)
-        attempt = name.attempt if name else 1
-        if dry_run:
-            return RecoveryAction("archive", path.name, "done/" + done_name(job_id, reason, attempt), why,
-                                  name and name.job_id)
-        archived = self.archive_if_present(path, job_id, reason, attempt)
-        return RecoveryAction("archive", path.name, f"done/{archived.name}" if archived else None,
-                              why if archived else why + " (someone else moved it first)", name and name.job_id)
-
-    def _reap_temp_files(self, now: float, lease_s: float, dry_run: bool) -> list[RecoveryAction]:
-        actions = []
-        for entry in fileops.scan(self.run.tmp):
-            try:
-                age = now - entry.stat(follow_symlinks=False).st_mtime
-            except FileNotFoundError:
-                continue  # its writer just published it
-            writer_dead = fileops.temp_writer_is_dead(entry.name)
-            if age <= lease_s and not writer_dead:
-                continue  # possibly still being written: never reap a young temp file of a live writer
-            if not dry_run:
-                try:
-                    fileops.remove_temp(entry.path)
-                except FileNotFoundError:
-                    continue
-            actions.append(RecoveryAction("reap", f".tmp/{entry.name}", None,
-                                          "temp file of a dead process" if writer_dead else
-                                          f"temp file {age:.0f}s old (lease {lease_s:g}s)"))
-        return actions
-
-
-def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> str | None:
-    if not status.alive and status.remote and status.state != "stopped":
-        return (f"worker dev{name.device} on host {status.host} went silent: heartbeat "
-                f"{status.heartbeat_age_s or 0:.0f}s old (lease {lease_s:g}s)")
-    if not status.alive:
-        return f"worker dev{name.device} is dead"
-    if status.heartbeat_age_s is not None and status.heartbeat_age_s > lease_s:
-        return f"worker dev{name.device} heartbeat is {status.heartbeat_age_s:.0f}s old (lease {lease_s:g}s)"
-    if not status.holds(name.job_id) and file_age > lease_s:
-        return f"worker dev{name.device} moved on to {status.job_id} and this file is {file_age:.0f}s old"
-    return None
+        """After training is over: every pending job and result left in queue/ archived ``unused``:
+        recovery.archive_leftovers."""
+        return recovery.archive_leftovers(self, dry_run=dry_run)

@@ -34,7 +34,6 @@ running PS, workers and another pass: a file that changed since the scan is left
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -43,7 +42,8 @@ from pathlib import Path
 
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.run import fileops
-from asyncgrpo.run.rundir import LEDGER_FILE, RunDir, newest_complete_checkpoint
+from asyncgrpo.run.checkpoints import LEDGER_FILE, LedgerError, newest_complete_checkpoint, read_ledger
+from asyncgrpo.run.rundir import RunDir
 
 MB = 1_000_000
 _CONSUMED_SUFFIX = f"_{ArchiveReason.CONSUMED.value}.pt"
@@ -67,19 +67,13 @@ def read_boundary(checkpoints: str | os.PathLike) -> Boundary | None:
         if folder is None:
             return None
         try:
-            with open(folder / LEDGER_FILE, "rb") as f:
-                saved_at_ns = os.fstat(f.fileno()).st_mtime_ns
-                ledger = json.load(f)
+            ledger = read_ledger(folder)
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as err:
+        except (OSError, LedgerError) as err:
             log.warning("[queue] retention: cannot read %s (%s); compacting nothing", folder / LEDGER_FILE, err)
             return None
-        consumed = ledger.get("consumed") if isinstance(ledger, dict) else None
-        if not isinstance(consumed, list):
-            log.warning("[queue] retention: %s holds no consumed list; compacting nothing", folder / LEDGER_FILE)
-            return None
-        return Boundary(folder, saved_at_ns, frozenset(x for x in consumed if isinstance(x, str)))
+        return Boundary(folder, ledger.written_at_ns, ledger.consumed)
     return None
 
 

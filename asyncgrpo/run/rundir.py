@@ -3,7 +3,8 @@
 ``RunDir`` names every file and folder at the top of a run, and reads and writes the small
 files there (``ps.json``, ``global_step.txt``). The names inside ``queue/`` and ``done/`` are
 the queue's grammar (asyncgrpo/jobqueue/names.py); the files inside ``weights/`` are the
-transports' (asyncgrpo/weights/base.py).
+transports' (asyncgrpo/weights/base.py). The checkpoint folders and the ledger in each are read and
+written by asyncgrpo/run/checkpoints.py, the lines of ``metrics.jsonl`` by asyncgrpo/run/metrics.py.
 """
 
 from __future__ import annotations
@@ -21,30 +22,6 @@ from asyncgrpo.run import fileops
 # Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
 # looks for the most recent one. Outside the source tree on purpose.
 DEFAULT_RUNS_DIR = "~/asyncgrpo-runs"
-
-
-# The consumed-job ledger the PS writes into each checkpoint folder, last: a folder without
-# one is a save the PS did not finish.
-LEDGER_FILE = "asyncgrpo_state.json"
-_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
-
-
-def checkpoint_folders(checkpoints: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``checkpoint-N`` folder, newest first."""
-    try:
-        names = os.listdir(checkpoints)
-    except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), Path(checkpoints) / n) for n in names if (m := _CHECKPOINT_RE.fullmatch(n))]
-    return sorted(found, reverse=True)
-
-
-def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
-    """The newest checkpoint folder holding its ledger. Read-only."""
-    for _, folder in checkpoint_folders(checkpoints):
-        if (folder / LEDGER_FILE).is_file():
-            return folder
-    return None
 
 
 # A worker id: a device number, then ".{host id}" for a worker that joined from another host.
@@ -169,7 +146,8 @@ class RunDir:
 
     @property
     def metrics_file(self) -> Path:
-        """One JSON line per logged training step (reward, loss, staleness, waits), appended by the PS."""
+        """One JSON line per logged training step (reward, loss, staleness, waits), appended by the PS; read and
+        written through asyncgrpo/run/metrics.py."""
         return self.root / "metrics.jsonl"
 
     @property

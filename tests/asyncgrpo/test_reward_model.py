@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from asyncgrpo.config import ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_reward_funcs
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer
-from worker.generate import REWARDS_KEY, build_trainer, generate_and_score
+from worker.generate import build_trainer, generate_and_score
 
 
 @pytest.fixture(scope="module")

@@ -37,36 +37,35 @@ def test_a_second_launch_on_a_run_in_use_is_refused_up_front(tmp_path):
 
 def test_launches_at_the_same_instant_start_one_run_and_the_others_nothing(tmp_path):
     """All pass the check that no PS runs (none does yet); the run folder is claimed before anything starts, so
-    one trains and the others exit 3 naming it, having started and written nothing. Twice, three at a time."""
+    one trains and the others exit 3 naming it, having started and written nothing. Three at a time."""
     host = socket.gethostname()
-    for attempt in range(2):
-        root = tmp_path / f"run{attempt}"
-        cmd = ["bash", str(REPO / "launch.sh"), "--workers", "1", "--run-dir", str(root), "--max-steps", "100000"]
-        launches = [subprocess.Popen(cmd, cwd=tmp_path, env=PROCESS_ENV, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(3)]
-        try:
-            def two_exited(launches=launches):
-                exited = [p for p in launches if p.poll() is not None]
-                return exited if len(exited) >= 2 else None
+    root = tmp_path / "run"
+    cmd = ["bash", str(REPO / "launch.sh"), "--workers", "1", "--run-dir", str(root), "--max-steps", "100000"]
+    launches = [subprocess.Popen(cmd, cwd=tmp_path, env=PROCESS_ENV, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(3)]
+    try:
+        def two_exited(launches=launches):
+            exited = [p for p in launches if p.poll() is not None]
+            return exited if len(exited) >= 2 else None
 
-            exited = wait_for(two_exited, "two launches of three to exit", TIMEOUT_S)
-            assert len(exited) == 2, [p.communicate() for p in exited]
-            winner = next(p for p in launches if p not in exited)
-            wait_for((root / "ps.json").exists, "the winner's PS to start", TIMEOUT_S, procs=(winner,))
-            for loser in exited:
-                out, err = loser.communicate()
-                assert loser.returncode == 3, err[-3000:]
-                assert err.splitlines() == [f"launch.sh: error: another launch.sh is running on {root} "
-                                            f"(pid {winner.pid} on {host}); nothing started"], err
-                assert "[launch]" not in out
-            # Only the winner's run: one announcement, one PS, one worker (no second worker took its slot).
-            announced = (root / "logs" / "launch.txt").read_text()
-            assert announced.count("run directory") == 1, announced
-            assert [p.name for p in (root / "logs").glob("log_worker_*")] == ["log_worker_1.txt"]
-            assert winner.poll() is None
-        finally:
-            for p in launches:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)  # launch.sh stops its PS and workers
-            for p in launches:
-                p.communicate(timeout=120)
+        exited = wait_for(two_exited, "two launches of three to exit", TIMEOUT_S)
+        assert len(exited) == 2, [p.communicate() for p in exited]
+        winner = next(p for p in launches if p not in exited)
+        wait_for((root / "ps.json").exists, "the winner's PS to start", TIMEOUT_S, procs=(winner,))
+        for loser in exited:
+            out, err = loser.communicate()
+            assert loser.returncode == 3, err[-3000:]
+            assert err.splitlines() == [f"launch.sh: error: another launch.sh is running on {root} "
+                                        f"(pid {winner.pid} on {host}); nothing started"], err
+            assert "[launch]" not in out
+        # Only the winner's run: one announcement, one PS, one worker (no second worker took its slot).
+        announced = (root / "logs" / "launch.txt").read_text()
+        assert announced.count("run directory") == 1, announced
+        assert [p.name for p in (root / "logs").glob("log_worker_*")] == ["log_worker_1.txt"]
+        assert winner.poll() is None
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # launch.sh stops its PS and workers
+        for p in launches:
+            p.communicate(timeout=120)

@@ -11,7 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, kill_run, metrics, run_flags, start_process
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    backdate,
+    kill_run,
+    metrics,
+    run_flags,
+    start_process,
+    wait_until_stopped,
+)
 
 from asyncgrpo.run import fileops
 
@@ -120,9 +130,8 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
             time.sleep(0.1)
         assert not queue_tools_ls(run_root)["health"].startswith("WARN")  # waiting for workers is not silence
         ps.send_signal(signal.SIGSTOP)
-        stopped = time.monotonic()
-        while time.monotonic() - stopped < 7.0:  # past the 5 s a heartbeat may be late
-            time.sleep(0.1)
+        wait_until_stopped(ps, timeout=60)
+        backdate(run_root / "ps.heartbeat", 7.0)  # as if stopped 7 s: past the 5 s a heartbeat may be late
         health = queue_tools_ls(run_root)["health"]
         silent = f"WARN: the parameter server (pid {ps.pid} on {socket.gethostname()}) silent for "
         assert health.startswith(silent), health

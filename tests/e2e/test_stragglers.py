@@ -1,5 +1,5 @@
-"""A straggler never stalls training. Three workers, real processes: one has a reward call that takes 10 s
-(alive but slow), then another is stopped (SIGSTOP) for 10 s while it holds a job. The trainer keeps
+"""A straggler never stalls training. Three workers, real processes: one has a reward call that takes 5 s
+(alive but slow), then another is stopped (SIGSTOP) for 5 s while it holds a job. The trainer keeps
 training on the other workers' results through both, `queue_tools ls` names the stopped worker, and
 no job is lost or trained twice. The lease (60 s) is far longer than either: without straggler handling
 the trainer would wait out each one.
@@ -28,7 +28,8 @@ from helpers import (
     start_process,
 )
 
-FAULT_S = 10.0  # how long the slow reward call and the stop last
+FAULT_S = 5.0  # how long the slow reward call and the stop last
+MIN_STEPS_IN_FAULT = 10  # trained during each fault, at least (the demo trains tens of steps a second)
 UNREACHED_STEPS = 100_000  # the first PS life's budget: the test ends that life itself
 END_STEPS = 20  # what the relaunched PS trains past its newest checkpoint
 # The demo task with another reward.
@@ -89,7 +90,8 @@ def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
         held = stop_while_holding_a_job(root, workers[2], 2, ps)
         stopped_at, stop_step = time.monotonic(), step(root)
         try:
-            wait_for(lambda: time.monotonic() - stopped_at > 7.0, "7 s")
+            helpers.wait_until_stopped(workers[2], TIMEOUT_S)
+            helpers.backdate(root / "workers" / "dev2.json", 7.0)  # its heartbeat, as if stopped 7 s ago
             ls = subprocess.run([sys.executable, "-m", "queue_tools", "ls", str(root), "--json"], cwd=REPO,
                                 env=PROCESS_ENV, capture_output=True, text=True, timeout=60, check=True)
             listing = json.loads(ls.stdout)
@@ -117,7 +119,7 @@ def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
 
     # The trainer kept training through both faults, never waiting long for a result.
     for start, end in (slow_window, stop_window):
-        assert end - start >= 20, f"only {end - start} steps trained during a {FAULT_S:g} s fault"
+        assert end - start >= MIN_STEPS_IN_FAULT, f"only {end - start} steps trained during a {FAULT_S:g} s fault"
     waits = {e["step"]: e["dur_ms"] / 1e3 for e in ps_events(root, "wait_result")}
     longest = max(waits[s] for s in range(slow_window[0] + 1, stop_window[1] + 1) if s in waits)
     assert longest < LONGEST_WAIT_S, f"the trainer waited {longest:.1f} s for a result"

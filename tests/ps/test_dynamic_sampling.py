@@ -14,7 +14,7 @@ from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import WorkerPresence
-from ps.collector import validate_result
+from ps.collector import read_result_payload
 from ps.pipeline import JobPipeline
 
 G = 2
@@ -170,7 +170,7 @@ def test_a_settled_prompt_is_set_aside_for_a_while_and_comes_back_with_nothing_l
     thrown = [row["prompt"] for name in sorted(pipeline.queue.scan()[0])
               for row in fileops.load_payload(pipeline.queue.path(name))["data"]["rows"]]
     waiting = [row["prompt"] for entry in journal["set_aside"] + journal["owed"] for row in entry["rows"]]
-    batches = pipeline.producer._generation_batches()
+    batches = pipeline.producer.generation_batches()
     drawn = [row["prompt"] for _ in range(journal["batches_drawn"]) for row in next(batches)]
     assert sorted(thrown + waiting) == sorted(drawn)
     assert journal["prompts_skipped"] == drawn.count("p0") // G > 0
@@ -232,8 +232,8 @@ def test_a_result_whose_rewards_do_not_fit_its_rows_is_refused_when_collected(re
     batch = {"advantages": torch.zeros(ROWS), "prompt_ids": torch.ones(ROWS, 2, dtype=torch.long),
              "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long), "completion_ids": torch.ones(ROWS, 1),
              "completion_mask": torch.ones(ROWS, 1), "rewards": rewards}
-    payload = {"weights_version": 0, "data": {"batch": batch, "metrics": {}, "rows": []}}
+    payload = {"weights_version": 0, "data": {"batch": batch, "metrics": {}, "rows": [{"prompt": "p"}] * ROWS}}
     with pytest.raises(ValueError, match="batch\\['rewards'\\] must be a float tensor of shape"):
-        validate_result(payload, ROWS)
+        read_result_payload(payload, ROWS)
     batch["rewards"] = torch.zeros(ROWS)
-    validate_result(payload, ROWS)  # as a worker sends it
+    read_result_payload(payload, ROWS)  # as a worker sends it

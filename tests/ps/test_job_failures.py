@@ -18,7 +18,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobState, QueueName, describe_error
 from asyncgrpo.run import fileops
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
-from ps.collector import validate_result
+from ps.collector import read_result_payload
 from ps.failures import FailedJobs
 from worker.generate import build_trainer, completion_logs, error_record, generate_and_score
 
@@ -58,8 +58,8 @@ def test_a_failing_job_is_thrown_again_with_its_errors_then_reported_and_archive
     assert queue.fail(job, an_error(3, "boom at last"), max_attempts=3, weights_version=5)
     # The last attempt goes to the PS as a failure report, through the result's fenced path.
     assert queue_files(run) == ["000001_000_complete_from_dev2.pt"]
-    [report] = queue.collect(lambda payload: validate_result(payload, rows_per_job=4))
-    assert report.data["job"]["rows"] == ROWS and report.attempt == 3
+    [report] = queue.collect(lambda payload: read_result_payload(payload, rows_per_job=4))
+    assert report.data.job["rows"] == ROWS and report.attempt == 3
 
     stopped = []
     failed = failed_jobs(queue, stopped)
@@ -96,11 +96,11 @@ def test_recovery_does_not_throw_again_a_job_its_dead_worker_already_threw_again
 
 def test_a_failure_report_must_hold_its_errors_and_the_job_rows():
     good = {"weights_version": 0, "data": {"errors": [an_error(3)], "job": {"rows": ROWS}}}
-    validate_result(good, rows_per_job=4)
+    read_result_payload(good, rows_per_job=4)
     for data in ({"errors": [], "job": {"rows": ROWS}}, {"errors": ["boom"], "job": {"rows": ROWS}},
                  {"errors": [an_error(3)]}, {"errors": [an_error(3)], "job": {}}):
         with pytest.raises(ValueError):
-            validate_result({"weights_version": 0, "data": data}, rows_per_job=4)
+            read_result_payload({"weights_version": 0, "data": data}, rows_per_job=4)
 
 
 # ---------------------------------------------------------------- the PS: dropped, or systematic
@@ -111,7 +111,7 @@ def report_for(queue, job_id: str, message="boom"):
     queue.put_job(job_id, {"rows": ROWS}, created_step=int(job_id[:6]))
     for attempt in (1, 2, 3):
         queue.fail(queue.claim(device=1), an_error(attempt, message), max_attempts=3, weights_version=0)
-    [report] = queue.collect()
+    [report] = queue.collect(lambda payload: read_result_payload(payload, rows_per_job=4))
     return report
 
 

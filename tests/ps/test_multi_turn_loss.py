@@ -16,11 +16,12 @@ from trl import GRPOTrainer
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.lookup import LookupEnv, build_dataset
 from asyncgrpo.user_code import RolloutHooks
 from ps.trainer import AsyncGRPOTrainer
-from worker.generate import REWARDS_KEY, build_trainer, generate_and_score
+from worker.generate import build_trainer, generate_and_score
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 FIELDS = {"per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 16,

@@ -125,8 +125,8 @@ def test_a_stop_request_ends_the_wait_for_a_result_and_leaves_the_results_for_th
         assert take(pipeline, step=0)[0].job_id == "000000_000"
         pipeline.on_step_end(1)
         picked = threading.Event()  # set once the trainer looks into the cache: it is past next_batch's first check
-        pick = pipeline._pick
-        pipeline._pick = lambda cached: (picked.set(), pick(cached))[1]
+        pick = pipeline.pick
+        pipeline.pick = lambda cached: (picked.set(), pick(cached))[1]
         thread, outcome = next_batch_in_thread(pipeline, step=1)  # no result: it waits
         assert picked.wait(WAIT_S)
         pipeline.stop_at_boundary.set()
@@ -295,7 +295,7 @@ def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_qu
     pipeline = make_pipeline(run, max_pending=2, max_staleness=8)
     pipeline.producer.load_state(None)
     assert pipeline.producer.owed == owed[:1]
-    pipeline.producer._throw()
+    pipeline.producer.throw()
     assert thrown_jobs(queue) == {"000002_001": owed[0]["rows"]}
 
 
@@ -328,13 +328,13 @@ def test_admission_throws_only_what_can_still_be_trained_within_the_bound(run):
     queue = pipeline.queue
     try:
         wait_for(lambda: pending(queue) == 4, "four pending jobs")
-        assert pipeline.producer._may_throw() is False
+        assert pipeline.producer.may_throw() is False
         straggler = queue.claim(1)
         for step in (1, 2, 3):  # the other three are generated with newer weights and trained
             work_one(queue, version=step - 1, device=2)
             assert take(pipeline, step - 1)[1] <= 3
             pipeline.on_step_end(step)
-            assert pipeline.producer._may_throw() is False  # taken + in flight - 0 would exceed 3
+            assert pipeline.producer.may_throw() is False  # taken + in flight - 0 would exceed 3
         assert [(n.job_id, n.state) for n in queue.scan()[0]] == [(straggler.job_id, JobState.PROCESSING)]
         assert queue.complete(straggler, {"batch": batch(), "metrics": {}, "rows": straggler.data["rows"]},
                               weights_version=0)
@@ -355,12 +355,12 @@ def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(run)
         wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
         pipeline.producer.stop()  # from here the test makes each call the threads would make, one at a time
         cache_results(pipeline, versions=[0, 0])
-        assert pipeline.producer._may_throw() is False  # 0 + 2 in flight - 0 > 1
+        assert pipeline.producer.may_throw() is False  # 0 + 2 in flight - 0 > 1
         # The trainer, in the middle of next_batch: the result is out of the cache and archived consumed
         # (out of queue/), and next_take_step is not yet 1.
-        result = pipeline.cache.take(pipeline._pick, timeout=WAIT_S)
+        result = pipeline.cache.take(pipeline.pick, timeout=WAIT_S)
         assert pipeline.queue.consume(result) and pipeline.progress.next_take_step == 0
-        assert pipeline.producer._may_throw() is False
+        assert pipeline.producer.may_throw() is False
     finally:
         pipeline.stop()
 
@@ -370,7 +370,7 @@ def test_synchronous_mode_throws_one_job_for_the_newest_weights(run):
     pipeline.start({"consumed": ["000000_000", "000001_000"]}, published_version=2)
     try:
         wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        assert pipeline.producer._may_throw() is False  # one job in flight is all synchronous mode allows
+        assert pipeline.producer.may_throw() is False  # one job in flight is all synchronous mode allows
         job = pipeline.queue.claim(1)
         assert job.data["min_weights_version"] == 2  # the worker waits for the weights of step 2
     finally:
@@ -471,13 +471,13 @@ def test_admission_counts_the_steps_each_job_in_flight_will_train(run):
     queue = pipeline.queue
     try:
         wait_for(lambda: pending(queue) == 2, "two pending jobs")
-        assert pipeline.producer._may_throw() is False
+        assert pipeline.producer.may_throw() is False
         work_one(queue, version=0)
         assert take(pipeline, 0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
-        assert pipeline.producer._may_throw() is False  # 2 + 1 x 2 - 0 > 3
+        assert pipeline.producer.may_throw() is False  # 2 + 1 x 2 - 0 > 3
         pipeline.on_step_end(1)
         wait_for(lambda: pending(queue) == 2, "a job for the weights of step 1")  # 2 + 1 x 2 - 1 <= 3
-        assert pipeline.producer._may_throw() is False
+        assert pipeline.producer.may_throw() is False
     finally:
         pipeline.stop()
 
@@ -491,7 +491,7 @@ def test_synchronous_mode_with_several_steps_per_job_waits_for_the_jobs_last_ste
         work_one(queue, version=0)
         take(pipeline, 0)
         pipeline.on_step_end(1)
-        assert pipeline.producer._may_throw() is False  # its result would be taken at step 2
+        assert pipeline.producer.may_throw() is False  # its result would be taken at step 2
         pipeline.on_step_end(2)
         wait_for(lambda: pending(queue) == 1, "the next job")
         assert queue.claim(1).data["min_weights_version"] == 2

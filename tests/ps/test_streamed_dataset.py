@@ -34,7 +34,7 @@ def ids(batch) -> list[int]:
 
 
 def producer_batches(cfg, run, dataset):
-    return JobPipeline(cfg, run, JobQueue(run), dataset).producer._generation_batches()
+    return JobPipeline(cfg, run, JobQueue(run), dataset).producer.generation_batches()
 
 
 def test_a_stream_is_drawn_in_the_order_trls_own_dataloader_reads_it(tmp_path, run):

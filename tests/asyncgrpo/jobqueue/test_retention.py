@@ -16,7 +16,7 @@ from asyncgrpo.jobqueue import ArchiveReason, make_job_id
 from asyncgrpo.jobqueue.names import done_name
 from asyncgrpo.jobqueue.retention import ArchiveRetention, compact_archive, read_boundary
 from asyncgrpo.run import fileops
-from asyncgrpo.run.rundir import LEDGER_FILE, newest_complete_checkpoint
+from asyncgrpo.run.checkpoints import LEDGER_FILE, newest_complete_checkpoint
 from queue_tools.cli import inspect_run, main
 
 TICK_S = 0.05  # longer than the filesystem clock's granularity

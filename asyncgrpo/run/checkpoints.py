@@ -1,0 +1,89 @@
+"""The checkpoints in ``RUN/checkpoints/`` and the ledger file in each (docs/design.md, "Checkpoints and resume").
+
+A checkpoint folder ``checkpoint-N`` holds TRL's files and, written last by the PS (ps/trainer.py), its
+ledger ``LEDGER_FILE``: a folder without one is a save the PS did not finish. The newest folder holding its
+ledger is the one the PS resumes from, and the one archive retention (asyncgrpo/jobqueue/retention.py) goes by.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncgrpo.run import fileops
+
+LEDGER_FILE = "asyncgrpo_state.json"
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+
+
+class LedgerError(ValueError):
+    """A ledger file that does not hold a ledger."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A checkpoint's ledger. On disk one JSON object: ``{"global_step": N, **pipeline_state}``.
+
+    ``pipeline_state`` is the PS pipeline's state at the save (ps/pipeline.py JobPipeline.state_dict), which the
+    resumed PS starts its pipeline from: ``consumed``, the ids of the jobs trained into the checkpoint's
+    weights; ``groups_done``, the groups trained of a result split across batches; ``producer``, the
+    producer's state (ps/producer.py).
+    """
+
+    global_step: int
+    pipeline_state: dict
+    written_at_ns: int  # the file's mtime
+
+    @property
+    def consumed(self) -> frozenset[str]:
+        return frozenset(job_id for job_id in self.pipeline_state["consumed"] if isinstance(job_id, str))
+
+
+def write_ledger(folder: str | os.PathLike, global_step: int, pipeline_state: dict) -> None:
+    """Writes ``folder``'s ledger, which marks the checkpoint complete: call it once everything else of the
+    checkpoint is on disk. Replaced atomically, fsynced before the rename."""
+    fileops.write_json(Path(folder) / LEDGER_FILE, {"global_step": global_step, **pipeline_state}, fsync=True)
+
+
+def read_ledger(folder: str | os.PathLike) -> Ledger:
+    """``folder``'s ledger. FileNotFoundError: the checkpoint is incomplete (or was deleted since it was found);
+    LedgerError: the file holds no ledger; any other OSError: it cannot be read."""
+    path = Path(folder) / LEDGER_FILE
+    with open(path, "rb") as f:
+        written_at_ns = os.fstat(f.fileno()).st_mtime_ns
+        try:
+            obj = json.load(f)
+        except ValueError as err:
+            raise LedgerError(f"{path} is not JSON: {err}") from err
+    if not isinstance(obj, dict) or not isinstance(obj.get("global_step"), int):
+        raise LedgerError(f"{path} holds no global_step")
+    if not isinstance(obj.get("consumed"), list):
+        raise LedgerError(f"{path} holds no consumed list")
+    global_step = obj.pop("global_step")
+    return Ledger(global_step=global_step, pipeline_state=obj, written_at_ns=written_at_ns)
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """Whether the checkpoint in ``folder`` was saved to the end: its ledger is there."""
+    return (Path(folder) / LEDGER_FILE).is_file()
+
+
+def checkpoint_folders(checkpoints: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-N`` folder, newest first."""
+    try:
+        names = os.listdir(checkpoints)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), Path(checkpoints) / n) for n in names if (m := _CHECKPOINT_RE.fullmatch(n))]
+    return sorted(found, reverse=True)
+
+
+def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
+    """The newest checkpoint folder holding its ledger. Read-only."""
+    for _, folder in checkpoint_folders(checkpoints):
+        if is_complete(folder):
+            return folder
+    return None

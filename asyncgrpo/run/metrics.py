@@ -1,0 +1,129 @@
+"""``RUN/metrics.jsonl``: one JSON line per logged training step (docs/design.md, "The run directory").
+
+The PS appends a line after each logged optimizer step (ps/trainer.py), and when it resumes removes the
+lines of steps after its checkpoint: those steps are trained again, and the file keeps each step once.
+``queue_tools ls`` shows the newest line, read from the file's tail; the report's timeline and plots read
+every line.
+
+A line is readable when it is a JSON object whose ``step`` is a number; any other (one cut short by a crash, one
+written over by hand) is skipped by the readers and removed by ``truncate_after``. Readers get the line's
+dict: a line written by another version of asyncgrpo may lack some of ``StepMetrics``' keys.
+
+No torch here: ``queue_tools ls`` reads this file without loading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from asyncgrpo.run import fileops
+
+# How much of the file's end last_line reads: a line is well under 1 KB, so this holds several.
+TAIL_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One line: a logged optimizer step. Its fields, in this order, are the line's keys."""
+
+    step: int
+    reward: float | None
+    reward_std: float | None
+    loss: float | None
+    grad_norm: float | None  # TRL's (transformers'), before clipping
+    staleness_mean: float  # over the step's groups: step - 1 - the weights version of each group's result
+    staleness_max: int
+    weights_version: int  # the newest weights version among the step's results
+    trainer_wait_s: float  # the step's wait for results
+    groups_dropped: int  # by dynamic sampling, in this step
+    groups_dropped_total: int  # by dynamic sampling, over the steps in the file
+    prompts_skipped: int  # by the difficulty filter, so far
+    tool_failure_rate: float | None  # TRL's, averaged over the step's results
+    step_time_s: float  # since the previous line
+    queue_depth: dict[str, int]  # JobQueue.counts() when the step was logged
+    time: float  # wall clock, time.time()
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What ``truncate_after`` did."""
+
+    kept: list[dict]  # the lines kept, read
+    removed: int  # lines of later steps removed
+    unreadable: int  # unreadable lines removed
+
+
+def append(path: str | os.PathLike, record: StepMetrics) -> None:
+    """Appends ``record`` as one line, in one write (fileops.append_line); an error names the file."""
+    fileops.append_line(path, json.dumps(dataclasses.asdict(record)))
+
+
+def read_lines(path: str | os.PathLike) -> list[dict]:
+    """Every readable line, oldest first; [] when the file is missing or cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [record for line in text.splitlines() if (record := _read(line)) is not None]
+
+
+def read_new_lines(path: str | os.PathLike, offset: int) -> tuple[list[dict], int]:
+    """The readable lines appended since byte ``offset`` (0 at first, then what the previous call returned), and
+    the offset to go on from: a line not yet ended by its newline (being written) is read whole next time."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            appended = f.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = appended[: appended.rfind(b"\n") + 1]
+    return [record for line in complete.splitlines() if (record := _read(line)) is not None], offset + len(complete)
+
+
+def last_line(path: str | os.PathLike) -> dict | None:
+    """The newest readable line, read from the file's last TAIL_BYTES (the file grows with every step);
+    None when there is none there."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            tail = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):  # the tail's first line is usually cut; the last may be being written
+        if (record := _read(line)) is not None:
+            return record
+    return None
+
+
+def truncate_after(path: str | os.PathLike, step: int) -> Truncation:
+    """Keeps the lines of steps up to ``step``; lines of later steps and unreadable ones are removed. The file
+    is rewritten (replaced atomically) only when something is removed."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return Truncation(kept=[], removed=0, unreadable=0)
+    kept, kept_lines, unreadable = [], [], 0
+    for line in lines:
+        record = _read(line)
+        if record is None:
+            unreadable += 1
+        elif record["step"] <= step:
+            kept.append(record)
+            kept_lines.append(line)
+    if len(kept) < len(lines):
+        fileops.replace_file(path, "".join(f"{line}\n" for line in kept_lines).encode())
+    return Truncation(kept=kept, removed=len(lines) - len(kept) - unreadable, unreadable=unreadable)
+
+
+def _read(line: str | bytes) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if isinstance(step, (int, float)) else None
