@@ -207,8 +207,9 @@ def train(cfg, run: RunDir) -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
+    from asyncgrpo.run.checkpoints import checkpoint_to_resume, read_ledger
     from ps.pipeline import StopRequested
-    from ps.trainer import AsyncGRPOTrainer, checkpoint_step, last_complete_checkpoint
+    from ps.trainer import AsyncGRPOTrainer
 
     # --output_dir (TRL's) is where the final model goes; checkpoints live in the run.
     final_dir = os.path.abspath(cfg.final_model_dir) if cfg.final_model_dir else str(run.final_model)
@@ -223,7 +224,7 @@ def train(cfg, run: RunDir) -> int:
     model, tokenizer = load_model_and_tokenizer(path, cfg)
     # The first rank removes incomplete checkpoints before anything is written (on a full disk they hold the
     # space a relaunch needs); then every rank resumes from the same one.
-    resume = last_complete_checkpoint(run.checkpoints) if PartialState().is_main_process else None
+    resume = checkpoint_to_resume(run.checkpoints) if PartialState().is_main_process else None
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),
                                stop_at_boundary=STOP_AT_BOUNDARY)
@@ -240,10 +241,10 @@ def train(cfg, run: RunDir) -> int:
         log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
                  f", resuming from {resume}" if resume else "")
         try:
-            if resume and checkpoint_step(resume) >= cfg.max_steps:
+            if resume and read_ledger(resume).global_step >= cfg.max_steps:
                 # transformers checks max_steps only after a step: resuming there would train one more
                 log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
-                trainer.state.global_step = checkpoint_step(resume)
+                trainer.state.global_step = read_ledger(resume).global_step
                 trainer._load_from_checkpoint(resume)  # the final save saves the checkpoint's weights (or adapter)
             else:
                 trainer.train(resume_from_checkpoint=resume)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import statistics
 import threading
 import time
@@ -55,9 +54,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.run import RunDir, metrics
 from asyncgrpo.run.checkpoints import (
-    checkpoint_folders,
     is_complete,
-    newest_complete_checkpoint,
     read_ledger,
     write_ledger,
 )
@@ -72,26 +69,10 @@ log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
 
 
-def last_complete_checkpoint(checkpoints: Path) -> str | None:
-    """The checkpoint to resume from: the newest complete one. Newer folders without a ledger
-    are saves the old PS was killed in: removed, never resumed from (one PS per run, so no
-    save is in progress here)."""
-    complete = newest_complete_checkpoint(checkpoints)
-    for _, folder in checkpoint_folders(checkpoints):
-        if folder == complete:
-            break
-        log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
-        shutil.rmtree(folder)
-    return str(complete) if complete else None
-
-
-def checkpoint_step(folder: str) -> int:
-    return read_ledger(folder).global_step
-
-
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None,
-                 hooks: RolloutHooks | None = None, stop_at_boundary: threading.Event | None = None):
+                 hooks: RolloutHooks | None = None, stop_at_boundary: threading.Event | None = None,
+                 batches: BatchSource | None = None):
         # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
         # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
@@ -109,7 +90,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                         stop_at_boundary=stop_at_boundary)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
-        self.batches: BatchSource = (
+        # Where the batches come from (ps/batches.py): ``batches`` stands in for the pipeline in tests.
+        self.batches: BatchSource = batches or (
             PipelineBatches(self.pipeline, self.events, broadcast=self.accelerator.num_processes > 1)
             if self.is_queue_client else BroadcastBatches())
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
@@ -415,7 +397,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             card.write_text(text)
 
     def _save_checkpoint(self, model, trial):
-        # The ledger goes last: it marks the checkpoint complete (see last_complete_checkpoint). transformers
+        # The ledger goes last: it marks the checkpoint complete (see asyncgrpo/run/checkpoints.py). transformers
         # deletes older checkpoints (save_total_limit) inside _save_checkpoint, before the ledger would be written:
         # a PS killed in between would leave no complete checkpoint. So older ones are deleted after the ledger.
         limit, self.args.save_total_limit = self.args.save_total_limit, None

@@ -8,8 +8,10 @@ ledger is the one the PS resumes from, and the one archive retention (asyncgrpo/
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from asyncgrpo.run import fileops
 
 LEDGER_FILE = "asyncgrpo_state.json"
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+log = logging.getLogger("asyncgrpo.ps")
 
 
 class LedgerError(ValueError):
@@ -87,3 +90,15 @@ def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
         if is_complete(folder):
             return folder
     return None
+
+
+def checkpoint_to_resume(checkpoints: str | os.PathLike) -> str | None:
+    """The checkpoint the PS resumes from: the newest complete one. Newer folders without a ledger are saves the
+    old PS was killed in: removed, never resumed from (one PS per run, so no save is in progress here)."""
+    complete = newest_complete_checkpoint(checkpoints)
+    for _, folder in checkpoint_folders(checkpoints):
+        if folder == complete:
+            break
+        log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
+        shutil.rmtree(folder)
+    return str(complete) if complete else None

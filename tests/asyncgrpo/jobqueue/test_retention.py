@@ -198,7 +198,7 @@ def _train_on(queue, job_ids):
 
 
 def test_a_resumed_ps_readopts_only_results_that_compaction_never_touched(run, queue):
-    from ps.trainer import last_complete_checkpoint
+    from asyncgrpo.run.checkpoints import checkpoint_to_resume
 
     before = [make_job_id(1, i) for i in range(8)]
     after = [make_job_id(2, i) for i in range(4)]
@@ -215,7 +215,7 @@ def test_a_resumed_ps_readopts_only_results_that_compaction_never_touched(run, q
 
     # The PS restarts: it resumes from the newest complete checkpoint and re-adopts what it
     # consumed after it (ps/trainer.py, unchanged); compaction left all of those whole.
-    resume = last_complete_checkpoint(run.checkpoints)
+    resume = checkpoint_to_resume(run.checkpoints)
     assert resume == str(newest_complete_checkpoint(run.checkpoints))
     ledger = set(json.loads((run.checkpoints / "checkpoint-8" / LEDGER_FILE).read_text())["consumed"])
     assert sorted(queue.roll_back_consumed(ledger)) == after

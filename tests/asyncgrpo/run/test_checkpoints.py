@@ -78,6 +78,15 @@ def test_the_newest_complete_checkpoint_is_chosen(run):
     assert checkpoints.read_ledger(run.checkpoints / "checkpoint-10").global_step == 10
 
 
+def test_the_ps_resumes_from_the_newest_complete_checkpoint_and_removes_the_saves_it_died_in(run):
+    for step in (2, 4):
+        save(run, step)
+    for step in (6, 8):
+        save(run, step, ledger=False)
+    assert checkpoints.checkpoint_to_resume(run.checkpoints) == str(run.checkpoints / "checkpoint-4")
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
 def test_checkpoint_folders_are_newest_first_and_only_checkpoints(run):
     for step in (2, 10, 4):
         save(run, step, ledger=step != 4)

@@ -1,0 +1,73 @@
+"""The PS's trainer over a stub batch source (ps/batches.py BatchSource), without a queue or workers: it takes
+a batch when TRL asks for one, trains each its steps, logs each step's staleness from the batch's weights
+versions, and saves checkpoints only where a batch ends."""
+
+import json
+from pathlib import Path
+
+import torch
+from helpers import demo_config
+
+from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, write_demo_model_once
+from asyncgrpo.run import RunDir
+from ps.pipeline import BatchInTraining, GroupsTaken, TrainingBatch
+from ps.trainer import AsyncGRPOTrainer
+
+COMPLETION = 4
+
+
+class StubBatches:
+    """Hands out the batches it was given, one per take, and counts their steps down as the pipeline does."""
+
+    def __init__(self, batches: list[TrainingBatch]):
+        self.todo, self.in_training = list(batches), None
+        self.taken_at, self.trained = [], []
+
+    def take(self, step: int) -> TrainingBatch:
+        self.taken_at.append(step)
+        batch = self.todo.pop(0)
+        self.in_training = batch.in_training
+        return batch
+
+    def step_trained(self, step: int) -> None:
+        self.trained.append(step)
+        if self.in_training.trained_one_step():
+            self.in_training = None
+
+
+def a_batch(cfg, vocab: int, weights_version: int, seed: int) -> TrainingBatch:
+    g = torch.Generator().manual_seed(seed)
+    rows, groups = cfg.generation_batch_size, cfg.generation_batch_size // cfg.num_generations
+    tensors = {"prompt_ids": torch.randint(3, vocab, (rows, 3), generator=g),
+               "prompt_mask": torch.ones(rows, 3, dtype=torch.long),
+               "completion_ids": torch.randint(3, vocab, (rows, COMPLETION), generator=g),
+               "completion_mask": torch.ones(rows, COMPLETION, dtype=torch.long),
+               "advantages": torch.randn(rows, generator=g)}
+    tensors["num_items_in_batch"] = tensors["completion_mask"].sum()  # TRL's, as a worker's result holds it
+    part = GroupsTaken(f"00000{weights_version}_000", weights_version, list(range(groups)), groups, rows,
+                       rows * COMPLETION)
+    return TrainingBatch(tensors, None, BatchInTraining([part], {"reward": 0.5}, cfg.steps_per_job))
+
+
+def test_the_trainer_trains_each_batch_its_steps_and_saves_only_where_a_batch_ends(tmp_path):
+    root = tmp_path / "run"
+    run = RunDir.create(root)
+    cfg = demo_config(root, "--run_dir", str(root), "--max_steps", "4", "--num_iterations", "2",
+                      "--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1")
+    model, tokenizer = load_model_and_tokenizer(write_demo_model_once(run.root))
+    vocab = model.config.vocab_size
+    batches = StubBatches([a_batch(cfg, vocab, weights_version=0, seed=0), a_batch(cfg, vocab, 1, seed=1)])
+    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                               batches=batches)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert batches.taken_at == [0, 2] and batches.trained == [1, 2, 3, 4]  # two steps a batch (num_iterations 2)
+    lines = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
+    # A step's staleness: the weights it started from (step - 1) minus the batch's weights version.
+    assert [(m["step"], m["staleness_max"], m["weights_version"]) for m in lines] == [
+        (1, 0, 0), (2, 1, 0), (3, 1, 1), (4, 2, 1)]
+    assert sorted(p.name for p in Path(cfg.output_dir).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
