@@ -3,8 +3,8 @@ GRPOTrainer takes for multi-turn rollouts (``--tools``, ``--environment_factory`
 
 A path is ``module:name`` (or ``module.name``), imported from the folder the process was started in, as
 ``python`` would (launch.sh starts every process there): a ``tools.py`` next to the user imports. Anything
-that does not import or is not callable is a ConfigError of one line, raised by ``check_inputs`` before
-any process starts, so that the PS and every worker fail the same way, up front.
+that does not import or is not callable is a ConfigError of one line, raised by ``check_inputs``
+(asyncgrpo/checks.py) before any process starts, so that the PS and every worker fail the same way, up front.
 
 The PS and every worker load the same hooks: the workers run TRL's tool loop inside generation; the PS
 builds its trainer with them too, so that its reward sources (an environment's ``get_reward``), metric

@@ -27,9 +27,9 @@ import time
 import warnings
 from pathlib import Path
 
+from asyncgrpo.checks import check_inputs
 from asyncgrpo.config import ConfigError, parse_config
 from asyncgrpo.inputs import (
-    check_inputs,
     load_eval_dataset,
     load_model_and_tokenizer,
     load_reward_funcs,

@@ -93,20 +93,21 @@ class BehaviourCapture:
             return original(*args, **kwargs)
         # The model whose generate runs the decoding loop (under a PEFT wrapper, the transformers model inside it).
         inner = generating_model(model)
-        handle = inner.register_forward_hook(self._on_forward, with_kwargs=True)
+        handle = inner.register_forward_hook(self.on_forward, with_kwargs=True)
         step = inner.__dict__.get("_compiled_call")
         if isinstance(step, CompiledDecodeStep):
-            step.observer = self._on_compiled_step
+            step.observer = self.on_compiled_step
         try:
             out = original(*args, **kwargs)
         finally:
             handle.remove()
             if isinstance(step, CompiledDecodeStep):
                 step.observer = None
-        self._finish(out, input_ids.size(1))
+        self.finish(out, input_ids.size(1))
         return out
 
-    def _on_forward(self, _module, args, kwargs, output):
+    def on_forward(self, _module, args, kwargs, output):
+        """One forward pass inside generate (a forward hook's signature): the prefill, then one per decoding step."""
         if self.why_not is not None:
             return
         with record_function("behaviour_logps"):  # (what bench/generation_bench.py --profile reports)
@@ -127,8 +128,9 @@ class BehaviourCapture:
         # A copy (in float32, as generate samples from): the output, and its large first-step logits, go away.
         self._pending = logits[:, -1, :].to(dtype=torch.float32, copy=True)
 
-    def _on_compiled_step(self, kwargs: dict, output) -> None:
-        self._on_forward(None, (), kwargs, output)
+    def on_compiled_step(self, kwargs: dict, output) -> None:
+        """The same, from the compiled decoding step's observer (worker/decoding.py)."""
+        self.on_forward(None, (), kwargs, output)
 
     def _gather(self, tokens: torch.Tensor) -> None:
         tokens = tokens.to(self._pending.device)
@@ -139,7 +141,9 @@ class BehaviourCapture:
         self._step_tokens.append(tokens)
         self._pending = None
 
-    def _finish(self, out, prompt_length: int) -> None:
+    def finish(self, out, prompt_length: int) -> None:
+        """generate returned ``out`` (prompt and new tokens): the last token's log-prob, then every token checked
+        against what the forwards saw."""
         if self.why_not is not None:
             return
         if not isinstance(out, torch.Tensor):

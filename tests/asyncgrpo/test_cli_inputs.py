@@ -1,7 +1,7 @@
 """Bad input is refused before anything starts (one line on stderr, exit status 2, no library noise,
 no run directory), and the three commands print their options with --help.
 
-Every check is asyncgrpo/inputs.py check_inputs, which launch.sh runs as ``python -m ps --check_only``:
+Every check is asyncgrpo/checks.py check_inputs, which launch.sh runs as ``python -m ps --check_only``:
 each case is checked in process, and a few through launch.sh from a user's folder."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 import pytest
 from helpers import PROCESS_ENV, REPO, launch_sh, write_user_folder
 
+from asyncgrpo.checks import check_inputs
 from asyncgrpo.config import ConfigError, parse_config
-from asyncgrpo.inputs import check_inputs
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_join_help_is_whole_and_join_without_a_run_says_what_is_missing(tmp_path
 def test_a_report_to_integration_that_is_not_installed_is_refused_with_how_to_install(monkeypatch):
     import transformers.integrations
 
-    from asyncgrpo.inputs import check_report_to
+    from asyncgrpo.checks import check_report_to
 
     cfg = parse_config(["--device_type", "cpu", "--report_to", "tensorboard"])
     monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: [])

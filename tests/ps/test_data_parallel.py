@@ -131,8 +131,8 @@ def test_fsdp_flags_shard_the_ps_only(tmp_path):
     """--fsdp: refused for a PS of one process and for FSDP1 (one line each); on CPU a note says nothing is
     sharded (accelerate shards on GPUs only); a worker given the same flags builds its trainer unsharded
     (transformers' Trainer refuses fsdp in a single process)."""
+    from asyncgrpo.checks import check_inputs
     from asyncgrpo.config import ConfigError
-    from asyncgrpo.inputs import check_inputs
     from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from worker.generate import build_trainer
 

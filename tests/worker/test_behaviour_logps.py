@@ -98,8 +98,8 @@ def feed_decoding_steps(capture, seen, prompt_length, step_logits, out=None):
     generate's output (``seen`` unless given)."""
     for step, logits in enumerate(step_logits):
         input_ids = seen[:, :prompt_length] if step == 0 else seen[:, prompt_length + step - 1:prompt_length + step]
-        capture._on_forward(None, (), {"input_ids": input_ids}, SimpleNamespace(logits=logits))
-    capture._finish(seen if out is None else out, prompt_length)
+        capture.on_forward(None, (), {"input_ids": input_ids}, SimpleNamespace(logits=logits))
+    capture.finish(seen if out is None else out, prompt_length)
 
 
 def test_each_token_is_scored_by_the_forward_that_sampled_it(tmp_path):

@@ -1,0 +1,159 @@
+"""What launch.sh checks before any process starts (``python -m ps --check_only``): ``check_inputs(cfg)``
+imports the reward functions, reads the model's config and tokenizer (not its weights), loads the datasets
+and checks their splits and 'prompt' column, and checks that the run directory is writable and outside the
+source tree. Each problem is a one-line ConfigError; what is merely worth saying comes back as notes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from asyncgrpo.config import AsyncGRPOConfig, ConfigError
+from asyncgrpo.inputs import (
+    SOURCE_TREE,
+    half_dtype_note,
+    load_eval_dataset,
+    load_reward_funcs,
+    load_train_dataset,
+    looks_like_a_path,
+    model_load_kwargs,
+)
+from asyncgrpo.messages import first_line
+from asyncgrpo.user_code import load_rollout_hooks
+
+HUB_TIMEOUT_S = 10.0
+
+
+def _check_hub_model(name: str, revision: str | None) -> None:
+    """A hub id: in the local Hugging Face cache, or on a hub that answers one request. transformers would retry an
+    unreachable hub 5 times over half a minute, with two log lines a try, before the same refusal."""
+    from huggingface_hub import constants, model_info
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, revision=revision, local_files_only=True)
+        return  # cached: loads without the network (the tokenizer and weights are checked next)
+    except Exception:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, and not in the Hugging Face cache "
+                          "(HF_HUB_OFFLINE is set)") from None
+    try:
+        model_info(name, revision=revision, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists; the load says what access it needs
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, and not on the Hugging Face hub "
+                          f"({first_line(err, with_type=False)})") from None
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {name}: not a local folder, not in the Hugging Face cache, and the "
+                          f"hub cannot be reached ({first_line(err)}): download it where the hub can be reached "
+                          "(hf download), or give a local folder") from None
+
+
+def _check_tool_calling(cfg: AsyncGRPOConfig, tokenizer, model: str) -> None:
+    """With tools, TRL refuses a chat template that cannot render a tool call when it builds the trainer, after the
+    processes started: refused here, before."""
+    from trl.chat_template_utils import supports_tool_calling
+
+    if (cfg.tools or cfg.environment_factory) and not supports_tool_calling(tokenizer):
+        flag = f"--tools {' '.join(cfg.tools)}" if cfg.tools else f"--environment_factory {cfg.environment_factory}"
+        raise ConfigError(f"{flag}: the chat template of {model} cannot call tools (TRL needs one that renders a "
+                          "user turn, an assistant turn with tool_calls and a tool turn): give a "
+                          "--model_name_or_path whose template can, or use --builtin_task lookup's model")
+
+
+def _check_model(cfg: AsyncGRPOConfig) -> str | None:
+    """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = os.path.expanduser(cfg.model_name_or_path)
+    if not os.path.exists(name) and looks_like_a_path(name):
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no such folder")
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no config.json in that folder")
+        if not any(next(Path(name).glob(pattern), None) for pattern in ("*.safetensors", "*.bin")):
+            raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no weights (*.safetensors, *.bin) "
+                              "in that folder")
+    kwargs = model_load_kwargs(cfg)
+    where = {"revision": kwargs.get("revision"), "trust_remote_code": kwargs.get("trust_remote_code", False)}
+    if not os.path.isdir(name):
+        _check_hub_model(cfg.model_name_or_path, where["revision"])
+    try:
+        config = AutoConfig.from_pretrained(name, **where)
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: bad config: "
+                          f"{first_line(err, with_type=False)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **where)
+    except Exception as err:
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
+                          f"{first_line(err, with_type=False)}") from None
+    _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
+    dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
+    return half_dtype_note(dtype, cfg.device_type)[0]
+
+
+# ---------------------------------------------------------------------- all of it, before anything starts
+
+REPORT_TO_EXTRAS = ("tensorboard", "wandb", "trackio")  # asyncgrpo's extras of that name (pyproject.toml)
+
+
+def check_report_to(cfg: AsyncGRPOConfig) -> None:
+    """Each --report_to integration importable, as transformers will need it when training starts."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    available = get_available_reporting_integrations()
+    for name in cfg.report_to or []:
+        if name in ("none", "all") or name in available:
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ConfigError(f"--report_to {name}: not an integration transformers knows (one of "
+                              f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none)")
+        how = (f"pip install 'asyncgrpo[{name}]' (or pip install {name})" if name in REPORT_TO_EXTRAS
+               else f"install the {name} package")
+        raise ConfigError(f"--report_to {name}: {name} is not installed: {how}")
+
+
+def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]:
+    """Everything launch.sh can check before a process starts (ConfigError otherwise). Returns notes
+    for the user (one line each)."""
+    notes = []
+    check_report_to(cfg)
+    hooks = load_rollout_hooks(cfg)
+    if not load_reward_funcs(cfg) and not callable(getattr(hooks.environment_factory, "get_reward", None)):
+        raise ConfigError(f"--environment_factory {cfg.environment_factory}: no get_reward method, and no "
+                          "--reward_funcs: nothing would score the rollouts")
+    if cfg.model_name_or_path is not None:
+        notes.append(_check_model(cfg))
+    else:
+        from asyncgrpo.tasks import demo, lookup
+
+        if cfg.dataset_name or cfg.datasets or cfg.reward_funcs:  # so the task's own settings were not applied
+            notes.append(f"no --model_name_or_path: training the built-in {cfg.builtin_task!r} task's tiny model, "
+                         f"with TRL's defaults for what you did not set (learning_rate {cfg.learning_rate:g}, "
+                         f"max_steps {cfg.max_steps}, ...), not the task's own; give --model_name_or_path for "
+                         "your model")
+        if cfg.tools or cfg.environment_factory:
+            task = lookup if cfg.builtin_task == "lookup" else demo
+            _check_tool_calling(cfg, task.build_tokenizer(), f"the built-in {cfg.builtin_task!r} task's model")
+        if cfg.dtype != "auto":
+            notes.append(half_dtype_note(cfg.dtype, cfg.device_type)[0])
+    if cfg.fsdp_plugin_args and cfg.device_type == "cpu":
+        notes.append("--fsdp: accelerate shards a model on GPUs only; on CPU every PS process holds the whole model")
+    load_train_dataset(cfg)
+    load_eval_dataset(cfg)
+    root = Path(os.path.abspath(os.path.expanduser(run_root)))
+    if (SOURCE_TREE / "pyproject.toml").is_file() and root.is_relative_to(SOURCE_TREE):
+        raise ConfigError(f"--run_dir {root}: inside the source tree {SOURCE_TREE}; choose a folder outside it")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=root, prefix=".write_probe.")
+        probe.close()
+    except OSError as err:
+        raise ConfigError(f"--run_dir {root}: not writable: {err.strerror or err}") from None
+    return [note for note in notes if note]
