@@ -1,4 +1,5 @@
 """End to end: asyncgrpo (1, 2, 3 workers; synchronous mode) against plain TRL GRPOTrainer on the demo task.
+(One script, longer than a module should be: the two sides, run as they must be compared, read side by side.)
 
     .venv/bin/python bench/e2e_vs_trl.py [--workloads small,larger] [--seeds 0,1,2]
         [--configs trl,async1,async2,async3,sync] [--quick] [--out results.json] [--keep]

@@ -5,7 +5,10 @@ Each method ps/trainer.py or worker/generate.py overrides or calls is checked wi
 against the way asyncgrpo calls it (parameter names, order, defaults, **kwargs), and called: on a tiny
 GRPOTrainer built in process (the demo's model, tokenizer and config; no download), each test asserts
 what ps/ and worker/ need of its behaviour, so that a change in what TRL or transformers does fails here,
-not only a change in how their source reads."""
+not only a change in how their source reads.
+
+One file on purpose, longer than a module should be: it is the list of everything asyncgrpo assumes of TRL and
+transformers, read in one place when either is upgraded."""
 
 import ast
 import contextlib
