@@ -1,6 +1,6 @@
 """Shared fixtures: a fresh run directory and a queue over it, in pytest's tmp_path; one
 real 8-step demo run (a PS and two workers) that several tests read. Shared helpers
-(processes, back-dated mtimes, the exactly-once check) are in tests/helpers.py."""
+(processes, back-dated mtimes, the exactly-once check) are in tests/helpers/."""
 
 import contextlib
 import logging

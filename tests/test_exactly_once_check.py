@@ -1,4 +1,4 @@
-"""The exactly-once check the end-to-end and chaos tests use (tests/helpers.py), on run
+"""The exactly-once check the end-to-end and chaos tests use (tests/helpers/checks.py), on run
 directories made by hand: it passes on a consistent run and fails for each way a run can
 break exactly-once."""
 

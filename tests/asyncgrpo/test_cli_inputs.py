@@ -21,7 +21,7 @@ from asyncgrpo.config import ConfigError, parse_config
 
 @pytest.fixture
 def user_folder(tmp_path, monkeypatch):
-    """A user's folder (tests/helpers.py write_user_folder) plus broken variants of its model and dataset,
+    """A user's folder (tests/helpers/configs.py write_user_folder) plus broken variants of its model and dataset,
     as the current folder."""
     folder = write_user_folder(tmp_path / "user")
     (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")

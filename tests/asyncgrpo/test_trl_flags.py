@@ -3,7 +3,7 @@ names, defaults and meaning, reach the model and dataset loaders of the PS and t
 --eval_strategy runs TRL's evaluation on the PS; the final model is saved where trl grpo saves it
 (--output_dir), or in the run, with or without checkpoints.
 
-The launch.sh tests share one real run from a user's folder (tests/helpers.py write_user_folder):
+The launch.sh tests share one real run from a user's folder (tests/helpers/configs.py write_user_folder):
 a PS and one worker, relative paths, 2 steps."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Chaos: a demo run with 3 workers while the test SIGKILLs a random worker at random moments
-(11 times, each relaunched with the same --device) and the PS twice (relaunched on the same
+(11 times in 300 steps, each relaunched with the same --device) and the PS twice (relaunched on the same
 run directory, it resumes from its newest complete checkpoint): once at a random moment, once
 inside a checkpoint save (tests/faulty_ps.py kills it there, so that the kill never misses the save).
 
@@ -8,8 +8,8 @@ in queue/), plus a small random delay. The schedule comes from
 random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
-It runs twice: training on whole results, and with dynamic sampling on the binary task (results
-split across batches, checked group by group).
+It runs three times: training on whole results; with dynamic sampling on the binary task (results
+split across batches, checked group by group); and on the tool-calling task (6 worker kills in 120 steps).
 
 At the end: training reached max_steps, every job in the final ledger was consumed exactly
 once (the ledger, done/'s consumed files and the jobs the PS threw agree, with no job id
@@ -27,6 +27,7 @@ import signal
 import subprocess
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,19 +49,12 @@ from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
 from asyncgrpo.jobqueue.names import JOB_ID_RE, done_reason
 from asyncgrpo.run import RunDir
 
-MAX_STEPS = 300
-# The kills are scheduled over the first KILL_SPAN steps (the last worker kill excepted: in the final steps), so
-# that the steps after them leave the test time to catch up with a PS that trains fast: with the kills spread up
-# to step 180 of 200, a run once ended with 2 of them still to come (36 steps a second after a relaunch).
-KILL_SPAN = 200
 SAVE_STEPS = 5  # small, so that a killed PS loses few steps
 LEASE_S = 4
 MAX_ATTEMPTS = 3  # the default
 DEVICES = (1, 2, 3)
-WORKER_KILLS = 11  # at least 10 must happen (the last one, in the final steps, may come too late)
 PS_KILLS = 2
 LEDGER = LEDGER_FILE  # in each checkpoint folder; written last, it marks the checkpoint complete
-ARGS = run_flags(MAX_STEPS, save_steps=SAVE_STEPS, lease_s=LEASE_S)
 # Any single wait for progress; generous. A run takes about 30 s on 2 idle cores with its processes forked
 # from the tests' zygote, 1.5 minutes when each starts a new interpreter (8 s of CPU importing torch and TRL),
 # 5-6 on a machine busy with other runs.
@@ -72,8 +66,8 @@ _DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<at
 class Chaos:
     """The run's processes, the kills, and a log of what the test did (printed on failure)."""
 
-    def __init__(self, tmp_path: Path, seed: int, args: list[str]):
-        self.tmp, self.run_root, self.args = tmp_path, tmp_path / "run", args
+    def __init__(self, tmp_path: Path, seed: int, args: list[str], schedule: Schedule):
+        self.tmp, self.run_root, self.args, self.schedule = tmp_path, tmp_path / "run", args, schedule
         self.rng = random.Random(seed)
         self.t0 = time.monotonic()
         self.ps: subprocess.Popen | None = None
@@ -240,11 +234,12 @@ class Chaos:
         (finishing is a moment too: the PS must drain the queue while workers die), and the PS
         twice: once at a random moment, and its next life inside a checkpoint save (in the first one
         after a step chosen at random)."""
-        steps = self.rng.sample(range(3, int(KILL_SPAN * 0.9)), WORKER_KILLS - 1)
-        plan = [(s, "worker") for s in steps] + [(self.rng.randrange(MAX_STEPS - 4, MAX_STEPS), "worker")]
-        in_save_after = self.rng.randrange(int(KILL_SPAN * 0.45), int(KILL_SPAN * 0.6))
+        span, max_steps = self.schedule.kill_span, self.schedule.max_steps
+        steps = self.rng.sample(range(3, int(span * 0.9)), self.schedule.worker_kills - 1)
+        plan = [(s, "worker") for s in steps] + [(self.rng.randrange(max_steps - 4, max_steps), "worker")]
+        in_save_after = self.rng.randrange(int(span * 0.45), int(span * 0.6))
         self.save_to_die_in = (in_save_after // SAVE_STEPS + 1) * SAVE_STEPS
-        plan += [(self.rng.randrange(int(KILL_SPAN * 0.15), int(KILL_SPAN * 0.3)), "ps-any"),
+        plan += [(self.rng.randrange(int(span * 0.15), int(span * 0.3)), "ps-any"),
                  (in_save_after, "ps-saving")]
         return sorted(plan)
 
@@ -281,23 +276,23 @@ class Chaos:
             self.kill_worker(device, why)
 
     def kill_ps(self, why: str) -> None:
-        if self.ps.poll() is None and self.step() < MAX_STEPS:  # a kill during training, not after it
+        if self.ps.poll() is None and self.step() < self.schedule.max_steps:  # a kill during training, not after it
             self._kill_ps(why)
 
 
 # ---------------------------------------------------------------------- final checks
 
 
-def check_training(run_root: Path, resumes: list[tuple[float, int]]) -> None:
+def check_training(run_root: Path, resumes: list[tuple[float, int]], max_steps: int) -> None:
     global_step = (run_root / "global_step.txt").read_text().strip()
-    assert global_step == str(MAX_STEPS), f"global_step.txt says {global_step}, max_steps is {MAX_STEPS}"
+    assert global_step == str(max_steps), f"global_step.txt says {global_step}, max_steps is {max_steps}"
     lines = metrics(run_root)  # a torn line would fail here
     steps = [m["step"] for m in lines]
     # Each step once, in order: a resumed PS removes the lines of the steps it trains again.
-    assert steps == list(range(1, MAX_STEPS + 1)), (
-        f"metrics.jsonl: missing {sorted(set(range(1, MAX_STEPS + 1)) - set(steps))}, twice "
+    assert steps == list(range(1, max_steps + 1)), (
+        f"metrics.jsonl: missing {sorted(set(range(1, max_steps + 1)) - set(steps))}, twice "
         f"{sorted(s for s in set(steps) if steps.count(s) > 1)}, beyond max_steps "
-        f"{sorted(s for s in set(steps) if s > MAX_STEPS)}, out of order {steps != sorted(steps)}")
+        f"{sorted(s for s in set(steps) if s > max_steps)}, out of order {steps != sorted(steps)}")
     # Each relaunched PS resumed from the newest complete checkpoint when its predecessor died: the
     # first step logged after the kill (later resumes only start later) is that checkpoint's + 1.
     for killed_at, step in resumes:
@@ -308,7 +303,7 @@ def check_training(run_root: Path, resumes: list[tuple[float, int]]) -> None:
     partial = [p.name for p in (run_root / "checkpoints").glob("checkpoint-*") if not (p / LEDGER).is_file()]
     assert not partial, partial
     ps = read_json(run_root / "ps.json")
-    assert ps.get("state") == "finished" and ps.get("global_step") == MAX_STEPS, ps
+    assert ps.get("state") == "finished" and ps.get("global_step") == max_steps, ps
 
 
 def check_tool_calls_made(run_root: Path) -> None:
@@ -332,15 +327,15 @@ def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     return per_job
 
 
-def check_exactly_once_and_archive(run_root: Path, worker_kills: int, by_group: bool) -> dict:
-    # The final ledger holds MAX_STEPS job ids (with dynamic sampling: each group of a result trained or dropped
+def check_exactly_once_and_archive(run_root: Path, worker_kills: int, by_group: bool, max_steps: int) -> dict:
+    # The final ledger holds max_steps job ids (with dynamic sampling: each group of a result trained or dropped
     # once), none twice, each archived as consumed exactly once in done/ and thrown once by the producer
-    # (tests/helpers.py).
-    assert (run_root / "checkpoints" / f"checkpoint-{MAX_STEPS}" / LEDGER).is_file()
+    # (tests/helpers/checks.py).
+    assert (run_root / "checkpoints" / f"checkpoint-{max_steps}" / LEDGER).is_file()
     if by_group:
-        assert_groups_exactly_once(run_root, MAX_STEPS)
+        assert_groups_exactly_once(run_root, max_steps)
     else:
-        assert_exactly_once(run_root, jobs=MAX_STEPS)
+        assert_exactly_once(run_root, jobs=max_steps)
 
     per_job = done_files(run_root)
     reasons = defaultdict(set)
@@ -403,10 +398,24 @@ def check_nothing_alive(chaos: Chaos) -> None:
     assert not left, f"weight buffers left behind: {left}"
 
 
+@dataclass(frozen=True)
+class Schedule:
+    max_steps: int
+    # The kills are scheduled over the first kill_span steps (the last worker kill excepted: in the final steps),
+    # so that the steps after them leave the test time to catch up with a PS that trains fast: with the kills
+    # spread up to step 180 of 200, a run once ended with 2 of them still to come (36 steps a second after a
+    # relaunch).
+    kill_span: int
+    worker_kills: int  # all but the last must happen (the last, in the final steps, may come too late)
+
+
+FULL = Schedule(max_steps=300, kill_span=200, worker_kills=11)
 # Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
-# Multi-turn: the built-in tool-calling task, every job a run of TRL's tool loop.
-MODES = {"whole_results": [], "dynamic_sampling": ["--builtin_task", "first_digit", "--dynamic_sampling"],
-         "multi_turn": ["--builtin_task", "lookup"]}
+# Multi-turn: the built-in tool-calling task, every job a run of TRL's tool loop; its steps take twice as long
+# and the kills are the same kinds as above, so fewer of them.
+MODES = {"whole_results": ([], FULL),
+         "dynamic_sampling": (["--builtin_task", "first_digit", "--dynamic_sampling"], FULL),
+         "multi_turn": (["--builtin_task", "lookup"], Schedule(max_steps=120, kill_span=80, worker_kills=6))}
 
 
 @pytest.mark.slow
@@ -415,14 +424,15 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
     seed = int(os.environ.get("ASYNCGRPO_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
     print(f"chaos seed: {seed} (replay with ASYNCGRPO_CHAOS_SEED={seed})", flush=True)
     dynamic_sampling = mode == "dynamic_sampling"
-    args = ARGS + MODES[mode]
-    chaos = Chaos(tmp_path, seed, args)
+    flags, schedule = MODES[mode]
+    args = [*run_flags(schedule.max_steps, save_steps=SAVE_STEPS, lease_s=LEASE_S), *flags]
+    chaos = Chaos(tmp_path, seed, args, schedule)
     try:
         chaos.launch_ps()
         for device in DEVICES:
             chaos.launch_worker(device)
         chaos.run_plan()
-        assert chaos.worker_kills >= 10 and chaos.ps_kills == PS_KILLS, (
+        assert chaos.worker_kills >= schedule.worker_kills - 1 and chaos.ps_kills == PS_KILLS, (
             f"the schedule did not complete: {chaos.worker_kills} worker kills, {chaos.ps_kills} PS kills")
         assert chaos.ps.wait(timeout=WAIT_S) == 0, chaos.tail("ps.log")
         chaos.note("the PS finished")
@@ -435,8 +445,9 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
         assert codes == {d: 0 for d in DEVICES}, {d: (c, chaos.tail(f"w{d}.log", 1500)) for d, c in codes.items()}
         chaos.note("workers stopped")
 
-        check_training(chaos.run_root, chaos.resumes)
-        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills, by_group=dynamic_sampling)
+        check_training(chaos.run_root, chaos.resumes, schedule.max_steps)
+        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills, by_group=dynamic_sampling,
+                                                 max_steps=schedule.max_steps)
         check_queue_drained(chaos.run_root)
         check_nothing_alive(chaos)
         if mode == "multi_turn":

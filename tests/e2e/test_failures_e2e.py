@@ -1,6 +1,6 @@
 """Failing reward functions, through real processes (tests/reward_faults.py, loaded by import path).
 
-- One that always raises, or returns one reward too few: launch.sh exits 1 soon, its output names the
+- One that always raises: launch.sh exits 1 soon, its output names the
   function and the exception once, done/ holds a bounded number of files, and the workers back off
   between failures instead of spinning.
 - One that raises on some prompts: those jobs are retried, then dropped; the run finishes, and the PS
@@ -71,12 +71,10 @@ def worker_events(run_root) -> dict[int, list[dict]]:
     return by_pid
 
 
-@pytest.mark.parametrize("reward, error", [
-    ("always_raises", "reward function 'always_raises' raised RuntimeError: the reward server is down"),
-    ("one_reward_too_few", "reward function 'one_reward_too_few' raised ValueError: The reward function "
-                           "'one_reward_too_few' returned 31 rewards, but 32 were expected"),
-])
-def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_path, reward, error):
+def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_path):
+    # One that returns a reward too few fails in TRL's own check, and its job names it the same way: see
+    # tests/test_trl_contract.py (test_a_failed_job_names_the_reward_function_from_trl_s_frames).
+    reward, error = "always_raises", "reward function 'always_raises' raised RuntimeError: the reward server is down"
     run_root = tmp_path / "run"
     status, out, _ = launch_until_it_stops(REPO, run_root, f"tests.reward_faults:{reward}", stderr=subprocess.STDOUT)
     assert status == 1, out

@@ -1,0 +1,94 @@
+"""Helpers shared by the tests: the demo task's config and the flags of a short real run, starting
+the PS and workers as real processes (or launch.sh, from a user's folder), waiting for a condition
+(wait_for: bounded, and failing early when a process it depends on exits), back-dating file mtimes
+(leases expire without sleeping), a few small file readers, and the exactly-once check that compares
+the ledger, done/ and the jobs the PS threw.
+
+They live in submodules by subject: ``configs`` (the demo task's config and a run's flags, a user's folder),
+``processes`` (the repository's paths and the processes' environment, starting and waiting for processes),
+``files`` (back-dated mtimes, file modes, small readers of a run's files), ``checks`` (the exactly-once check,
+the ledger, the PS's events, a model's values) and ``faults`` (a full disk, a second host, a skewed clock).
+Every public name is re-exported here: tests write ``from helpers import X`` or ``helpers.X``.
+"""
+
+from __future__ import annotations
+
+from .checks import (
+    LEDGER_FILE,
+    assert_exactly_once,
+    assert_groups_exactly_once,
+    consumed_in_done,
+    duplicates,
+    fill,
+    held_values,
+    ledger,
+    newest_checkpoint,
+    ps_events,
+)
+from .configs import DEMO_RUN_FLAGS, REWARDS_PY, demo_config, demo_flags, run_flags, write_user_folder
+from .faults import CLOCK_SKEW_DIR, as_other_host, inject_disk_full, other_host_unavailable, tmpfs
+from .files import NOBODY, backdate, entries, metrics, modes_beyond, open_as_nobody, read_json, result_payload
+from .processes import (
+    PROCESS_ENV,
+    REPO,
+    TESTS,
+    faulty_ps_env,
+    heartbeat_pid,
+    kill_run,
+    launch_sh,
+    pid_alive,
+    process_state,
+    start_faulty_ps,
+    start_process,
+    start_ps_ranks,
+    start_script,
+    wait_for,
+    wait_until_stopped,
+)
+
+__all__ = [
+    "CLOCK_SKEW_DIR",
+    "DEMO_RUN_FLAGS",
+    "LEDGER_FILE",
+    "NOBODY",
+    "PROCESS_ENV",
+    "REPO",
+    "REWARDS_PY",
+    "TESTS",
+    "as_other_host",
+    "assert_exactly_once",
+    "assert_groups_exactly_once",
+    "backdate",
+    "consumed_in_done",
+    "demo_config",
+    "demo_flags",
+    "duplicates",
+    "entries",
+    "faulty_ps_env",
+    "fill",
+    "heartbeat_pid",
+    "held_values",
+    "inject_disk_full",
+    "kill_run",
+    "launch_sh",
+    "ledger",
+    "metrics",
+    "modes_beyond",
+    "newest_checkpoint",
+    "open_as_nobody",
+    "other_host_unavailable",
+    "pid_alive",
+    "process_state",
+    "ps_events",
+    "read_json",
+    "result_payload",
+    "run_flags",
+    "start_faulty_ps",
+    "start_process",
+    "start_ps_ranks",
+    "start_script",
+    "tmpfs",
+    "wait_for",
+    "wait_until_stopped",
+    "write_user_folder",
+]

@@ -1,0 +1,155 @@
+"""The tests' processes: the repository's paths (REPO, TESTS) and the environment every process gets
+(PROCESS_ENV: one thread each); starting the PS and workers as real processes (start_process, forked from the
+zygote, tests/zygote.py, when it can; start_faulty_ps and faulty_ps_env for tests/faulty_ps.py; start_ps_ranks
+under torchrun; start_script; launch_sh from a user's folder); waiting for a condition (wait_for: bounded, and
+failing early when a process it depends on exits) or for a process to stop; and a process's state, liveness,
+heartbeat pid, and the cleanup of a launch.sh run (kill_run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from zygote import FORK, ForkedProcess
+
+from .files import read_json
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+# One thread per process: the tests start several on a machine with few cores.
+PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+# ---------------------------------------------------------------------- waiting
+
+
+def wait_for(condition, what: str, timeout: float = 60, *, procs=(), log=None, poll_s: float = 0.05):
+    """Calls ``condition()`` every ``poll_s`` seconds until it returns something truthy, and returns that.
+
+    Fails (AssertionError) naming ``what`` and the timeout after ``timeout`` seconds, and at once, with its
+    exit status, when a process in ``procs`` (subprocess.Popen) has exited while the condition does not hold
+    (it would never come true). ``log``: a file (a process's output) whose last 3000 characters end the message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        exited = [proc for proc in procs if proc.poll() is not None]
+        if exited or time.monotonic() >= deadline:
+            why = "; ".join(f"{_process_name(p)} (pid {p.pid}) exited with status {p.returncode}" for p in exited)
+            message = f"{why} while waiting for {what}" if why else f"waited {timeout:g} s for {what}"
+            if log is not None and Path(log).exists():
+                message += "\n" + Path(log).read_text(errors="replace")[-3000:]
+            raise AssertionError(message)
+        time.sleep(poll_s)
+
+
+def _process_name(proc: subprocess.Popen) -> str:
+    args = [proc.args] if isinstance(proc.args, (str, bytes, os.PathLike)) else list(proc.args)
+    return " ".join(os.path.basename(str(a)) if i == 0 else str(a) for i, a in enumerate(args[:3]))
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...), or None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def wait_until_stopped(proc: subprocess.Popen, timeout: float, poll_s: float = 0.01) -> None:
+    """Waits until ``proc`` is stopped (SIGSTOP: state T); fails if it exits first."""
+    wait_for(lambda: process_state(proc.pid) == "T", f"{_process_name(proc)} (pid {proc.pid}) to stop (SIGSTOP)",
+             timeout, procs=(proc,), poll_s=poll_s)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def start_process(run_root, log_path, module: str, *args: str, env: dict | None = None):
+    """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``;
+    ``env`` defaults to PROCESS_ENV. With the suite's environment the process is forked from the zygote
+    (tests/zygote.py: the libraries already imported), else a new interpreter (subprocess.Popen)."""
+    argv = ["--run_dir", str(run_root), *args]
+    if env is None and FORK:
+        return ForkedProcess(module, argv, log_path, cwd=REPO, env=PROCESS_ENV)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
+                                env=PROCESS_ENV if env is None else env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def faulty_ps_env(fault: str, arg: int) -> dict:
+    """The environment of ``python -m faulty_ps``: the PS with ``fault`` injected (tests/faulty_ps.py says
+    which: "kill-mid-save", "full-metrics", ...)."""
+    return {**PROCESS_ENV, "PS_FAULT": f"{fault} {arg}",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), str(REPO), PROCESS_ENV.get("PYTHONPATH")) if p)}
+
+
+def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
+    if FORK:  # the fault is read when faulty_ps starts: the zygote's child sets it
+        return ForkedProcess("faulty_ps", ["--run_dir", str(run_root), *args], log_path, cwd=REPO, env=PROCESS_ENV,
+                             extra_env={"PS_FAULT": f"{fault} {arg}"})
+    return start_process(run_root, log_path, "faulty_ps", *args, env=faulty_ps_env(fault, arg))
+
+
+def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess.Popen:
+    """The PS as ``processes`` data-parallel ranks: ``torchrun --standalone --nproc_per_node N -m ps`` (gloo on
+    CPU), with --ps_processes N; its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node", str(processes), "--log-dir",
+                                 str(Path(log_path).parent / "torchrun"), "-m", "ps", "--run_dir", str(run_root),
+                                 "--ps_processes", str(processes), *args],
+                                cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_script(script, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """``python script args...`` (a test file that is also its subprocesses' script, ...), stdout piped as text.
+    PROCESS_ENV plus ``env``; tests/ and the repository on the path, so the script imports helpers and
+    asyncgrpo as a test does. ``env`` values of None remove a variable."""
+    env = {**PROCESS_ENV, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(REPO), env.get("PYTHONPATH")) if p)
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env, **popen)
+
+
+def launch_sh(cwd, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``bash launch.sh args...`` run from ``cwd`` (as a user runs it from their folder), to its end."""
+    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], cwd=cwd, env=PROCESS_ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return process_state(pid) not in (None, "Z")
+
+
+def heartbeat_pid(run_root, device, timeout: float, not_pid: int | None = None, procs=()) -> int:
+    """The pid in worker ``device``'s heartbeat (RUN/workers/devN.json), once it beats with one (other than
+    ``not_pid``: a restarted worker beats with its own); ``procs`` as for wait_for."""
+    path = Path(run_root) / "workers" / f"dev{device}.json"
+
+    def beating_pid():
+        pid = read_json(path).get("pid")
+        return pid if pid and pid != not_pid else None
+
+    return wait_for(beating_pid, f"worker {device} to beat" + (f" with a pid other than {not_pid}" if not_pid else ""),
+                    timeout, procs=procs, poll_s=0.1)
+
+
+def kill_run(run_root, launcher: subprocess.Popen) -> None:
+    """Cleanup after a launch.sh test: SIGKILLing bash would leave its children running."""
+    launcher.kill()
+    for path in [Path(run_root) / "ps.json", *Path(run_root).glob("workers/dev*.json")]:
+        pid = read_json(path).get("pid")
+        if pid and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
