@@ -20,7 +20,6 @@ from helpers import (
     assert_exactly_once,
     heartbeat_pid,
     kill_run,
-    launch_sh,
     metrics,
     modes_beyond,
     pid_alive,
@@ -192,8 +191,10 @@ def test_demo_task_learns_with_two_workers(tmp_path):
 
 
 def launch(run_root, *args):
+    """launch.sh as the leader of its own process group, as a terminal runs a command."""
     return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO,
-                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
@@ -208,7 +209,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
         os.kill(first, signal.SIGKILL)
         # The restarted worker beats with its own pid.
         second = heartbeat_pid(run_root, 1, TIMEOUT_S, not_pid=first, procs=(proc,))
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group, the PS too
         assert proc.wait(timeout=120) == 130
     finally:
         kill_run(run_root, proc)
@@ -241,14 +242,20 @@ def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
 
 def test_a_finished_run_resumed_for_more_steps_says_how_its_learning_rate_schedule_changes(tmp_path):
     """The demo: learning rate 1e-3, linear to 0 at max_steps. Trained to 4 steps its rate reached 0; resumed
-    towards 8, transformers recomputes the schedule, and the rate at step 4 is 1e-3 * 4/8."""
-    run = tmp_path / "run"
-    first = launch_sh(tmp_path, "--workers", "1", "--run-dir", str(run), "--max-steps", "4", "--save_steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "learning-rate schedule" not in first.stdout
-    second = launch_sh(tmp_path, "--workers", "1", "--run-dir", str(run), "--max-steps", "8")
-    assert second.returncode == 0, second.stderr[-3000:]
-    [line] = [x for x in second.stdout.splitlines() if "learning-rate schedule" in x]
+    towards 8, transformers recomputes the schedule, and the rate at step 4 is 1e-3 * 4/8. (A PS relaunched on
+    the run of a worker that waits for it, as launch.sh's relaunch would be.)"""
+    run, ps_log = tmp_path / "run", tmp_path / "ps.log"
+    worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--seed", "0")
+    try:
+        first = start_process(run, ps_log, "ps", *run_flags(4, save_steps=2))
+        assert first.wait(timeout=TIMEOUT_S) == 0, ps_log.read_text()[-3000:]
+        assert "learning-rate schedule" not in ps_log.read_text()
+        second = start_process(run, ps_log, "ps", *run_flags(8, save_steps=2))
+        assert second.wait(timeout=TIMEOUT_S) == 0, ps_log.read_text()[-3000:]
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    [line] = [x for x in ps_log.read_text().splitlines() if "learning-rate schedule" in x]
     assert line.split(" INFO ")[1].startswith(
         "[train] resumed at step 4 of a run trained towards max_steps=4, now max_steps=8: the learning-rate schedule "
         "(linear) is recomputed over 8 steps: the learning rate goes from ")

@@ -1,6 +1,7 @@
-"""However the parameter server ends, its weight buffers in /dev/shm go: Ctrl-C in a terminal (SIGINT to the
-whole process group, then launch.sh's SIGTERM on top), and a PS killed outright (launch.sh frees what it
-left). Real processes, started as a user starts them."""
+"""However the parameter server ends, its weight buffers in /dev/shm go: a PS killed outright (launch.sh frees
+what it left), and a scheduler's SIGTERM to every process. (Ctrl-C in a terminal, SIGINT to the whole process
+group: tests/e2e/test_e2e.py test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything.) Real processes,
+started as a user starts them."""
 
 import json
 import os
@@ -47,19 +48,6 @@ def wait_for_training(run_root: Path, proc: subprocess.Popen) -> None:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no training steps"
         time.sleep(0.1)
-
-
-def test_ctrl_c_in_a_terminal_frees_the_weight_buffers(tmp_path):
-    run_root = tmp_path / "run"
-    proc = launch_in_a_terminal(run_root, "--workers", "2", "--max-steps", "100000")
-    try:
-        wait_for_training(run_root, proc)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group, the PS too
-        assert proc.wait(timeout=120) == 130
-    finally:
-        kill_run(run_root, proc)
-    assert "interrupted: stopping" in proc.stdout.read()
-    assert buffers_of(run_root) == []
 
 
 def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
