@@ -129,6 +129,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from asyncgrpo.run.metrics import read_lines as read_metrics  # (run from the repository's root)
+
 work, machine, wheels = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 pytest_rc, pytest_s, bench_rc, bench_s, launch_rc, launch_s, steps, wall = map(int, sys.argv[4:])
 rows = []
@@ -173,7 +175,7 @@ except (ValueError, KeyError):
 
 # launch.sh: steps in metrics.jsonl, the transport, the worker's syncs, restarts
 run = work / "run"
-lines = [json.loads(x) for x in read("run/metrics.jsonl").splitlines() if x.strip()]
+lines = read_metrics(run / "metrics.jsonl")
 done = lines[-1]["step"] if lines else 0
 try:
     transport = json.loads((run / "weights" / "published_version.json").read_text())["transport"]

@@ -113,6 +113,13 @@ def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(use
     assert not [n for n in check_inputs(cfg, user_folder / "run") if "--model_name_or_path" in n]
 
 
+def test_a_run_directory_that_cannot_be_written_is_refused(user_folder):
+    (user_folder / "a_file").write_text("x")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
+    with pytest.raises(ConfigError, match=f"^--run_dir {user_folder / 'a_file' / 'run'}: not writable: "):
+        check_inputs(cfg, user_folder / "a_file" / "run")
+
+
 def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_folder):
     cfg = parse_config(["--device_type", "cpu", "--eval_strategy", "steps"])
     with pytest.raises(ConfigError, match="^--eval_strategy steps: no evaluation data: the demo task"):

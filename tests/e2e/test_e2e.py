@@ -153,11 +153,10 @@ def test_a_ps_killed_inside_a_save_resumes_from_the_checkpoint_before(tmp_path):
     assert report["training"]["span_s"] + report["downtime"]["down_s"] == pytest.approx(first_to_last)
 
 
-# launch.sh's own refusals, and two of check_inputs' through it (every bad input's line is checked in process:
-# tests/asyncgrpo/test_cli_inputs.py).
+# launch.sh's own refusals, and a flag the PS does not know through it (every bad input's line is checked in
+# process, and one through launch.sh from a user's folder: tests/asyncgrpo/test_cli_inputs.py).
 @pytest.mark.parametrize("args, message", [
     (["--frobnicate", "1"], "--frobnicate: not a flag"),
-    (["--run-dir", "{tmp}/a_file/run"], "not writable"),
     (["--workers", "zero"], "--workers needs a number (0: workers join from other hosts), got 'zero'"),
     (["--ps-procs", "0"], "--ps-procs needs a positive integer"),
 ])
