@@ -208,6 +208,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
     difficulty_filter_wait: int = field(default=10, metadata={
         "help": "With --difficulty_filter: how many generation batches a skipped prompt waits before it comes back."})
     # How workers generate.
+    in_flight_updates: bool = field(default=False, metadata={
+        "help": "Workers look for newer weights every few decoding steps and sync them in place while a job is "
+                "being generated; each token is sampled, and its behaviour log-prob taken, under the weights of its "
+                "step, and a result records which versions sampled its tokens. Staleness and admission go by each "
+                "result's oldest token. Single-turn generation only (not with tools or a rollout function)."})
     worker_decoding: str = field(default="auto", metadata={
         "help": "'eager': TRL's generate (a dynamic KV cache, one Python-launched forward per token); 'compiled': a "
                 "static KV cache and generate's decoding step compiled with torch.compile (CUDA graphs on a GPU); "

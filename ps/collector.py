@@ -29,7 +29,11 @@ def read_result_payload(payload: dict, rows_per_job: int) -> None:
     version = payload["weights_version"]
     if type(version) is not int or version < 0:
         raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
-    payload["data"] = read_result(payload["data"], rows_per_job)
+    data = read_result(payload["data"], rows_per_job)
+    runs = getattr(data, "token_versions", None)
+    if runs and runs[0][1] != version:  # the oldest token's version is the one the staleness bound goes by
+        raise ValueError(f"token_versions start at version {runs[0][1]}, the result's weights_version is {version}")
+    payload["data"] = data
 
 
 def _intern_metric_names(data: ResultData) -> None:

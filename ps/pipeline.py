@@ -85,6 +85,7 @@ class GroupsTaken:
     of_groups: int  # how many the result holds
     samples: int  # rows (completions) taken
     tokens: int  # completion tokens taken
+    tokens_by_version: dict[int, int] | None = None  # of those tokens, how many each weights version sampled
 
 
 @dataclass
@@ -391,9 +392,9 @@ class JobPipeline:
 def _groups_taken(result: CollectedResult, groups: list[int], num_generations: int) -> GroupsTaken:
     batch = result.data.batch
     rows = group_rows(groups, num_generations)
-    return GroupsTaken(result.job_id, result.payload["weights_version"], groups,
-                       batch["advantages"].size(0) // num_generations, len(rows),
-                       int(batch["completion_mask"][rows].sum()))
+    version = result.payload["weights_version"]
+    return GroupsTaken(result.job_id, version, groups, batch["advantages"].size(0) // num_generations, len(rows),
+                       int(batch["completion_mask"][rows].sum()), result.data.tokens_by_version(rows, version))
 
 
 def _weighted_metrics(parts: list[tuple[CollectedResult, list[int]]]) -> dict:

@@ -282,6 +282,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         for part in self.job.parts:
             self._step_record["staleness"] += [step - 1 - part.weights_version] * len(part.groups)
             self._step_record["weights_versions"].append(part.weights_version)
+            for version, tokens in (part.tokens_by_version or {part.weights_version: part.tokens}).items():
+                self._step_record["token_staleness"][0] += (step - 1 - version) * tokens
+                self._step_record["token_staleness"][1] += tokens
         staleness = max(step - 1 - part.weights_version for part in self.job.parts)
         if self.is_queue_client:
             self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
@@ -332,6 +335,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if is_step_log:  # asyncgrpo's own metrics go to report_to integrations with TRL's
             logs.update({"staleness/mean": statistics.fmean(record["staleness"]),
                          "staleness/max": max(record["staleness"]),
+                         "staleness/token_mean": record["token_staleness"][0] / max(record["token_staleness"][1], 1),
                          "weights_version": max(record["weights_versions"]),
                          "trainer_wait_s": round(record["trainer_wait_s"], 4)})
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
@@ -353,6 +357,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             grad_norm=logs.get("grad_norm"),
             staleness_mean=logs["staleness/mean"],
             staleness_max=logs["staleness/max"],
+            token_staleness_mean=round(logs["staleness/token_mean"], 4),
             weights_version=logs["weights_version"],
             trainer_wait_s=logs["trainer_wait_s"],
             groups_dropped=record["groups_dropped"],
@@ -437,4 +442,5 @@ def _fmt(value) -> str:
 
 
 def _new_step_record() -> dict:
-    return {"staleness": [], "trainer_wait_s": 0.0, "weights_versions": [], "groups_dropped": 0}
+    return {"staleness": [], "token_staleness": [0, 0], "trainer_wait_s": 0.0, "weights_versions": [],
+            "groups_dropped": 0}

@@ -269,9 +269,11 @@ class GraphDecoding(FixedBatchDecoding):
 
     # ------------------------------------------------------------------ on the host
 
-    def decode_batch(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    def decode_batch(self, prompt_ids: list[list[int]], before_token=None
+                     ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
         """TRL's ``_generate_single_turn`` for ``prompt_ids``: each row's completion ids, cut after its first EOS;
-        and, on the CPU, the tokens [rows, steps] and their behaviour log-probs."""
+        and, on the CPU, the tokens [rows, steps] and their behaviour log-probs. ``before_token(i)`` is called on
+        the host before token i (i >= 1) is sampled (in-flight weight updates, worker/in_flight.py)."""
         # Left-padded as TRL pads them, then further to the cache's prompt part (the prefill's one shape).
         ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
@@ -285,6 +287,8 @@ class GraphDecoding(FixedBatchDecoding):
             st = self._prefill(ids.to(self.device), mask.to(self.device))
         with record_function("decode.steps"):
             for step in range(1, self.max_new):
+                if before_token is not None:
+                    before_token(step)
                 self._compiled_step(self.cache, st)
                 if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
                     break

@@ -32,6 +32,7 @@ on, are checked by tests/test_trl_contract.py, which fails loudly, naming what c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -56,6 +57,7 @@ from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns
+from worker.in_flight import InFlightWeights
 from worker.tools import RolloutTurns, WorkerStopping, bounding_environments
 from worker.trl_seam import (
     BEHAVIOUR_LOGPS,
@@ -119,33 +121,48 @@ class JobInput:
     fields: dict = field(default_factory=dict)
 
 
+@dataclass
+class Generated:
+    """One job generated and scored: its batch and metrics as generate_and_score returns them, its completions
+    table (completion_logs) when asked for, and with in-flight updates the versions its tokens were sampled by
+    (runs [(first_token, version), ...], worker/in_flight.py)."""
+
+    batch: dict
+    metrics: dict
+    logs: dict | None = None
+    token_versions: list[tuple[int, int]] | None = None
+
+
 def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                  decoding: CompiledDecoding | GraphDecoding | None = None, with_logs: bool = False
-                  ) -> list[tuple[dict, dict, dict | None] | Exception]:
-    """Several jobs, generated in one generate call where that applies, each scored on its own: for each job, its
-    ``(batch, metrics)`` as generate_and_score returns them and, ``with_logs``, its completions table
-    (completion_logs; else None), or the exception its generation or scoring raised (one job's reward function
-    raising fails that job alone). An error that says the device is broken is raised.
+                  decoding: CompiledDecoding | GraphDecoding | None = None, with_logs: bool = False,
+                  in_flight: InFlightWeights | None = None) -> list[Generated | Exception]:
+    """Several jobs, generated in one generate call where that applies, each scored on its own: for each job, what
+    it generated (Generated), or the exception its generation or scoring raised (one job's reward function
+    raising fails that job alone). An error that says the device is broken is raised. ``in_flight``: newer
+    weights are synced between decoding steps (worker/in_flight.py).
 
     The rows of all the jobs (filled up to compiled decoding's fixed batch) go through TRL's
     ``_generate_single_turn`` once, sampled with the first job's seed: a job's samples then depend on which jobs
     shared its call (with one job per call, on its seed alone). If that call raises, the jobs are generated one
     by one, so that only a job that fails on its own fails."""
     shared: list[Pregenerated | None] = [None] * len(jobs)
+    shared_versions = None
     if len(jobs) > 1 or decoding is not None:
         try:
-            shared = _generate_together(trainer, jobs, events, decoding) or shared
+            shared = _generate_together(trainer, jobs, events, decoding, in_flight) or shared
+            shared_versions = list(in_flight.runs) if in_flight is not None else None
         except Exception as err:
             if is_broken_device_error(err):
                 raise
             log_once(log, f"[gen] generating {len(jobs)} jobs in one call raised {first_line(err)}; generating "
                      "them one by one")
-    outcomes: list[tuple[dict, dict, dict | None] | Exception] = []
+    outcomes: list[Generated | Exception] = []
     for job, pregenerated in zip(jobs, shared, strict=True):
         try:
             batch, metrics = generate_and_score(trainer, job.rows, events, seed=job.seed, ps_step=job.ps_step,
-                                                pregenerated=pregenerated, **job.fields)
-            outcomes.append((batch, metrics, completion_logs(trainer) if with_logs else None))
+                                                pregenerated=pregenerated, in_flight=in_flight, **job.fields)
+            versions = None if in_flight is None else shared_versions if pregenerated else list(in_flight.runs)
+            outcomes.append(Generated(batch, metrics, completion_logs(trainer) if with_logs else None, versions))
         except Exception as err:
             if is_broken_device_error(err):
                 raise
@@ -154,7 +171,8 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
 
 
 def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                       decoding: CompiledDecoding | GraphDecoding | None) -> list[Pregenerated] | None:
+                       decoding: CompiledDecoding | GraphDecoding | None,
+                       in_flight: InFlightWeights | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
     if generates_in_turns(trainer) or BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
@@ -176,11 +194,15 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
         events.emit("generate_start", jobs_in_call=len(jobs), **job.fields)
     started = time.monotonic()
     if isinstance(decoding, GraphDecoding):  # the worker's own decoding loop: the log-probs come with the tokens
+        if in_flight is not None:
+            in_flight.start()
         with torch.no_grad(), trainer.accelerator.autocast():
-            completion_ids, tokens, logps = decoding.decode_batch(batch)
+            completion_ids, tokens, logps = decoding.decode_batch(
+                batch, before_token=in_flight.before_token if in_flight is not None else None)
         capture.given(tokens, logps)
     else:
-        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate(), \
+        in_flight_syncs = in_flight.watching_generate(trainer) if in_flight else contextlib.nullcontext()
+        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate(), in_flight_syncs, \
                 record_function("generate"):
             completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
     dur_ms = (time.monotonic() - started) * 1e3
@@ -195,7 +217,8 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
 
 
 def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int, ps_step: int = 0,
-                       pregenerated: Pregenerated | None = None, **job_fields) -> tuple[dict, dict]:
+                       pregenerated: Pregenerated | None = None, in_flight: InFlightWeights | None = None,
+                       **job_fields) -> tuple[dict, dict]:
     """One job: (TRL's result dict on the CPU with behaviour log-probs, this job's metrics).
 
     The behaviour log-probs are left out only in synchronous mode when they could not be
@@ -209,7 +232,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     ``trainer_state.global_step``, as they would in TRL (a worker never trains).
 
     ``pregenerated``: the job's completions from a generate call shared with other jobs (generate_jobs); TRL's
-    ``_generate_single_turn`` returns them instead of generating."""
+    ``_generate_single_turn`` returns them instead of generating. ``in_flight``: newer weights synced between
+    decoding steps (worker/in_flight.py), its runs those of this job's generate call."""
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
     metrics_of = getattr(trainer, METRICS)["train"]
@@ -221,7 +245,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
     # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
     with torch.no_grad(), trainer.accelerator.autocast(), record_function("score"), \
-            scoring_one_job(trainer, events, job_fields, capture, turns, pregenerated) as seen:
+            scoring_one_job(trainer, events, job_fields, capture, turns, pregenerated,
+                            in_flight if pregenerated is None else None) as seen:
         batch = getattr(trainer, GENERATE_AND_SCORE)(rows)
         if "old_per_token_logps" not in batch:  # TRL computes them only when steps misalign
             _add_behaviour_logps(trainer, batch, capture)

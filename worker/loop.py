@@ -48,6 +48,8 @@ from worker import tools
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
 from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
+from worker.in_flight import InFlightWeights
+from worker.in_flight import unsupported as in_flight_unsupported
 from worker.trl_seam import TOKENIZE_PROMPTS
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -120,6 +122,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     # would only wait for it.
     jobs_per_call = 1 if generates_in_turns(trainer) else cfg.jobs_per_generate
     subscriber = make_subscriber(run, on_read=presence.announce_read)
+    in_flight = _in_flight_weights(cfg, trainer, subscriber, events, device)
     version = None
     status = 0
     failures_in_a_row = 0
@@ -173,7 +176,10 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                     events.emit("job_released", job_id=j.job_id)
                 break
             presence.update(weights_version=version)
-            if _process(cfg, queue, jobs, trainer, version, events, claimed, decoding):
+            ok = _process(cfg, queue, jobs, trainer, version, events, claimed, decoding, in_flight)
+            if in_flight is not None:  # the weights it synced between decoding steps are the model's now
+                version = in_flight.version
+            if ok:
                 failures_in_a_row = 0
             else:
                 failures_in_a_row += 1
@@ -270,6 +276,16 @@ def _readable(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list[ClaimedJob], ver
     return readable
 
 
+def _in_flight_weights(cfg: AsyncGRPOConfig, trainer, subscriber, events: EventLog,
+                       device: WorkerId) -> InFlightWeights | None:
+    if not cfg.in_flight_updates:
+        return None
+    if (why := in_flight_unsupported(trainer)) is not None:
+        log.info("[gen] dev%s --in_flight_updates: not with %s; new weights reach a job before it starts", device, why)
+        return None
+    return InFlightWeights(subscriber, trainer.model, events)
+
+
 def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
     start = time.monotonic()
     version = subscriber.sync(model)
@@ -281,15 +297,19 @@ def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
 
 
 def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version: int, events: EventLog,
-             claimed: float, decoding: CompiledDecoding | GraphDecoding | None) -> bool:
+             claimed: float, decoding: CompiledDecoding | GraphDecoding | None,
+             in_flight: InFlightWeights | None = None) -> bool:
     """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
-    any of them raised (it is thrown again or reported failed)."""
+    any of them raised (it is thrown again or reported failed). With ``in_flight``, newer weights are synced
+    between decoding steps: each result's weights_version is its oldest token's."""
     device = jobs[0].name.device
     started = time.time()
     inputs = [JobInput(job.job_data.rows, job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
                        {"job_id": job.job_id, "weights_version": version}) for job in jobs]
     # A bad prompt or reward function fails its job, not the worker (an error of a broken device is raised).
-    outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions)
+    if in_flight is not None:
+        in_flight.version = version
+    outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions, in_flight=in_flight)
     done = time.time()
     recompiles = decoding.recompiles() if decoding is not None else 0
     all_done = True
@@ -304,22 +324,26 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
             _fail(cfg, queue, job, outcome, version, events)
             all_done = False
             continue
-        batch, metrics, logs = outcome  # logs: the PS prints TRL's completions table from these
+        batch, metrics = outcome.batch, outcome.metrics
+        # outcome.logs: the PS prints TRL's completions table from these
         data = ResultData({k: v for k, v in batch.items() if k != REWARDS_KEY}, batch.get(REWARDS_KEY), metrics,
-                          job.job_data.rows, logs).to_dict()
+                          job.job_data.rows, outcome.logs, outcome.token_versions).to_dict()
+        oldest = outcome.token_versions[0][1] if outcome.token_versions else version
         try:
             published = queue.complete(
-                job, data, weights_version=version, queue_time=job.claimed_at - job.payload["created_at"],
+                job, data, weights_version=oldest, queue_time=job.claimed_at - job.payload["created_at"],
                 processing_time=done - started, job_age=done - job.payload["created_at"])
         except QueueWriteError as err:
             _release_unwritable(queue, job, err, events)
             continue
-        events.emit("result_written", job_id=job.job_id, weights_version=version, published=published,
+        events.emit("result_written", job_id=job.job_id, weights_version=oldest, published=published,
                     dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
                     tokens=int(batch["completion_mask"].sum()), jobs_in_call=len(jobs), recompiles=recompiles)
-        log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s%s", device, job.job_id,
-                 version, (done - started) * 1e3, metrics.get("reward", float("nan")), published,
-                 f" jobs_in_call={len(jobs)}" if len(jobs) > 1 else "")
+        newest = f" newest_token_version={outcome.token_versions[-1][1]}" if outcome.token_versions and len(
+            outcome.token_versions) > 1 else ""
+        log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s%s%s", device,
+                 job.job_id, oldest, (done - started) * 1e3, metrics.get("reward", float("nan")), published,
+                 f" jobs_in_call={len(jobs)}" if len(jobs) > 1 else "", newest)
     return all_done
 
 

@@ -81,10 +81,11 @@ def overriding(owner, name: str, replacement):
 
 @contextlib.contextmanager
 def scoring_one_job(trainer: GRPOTrainer, events: EventLog, job_fields: dict, capture, turns=None,
-                    pregenerated: Pregenerated | None = None):
+                    pregenerated: Pregenerated | None = None, in_flight=None):
     """For the span of one ``_generate_and_score_completions`` call: the overrides above, in that order.
     ``capture``: a BehaviourCapture (one generate call) or MultiTurnCapture (tools); ``turns``: the job's
-    RolloutTurns with tools, else None; ``pregenerated``: the job's share of a shared generate call, else None."""
+    RolloutTurns with tools, else None; ``pregenerated``: the job's share of a shared generate call, else None;
+    ``in_flight``: a worker.in_flight.InFlightWeights, whose stopping criterion the model's generate gets."""
     seen = ScoredJob()
     generate, calculate_rewards = getattr(trainer, GENERATE), getattr(trainer, CALCULATE_REWARDS)
 
@@ -115,6 +116,8 @@ def scoring_one_job(trainer: GRPOTrainer, events: EventLog, job_fields: dict, ca
             stack.callback(turns.finish)
         if pregenerated is None and turns is None:
             stack.enter_context(capture.watching_generate())  # the model's generate, for the job's one call
+            if in_flight is not None:  # newer weights between its steps (worker/in_flight.py)
+                stack.enter_context(in_flight.watching_generate(trainer))
         stack.enter_context(overriding(trainer, GENERATE_SINGLE_TURN, single_turn))
         stack.enter_context(overriding(trainer, GENERATE, generating))
         stack.enter_context(overriding(trainer, CALCULATE_REWARDS, keeping_rewards))

@@ -79,6 +79,10 @@ class ResultData:
     metrics: dict[str, float]
     rows: list[dict]
     logs: dict | None = None  # TRL's completions table rows (worker/generate.py completion_logs)
+    # With in-flight updates (worker/in_flight.py): the weights versions of the generate call, as runs
+    # [(first_token, version), ...], token t of every row sampled by the last run starting at or before t.
+    # None: every token by the result's weights_version.
+    token_versions: list[tuple[int, int]] | None = None
 
     @property
     def completions(self) -> int:
@@ -89,7 +93,21 @@ class ResultData:
         data = {VERSION_KEY: HANDOFF_VERSION, "batch": batch, "metrics": self.metrics, "rows": self.rows}
         if self.logs is not None:
             data["logs"] = self.logs
+        if self.token_versions is not None:
+            data["token_versions"] = [list(run) for run in self.token_versions]
         return data
+
+    def tokens_by_version(self, rows: list[int], weights_version: int) -> dict[int, int]:
+        """How many completion tokens of ``rows`` each weights version sampled."""
+        runs = self.token_versions or [(0, weights_version)]
+        lengths = self.batch["completion_mask"][rows].sum(dim=1).tolist()
+        counts: dict[int, int] = {}
+        for i, (first, version) in enumerate(runs):
+            end = runs[i + 1][0] if i + 1 < len(runs) else None
+            n = sum(max(0, (length if end is None else min(end, length)) - first) for length in lengths)
+            if n:
+                counts[version] = counts.get(version, 0) + int(n)
+        return counts
 
     @classmethod
     def from_dict(cls, data, rows_per_job: int) -> ResultData:
@@ -122,7 +140,23 @@ class ResultData:
             if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
                 raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
         _check_rows(data["rows"], "a result")
-        return cls(batch, rewards, data.get("metrics", {}), data["rows"], data.get("logs"))
+        runs = data.get("token_versions")
+        if runs is not None:
+            runs = _checked_runs(runs)
+        return cls(batch, rewards, data.get("metrics", {}), data["rows"], data.get("logs"), runs)
+
+
+def _checked_runs(runs) -> list[tuple[int, int]]:
+    """A result's token_versions: [[0, version], [first_token, version], ...], non-negative integers, first tokens
+    increasing (ValueError otherwise)."""
+    well_formed = isinstance(runs, list) and runs and all(
+        isinstance(run, (list, tuple)) and len(run) == 2 and all(type(x) is int and x >= 0 for x in run)
+        for run in runs)
+    firsts = [run[0] for run in runs] if well_formed else []
+    if not well_formed or firsts[0] != 0 or firsts != sorted(set(firsts)):
+        raise ValueError("a result's token_versions must be runs [[0, version], [first_token, version], ...] of "
+                         "non-negative integers, first tokens increasing")
+    return [tuple(run) for run in runs]
 
 
 @dataclass

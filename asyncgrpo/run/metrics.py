@@ -36,6 +36,9 @@ class StepMetrics:
     grad_norm: float | None  # TRL's (transformers'), before clipping
     staleness_mean: float  # over the step's groups: step - 1 - the weights version of each group's result
     staleness_max: int
+    # Over the step's completion tokens: step - 1 - the version that sampled each token (with in-flight updates
+    # newer than its result's weights_version; without, staleness_mean weighted by tokens).
+    token_staleness_mean: float
     weights_version: int  # the newest weights version among the step's results
     trainer_wait_s: float  # the step's wait for results
     groups_dropped: int  # by dynamic sampling, in this step

@@ -8,8 +8,9 @@ in queue/), plus a small random delay. The schedule comes from
 random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
-It runs three times: training on whole results; with dynamic sampling on the binary task (results
-split across batches, checked group by group); and on the tool-calling task (6 worker kills in 120 steps).
+It runs three times: training on whole results (with in-flight weight updates); with dynamic sampling on the
+binary task (results split across batches, checked group by group); and on the tool-calling task (6 worker kills
+in 120 steps).
 
 At the end: training reached max_steps, every job in the final ledger was consumed exactly
 once (the ledger, done/'s consumed files and the jobs the PS threw agree, with no job id
@@ -315,6 +316,18 @@ def check_tool_calls_made(run_root: Path) -> None:
         assert (batch["tool_mask"] == 0).any(), f"{path.name}: no tool result in a multi-turn result"
 
 
+def check_weights_reached_jobs_in_flight(run_root: Path) -> None:
+    """With --in_flight_updates: results whose later tokens came from newer weights, their oldest token's version
+    the result's (the one the staleness bound went by)."""
+    synced = 0
+    for path in (run_root / "done").glob("*_consumed.pt"):
+        payload = torch.load(path, weights_only=True)
+        runs = payload["data"].get("token_versions")
+        assert runs and runs[0] == [0, payload["weights_version"]], (path.name, runs)
+        synced += len(runs) > 1
+    assert synced, "no result had a token sampled by weights newer than its first"
+
+
 def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     """job id -> [(reason, attempt, file name)] over done/, after checking that every name parses."""
     per_job = defaultdict(list)
@@ -410,10 +423,11 @@ class Schedule:
 
 
 FULL = Schedule(max_steps=300, kill_span=200, worker_kills=11)
+# Whole results, with in-flight weight updates (workers sync between decoding steps: some die in a sync).
 # Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
 # Multi-turn: the built-in tool-calling task, every job a run of TRL's tool loop; its steps take twice as long
 # and the kills are the same kinds as above, so fewer of them.
-MODES = {"whole_results": ([], FULL),
+MODES = {"whole_results": (["--in_flight_updates"], FULL),
          "dynamic_sampling": (["--builtin_task", "first_digit", "--dynamic_sampling"], FULL),
          "multi_turn": (["--builtin_task", "lookup"], Schedule(max_steps=120, kill_span=80, worker_kills=6))}
 
@@ -452,6 +466,8 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
         check_nothing_alive(chaos)
         if mode == "multi_turn":
             check_tool_calls_made(chaos.run_root)
+        if "--in_flight_updates" in flags:
+            check_weights_reached_jobs_in_flight(chaos.run_root)
         cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         chaos.note(f"all checks passed; done/: {summary}; CPU of the run's processes "
                    f"{cpu.ru_utime + cpu.ru_stime:.0f}s")

@@ -16,6 +16,7 @@ from reward_faults import always_raises, one_reward_too_few
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobState, QueueName, describe_error
+from asyncgrpo.jobqueue.handoff import ResultData
 from asyncgrpo.run import fileops
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from ps.collector import read_result_payload
@@ -232,3 +233,16 @@ def test_a_result_carries_the_rows_of_trls_completions_table(worker_trainer, run
     assert logs["extra"] == {"length": [len(c) for c in logs["completion"]]}
     fileops.write_payload(run.tmp, run.root / "logs.pt", {"logs": logs})
     assert fileops.load_payload(run.root / "logs.pt")["logs"] == logs  # as the PS loads a result
+
+
+def test_a_result_whose_oldest_token_is_not_its_weights_version_is_refused():
+    """With in-flight updates a result's weights_version is its oldest token's: the staleness bound goes by it."""
+    rows = 4
+    batch = {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
+             "prompt_mask": torch.ones(rows, 2, dtype=torch.long), "completion_ids": torch.ones(rows, 3),
+             "completion_mask": torch.ones(rows, 3)}
+    data = ResultData(batch, None, {}, ROWS, token_versions=[(0, 5), (2, 6)]).to_dict()
+    read_result_payload({"weights_version": 5, "data": data}, rows_per_job=rows)
+    with pytest.raises(ValueError, match="token_versions start at version 5, the result's weights_version is 4"):
+        read_result_payload({"weights_version": 4, "data": ResultData(batch, None, {}, ROWS,
+                                                                       token_versions=[(0, 5)]).to_dict()}, rows)

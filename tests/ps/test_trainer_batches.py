@@ -1,6 +1,7 @@
 """The PS's trainer over a stub batch source (ps/batches.py BatchSource), without a queue or workers: it takes
 a batch when TRL asks for one, trains each its steps, logs each step's staleness from the batch's weights
-versions, and saves checkpoints only where a batch ends."""
+versions (and each token's, from the versions that sampled its tokens), and saves checkpoints only where a batch
+ends."""
 
 import json
 from pathlib import Path
@@ -35,7 +36,7 @@ class StubBatches:
             self.in_training = None
 
 
-def a_batch(cfg, vocab: int, weights_version: int, seed: int) -> TrainingBatch:
+def a_batch(cfg, vocab: int, weights_version: int, seed: int, tokens_by_version=None) -> TrainingBatch:
     g = torch.Generator().manual_seed(seed)
     rows, groups = cfg.generation_batch_size, cfg.generation_batch_size // cfg.num_generations
     tensors = {"prompt_ids": torch.randint(3, vocab, (rows, 3), generator=g),
@@ -45,7 +46,7 @@ def a_batch(cfg, vocab: int, weights_version: int, seed: int) -> TrainingBatch:
                "advantages": torch.randn(rows, generator=g)}
     tensors["num_items_in_batch"] = tensors["completion_mask"].sum()  # TRL's, as a worker's result holds it
     part = GroupsTaken(f"00000{weights_version}_000", weights_version, list(range(groups)), groups, rows,
-                       rows * COMPLETION)
+                       rows * COMPLETION, tokens_by_version)
     return TrainingBatch(tensors, None, BatchInTraining([part], {"reward": 0.5}, cfg.steps_per_job))
 
 
@@ -56,7 +57,10 @@ def test_the_trainer_trains_each_batch_its_steps_and_saves_only_where_a_batch_en
                       "--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1")
     model, tokenizer = load_model_and_tokenizer(write_demo_model_once(run.root))
     vocab = model.config.vocab_size
-    batches = StubBatches([a_batch(cfg, vocab, weights_version=0, seed=0), a_batch(cfg, vocab, 1, seed=1)])
+    # The second batch's tokens: a quarter sampled by version 1, the rest by version 2 (in-flight updates).
+    tokens = cfg.generation_batch_size * COMPLETION
+    batches = StubBatches([a_batch(cfg, vocab, weights_version=0, seed=0),
+                           a_batch(cfg, vocab, 1, seed=1, tokens_by_version={1: tokens // 4, 2: tokens * 3 // 4})])
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                batches=batches)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -69,5 +73,7 @@ def test_the_trainer_trains_each_batch_its_steps_and_saves_only_where_a_batch_en
     # A step's staleness: the weights it started from (step - 1) minus the batch's weights version.
     assert [(m["step"], m["staleness_max"], m["weights_version"]) for m in lines] == [
         (1, 0, 0), (2, 1, 0), (3, 1, 1), (4, 2, 1)]
+    # Each token's: the weights the step starts from minus the version that sampled the token.
+    assert [m["token_staleness_mean"] for m in lines] == [0, 1, 0.25, 1.25]
     assert sorted(p.name for p in Path(cfg.output_dir).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

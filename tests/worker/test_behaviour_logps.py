@@ -15,7 +15,8 @@ from helpers import demo_config
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
-from worker.generate import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE, BehaviourCapture, build_trainer, generate_and_score
+from worker.generate import BehaviourCapture, build_trainer, generate_and_score
+from worker.trl_seam import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -31,7 +31,8 @@ from asyncgrpo.weights import make_publisher, make_subscriber
 from worker import decode_step
 from worker.decode_step import PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
 from worker.decoding import CompiledDecoding
-from worker.generate import BEHAVIOUR_LOGPS, build_trainer, generate_jobs
+from worker.generate import build_trainer, generate_jobs
+from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -306,7 +307,7 @@ def test_behaviour_log_probs_equal_trls_recomputation_without_a_second_forward(s
     lengths = set()
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
-        batch, _, _ = outcome
+        batch = outcome.batch
         mask = batch["completion_mask"]
         diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * mask
         assert diff.max().item() < 1e-4

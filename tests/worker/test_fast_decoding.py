@@ -17,7 +17,8 @@ from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding import CompiledDecodeStep, CompiledDecoding, generating_model
-from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_jobs
+from worker.generate import JobInput, build_trainer, generate_jobs
+from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -101,7 +102,7 @@ def eager_greedy(tmp_path, state_dict, prompt_ids) -> list[list[int]]:
 def assert_captured_equal_trls(trainer, outcomes):
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
-        batch, _, _ = outcome
+        batch = outcome.batch
         diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
         assert diff.max().item() < 1e-4
 
@@ -129,10 +130,10 @@ def test_two_jobs_share_one_generate_call_and_each_gets_its_own_result(tmp_path)
     outcomes = generate_jobs(trainer, jobs, events, with_logs=True)
     assert len(generate_calls) == 1 and forward_passes == []  # one call; log-probs captured, not recomputed
     assert_captured_equal_trls(trainer, outcomes)
-    for j, (batch, metrics, logs) in zip(jobs, outcomes, strict=True):
-        assert batch["completion_ids"].size(0) == len(j.rows)
-        assert logs["prompt"] == [row["prompt"] for row in j.rows]  # its own completions table
-        assert "reward" in metrics
+    for j, outcome in zip(jobs, outcomes, strict=True):
+        assert outcome.batch["completion_ids"].size(0) == len(j.rows)
+        assert outcome.logs["prompt"] == [row["prompt"] for row in j.rows]  # its own completions table
+        assert "reward" in outcome.metrics
     # Each job's reward is its own: the first job's prompts are not the second's.
     ends = [fields["job_id"] for event, fields in events.emitted if event == "generate_end"]
     assert ends == ["000000_000", "000000_001"]
@@ -275,7 +276,7 @@ def assert_captured_within_bf16_of_trls(trainer, outcomes):
     # difference there, where a wrong token or a stale weight differs by whole units.
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
-        batch, _, _ = outcome
+        batch = outcome.batch
         with torch.autocast("cuda", dtype=torch.bfloat16):
             diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
         assert diff.max().item() < 0.05

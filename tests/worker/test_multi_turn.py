@@ -19,7 +19,8 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.tasks.lookup import LookupEnv, build_dataset, build_model
 from asyncgrpo.user_code import RolloutHooks
 from worker import tools as worker_tools
-from worker.generate import BEHAVIOUR_LOGPS, JobInput, build_trainer, generate_and_score, generate_jobs
+from worker.generate import JobInput, build_trainer, generate_and_score, generate_jobs
+from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

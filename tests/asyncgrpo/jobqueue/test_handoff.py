@@ -90,3 +90,23 @@ def test_a_failure_report_is_read_as_one():
     assert isinstance(report, FailureReport) and report.errors == [error] and report.job["rows"] == ROWS
     with pytest.raises(ValueError, match="errors must be a non-empty list of dicts"):
         read_result({"errors": [], "job": {"rows": ROWS}}, rows_per_job=4)
+
+
+def test_the_versions_that_sampled_a_results_tokens_come_back_and_count_its_tokens(tmp_path):
+    result = a_result()  # 4 rows of 3 completion tokens
+    result.batch["completion_mask"] = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    result.token_versions = [(0, 5), (2, 6)]
+    back = read_result(through_a_file(result.to_dict(), tmp_path), rows_per_job=4)
+    assert back.token_versions == [(0, 5), (2, 6)]
+    assert back.tokens_by_version([0, 1, 2, 3], weights_version=5) == {5: 7, 6: 2}
+    assert back.tokens_by_version([1, 2], weights_version=5) == {5: 3}
+    result.token_versions = None  # every token by the result's weights_version
+    assert result.tokens_by_version([0, 1], weights_version=5) == {5: 5}
+
+
+@pytest.mark.parametrize("runs", [[], [[1, 5]], [[0, 5], [0, 6]], [[0, 5], [3, -1]], [[0, 5, 1]], "0:5"])
+def test_token_versions_that_are_not_runs_are_refused(runs):
+    data = a_result().to_dict()
+    data["token_versions"] = runs
+    with pytest.raises(ValueError, match="token_versions must be runs"):
+        read_result(data, rows_per_job=4)

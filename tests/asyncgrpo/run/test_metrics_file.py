@@ -14,7 +14,8 @@ from asyncgrpo.run.metrics import StepMetrics
 
 def step_metrics(step: int, groups_dropped: int = 0) -> StepMetrics:
     return StepMetrics(step=step, reward=0.5, reward_std=0.1, loss=0.25, grad_norm=1.5, staleness_mean=1.0,
-                       staleness_max=2, weights_version=step - 1, trainer_wait_s=0.01, groups_dropped=groups_dropped,
+                       token_staleness_mean=1.0, staleness_max=2, weights_version=step - 1, trainer_wait_s=0.01,
+                       groups_dropped=groups_dropped,
                        groups_dropped_total=groups_dropped, prompts_skipped=0, tool_failure_rate=None,
                        step_time_s=0.2, queue_depth={"pending": 1, "processing": 2}, time=1000.0 + step)
 
