@@ -17,7 +17,8 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
                                its file appears in queue/)
     ps      result_collected   job_id, weights_version, worker_device, latency_ms (result written -> collected)
     ps      wait_result        step, dur_ms: the trainer waited for a result for this step
-    ps      result_consumed    job_id, weights_version, step (the first it trains), staleness, samples, tokens,
+    ps      result_consumed    job_id, weights_version, step (the first it trains), staleness, token_staleness
+                               ({staleness: completion tokens}), samples, tokens,
                                groups, of_groups: the result's groups in that step's batch (with dynamic
                                sampling a result may give groups to two batches, and a batch take from several)
     ps      groups_dropped     job_id, groups, reward_std, reason: dynamic sampling dropped them
@@ -30,7 +31,7 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      job_straggling     job_id, held_s, worker: a worker has held the job far longer than jobs take;
                                admission no longer waits for it (ps/producer.py)
     worker  job_claimed        job_id, attempt, queue_wait_ms (created -> claimed)
-    worker  weights_synced     weights_version, dur_ms, bytes
+    worker  weights_synced     weights_version, dur_ms, bytes; in_flight, at_token: a sync between decoding steps
     worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)
     worker  generate_start     job_id, weights_version
     worker  generate_end       job_id, weights_version, dur_ms

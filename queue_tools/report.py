@@ -54,6 +54,9 @@ STATS = [
     ("trainer_wait_ms", "trainer wait (ms)", "train_step_end", "wait_ms"),
     ("train_step_ms", "train step (ms)", "train_step_end", "dur_ms"),
     ("staleness", "staleness (steps)", "result_consumed", "staleness"),
+    # Per completion token, from the counts each result_consumed event carries: with --in_flight_updates a
+    # result's later tokens come from newer weights than its own.
+    ("token_staleness", "token staleness", "result_consumed", "token_staleness"),
 ]
 # Diagnosis thresholds (fractions of time).
 IDLE_LOW = 0.10   # trainer idle below this: training is the bottleneck
@@ -76,6 +79,33 @@ def summarize(values: list) -> dict:
         return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
     s = sorted(values)
     return {"count": len(s), "mean": sum(s) / len(s), "p50": percentile(s, 50), "p99": percentile(s, 99), "max": s[-1]}
+
+
+def token_staleness(events: list[dict]) -> dict:
+    """summarize() over every completion token trained, from the counts by staleness each result_consumed event
+    carries (weighted: a long run trains millions of tokens)."""
+    counts: dict[int, int] = defaultdict(int)
+    for e in events:
+        by_staleness = e.get("token_staleness") if e["event"] == "result_consumed" else None
+        if isinstance(by_staleness, dict):
+            for staleness, n in by_staleness.items():
+                if str(staleness).lstrip("-").isdigit() and isinstance(n, int) and n > 0:
+                    counts[int(staleness)] += n
+    total = sum(counts.values())
+    if not total:
+        return summarize([])
+    ordered = sorted(counts.items())
+
+    def percentile_of(p: float) -> int:
+        rank, seen = max(1, math.ceil(p / 100 * total)), 0
+        for value, n in ordered:
+            seen += n
+            if seen >= rank:
+                return value
+        return ordered[-1][0]
+
+    return {"count": total, "mean": sum(v * n for v, n in ordered) / total, "p50": percentile_of(50),
+            "p99": percentile_of(99), "max": ordered[-1][0]}
 
 
 def utilisation(track: Track, downtime=()) -> dict:
@@ -265,6 +295,9 @@ def analyse(tracks: list[Track]) -> dict:
     gaps = downtime(lives)
     stats = {}
     for key, _label, event, fld in STATS:
+        if key == "token_staleness":
+            stats[key] = token_staleness(every)
+            continue
         values = [(v, e["mono"]) for e in every if e["event"] == event and (v := num(e, fld)) is not None]
         if key == "collect_latency_ms":  # a result written before a PS died waits for the next: not latency
             values = [(without_downtime(v, mono, gaps), mono) for v, mono in values]

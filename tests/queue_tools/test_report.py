@@ -119,10 +119,13 @@ def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
         wait = consumed - t
         ps.emit(consumed, "wait_result", step=i - 1, dur_ms=wait * 1e3)
         staleness, n_tokens = rng.randint(0, 4), rng.randint(100, 256)
+        newer = rng.randint(0, n_tokens) if staleness else 0  # tokens of a newer version (in-flight updates)
+        by_staleness = {str(staleness): n_tokens - newer, **({str(staleness - 1): newer} if newer else {})}
         ps.emit(consumed, "result_consumed", job_id=job, weights_version=i - staleness, step=i - 1,
-                staleness=staleness, samples=32, tokens=n_tokens)
+                staleness=staleness, samples=32, tokens=n_tokens, token_staleness=by_staleness)
         ps.emit(consumed + 0.0001, "result_archived", job_id=job, reason="consumed")
         want["staleness"].append(staleness)
+        want["token_staleness"] += [staleness] * (n_tokens - newer) + [staleness - 1] * newer
         samples, tokens = samples + 32, tokens + n_tokens
         end = consumed + rng.uniform(0.01, 0.03)
         ps.emit(end, "train_step_end", step=i, dur_ms=(end - t) * 1e3, wait_ms=wait * 1e3, reward=0.5, loss=0.1)
@@ -517,6 +520,9 @@ def test_report_on_a_real_run(finished_demo_run, capsys):
     from queue_tools.report import STATS
     for key, _label, event, fld in STATS:
         values = [e[fld] for e in events if e["event"] == event and fld in e]
+        if key == "token_staleness":  # counts by staleness: one value per completion token
+            values = [int(staleness) for counts in values for staleness, n in counts.items() for _ in range(n)]
+            assert len(values) == sum(e["tokens"] for e in events if e["event"] == "result_consumed")
         if key.startswith("turn_"):  # the demo calls no tools: no turns, and no rows for them in the text
             assert not values and r["stats"][key]["count"] == 0, key
             continue
@@ -588,3 +594,14 @@ def test_the_report_says_whether_nvidia_mps_was_on(tmp_path, capsys, monkeypatch
     assert report_json(capsys, run.root)["mps"] == "on"
     assert call_main(["report", run.root]) == 0
     assert "NVIDIA MPS: on\n" in capsys.readouterr().out
+
+
+def test_token_staleness_is_weighted_by_the_tokens_each_result_gave():
+    from queue_tools.report import token_staleness
+
+    events = [{"event": "result_consumed", "token_staleness": {"0": 3, "2": 1}},
+              {"event": "result_consumed", "token_staleness": {"1": 4}},
+              {"event": "result_consumed"},  # from a PS before the field existed: nothing to count
+              {"event": "train_step_end", "token_staleness": {"9": 9}}]
+    # One value per token: 0 0 0 1 1 1 1 2.
+    assert token_staleness(events) == {"count": 8, "mean": 0.75, "p50": 1, "p99": 2, "max": 2}
