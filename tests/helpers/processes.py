@@ -97,6 +97,15 @@ def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
     return start_process(run_root, log_path, "faulty_ps", *args, env=faulty_ps_env(fault, arg))
 
 
+def start_faulty_worker(run_root, log_path, fault: str, *args: str):
+    """``python -m faulty_worker`` (tests/faulty_worker.py says which faults)."""
+    if FORK:
+        return ForkedProcess("faulty_worker", ["--run_dir", str(run_root), *args], log_path, cwd=REPO,
+                             env=PROCESS_ENV, extra_env={"WORKER_FAULT": fault})
+    env = {**faulty_ps_env("none", 0), "WORKER_FAULT": fault}
+    return start_process(run_root, log_path, "faulty_worker", *args, env=env)
+
+
 def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess.Popen:
     """The PS as ``processes`` data-parallel ranks: ``torchrun --standalone --nproc_per_node N -m ps`` (gloo on
     CPU), with --ps_processes N; its output appended to ``log_path``."""

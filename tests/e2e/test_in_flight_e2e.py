@@ -1,0 +1,44 @@
+"""In-flight weight updates through real processes: a worker SIGKILLed inside a weight sync between decoding steps
+(tests/faulty_worker.py) loses the job it held, and only that one: recovery gives it back, another worker
+generates it, and every job is trained exactly once."""
+
+import signal
+
+from helpers import (
+    assert_exactly_once,
+    metrics,
+    run_flags,
+    start_faulty_worker,
+    start_process,
+    wait_for,
+)
+
+TIMEOUT_S = 300
+STEPS = 60
+
+
+def test_a_worker_killed_inside_an_in_flight_sync_loses_its_job_only(tmp_path):
+    root = tmp_path / "run"
+    flags = [*run_flags(STEPS, save_steps=1000), "--in_flight_updates"]
+    ps = start_process(root, tmp_path / "ps.log", "ps", *flags)
+    dying = start_faulty_worker(root, tmp_path / "w1.log", "kill-mid-sync-in-job", "--device", "1", *flags)
+    other = start_process(root, tmp_path / "w2.log", "worker", "--device", "2", *flags)
+    try:
+        wait_for(lambda: dying.poll() is not None, "dev1 to die inside an in-flight sync", TIMEOUT_S,
+                 procs=(ps, other))
+        assert dying.returncode == -signal.SIGKILL, (tmp_path / "w1.log").read_text()[-3000:]
+        held = [n.name.split("_processing_by_dev1")[0] for n in (root / "queue").iterdir()
+                if "_processing_by_dev1" in n.name]
+        assert len(held) == 1, held  # the job it was generating
+        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+    finally:
+        for proc in (dying, other, ps):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=120)
+    assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 1))
+    assert_exactly_once(root, jobs=STEPS)  # the held job among them, trained once
+    done = [p.name for p in (root / "done").iterdir()]
+    # Recovered as a dead worker's job (attempt 2, not a failure: nothing "retried"), generated and trained.
+    assert {f"{held[0]}_processed_a2.pt", f"{held[0]}_consumed.pt"} <= set(done), sorted(done)
+    assert f"{held[0]}_retried.pt" not in done
