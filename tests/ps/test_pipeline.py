@@ -283,6 +283,31 @@ def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run):
         pipeline.stop()
 
 
+def test_a_result_is_as_stale_as_its_oldest_token(run):
+    """With in-flight updates a result's later tokens come from newer weights; the bound goes by its oldest (its
+    weights_version), so a result whose newest tokens are fresh is still archived stale, and admission is as it
+    is without them (docs/design.md, "In-flight weight updates")."""
+    pipeline = make_pipeline(run, max_pending=1, max_outstanding=1, max_staleness=1)
+    pipeline.start({"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3)  # taken 3
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
+        job = pipeline.queue.claim(1)
+        # Tokens 0-1 sampled by version 1 (2 steps stale at step 3), tokens 2- by version 3 (fresh).
+        assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"],
+                                             "token_versions": [[0, 1], [2, 3]]}, weights_version=1)
+        thread, outcome = next_batch_in_thread(pipeline, step=3)
+        wait_for(lambda: os.path.exists(run.done / f"{job.job_id}_stale.pt"), "the stale archive")
+        rethrown = wait_for(lambda: pipeline.queue.claim(1), "the re-thrown job")
+        assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"],
+                                                  "token_versions": [[0, 3], [1, 4]]}, weights_version=3)
+        thread.join(WAIT_S)
+        [part] = outcome["result"].in_training.parts
+        # Each row's 3 completion tokens: the first by version 3, the other two by version 4.
+        assert part.job_id == rethrown.job_id and part.tokens_by_version == {3: ROWS, 4: 2 * ROWS}
+    finally:
+        pipeline.stop()
+
+
 def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_queued(run):
     """The journal owes the rows of two stale results; the archiving of one was cut short (its
     result is still collected in queue/, so it will be judged again): only the other is owed."""
