@@ -1,12 +1,14 @@
 """In-flight weight updates: token staleness, learning and speed with and without --in_flight_updates.
 
     .venv/bin/python bench/in_flight.py [--workload larger] [--seeds 0,1,2] [--completion 64] [--max-staleness 8]
-        [--workers 3] [--cap N] [--out in_flight.json] [--keep]
+        [--workers 3] [--cap N] [--async-flags "--name value ..."] [--out in_flight.json] [--keep]
 
 For every seed, two asyncgrpo runs, one at a time, through bench/e2e_vs_trl.py's run_async (same workload, model,
 dataset, reward, thread split and stopping rule: the rolling mean reward over WINDOW steps reaches TARGET, then
 MARGIN more steps; or the step cap): `off` and `on` (--in_flight_updates), both with --max_staleness S and
---max_completion_length C (longer completions: more decoding steps for newer weights to arrive in).
+--max_completion_length C (longer completions: more decoding steps for newer weights to arrive in), and
+--async-flags added to both (split as a shell would: --async-flags "--generation_kwargs '{\"min_new_tokens\": 56}'"
+makes completions of at least 56 tokens, where the task's own end after a few).
 
 Per setting (median [min-max] over seeds):
     token_stale_mean   mean staleness of every completion token trained (the step it trains at minus 1, minus
@@ -29,6 +31,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-staleness", type=int, default=8)
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--cap", type=int, default=None, help="step cap of every run (default: e2e_vs_trl.py's CAPS)")
+    p.add_argument("--async-flags", default="", help="flags added to every process of both settings")
     p.add_argument("--out", default=None, help="write the JSON document here")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
     a = p.parse_args(argv)
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             for setting, flags in SETTINGS.items():
                 name, work = f"s{seed}_{setting}", base / f"s{seed}_{setting}"
-                flags = [*flags, "--max_completion_length", str(a.completion)]
+                flags = [*flags, "--max_completion_length", str(a.completion), *shlex.split(a.async_flags)]
                 log(f"{name}: running {flags}")
                 r = e2e.run_async(a.workload, seed, model_dir, cap, e2e.MARGIN, a.workers, a.max_staleness, work,
                                   flags)
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name}: " + json.dumps({k: v for k, v in r.items() if k != "error"}))
                 if r.get("error"):
                     log(f"{name}: FAILED (rc {r['returncode']}):\n{r['error']}")
+                    if r["returncode"] == 2 and not r["steps_run"]:
+                        raise SystemExit("the PS rejected its flags (exit 2, bad input): stopped")
                 if not a.keep:
                     shutil.rmtree(work, ignore_errors=True)
     finally:
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "python": platform.python_version()},
                "settings": {"workload": a.workload, "seeds": seeds, "completion": a.completion,
+                            "async_flags": a.async_flags,
                             "max_staleness": a.max_staleness, "workers": a.workers, "cap": cap,
                             "target": e2e.TARGET, "bench_wall_s": round(time.time() - started, 1)},
                "runs": runs, "summary": summary, "ratios": ratios}

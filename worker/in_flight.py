@@ -21,7 +21,6 @@ criterion, which generate calls on the host after each token, is the hook) and t
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import torch
@@ -30,7 +29,6 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from asyncgrpo.events import EventLog
 from worker.trl_seam import overriding
 
-log = logging.getLogger("asyncgrpo.worker")
 CHECK_EVERY = 4  # tokens between two looks for newer weights
 
 

@@ -13,11 +13,13 @@ import pytest
 import torch
 from helpers import demo_config
 
+from asyncgrpo.events import EventLog
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding import CompiledDecodeStep, CompiledDecoding, generating_model
 from worker.generate import JobInput, build_trainer, generate_jobs
+from worker.in_flight import CHECK_EVERY, InFlightWeights
 from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -224,6 +226,42 @@ def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights
     assert compiled_ids == eager_ids
     # A graph still holding the old weights would not: they decode otherwise.
     assert greedy(make_trainer(tmp_path / "old"), prompts) != eager_ids
+
+
+def test_compiled_decoding_takes_weights_published_during_a_job_between_its_steps(compiled, tmp_path):
+    """In-flight updates (tests/worker/test_in_flight.py for eager and graph decoding): generate's stopping criterion
+    syncs them between the compiled steps; tokens from the sync on are sampled, and scored, by the new weights."""
+    trainer, decoding = compiled
+    model = trainer.model
+    ps_model = build_model(seed=0, tokenizer=build_tokenizer())
+    ps_model.load_state_dict(model.state_dict())
+    run = RunDir.create(tmp_path / "run")
+    with closing(make_publisher(run, ps_model, "mmap")) as publisher, closing(make_subscriber(run)) as subscriber:
+        publisher.publish(version=10, step=10)
+        assert subscriber.sync(model) == 10
+        first_norm = model.model.norm.weight.detach().clone()
+        with torch.no_grad():
+            ps_model.model.norm.weight.mul_(1.5).add_(0.3)  # acts after every layer: the KV cache is the same
+        publisher.publish(version=11, step=11)
+        in_flight = InFlightWeights(subscriber, model, EventLog.off())
+        in_flight.version = 10
+        outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding, in_flight=in_flight)
+    assert decoding.recompiles() == 0 and in_flight.version == 11
+    for outcome in outcomes:
+        assert outcome.token_versions == [(0, 10), (CHECK_EVERY, 11)]
+        batch = outcome.batch
+        captured, mask = batch["old_per_token_logps"], batch["completion_mask"].bool()
+        assert mask[:, CHECK_EVERY:].any(), "no completion reached the sync"
+        under_new = trl_logps(trainer, batch)
+        with torch.no_grad():
+            model.model.norm.weight.copy_(first_norm)
+        under_old = trl_logps(trainer, batch)
+        with torch.no_grad():
+            model.model.norm.weight.copy_(ps_model.model.norm.weight)
+        before, after = mask.clone(), mask.clone()
+        before[:, CHECK_EVERY:], after[:, :CHECK_EVERY] = False, False
+        torch.testing.assert_close(captured[before], under_old[before], atol=1e-4, rtol=0)
+        torch.testing.assert_close(captured[after], under_new[after], atol=1e-4, rtol=0)
 
 
 def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, monkeypatch, caplog):
