@@ -56,7 +56,7 @@ STATS = [
     ("staleness", "staleness (steps)", "result_consumed", "staleness"),
     # Per completion token, from the counts each result_consumed event carries: with --in_flight_updates a
     # result's later tokens come from newer weights than its own.
-    ("token_staleness", "token staleness", "result_consumed", "token_staleness"),
+    ("token_staleness", "token stale (steps)", "result_consumed", "token_staleness"),
 ]
 # Diagnosis thresholds (fractions of time).
 IDLE_LOW = 0.10   # trainer idle below this: training is the bottleneck
