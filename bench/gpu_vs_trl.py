@@ -21,6 +21,8 @@ Configs (every run real processes started from here, all on cuda:0):
     asyncN_kK    the same as asyncN with --jobs_per_generate K
     ..._mps      the same under NVIDIA MPS (a control daemon of the run's own, as launch.sh --mps on starts it),
                  suffixes combined in any order: async2_graph_mps
+    ..._inflight the same with --in_flight_updates (weights synced between decoding steps inside a job):
+                 in_flight_syncs and in_flight_sync_ms_median (their cost inside a job), token_staleness_mean
     *_cb         the same with --use_transformers_continuous_batching true (TRL's generation engine)
 
 Per run, from step --warmup to the last step: step_ms (median time between logged steps), samples_per_s
@@ -45,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_vs_trl as e2e  # noqa: E402
+import in_flight  # noqa: E402
 from common import REPO, read_jsonl, run_trl_child, start_python, terminate_and_reap  # noqa: E402
 
 from asyncgrpo.run import RunDir, metrics  # noqa: E402
@@ -118,9 +121,20 @@ def worker_settings(name: str) -> tuple[int, list[str], bool]:
             extra += ["--worker_decoding", setting]
         elif setting.startswith("k"):
             extra += ["--jobs_per_generate", setting[1:]]
+        elif setting == "inflight":
+            extra += ["--in_flight_updates"]
         elif setting != "mps":
             raise SystemExit(f"gpu_vs_trl: unknown setting {setting!r} in {name!r}")
     return workers, extra, "mps" in settings
+
+
+def in_flight_figures(run: Path) -> dict:
+    """Token staleness (bench/in_flight.py's definition) and the syncs made inside jobs (_inflight configs)."""
+    mean, p90 = in_flight.token_staleness(run)
+    syncs = [e["dur_ms"] for path in (run / "logs").glob("events-worker-*.jsonl") for e in read_jsonl(path)
+             if e.get("event") == "weights_synced" and e.get("in_flight")]
+    return {"token_staleness_mean": mean, "token_staleness_p90": p90, "in_flight_syncs": len(syncs),
+            "in_flight_sync_ms_median": round(statistics.median(syncs), 3) if syncs else None}
 
 
 def mps_daemon(folder: Path) -> dict:
@@ -212,6 +226,7 @@ def main() -> int:
                     res["staleness_mean"] = round(statistics.fmean(x["staleness_mean"] for x in after), 2)
                 over = e2e.overhead(run)
                 res.update({k: over.get(k) for k in ("gen_ms", "train_ms", "sync_ms", "publish_ms", "archived")})
+                res.update(in_flight_figures(run))
         except RuntimeError as err:
             res = {"error": str(err)}
         res["wall_s"] = round(time.time() - t0, 1)
