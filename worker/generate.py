@@ -12,8 +12,10 @@ The behaviour log-probs are captured during generation (worker/behaviour.py): ge
 own forward passes already compute every sampled token's logits, so the second forward
 pass over every completion (TRL's ``_get_per_token_logps_and_entropies``) only runs
 where capture does not apply. Except in synchronous mode (``max_staleness == 0``):
-there the PS trains with the weights the worker generated with, so without capture the
-key is left out and the PS uses its own current log-probs.
+there the PS trains with the weights the worker generated with, so the key is left out and
+the PS's ratio current/behaviour is TRL's exact 1 (captured log-probs differ from the
+trainer's forward pass by rounding: sent, they would part a synchronous run from TRL's
+after some dozens of steps, docs/performance.md "The lookup task against TRL").
 
 Generation and scoring are timed apart, and what the job needs is read off TRL's call, by the overrides of
 worker/trl_seam.py (the one place that names TRL's internals).
@@ -327,13 +329,11 @@ def _plain(value):
 
 
 def _add_behaviour_logps(trainer: GRPOTrainer, batch: dict, capture: BehaviourCapture | MultiTurnCapture) -> None:
+    if getattr(trainer.args, "max_staleness", None) == 0:  # the PS's current weights are the behaviour weights
+        return
     logps = capture.per_token_logps(batch)
     if logps is not None:
-        batch["old_per_token_logps"] = logps  # free, so always sent, synchronous mode included
-        return
-    if getattr(trainer.args, "max_staleness", None) == 0:
-        log_once(log, f"[gen] behaviour log-probs not sent: {capture.why_not}; synchronous mode, the PS's current "
-                 f"weights are the behaviour weights")
+        batch["old_per_token_logps"] = logps
         return
     log_once(log, f"[gen] behaviour log-probs from a second forward pass: {capture.why_not}")
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
