@@ -393,8 +393,9 @@ def _groups_taken(result: CollectedResult, groups: list[int], num_generations: i
     batch = result.data.batch
     rows = group_rows(groups, num_generations)
     version = result.payload["weights_version"]
+    by_version = result.data.tokens_by_version(rows, version)  # its completion tokens, by the version sampling them
     return GroupsTaken(result.job_id, version, groups, batch["advantages"].size(0) // num_generations, len(rows),
-                       int(batch["completion_mask"][rows].sum()), result.data.tokens_by_version(rows, version))
+                       sum(by_version.values()), by_version)
 
 
 def _weighted_metrics(parts: list[tuple[CollectedResult, list[int]]]) -> dict:

@@ -46,7 +46,7 @@ class BehaviourCapture:
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
         self.temperature = trainer.args.temperature  # what TRL's fused LM head divides by
-        self.why_not: str | None = self.unsupported(trainer)
+        self.why_not: str | None = not_captured(trainer)
         self.generate_calls = 0
         self.logps: torch.Tensor | None = None  # (B, new tokens)
         self.tokens: torch.Tensor | None = None  # (B, new tokens), the tokens they were gathered at
@@ -242,7 +242,7 @@ class MultiTurnCapture:
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
-        self.why_not: str | None = BehaviourCapture.unsupported(trainer)
+        self.why_not: str | None = not_captured(trainer)
         self.turns = 0
         self.completion_ids: list[list[int]] | None = None
         self.logps: list[list[float]] | None = None
@@ -290,6 +290,14 @@ class MultiTurnCapture:
             out[row, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
         out = out.to(completion_ids.device)
         return torch.where(mask, out, torch.zeros_like(out))
+
+
+def not_captured(trainer: GRPOTrainer) -> str | None:
+    """Why this trainer's generate calls are not watched, or None. In synchronous mode nothing is captured: the
+    PS's weights are the behaviour weights, and no behaviour log-probs are sent (worker/generate.py)."""
+    if getattr(trainer.args, "max_staleness", None) == 0:
+        return "synchronous mode"
+    return BehaviourCapture.unsupported(trainer)
 
 
 def capture_for(trainer: GRPOTrainer) -> BehaviourCapture | MultiTurnCapture:

@@ -15,6 +15,7 @@ from helpers import demo_config
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
+from worker.behaviour import capture_for
 from worker.generate import BehaviourCapture, build_trainer, generate_and_score
 from worker.trl_seam import BEHAVIOUR_LOGPS, GENERATE_AND_SCORE
 
@@ -183,3 +184,4 @@ def test_synchronous_mode_sends_no_behaviour_log_probs_and_runs_no_forward_pass(
         assert "old_per_token_logps" not in batch
     assert calls == []
     assert fallback_lines(caplog) == []
+    assert capture_for(trainer).why_not == "synchronous mode"  # nothing watched while it generates either
