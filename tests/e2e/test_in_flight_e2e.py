@@ -1,6 +1,6 @@
 """In-flight weight updates through real processes: a worker SIGKILLed inside a weight sync between decoding steps
-(tests/faulty_worker.py) loses the job it held, and only that one: recovery gives it back, another worker
-generates it, and every job is trained exactly once."""
+(tests/faulty_worker.py) loses the jobs it was generating, and only those: recovery gives them back, another worker
+generates them, and every job is trained exactly once."""
 
 import signal
 
@@ -17,7 +17,7 @@ TIMEOUT_S = 300
 STEPS = 60
 
 
-def test_a_worker_killed_inside_an_in_flight_sync_loses_its_job_only(tmp_path):
+def test_a_worker_killed_inside_an_in_flight_sync_loses_only_the_jobs_it_held(tmp_path):
     root = tmp_path / "run"
     flags = [*run_flags(STEPS, save_steps=1000), "--in_flight_updates"]
     ps = start_process(root, tmp_path / "ps.log", "ps", *flags)
@@ -29,7 +29,8 @@ def test_a_worker_killed_inside_an_in_flight_sync_loses_its_job_only(tmp_path):
         assert dying.returncode == -signal.SIGKILL, (tmp_path / "w1.log").read_text()[-3000:]
         held = [n.name.split("_processing_by_dev1")[0] for n in (root / "queue").iterdir()
                 if "_processing_by_dev1" in n.name]
-        assert len(held) == 1, held  # the job it was generating
+        # The jobs of the generate call it was in (--jobs_per_generate, default 2: one or two were pending).
+        assert 1 <= len(held) <= 2, held
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
     finally:
         for proc in (dying, other, ps):
@@ -39,6 +40,7 @@ def test_a_worker_killed_inside_an_in_flight_sync_loses_its_job_only(tmp_path):
     assert [m["step"] for m in metrics(root)] == list(range(1, STEPS + 1))
     assert_exactly_once(root, jobs=STEPS)  # the held job among them, trained once
     done = [p.name for p in (root / "done").iterdir()]
-    # Recovered as a dead worker's job (attempt 2, not a failure: nothing "retried"), generated and trained.
-    assert {f"{held[0]}_processed_a2.pt", f"{held[0]}_consumed.pt"} <= set(done), sorted(done)
-    assert f"{held[0]}_retried.pt" not in done
+    # Recovered as a dead worker's jobs (attempt 2, not a failure: nothing "retried"), generated and trained.
+    for job_id in held:
+        assert {f"{job_id}_processed_a2.pt", f"{job_id}_consumed.pt"} <= set(done), sorted(done)
+        assert f"{job_id}_retried.pt" not in done
