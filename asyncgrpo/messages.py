@@ -1,8 +1,12 @@
-"""One-line messages for the operator: the first line of an error, and a line logged once per process."""
+"""One-line messages for the operator: the first line of an error, a line logged once per process, and failures
+that repeat, logged once each and then counted."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
 
 _said: set[str] = set()
 
@@ -22,3 +26,38 @@ def log_once(logger: logging.Logger, msg: str, *args, key: str | None = None, le
     if key not in _said:
         _said.add(key)
         logger.log(level, msg, *args)
+
+
+class RepeatedFailureLog:
+    """Failures that may repeat many times (a tool that raises on every call, a reward function that raises on
+    some prompts), as WARNING lines tagged ``[tag]`` that launch.sh shows on the terminal: the first of each kind
+    (its text) at once, the repeats counted and logged together every ``every_s`` seconds (checked at each failure
+    and at each ``flush``)."""
+
+    def __init__(self, logger: logging.Logger, tag: str, every_s: float = 60.0, clock=time.monotonic):
+        self.logger, self.tag, self.every_s, self.clock = logger, tag, every_s, clock
+        self.seen: set[str] = set()
+        self.repeats: Counter[str] = Counter()
+        self.since = clock()
+        self._lock = threading.Lock()  # async tools fail on TRL's event-loop thread
+
+    def failed(self, kind: str) -> None:
+        with self._lock:
+            if kind in self.seen:
+                self.repeats[kind] += 1
+            else:
+                self.seen.add(kind)
+                self.logger.warning("[%s] %s (the first such failure; repeats are counted and logged every %g s)",
+                                    self.tag, kind, self.every_s)
+        self.flush()
+
+    def flush(self) -> None:
+        """Logs the repeats counted since the last such line, if ``every_s`` has passed."""
+        with self._lock:
+            now = self.clock()
+            if self.repeats and now - self.since >= self.every_s:
+                self.logger.warning("[%s] failed again in the last %.0f s: %s", self.tag, now - self.since,
+                                    "; ".join(f"{kind} (x{n})" for kind, n in self.repeats.most_common()))
+                self.repeats.clear()
+            if not self.repeats:
+                self.since = now

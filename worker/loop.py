@@ -37,7 +37,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher, describe_error
 from asyncgrpo.jobqueue.handoff import REWARDS_KEY, JobData, ResultData
-from asyncgrpo.messages import first_line
+from asyncgrpo.messages import RepeatedFailureLog, first_line
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.user_code import load_rollout_hooks
@@ -179,6 +179,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             ok = _process(cfg, queue, jobs, trainer, version, events, claimed, decoding, in_flight)
             if in_flight is not None:  # the weights it synced between decoding steps are the model's now
                 version = in_flight.version
+            JOB_FAILURES.flush()  # repeats counted in the last minute, logged even once the failures stop
             if ok:
                 failures_in_a_row = 0
             else:
@@ -349,6 +350,9 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
 
 _errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
 ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
+# What launch.sh shows on the terminal: a failure's text the first time, then its repeats counted once a minute
+# (a reward function raising on some prompts would otherwise be a line a job, or no line until the run ends).
+JOB_FAILURES = RepeatedFailureLog(log, "jobs")
 
 
 def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: int, events: EventLog) -> None:
@@ -365,6 +369,7 @@ def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: i
         _errors_logged.add(key)
         log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
                   cfg.max_attempts, what, outcome, error["traceback"].rstrip())
+    JOB_FAILURES.failed(f"a job failed: {what}")
     events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=what[:500], given_up=given_up)
     try:
         queue.fail(job, error, max_attempts=cfg.max_attempts, weights_version=version)

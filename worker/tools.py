@@ -14,7 +14,7 @@ no handling for those, so one past the bound fails the job, as one that raises d
 
 Every failed call (an error, a timeout, a name that is not among the tools: TRL answers that one itself, with
 "Tool X not found.", which ``bounding_tools`` makes it do through a wrapper so that it is counted too) is
-counted and logged with its text, rate-limited (``ToolErrorLog``); launch.sh shows these ``[tools]`` lines on
+counted and logged with its text, rate-limited (``RepeatedFailureLog``); launch.sh shows these ``[tools]`` lines on
 the terminal.
 
 ``RolloutTurns.timed`` records each generate call and the tool phase between two of them: events
@@ -29,11 +29,10 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from asyncgrpo.events import EventLog
-from asyncgrpo.messages import first_line
+from asyncgrpo.messages import RepeatedFailureLog, first_line
 from worker.trl_seam import ENVIRONMENT_POOL
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -142,40 +141,7 @@ def _bound_environment(environment, timeout_s: float) -> None:
         setattr(environment, method, functools.wraps(function)(bounded))
 
 
-class ToolErrorLog:
-    """Failed tool calls in the worker's log: the first of each kind (the tool, and its error's type and message)
-    at once, the repeats counted and logged together every ``every_s`` seconds (and when a job ends past that)."""
-
-    def __init__(self, every_s: float = 60.0, clock=time.monotonic):
-        self.every_s, self.clock = every_s, clock
-        self.seen: set[str] = set()
-        self.repeats: Counter[str] = Counter()
-        self.since = clock()
-        self._lock = threading.Lock()  # async tools fail on TRL's event-loop thread
-
-    def failed(self, kind: str) -> None:
-        with self._lock:
-            if kind in self.seen:
-                self.repeats[kind] += 1
-            else:
-                self.seen.add(kind)
-                log.warning("[tools] %s (the first such failure; repeats are counted and logged every %g s)",
-                            kind, self.every_s)
-        self.flush()
-
-    def flush(self) -> None:
-        """Logs the repeats counted since the last such line, if ``every_s`` has passed."""
-        with self._lock:
-            now = self.clock()
-            if self.repeats and now - self.since >= self.every_s:
-                log.warning("[tools] failed again in the last %.0f s: %s", now - self.since,
-                            "; ".join(f"{kind} (x{n})" for kind, n in self.repeats.most_common()))
-                self.repeats.clear()
-            if not self.repeats:
-                self.since = now
-
-
-TOOL_ERRORS = ToolErrorLog()  # the worker process's
+TOOL_ERRORS = RepeatedFailureLog(log, "tools")  # the worker process's failed tool calls
 
 
 def failure_kind(name: str, err: BaseException) -> str:

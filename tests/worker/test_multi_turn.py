@@ -16,6 +16,7 @@ from tool_rollouts import taught_tool_model
 from trl import GRPOTrainer
 
 from asyncgrpo.events import EventLog
+from asyncgrpo.messages import RepeatedFailureLog
 from asyncgrpo.tasks.lookup import LookupEnv, build_dataset, build_model
 from asyncgrpo.user_code import RolloutHooks
 from worker import tools as worker_tools
@@ -159,7 +160,7 @@ class ToolsWithoutLookup:
      "[tools] the model called 'lookup', which is not a tool of this run (its tools: fetch) (the first")])
 def test_a_tool_that_raises_hangs_or_is_not_there_gives_its_error_as_the_result_and_is_counted_and_logged(
         tmp_path, tool_model, environment, expected, logged, monkeypatch, caplog):
-    errors = worker_tools.ToolErrorLog(every_s=3600)
+    errors = RepeatedFailureLog(worker_tools.log, "tools", every_s=3600)
     monkeypatch.setattr(worker_tools, "TOOL_ERRORS", errors)
     trainer = make_worker(tmp_path, tool_model, environment, tool_timeout_s=0.2, max_tool_calling_iterations=1,
                           max_completion_length=128)
@@ -185,7 +186,7 @@ def test_a_tool_that_raises_hangs_or_is_not_there_gives_its_error_as_the_result_
 
 def test_repeated_tool_failures_are_logged_together_once_the_interval_has_passed(caplog):
     now = [0.0]
-    errors = worker_tools.ToolErrorLog(every_s=60, clock=lambda: now[0])
+    errors = RepeatedFailureLog(worker_tools.log, "tools", every_s=60, clock=lambda: now[0])
     with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
         for t in range(100):  # one failure a second, of two kinds
             now[0] = float(t)
