@@ -378,20 +378,28 @@ def _flag_names(argv: list[str]) -> set[str]:
     return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
-def _refuse_unknown_flags(argv: list[str], parser) -> None:
-    """ConfigError naming the first flag the parser does not know, with the flags it could be a typo or an
-    abbreviation of."""
+def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | None, parser) -> None:
+    """ConfigError naming the first flag (or key of the ``--config`` file) the parser does not know, with the
+    flags it could be a typo or an abbreviation of."""
     known = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} | {"--config"}
     spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
+
+    def could_mean(typed: str) -> list[str]:
+        return [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(typed, spelled, n=3,
+                                                                                        cutoff=0.75)
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--") or flag in known:
             continue
-        typed = "--" + flag[2:].replace("-", "_")
-        candidates = [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(typed, spelled, n=3,
-                                                                                              cutoff=0.75)
+        candidates = could_mean("--" + flag[2:].replace("-", "_"))
         raise ConfigError(f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
                                                      else " (--help lists them)"))
+    for key in from_yaml:
+        if key == "env" or f"--{key}" in known:  # env: variables TrlParser sets
+            continue
+        candidates = [c[2:] for c in could_mean(f"--{str(key).replace('-', '_')}")]
+        raise ConfigError(f"--config {config_path}: {key}: not a flag" + (
+            f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"))
 
 
 def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None
@@ -404,10 +412,11 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     given = _flag_names(argv)
-    from_yaml = {}
+    from_yaml, config_path = {}, None
     if "--config" in argv:
         try:
-            with open(argv[argv.index("--config") + 1]) as f:
+            config_path = argv[argv.index("--config") + 1]
+            with open(config_path) as f:
                 from_yaml = yaml.safe_load(f) or {}
                 given |= set(from_yaml.keys())
         except (IndexError, OSError, yaml.YAMLError, AttributeError) as err:
@@ -423,7 +432,7 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
         argv = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + argv
     parser = TrlParser((AsyncGRPOConfig,), prog=prog, description=description)
     parser.allow_abbrev = False  # argparse would take --learning_rat for --learning_rate, silently
-    _refuse_unknown_flags(argv, parser)
+    _refuse_unknown_flags(argv, from_yaml, config_path, parser)
 
     def one_line_error(message: str):  # argparse would print its whole usage block and exit
         raise ConfigError(message)

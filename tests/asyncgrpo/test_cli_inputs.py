@@ -26,6 +26,7 @@ def user_folder(tmp_path, monkeypatch):
     folder = write_user_folder(tmp_path / "user")
     (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")
     (folder / "empty.jsonl").write_text("")
+    (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
@@ -67,6 +68,7 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--num_gen=4"], "--num_gen: not a flag; did you mean --num_generations or --num_generations_eval?"),
     (["--lerning_rate", "1e-5"], "--lerning_rate: not a flag; did you mean --learning_rate?"),
     (["--no_such_flag", "1"], "--no_such_flag: not a flag (--help lists them)"),
+    (["--config", "typo.yaml"], "--config typo.yaml: max_step: not a flag; did you mean max_steps?"),  # a key of the YAML file
 ]
 # Without --reward_funcs an environment must score the rollouts itself.
 BAD_INPUTS_WITHOUT_REWARDS = [
