@@ -118,7 +118,7 @@ on_interrupt() {
     rm -f "$PS_STATUS_FILE"
     exit 130
 }
-trap on_interrupt INT TERM
+trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
 
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
 # The loop's stderr is /dev/null: bash prints its own "line N: PID Killed ..." there when a process dies of a

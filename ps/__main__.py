@@ -133,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps: error: {err}", file=sys.stderr)
         return 3
     # Explicit handlers: a process that bash starts in the background inherits SIGINT ignored,
-    # and Python keeps it that way. Either signal unwinds training (threads stopped, lock freed);
+    # and Python keeps it that way. Each signal unwinds training (threads stopped, lock freed);
     # with --checkpoint_on_sigterm, SIGTERM stops at the next batch boundary with a checkpoint saved there.
     signal.signal(signal.SIGTERM, _save_and_stop if cfg.checkpoint_on_sigterm else _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)  # its terminal closed: unwind as on Ctrl-C (weight buffers freed)
     from ps.pipeline import PipelineError, StopRequested
 
     try:
@@ -178,10 +179,10 @@ def _quiet_libraries() -> None:
 
 
 def _interrupt(signum, _frame):
-    """The first SIGINT or SIGTERM unwinds training; later ones (a terminal's Ctrl-C reaches every process,
+    """The first SIGINT, SIGTERM or SIGHUP unwinds training; later ones (a terminal's Ctrl-C reaches every process,
     then launch.sh sends SIGTERM) must not cut the clean-up short that frees the weight buffers."""
-    signal.signal(signal.SIGINT, _already_stopping)
-    signal.signal(signal.SIGTERM, _already_stopping)
+    for later in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(later, _already_stopping)
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -91,7 +91,7 @@ on_interrupt() {
     stop_workers
     exit 130
 }
-trap on_interrupt INT TERM
+trap on_interrupt INT TERM HUP  # HUP: the terminal closed
 
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
 exec 3>&2  # as in launch.sh: the loop's stderr is /dev/null (bash's own "Killed" lines), fd 3 the terminal's

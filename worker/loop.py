@@ -99,6 +99,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     tools.STOPPING.clear()  # (a worker run in a process that ran one before: tests)
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop as on Ctrl-C (not die holding a job)
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):

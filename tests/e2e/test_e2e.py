@@ -224,6 +224,30 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     assert modes_beyond(run_root, 0o700) == []  # launch.sh's logs included
 
 
+def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
+    """SIGHUP to the process group (the terminal closed, an ssh session dropped): every process stops as on
+    Ctrl-C, instead of dying where it stands: the PS frees its weight buffers, no worker dies holding a job."""
+    run_root = tmp_path / "run"
+    proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
+    try:
+        workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
+        wait_for_steps(run_root, 3, proc)
+        os.killpg(proc.pid, signal.SIGHUP)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        kill_run(run_root, proc)
+    assert "interrupted: stopping" in proc.stdout.read()
+    ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
+    assert not any(pid_alive(pid) for pid in [ps_pid, *workers])
+    assert "[train] interrupted" in (run_root / "logs" / "log_parameter_server.txt").read_text()
+    for device in (1, 2):  # each worker stopped (the job in hand finished or given back), not killed by the signal
+        assert "got signal 1: finishing the job in hand" in (run_root / "logs" / f"log_worker_{device}.txt").read_text()
+    assert not list((run_root / "queue").glob("*_processing_*")), "a worker died holding a job"
+    root = str(run_root.resolve())  # the PS freed its shared-memory weight buffers itself
+    owners = [fileops.read_json(d / "owner.json") or {} for d in Path("/dev/shm").glob("asyncgrpo-weights-*")]
+    assert not [o for o in owners if o.get("run") == root], owners
+
+
 def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
     run_root = tmp_path / "run"
     proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
