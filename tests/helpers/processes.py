@@ -106,15 +106,16 @@ def start_faulty_worker(run_root, log_path, fault: str, *args: str):
     return start_process(run_root, log_path, "faulty_worker", *args, env=env)
 
 
-def start_ps_ranks(run_root, log_path, processes: int, *args: str) -> subprocess.Popen:
+def start_ps_ranks(run_root, log_path, processes: int, *args: str, env: dict | None = None) -> subprocess.Popen:
     """The PS as ``processes`` data-parallel ranks: ``torchrun --standalone --nproc_per_node N -m ps`` (gloo on
-    CPU), with --ps_processes N; its output appended to ``log_path``."""
+    CPU), with --ps_processes N; its output appended to ``log_path``; ``env`` defaults to PROCESS_ENV."""
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc_per_node", str(processes), "--log-dir",
                                  str(Path(log_path).parent / "torchrun"), "-m", "ps", "--run_dir", str(run_root),
                                  "--ps_processes", str(processes), *args],
-                                cwd=REPO, env=PROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 def start_script(script, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
