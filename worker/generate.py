@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import statistics
+import threading
 import time
 import traceback
 import zlib
@@ -48,7 +50,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 from trl import GRPOTrainer
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer.utils import disable_dropout_in_model, get_callable_name, is_async_callable
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
@@ -97,6 +99,7 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     hooks = hooks or RolloutHooks()
     # Tools (an environment's methods too) run on this worker under --tool_timeout_s (worker/tools.py), and so do
     # an environment's reset() and get_reward().
+    reward_funcs = reporting_slow_rewards(reward_funcs)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=cfg.peft_config(), **hooks.trainer_kwargs())
     bounding_environments(trainer, cfg.tool_timeout_s)
@@ -105,6 +108,53 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     # not of one random dropout mask per sample.
     disable_dropout_in_model(trainer.model)
     return trainer
+
+
+SLOW_REWARD_S = 60.0
+
+
+def reporting_slow_rewards(reward_funcs: list, after_s: float | None = None) -> list:
+    """Each reward function (a callable, not a reward model), wrapped to log a [jobs] line, which launch.sh
+    shows, when a call has run for ``after_s`` (SLOW_REWARD_S) without returning: a reward that hangs (a judge
+    or a sandbox that never answers) would otherwise stall the run with no word of where. The call is not cut:
+    sync reward functions run on the worker's main thread as in TRL, where some rely on being (signal-based
+    timeouts, as math_verify's). TRL names a reward by its callable's name and runs async ones together: both
+    are kept."""
+    after_s = SLOW_REWARD_S if after_s is None else after_s
+    wrapped = []
+    for function in reward_funcs:
+        if isinstance(function, (str, torch.nn.Module)) or not callable(function):
+            wrapped.append(function)
+            continue
+        name = get_callable_name(function)
+
+        def report(_name=name):
+            log.warning("[jobs] reward function %r has run for %g s and not returned: the job waits for it, and "
+                        "the trainer for the job", _name, after_s)
+
+        if is_async_callable(function):
+            async def watched(*args, _function=function, _report=report, **kwargs):
+                with _reported_after(after_s, _report):
+                    return await _function(*args, **kwargs)
+        else:
+            def watched(*args, _function=function, _report=report, **kwargs):
+                with _reported_after(after_s, _report):
+                    return _function(*args, **kwargs)
+        watched = functools.update_wrapper(watched, function, assigned=("__module__", "__doc__"), updated=())
+        watched.__name__ = watched.__qualname__ = name
+        wrapped.append(watched)
+    return wrapped
+
+
+@contextlib.contextmanager
+def _reported_after(seconds: float, report):
+    timer = threading.Timer(seconds, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def job_seed(seed: int, job_id: str) -> int:

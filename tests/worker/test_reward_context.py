@@ -24,3 +24,39 @@ def test_a_reward_function_sees_the_ps_step_the_job_was_thrown_at(tmp_path):
     for ps_step in (7, 12):
         generate_and_score(trainer, rows, EventLog.off(), seed=0, ps_step=ps_step)
     assert seen == [7, 12]
+
+
+def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_jobs_line(tmp_path, monkeypatch, caplog):
+    """A reward that hangs would stall the run with no word of where: past SLOW_REWARD_S a [jobs] line (which
+    launch.sh shows) names it, sync or async; one that returns in time says nothing, and TRL still names each
+    reward by its function's name."""
+    import asyncio
+    import time
+
+    from worker import generate
+
+    def slow_reward(prompts, **kwargs):
+        time.sleep(0.6)
+        return [0.0] * len(prompts)
+
+    async def slow_async_reward(prompts, **kwargs):
+        await asyncio.sleep(0.6)
+        return [0.0] * len(prompts)
+
+    def quick_reward(prompts, **kwargs):
+        return [1.0] * len(prompts)
+
+    monkeypatch.setattr(generate, "SLOW_REWARD_S", 0.2)
+    cfg = demo_config(tmp_path)
+    tokenizer = build_tokenizer()
+    dataset = build_dataset(n=40)
+    trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tokenizer), tokenizer,
+                            [slow_reward, slow_async_reward, quick_reward], dataset)
+    assert trainer.reward_func_names == ["slow_reward", "slow_async_reward", "quick_reward"]
+    rows = [dataset[i // cfg.num_generations] for i in range(cfg.generation_batch_size)]
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=0)
+    lines = sorted(r.getMessage() for r in caplog.records if "[jobs]" in r.getMessage())
+    assert lines == [f"[jobs] reward function {name!r} has run for 0.2 s and not returned: the job waits for it, "
+                     "and the trainer for the job" for name in ("slow_async_reward", "slow_reward")]
+    assert batch["rewards"].tolist() == [1.0] * cfg.generation_batch_size  # 0 + 0 + 1: each reward's own output
