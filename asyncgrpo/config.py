@@ -394,11 +394,12 @@ def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | N
         candidates = could_mean("--" + flag[2:].replace("-", "_"))
         raise ConfigError(f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
                                                      else " (--help lists them)"))
+    fields = {action.dest for action in parser._actions}  # what TrlParser matches a key against
     for key in from_yaml:
-        if key == "env" or f"--{key}" in known:  # env: variables TrlParser sets
+        if key == "env" or key in fields:  # env: variables TrlParser sets
             continue
-        candidates = [c[2:] for c in could_mean(f"--{str(key).replace('-', '_')}")]
-        raise ConfigError(f"--config {config_path}: {key}: not a flag" + (
+        candidates = [c[2:] for c in could_mean(f"--{str(key).replace('-', '_')}") if c[2:] in fields]
+        raise ConfigError(f"--config {config_path}: {key}: not a config key" + (
             f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"))
 
 

@@ -32,7 +32,11 @@ class RepeatedFailureLog:
     """Failures that may repeat many times (a tool that raises on every call, a reward function that raises on
     some prompts), as WARNING lines tagged ``[tag]`` that launch.sh shows on the terminal: the first of each kind
     (its text) at once, the repeats counted and logged together every ``every_s`` seconds (checked at each failure
-    and at each ``flush``)."""
+    and at each ``flush``). Past ``MAX_KINDS`` kinds (an error whose text names each prompt makes each failure a kind
+    of its own), a new kind is counted as a repeat, not logged at once; the periodic line names the commonest."""
+
+    MAX_KINDS = 20
+    NAMED_IN_A_LINE = 5
 
     def __init__(self, logger: logging.Logger, tag: str, every_s: float = 60.0, clock=time.monotonic):
         self.logger, self.tag, self.every_s, self.clock = logger, tag, every_s, clock
@@ -43,7 +47,7 @@ class RepeatedFailureLog:
 
     def failed(self, kind: str) -> None:
         with self._lock:
-            if kind in self.seen:
+            if kind in self.seen or len(self.seen) >= self.MAX_KINDS:
                 self.repeats[kind] += 1
             else:
                 self.seen.add(kind)
@@ -56,8 +60,12 @@ class RepeatedFailureLog:
         with self._lock:
             now = self.clock()
             if self.repeats and now - self.since >= self.every_s:
-                self.logger.warning("[%s] failed again in the last %.0f s: %s", self.tag, now - self.since,
-                                    "; ".join(f"{kind} (x{n})" for kind, n in self.repeats.most_common()))
+                named = self.repeats.most_common(self.NAMED_IN_A_LINE)
+                others = sum(self.repeats.values()) - sum(n for _, n in named)
+                self.logger.warning("[%s] failed again in the last %.0f s: %s%s", self.tag, now - self.since,
+                                    "; ".join(f"{kind} (x{n})" for kind, n in named),
+                                    f"; and {others} other failure(s) of {len(self.repeats) - len(named)} kind(s)"
+                                    if others else "")
                 self.repeats.clear()
             if not self.repeats:
                 self.since = now

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     # with --checkpoint_on_sigterm, SIGTERM stops at the next batch boundary with a checkpoint saved there.
     signal.signal(signal.SIGTERM, _save_and_stop if cfg.checkpoint_on_sigterm else _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)  # its terminal closed: unwind as on Ctrl-C (weight buffers freed)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
+        signal.signal(signal.SIGHUP, _interrupt)  # its terminal closed: unwind as on Ctrl-C (weight buffers freed)
     from ps.pipeline import PipelineError, StopRequested
 
     try:
@@ -182,7 +183,8 @@ def _interrupt(signum, _frame):
     """The first SIGINT, SIGTERM or SIGHUP unwinds training; later ones (a terminal's Ctrl-C reaches every process,
     then launch.sh sends SIGTERM) must not cut the clean-up short that frees the weight buffers."""
     for later in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(later, _already_stopping)
+        if signal.getsignal(later) is not signal.SIG_IGN:  # (SIGHUP under nohup)
+            signal.signal(later, _already_stopping)
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -55,7 +55,7 @@ from trl.trainer.utils import disable_dropout_in_model, get_callable_name, is_as
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue.handoff import REWARDS_KEY
-from asyncgrpo.messages import first_line, log_once
+from asyncgrpo.messages import RepeatedFailureLog, first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
@@ -111,6 +111,8 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
 
 
 SLOW_REWARD_S = 60.0
+# A judge that takes over a minute a job would otherwise say so for every job: the first at once, then counted.
+SLOW_REWARDS = RepeatedFailureLog(log, "jobs")
 
 
 def reporting_slow_rewards(reward_funcs: list, after_s: float | None = None) -> list:
@@ -121,29 +123,28 @@ def reporting_slow_rewards(reward_funcs: list, after_s: float | None = None) -> 
     timeouts, as math_verify's). TRL names a reward by its callable's name and runs async ones together: both
     are kept."""
     after_s = SLOW_REWARD_S if after_s is None else after_s
-    wrapped = []
-    for function in reward_funcs:
-        if isinstance(function, (str, torch.nn.Module)) or not callable(function):
-            wrapped.append(function)
-            continue
-        name = get_callable_name(function)
+    return [function if isinstance(function, (str, torch.nn.Module)) or not callable(function)
+            else _watched(function, after_s) for function in reward_funcs]
 
-        def report(_name=name):
-            log.warning("[jobs] reward function %r has run for %g s and not returned: the job waits for it, and "
-                        "the trainer for the job", _name, after_s)
 
-        if is_async_callable(function):
-            async def watched(*args, _function=function, _report=report, **kwargs):
-                with _reported_after(after_s, _report):
-                    return await _function(*args, **kwargs)
-        else:
-            def watched(*args, _function=function, _report=report, **kwargs):
-                with _reported_after(after_s, _report):
-                    return _function(*args, **kwargs)
-        watched = functools.update_wrapper(watched, function, assigned=("__module__", "__doc__"), updated=())
-        watched.__name__ = watched.__qualname__ = name
-        wrapped.append(watched)
-    return wrapped
+def _watched(function, after_s: float):
+    name = get_callable_name(function)
+
+    def report():
+        SLOW_REWARDS.failed(f"reward function {name!r} has run for {after_s:g} s and not returned: the job waits "
+                            "for it, and the trainer for the job")
+
+    if is_async_callable(function):
+        async def watched(*args, **kwargs):
+            with _reported_after(after_s, report):
+                return await function(*args, **kwargs)
+    else:
+        def watched(*args, **kwargs):
+            with _reported_after(after_s, report):
+                return function(*args, **kwargs)
+    watched = functools.update_wrapper(watched, function, assigned=("__module__", "__doc__"), updated=())
+    watched.__name__ = watched.__qualname__ = name
+    return watched
 
 
 @contextlib.contextmanager

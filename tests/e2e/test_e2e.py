@@ -189,11 +189,13 @@ def test_demo_task_learns_with_two_workers(tmp_path):
     assert best >= 0.8, f"the best 20-step mean reward is {best:.2f}"
 
 
-def launch(run_root, *args):
-    """launch.sh as the leader of its own process group, as a terminal runs a command."""
+def launch(run_root, *args, nohup: bool = False):
+    """launch.sh as the leader of its own process group, as a terminal runs a command: SIGHUP not ignored (also
+    when the suite runs under nohup), or ignored as ``nohup`` runs it."""
+    sighup = signal.SIG_IGN if nohup else signal.SIG_DFL
     return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO,
                             env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
 
 
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
@@ -246,6 +248,19 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
     root = str(run_root.resolve())  # the PS freed its shared-memory weight buffers itself
     owners = [fileops.read_json(d / "owner.json") or {} for d in Path("/dev/shm").glob("asyncgrpo-weights-*")]
     assert not [o for o in owners if o.get("run") == root], owners
+
+
+def test_under_nohup_a_closed_terminal_changes_nothing(tmp_path):
+    """nohup bash launch.sh ...: SIGHUP stays ignored in every process, and the run trains to its end."""
+    run_root = tmp_path / "run"
+    proc = launch(run_root, "--workers", "2", "--max-steps", "40", nohup=True)
+    try:
+        wait_for_steps(run_root, 3, proc)
+        os.killpg(proc.pid, signal.SIGHUP)
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    finally:
+        kill_run(run_root, proc)
+    assert [m["step"] for m in metrics(run_root)][-1] == 40
 
 
 def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):

@@ -199,6 +199,21 @@ def test_repeated_tool_failures_are_logged_together_once_the_interval_has_passed
                          "lookup: no result within 30 s (x15)"]  # from t=2 to t=61
 
 
+def test_failures_whose_text_differs_each_time_are_logged_at_once_up_to_a_number_of_kinds_then_counted(caplog):
+    """An error whose message names its prompt makes each failure a kind of its own: past MAX_KINDS they are
+    counted, and the periodic line names the commonest and sums the others."""
+    now = [0.0]
+    errors = RepeatedFailureLog(worker_tools.log, "jobs", every_s=60, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        for t in range(80):  # one failure a second, each with its own text
+            now[0] = float(t)
+            errors.failed(f"cannot parse '{t}:'")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == RepeatedFailureLog.MAX_KINDS + 1
+    assert lines[-1] == ("[jobs] failed again in the last 60 s: " + "; ".join(f"cannot parse '{t}:' (x1)" for t in
+                         range(20, 25)) + "; and 55 other failure(s) of 55 kind(s)")  # t=20..79, from t=19
+
+
 class BrokenReset(LookupEnv):
     def reset(self, **row) -> None:
         raise RuntimeError("the sandbox did not start")

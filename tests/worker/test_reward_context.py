@@ -4,6 +4,7 @@
 from helpers import demo_config
 
 from asyncgrpo.events import EventLog
+from asyncgrpo.messages import RepeatedFailureLog
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer
 from worker.generate import build_trainer, generate_and_score
 
@@ -47,6 +48,7 @@ def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_job
         return [1.0] * len(prompts)
 
     monkeypatch.setattr(generate, "SLOW_REWARD_S", 0.2)
+    monkeypatch.setattr(generate, "SLOW_REWARDS", RepeatedFailureLog(generate.log, "jobs"))
     cfg = demo_config(tmp_path)
     tokenizer = build_tokenizer()
     dataset = build_dataset(n=40)
@@ -58,5 +60,6 @@ def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_job
         batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=0)
     lines = sorted(r.getMessage() for r in caplog.records if "[jobs]" in r.getMessage())
     assert lines == [f"[jobs] reward function {name!r} has run for 0.2 s and not returned: the job waits for it, "
-                     "and the trainer for the job" for name in ("slow_async_reward", "slow_reward")]
+                     "and the trainer for the job (the first such failure; repeats are counted and logged every 60 s)"
+                     for name in ("slow_async_reward", "slow_reward")]
     assert batch["rewards"].tolist() == [1.0] * cfg.generation_batch_size  # 0 + 0 + 1: each reward's own output
