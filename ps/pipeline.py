@@ -60,6 +60,12 @@ from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+
+
+def queue_line(depth: dict) -> str:
+    """The queue's depth as the [train] lines show it: ``queue=pending:P processing:R complete:C``."""
+    return (f"queue=pending:{depth['pending']} processing:{depth['processing'] + depth['committing']} "
+            f"complete:{depth['complete'] + depth['collected']}")
 ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
 DROP_REASON = "reward std at most dynamic_sampling_max_std"
 YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
@@ -244,8 +250,9 @@ class JobPipeline:
             self._raise_failure()
             result = self.cache.take(pick, timeout=WAIT_REPORT_S)
             if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; queue %s%s", step,
-                            time.monotonic() - started, self.queue.counts(), self.failed.summary())
+                log.warning("[train] step=%d has waited %.0fs for a result; %s%s (what each worker holds: "
+                            "queue_tools ls %s)", step, time.monotonic() - started, queue_line(self.queue.counts()),
+                            self.failed.summary(), self.run.root)
                 continue
             try:
                 if self._accept(result, step):

@@ -63,7 +63,7 @@ from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import BatchInTraining, JobPipeline
+from ps.pipeline import BatchInTraining, JobPipeline, queue_line
 
 log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
@@ -375,12 +375,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._show_progress(line)
 
     def _show_progress(self, line: metrics.StepMetrics) -> None:
-        depth = line.queue_depth
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
-        log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s queue=pending:%d processing:%d "
-                 "complete:%d%s", line.step, line.reward, line.staleness_mean, line.trainer_wait_s * 1e3,
-                 f"{line.loss:.4f}" if line.loss is not None else "-", depth["pending"],
-                 depth["processing"] + depth["committing"], depth["complete"] + depth["collected"],
+        log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s %s%s", line.step, line.reward,
+                 line.staleness_mean, line.trainer_wait_s * 1e3, f"{line.loss:.4f}" if line.loss is not None else "-",
+                 queue_line(line.queue_depth),
                  (f" dropped_prompts={dropped}" if dropped else "")
                  + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
                  + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import inject_disk_full
 
+import ps.pipeline as pipeline_module
 from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.run import fileops
@@ -97,6 +98,25 @@ def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, monkeyp
     finally:
         pipeline.stop()
     assert os.listdir(run.queue) == [".tmp"]  # nothing half-written under a final name
+
+
+def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines_show_it(run, monkeypatch, caplog):
+    monkeypatch.setattr(pipeline_module, "WAIT_REPORT_S", 0.05)
+    pipeline = make_pipeline(run, max_pending=2)
+    pipeline.start(None, published_version=0)
+    try:
+        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
+        with caplog.at_level("WARNING", logger="asyncgrpo.ps"):
+            thread, outcome = next_batch_in_thread(pipeline, step=0)
+            wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records), "a waiting line")
+            work_one(pipeline.queue, version=0)
+            thread.join(WAIT_S)
+        assert not thread.is_alive() and "result" in outcome, outcome
+    finally:
+        pipeline.stop()
+    line = next(r.getMessage() for r in caplog.records if "has waited" in r.getMessage())
+    assert line == ("[train] step=0 has waited 0s for a result; queue=pending:2 processing:0 complete:0 (what each "
+                    f"worker holds: queue_tools ls {run.root})")
 
 
 def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatch):
