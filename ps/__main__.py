@@ -16,6 +16,7 @@ rank trains on its slice of each job (ps/trainer.py).
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import logging
 import os
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, _interrupt)  # its terminal closed: unwind as on Ctrl-C (weight buffers freed)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
     from ps.pipeline import PipelineError, StopRequested
 
     try:
@@ -202,7 +204,8 @@ def _save_and_stop(signum, _frame):
 
 
 def _already_stopping(signum, _frame):
-    log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force", signum)
+    log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log "
+                "where each thread is", signum)
 
 
 def train(cfg, run: RunDir) -> int:

@@ -5,6 +5,7 @@ its bound, a SIGKILLed worker's job comes back, a SIGKILLed PS resumes from its
 checkpoint, and launch.sh rejects bad input before starting anything.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -198,6 +199,20 @@ def launch(run_root, *args, nohup: bool = False):
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
 
 
+def stopped_status(proc, run_root, timeout: float = 120) -> int:
+    """launch.sh's exit status once a signal stopped the run. Past ``timeout`` the test fails with the PS's log
+    end, where SIGUSR1 has it print each thread's stack (faulthandler): where its stop hangs."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log = run_root / "logs" / "log_parameter_server.txt"
+        with contextlib.suppress(OSError, ValueError, KeyError, AssertionError):  # (the stacks are a bonus)
+            os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGUSR1)
+            wait_for(lambda: "most recent call first" in log.read_text(), "the PS stacks", timeout=10)
+        pytest.fail(f"launch.sh still runs {timeout} s after the signal; the PS's log ends:\n"
+                    f"{log.read_text()[-8000:]}")
+
+
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     run_root = tmp_path / "run"
     proc = launch(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
@@ -211,7 +226,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
         # The restarted worker beats with its own pid.
         second = heartbeat_pid(run_root, 1, TIMEOUT_S, not_pid=first, procs=(proc,))
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group, the PS too
-        assert proc.wait(timeout=120) == 130
+        assert stopped_status(proc, run_root) == 130
     finally:
         kill_run(run_root, proc)
     out = proc.stdout.read()
@@ -235,7 +250,7 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
         workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)
         os.killpg(proc.pid, signal.SIGHUP)
-        assert proc.wait(timeout=120) == 130
+        assert stopped_status(proc, run_root) == 130
     finally:
         kill_run(run_root, proc)
     assert "interrupted: stopping" in proc.stdout.read()
