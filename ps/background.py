@@ -6,10 +6,14 @@ Supervised: an exception in ``_loop`` is not swallowed by the thread; it is hand
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 from asyncgrpo.jobqueue import QueueWatcher
+from asyncgrpo.messages import join_or_report
+
+log = logging.getLogger("asyncgrpo.ps")
 
 
 class WatchedThread:
@@ -43,5 +47,5 @@ class WatchedThread:
         self.stop_event.set()
         self.watcher.wake()
         if self.thread.is_alive():
-            self.thread.join()
+            join_or_report(self.thread, f"[queue] the {self.name}", log)
         self.watcher.close()

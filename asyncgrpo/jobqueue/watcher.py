@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent, InotifyFD
 
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
-from asyncgrpo.messages import log_once
+from asyncgrpo.messages import join_or_report, log_once
 from asyncgrpo.run.hosts import network_filesystem
 
 log = logging.getLogger("asyncgrpo.queue")
@@ -84,7 +84,7 @@ class QueueWatcher:
         """Turns file events off; only the rescan remains (what NFS looks like)."""
         if self._inotify is not None:
             self._inotify.stop()
-            self._inotify.join()
+            join_or_report(self._inotify, "[queue] the queue watcher's inotify reader", log)
             self._inotify = None
 
     def close(self) -> None:
