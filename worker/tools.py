@@ -25,6 +25,7 @@ turns into a job's split between generation, tool calls and reward.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -219,48 +220,39 @@ class RolloutTurns:
     def _bounded_sync(self, name, tool):
         @functools.wraps(tool)  # TRL looks tools up by __name__
         def bounded(**arguments):
-            started = time.monotonic()
-            outcome: dict = {}
-            try:
+            with self._counted(name):
                 return call_within(self.timeout_s, name, tool, **arguments)
-            except WorkerStopping:
-                self.stopped = True
-                raise
-            except ToolTimeout as err:
-                outcome["timeout"] = True
-                TOOL_ERRORS.failed(failure_kind(name, err))
-                raise
-            except BaseException as err:  # handed to TRL's loop, which makes it the result
-                outcome["error"] = True
-                TOOL_ERRORS.failed(failure_kind(name, err))
-                raise
-            finally:
-                self._count(started, outcome)
 
         return bounded
 
     def _bounded_async(self, name, tool):
         @functools.wraps(tool)
         async def bounded(**arguments):
-            started = time.monotonic()
-            outcome: dict = {}
-            try:
+            with self._counted(name):
                 return await await_within(self.timeout_s, name, tool(**arguments))
-            except WorkerStopping:
-                self.stopped = True
-                raise
-            except ToolTimeout as err:
-                outcome["timeout"] = True
-                TOOL_ERRORS.failed(failure_kind(name, err))
-                raise
-            except BaseException as err:
-                outcome["error"] = True
-                TOOL_ERRORS.failed(failure_kind(name, err))
-                raise
-            finally:
-                self._count(started, outcome)
 
         return bounded
+
+    @contextlib.contextmanager
+    def _counted(self, name):
+        """One tool call: counted, and a failure logged (rate-limited) before TRL's loop makes it the result."""
+        started = time.monotonic()
+        outcome: dict = {}
+        try:
+            yield
+        except WorkerStopping:
+            self.stopped = True
+            raise
+        except ToolTimeout as err:
+            outcome["timeout"] = True
+            TOOL_ERRORS.failed(failure_kind(name, err))
+            raise
+        except BaseException as err:  # handed to TRL's loop, which makes it the result
+            outcome["error"] = True
+            TOOL_ERRORS.failed(failure_kind(name, err))
+            raise
+        finally:
+            self._count(started, outcome)
 
     def _count(self, started: float, outcome: dict) -> None:
         with self._lock:  # async tools finish on TRL's event-loop thread
