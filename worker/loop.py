@@ -25,6 +25,7 @@ with its attempt counted.
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import logging
 import os
@@ -101,6 +102,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     signal.signal(signal.SIGINT, request_stop)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop as on Ctrl-C (not die holding a job)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
