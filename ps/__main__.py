@@ -66,8 +66,11 @@ def hold_ps_lock(run: RunDir, record: bool = True) -> int:
         os.close(fd)
         raise PSAlreadyRunning(f"another parameter server is running on {run.root} ({lock_holder(run)})") from None
     if record:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError:  # a full disk: the lock is held all the same, and the disk check says what is wrong
+            pass
     return fd
 
 

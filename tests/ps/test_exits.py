@@ -78,6 +78,25 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
     check_disk_for_checkpoints(run, model, saves_checkpoints=True)
 
 
+def test_a_ps_on_a_full_disk_holds_its_lock_without_writing_who_it_is(monkeypatch, run):
+    """The lock file's "pid P on HOST" is a courtesy for a refused second PS: a full disk must not turn a relaunch
+    into a traceback before the disk check can say what is wrong (seen: a worker filled the freed block first)."""
+    import os
+
+    import ps.__main__ as ps_main
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    fd = ps_main.hold_ps_lock(run)
+    try:
+        with pytest.raises(ps_main.PSAlreadyRunning, match="its pid not written yet"):
+            ps_main.hold_ps_lock(run, record=False)
+    finally:
+        os.close(fd)
+
+
 def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finished_demo_run, tmp_path):
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
