@@ -384,23 +384,20 @@ def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | N
     known = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} | {"--config"}
     spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
 
-    def could_mean(typed: str) -> list[str]:
-        return [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(typed, spelled, n=3,
-                                                                                        cutoff=0.75)
+    def could_mean(typed: str, among: list[str]) -> str:
+        candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3,
+                                                                                           cutoff=0.75)
+        return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
     for arg in argv:
         flag = arg.split("=", 1)[0]
-        if not flag.startswith("--") or flag in known:
-            continue
-        candidates = could_mean("--" + flag[2:].replace("-", "_"))
-        raise ConfigError(f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
-                                                     else " (--help lists them)"))
-    fields = {action.dest for action in parser._actions}  # what TrlParser matches a key against
+        if flag.startswith("--") and flag not in known:
+            raise ConfigError(f"{flag}: not a flag" + could_mean("--" + flag[2:].replace("-", "_"), spelled))
+    # The names TrlParser matches a YAML key against, and its env: section (variables it sets).
+    fields = {action.dest for action in parser._actions} | {"env"}
     for key in from_yaml:
-        if key == "env" or key in fields:  # env: variables TrlParser sets
-            continue
-        candidates = [c[2:] for c in could_mean(f"--{str(key).replace('-', '_')}") if c[2:] in fields]
-        raise ConfigError(f"--config {config_path}: {key}: not a config key" + (
-            f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"))
+        if key not in fields:
+            raise ConfigError(f"--config {config_path}: {key}: not a config key"
+                              + could_mean(str(key).replace("-", "_"), sorted(fields)))
 
 
 def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None

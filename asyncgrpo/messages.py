@@ -76,14 +76,12 @@ class RepeatedFailureLog:
 STOP_JOIN_S = 30.0
 
 
-def join_or_report(thread: threading.Thread, what: str, logger: logging.Logger, timeout_s: float | None = None) -> bool:
-    """Joins a daemon thread that was asked to stop, for at most ``timeout_s`` (STOP_JOIN_S): a stop (Ctrl-C, the
-    run's end) must end whatever that thread is stuck in. Past it, one line says so and every thread's stack goes
-    to stderr (the process's log), and the thread is left to die with the process. True if it stopped."""
-    thread.join(STOP_JOIN_S if timeout_s is None else timeout_s)
-    if not thread.is_alive():
-        return True
-    logger.warning("%s did not stop within %g s: left running (a daemon thread); every thread's stack follows", what,
-                   STOP_JOIN_S if timeout_s is None else timeout_s)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    return False
+def join_or_report(thread: threading.Thread, what: str, logger: logging.Logger) -> None:
+    """Joins a daemon thread that was asked to stop, for at most STOP_JOIN_S: a stop (Ctrl-C, the run's end) must
+    end whatever that thread is stuck in. Past it, one line says so and every thread's stack goes to stderr (the
+    process's log), and the thread is left to die with the process."""
+    thread.join(STOP_JOIN_S)
+    if thread.is_alive():
+        logger.warning("%s did not stop within %g s: left running (a daemon thread); every thread's stack follows",
+                       what, STOP_JOIN_S)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -60,16 +60,16 @@ from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
+DROP_REASON = "reward std at most dynamic_sampling_max_std"
+YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
+MIN_YIELD = 0.1  # admission never counts on fewer informative groups per result than this fraction
 
 
 def queue_line(depth: dict) -> str:
     """The queue's depth as the [train] lines show it: ``queue=pending:P processing:R complete:C``."""
     return (f"queue=pending:{depth['pending']} processing:{depth['processing'] + depth['committing']} "
             f"complete:{depth['complete'] + depth['collected']}")
-ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
-DROP_REASON = "reward std at most dynamic_sampling_max_std"
-YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
-MIN_YIELD = 0.1  # admission never counts on fewer informative groups per result than this fraction
 
 
 class PipelineError(RuntimeError):

@@ -110,9 +110,11 @@ def build_trainer(cfg: AsyncGRPOConfig, model, tokenizer, reward_funcs, dataset,
     return trainer
 
 
+# The worker's [jobs] lines, which launch.sh shows: a failed job's error or a slow reward, each kind's first at
+# once, then counted once a minute (a reward raising on some prompts, or a judge taking over a minute a job, would
+# otherwise be a line a job; worker/loop.py logs failed jobs and flushes the counts).
+JOB_FAILURES = RepeatedFailureLog(log, "jobs")
 SLOW_REWARD_S = 60.0
-# A judge that takes over a minute a job would otherwise say so for every job: the first at once, then counted.
-SLOW_REWARDS = RepeatedFailureLog(log, "jobs")
 
 
 def reporting_slow_rewards(reward_funcs: list, after_s: float | None = None) -> list:
@@ -131,7 +133,7 @@ def _watched(function, after_s: float):
     name = get_callable_name(function)
 
     def report():
-        SLOW_REWARDS.failed(f"reward function {name!r} has run for {after_s:g} s and not returned: the job waits "
+        JOB_FAILURES.failed(f"reward function {name!r} has run for {after_s:g} s and not returned: the job waits "
                             "for it, and the trainer for the job")
 
     if is_async_callable(function):

@@ -38,7 +38,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
 from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher, describe_error
 from asyncgrpo.jobqueue.handoff import REWARDS_KEY, JobData, ResultData
-from asyncgrpo.messages import RepeatedFailureLog, first_line
+from asyncgrpo.messages import first_line
 from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.user_code import load_rollout_hooks
@@ -48,7 +48,7 @@ from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
-from worker.generate import JobInput, build_trainer, error_record, generate_jobs, job_seed
+from worker.generate import JOB_FAILURES, JobInput, build_trainer, error_record, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
 from worker.in_flight import unsupported as in_flight_unsupported
 from worker.trl_seam import TOKENIZE_PROMPTS
@@ -355,9 +355,6 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
 
 _errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
 ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
-# What launch.sh shows on the terminal: a failure's text the first time, then its repeats counted once a minute
-# (a reward function raising on some prompts would otherwise be a line a job, or no line until the run ends).
-JOB_FAILURES = RepeatedFailureLog(log, "jobs")
 
 
 def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: int, events: EventLog) -> None:

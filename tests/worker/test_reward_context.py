@@ -48,7 +48,7 @@ def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_job
         return [1.0] * len(prompts)
 
     monkeypatch.setattr(generate, "SLOW_REWARD_S", 0.2)
-    monkeypatch.setattr(generate, "SLOW_REWARDS", RepeatedFailureLog(generate.log, "jobs"))
+    monkeypatch.setattr(generate, "JOB_FAILURES", RepeatedFailureLog(generate.log, "jobs"))
     cfg = demo_config(tmp_path)
     tokenizer = build_tokenizer()
     dataset = build_dataset(n=40)
