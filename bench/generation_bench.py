@@ -18,6 +18,9 @@ per call is fixed. Settings, per shape:
     graphK      the same, K jobs per call
     graph-autotune  graph compiled with torch.compile's max-autotune (GEMM kernels chosen by timing them; CUDA
                 graphs), for comparison: slower to compile
+    graph-nofuse    graph with q/k/v and gate/up as separate GEMMs (worker/fused_projections.py off)
+    graph-nolevers  graph-nofuse, and sampling's reductions over the whole vocabulary at once (VOCAB_CHUNKS 1):
+                the step as it was before either lever, to measure them in one run
 
 For each: ms per generated token (one decoding step over the whole call's batch: call time / completion
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
@@ -111,7 +114,7 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                              "jobs_per_generate": jobs, "report_to": "none"})
     trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
     compiled, warm_s = None, 0.0
-    if decoding in ("compiled", "graph", "graph-autotune"):
+    if decoding != "eager":
         dataset = trainer.train_dataset
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
         if decoding == "compiled":
@@ -119,7 +122,8 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
         else:
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
             mode = "max-autotune" if decoding == "graph-autotune" else None
-            compiled = GraphDecoding(trainer, jobs, prompt_ids, compile_mode=mode)
+            compiled = GraphDecoding(trainer, jobs, prompt_ids, compile_mode=mode,
+                                     fuse=decoding not in ("graph-nofuse", "graph-nolevers"))
         warm_s = compiled.warm_up(prompt_ids)
     return trainer, compiled, warm_s, sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -225,7 +229,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peak-gbs", type=float, default=None)
-    p.add_argument("--settings", default="eager,compiled,graph", help="any of eager, compiled, graph, graph-autotune")
+    p.add_argument("--settings", default="eager,compiled,graph",
+                   help="any of eager, compiled, graph, graph-autotune, graph-nofuse, graph-nolevers")
     p.add_argument("--profile", action="store_true", help="split one more call per setting with torch.profiler")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -233,16 +238,22 @@ def main() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     shapes = (a.shapes or ("demo,larger" if a.device == "cpu" else ",".join(SHAPES))).split(",")
     a.peak_gbs = peak_gbs(a.device, a.peak_gbs)
+    from worker import decode_step
+
+    vocab_chunks = decode_step.VOCAB_CHUNKS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             for decoding in a.settings.split(","):
                 for jobs in (int(k) for k in a.jobs.split(",")):
                     log(f"{shape} {decoding} jobs_per_call={jobs}")
+                    # (a module constant the step reads while compiling, and is guarded on after)
+                    decode_step.VOCAB_CHUNKS = 1 if decoding == "graph-nolevers" else vocab_chunks
                     rows.append(measure(shape, a.device, jobs, decoding, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
-    for row in rows:  # ratios to the first setting of the shape with one job a call (eager by default)
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["jobs_per_call"] == 1)
+    for row in rows:  # ratios to the first setting of the shape with one job a call (eager by default), else its first
+        same_shape = [r for r in rows if r["shape"] == row["shape"]]
+        base = next((r for r in same_shape if r["jobs_per_call"] == 1), same_shape[0])
         row["baseline"] = base["decoding"]
         row["job_speedup_vs_baseline"] = round(base["ms_per_job"] / row["ms_per_job"], 2)
         row["samples_per_s_vs_baseline"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
