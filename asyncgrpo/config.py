@@ -34,6 +34,7 @@ from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run.liveness import DEFAULT_LEASE_S
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
+WORKER_DECODING_MODES = ("auto", "eager", "compiled", "graph", "continuous")
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The flags a worker must share with the PS: each changes what a job's result holds (its size, sampling, the
 # rewards' weights and advantages, the reference log-probs). The PS writes its values in RUN/ps.json.
@@ -218,8 +219,14 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
                 "static KV cache and generate's decoding step compiled with torch.compile (CUDA graphs on a GPU); "
                 "'graph': the worker's own decoding loop, forward, sampling and bookkeeping of a token in one "
                 "compiled graph (where a setting needs generate, e.g. beam search or tools, it decodes as 'compiled' "
-                "or eagerly, and says why in its log); both compile at worker start, before the first job. 'auto': "
-                "graph on CUDA, eager on CPU (where compiling costs tens of seconds per batch shape)."})
+                "or eagerly, and says why in its log); 'continuous': the graph's step over --decoding_slots row "
+                "slots, a row that ends replaced at once by the next job's (continuous batching; newer weights "
+                "reach the jobs between steps, as with --in_flight_updates; where it does not apply it decodes as "
+                "'graph' and says why); each compiles at worker start, before the first job. 'auto': graph on CUDA, "
+                "eager on CPU (where compiling costs tens of seconds per batch shape)."})
+    decoding_slots: int = field(default=0, metadata={
+        "help": "With --worker_decoding continuous: the rows a worker decodes at once, each job's rows joining as "
+                "slots free up (0: four jobs' rows on CUDA, two on CPU). At least one job's rows."})
     jobs_per_generate: int = field(default=2, metadata={
         "help": "A worker claims up to this many pending jobs at once (never waiting for more) and generates their "
                 "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "
@@ -296,8 +303,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
                                  "must be auto, cuda_ipc, mmap or safetensors"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
-            "worker_decoding": (self.worker_decoding in ("auto", "eager", "compiled", "graph"),
-                                "must be auto, eager, compiled or graph"),
+            "worker_decoding": (self.worker_decoding in WORKER_DECODING_MODES,
+                                "must be one of " + ", ".join(WORKER_DECODING_MODES)),
+            "decoding_slots": (self.decoding_slots == 0 or self.decoding_slots >= self.generation_batch_size
+                               * self.ps_processes, "must be 0 (automatic) or at least one job's rows "
+                               "(--per_device_train_batch_size x processes)"),
             "jobs_per_generate": (self.jobs_per_generate >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),

@@ -91,11 +91,12 @@ class Sampling:
                    repetition_penalty=active(gen.repetition_penalty, 1.0), min_new_tokens=gen.min_new_tokens or 0)
 
 
-def sample(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
+def sample(scores: torch.Tensor, s: Sampling, noise: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from ``scores`` (float32 [rows, vocab], already penalised) as transformers' warpers and
-    ``torch.multinomial`` would draw it, without a host sync."""
+    ``torch.multinomial`` would draw it, without a host sync. ``noise``: the Exp(1) draws [rows, vocab] the tokens
+    race with (default: drawn from the device's generator)."""
     if s.top_k is None and s.top_p is None:
-        return sample_whole_vocabulary(scores, s)
+        return sample_whole_vocabulary(scores, s, noise)
     if s.temperature != 1.0:
         scores = scores / s.temperature
     indices = None  # positions in the vocabulary of the columns of `scores`, when they are a subset or reordered
@@ -110,7 +111,10 @@ def sample(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
         probs = torch.where(probs.cumsum(dim=-1) - probs < s.top_p, probs, 0.0)
     if s.min_p is not None:
         probs = torch.where(probs >= s.min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
-    noise = torch.empty_like(probs).exponential_().clamp_min_(TINY)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_().clamp_min_(TINY)
+    elif indices is not None:
+        noise = noise.gather(1, indices)
     choice = (probs / noise).argmax(dim=-1)
     return choice if indices is None else indices.gather(1, choice[:, None])[:, 0]
 
@@ -124,7 +128,7 @@ def in_chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
         x.size(0), VOCAB_CHUNKS, width)
 
 
-def sample_whole_vocabulary(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
+def sample_whole_vocabulary(scores: torch.Tensor, s: Sampling, noise: torch.Tensor | None = None) -> torch.Tensor:
     """``sample`` without top-k and top-p (TRL's default), in chunks of the vocabulary: the exponential race in log
     space, ``argmax(scores / temperature - log E)`` (the argmax of ``p / E``), each chunk's winner first."""
     if not s.do_sample:
@@ -132,7 +136,8 @@ def sample_whole_vocabulary(scores: torch.Tensor, s: Sampling) -> torch.Tensor:
     x = scores / s.temperature if s.temperature != 1.0 else scores
     if s.min_p is not None:  # p >= min_p * max p, in log space
         x = torch.where(x >= x.amax(dim=-1, keepdim=True) + math.log(s.min_p), x, -math.inf)
-    noise = torch.empty_like(x).exponential_().clamp_min_(TINY)
+    if noise is None:
+        noise = torch.empty_like(x).exponential_().clamp_min_(TINY)
     keys = in_chunks(x - noise.log(), -math.inf)
     best, where = keys.max(dim=-1)  # each chunk's winner: [rows, chunks]
     chunk = best.argmax(dim=-1)

@@ -40,7 +40,6 @@ from worker.trl_seam import GENERATE_SINGLE_TURN
 
 log = logging.getLogger("asyncgrpo.worker")
 
-DECODING_MODES = ("auto", "eager", "compiled", "graph")
 PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
 COMPILED_CALL = "_compiled_call"  # what transformers' get_compiled_call returns when it is set (with the config below)
 LAST_COMPILE_CONFIG = "_last_compile_config"

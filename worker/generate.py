@@ -225,6 +225,34 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
     return outcomes
 
 
+def score_generated(trainer: GRPOTrainer, job: JobInput, prompt_ids: list[list[int]],
+                    completion_ids: list[list[int]], tokens: torch.Tensor, logps: torch.Tensor, events: EventLog,
+                    with_logs: bool = False, token_versions: list[tuple[int, int]] | None = None
+                    ) -> Generated | Exception:
+    """A job generated elsewhere (worker/continuous.py: TRL's ``_generate_single_turn`` output for its prompts, and
+    the tokens and behaviour log-probs it sampled), scored by TRL's call as a shared call's share is: what it
+    generated, or the exception its scoring raised (an error that says the device is broken is raised)."""
+    capture = BehaviourCapture(trainer)
+    capture.given(tokens, logps)
+    try:
+        batch, metrics = generate_and_score(trainer, job.rows, events, seed=job.seed, ps_step=job.ps_step,
+                                            pregenerated=Pregenerated(prompt_ids, completion_ids, capture),
+                                            **job.fields)
+    except Exception as err:
+        if is_broken_device_error(err):
+            raise
+        return err
+    return Generated(batch, metrics, completion_logs(trainer) if with_logs else None, token_versions)
+
+
+def prompt_ids_of(trainer: GRPOTrainer, rows: list[dict]) -> list[list[int]] | None:
+    """A job's prompts as TRL's ``_generate`` tokenises them before it generates; None for prompts with images."""
+    ids, images, multimodal_fields = getattr(trainer, TOKENIZE_PROMPTS)(copy.deepcopy([row["prompt"] for row in rows]))
+    if images is not None or multimodal_fields:
+        return None
+    return [list(x) for x in ids]
+
+
 def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
                        decoding: CompiledDecoding | GraphDecoding | None,
                        in_flight: InFlightWeights | None) -> list[Pregenerated] | None:
@@ -232,14 +260,9 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
     if generates_in_turns(trainer) or BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
         return None
-    prompt_ids = []
-    for job in jobs:
-        # What TRL's _generate does with a job's prompts before it generates.
-        ids, images, multimodal_fields = getattr(trainer, TOKENIZE_PROMPTS)(
-            copy.deepcopy([row["prompt"] for row in job.rows]))
-        if images is not None or multimodal_fields:
-            return None
-        prompt_ids.append([list(x) for x in ids])
+    prompt_ids = [prompt_ids_of(trainer, job.rows) for job in jobs]
+    if any(ids is None for ids in prompt_ids):
+        return None
     batch = [ids for per_job in prompt_ids for ids in per_job]
     if decoding is not None:
         batch = decoding.pad_batch(batch)

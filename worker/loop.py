@@ -36,21 +36,24 @@ import time
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
 from asyncgrpo.events import EventLog
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, model_path
-from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher, describe_error
-from asyncgrpo.jobqueue.handoff import REWARDS_KEY, JobData, ResultData
+from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.messages import first_line
-from asyncgrpo.run import QueueWriteError, RunDir, WorkerPresence
+from asyncgrpo.run import RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
+from worker.continuous import ContinuousDecoding
+from worker.continuous_loop import serve_continuously
 from worker.decode_step import GraphDecoding
 from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
-from worker.generate import JOB_FAILURES, JobInput, build_trainer, error_record, generate_jobs, job_seed
+from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
 from worker.in_flight import unsupported as in_flight_unsupported
+from worker.results import Timing, fail, publish
 from worker.trl_seam import TOKENIZE_PROMPTS
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -139,6 +142,10 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                     waiting.waiting_for("the parameter server's first weights")
                     watcher.wait(IDLE_WAIT_S)
                 continue
+            if isinstance(decoding, ContinuousDecoding):  # a loop of its own (worker/continuous_loop.py)
+                serve_continuously(cfg, run, queue, trainer, decoding, subscriber, version, watcher, presence, stop,
+                                   events, waiting)
+                break
             job = queue.claim(device)
             if job is None:
                 JOB_FAILURES.flush()  # (an idle worker's repeats too)
@@ -165,14 +172,14 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 events.emit("job_claimed", job_id=j.job_id, attempt=j.attempt, queue_wait_ms=queue_wait_ms)
                 log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, j.job_id, j.attempt,
                          queue_wait_ms)
-            version = _sync(subscriber, trainer.model, device, events) or version
+            version = _newer(_sync(subscriber, trainer.model, device, events), version)
             needed = max(j.job_data.min_weights_version for j in jobs)
             if version < needed:
                 waited_from = time.monotonic()
                 while version < needed and not stop.is_set():
                     waiting.waiting_for(f"weights version {needed} (synchronous mode)")
                     time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
-                    version = _sync(subscriber, trainer.model, device, events) or version
+                    version = _newer(_sync(subscriber, trainer.model, device, events), version)
                 events.emit("weights_wait", job_id=job.job_id, weights_version=version,
                             dur_ms=(time.monotonic() - waited_from) * 1e3)
             if stop.is_set() and version < needed:
@@ -224,7 +231,7 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
 
 
 def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
-                      events: EventLog) -> CompiledDecoding | GraphDecoding | None:
+                      events: EventLog) -> CompiledDecoding | GraphDecoding | ContinuousDecoding | None:
     """With compiled or graph decoding, compiles it now, before the first claim (worker/decoding.py)."""
     mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
     if mode == "eager":
@@ -233,12 +240,23 @@ def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
         log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
                  "function are given)", device)
         return None
+    if mode == "continuous" and (why := ContinuousDecoding.unsupported(trainer)) is not None:
+        log.info("[gen] dev%s decodes with its decoding graph instead of continuous batching: %s", device, why)
+        mode = "graph"
     if mode == "graph" and (why := GraphDecoding.unsupported(trainer)) is not None:
         log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
         mode = "compiled"
     rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
     prompt_ids, _, _ = getattr(trainer, TOKENIZE_PROMPTS)([row["prompt"] for row in rows])
-    if mode == "graph":
+    if mode == "continuous":
+        jobs = cfg.decoding_slots // trainer.args.generation_batch_size if cfg.decoding_slots else (
+            4 if cfg.device_type == "cuda" else 2)
+        decoding = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
+        cache_len = decoding.columns
+        if not cfg.in_flight_updates:
+            log.info("[gen] dev%s continuous batching syncs newer weights between decoding steps, as "
+                     "--in_flight_updates does: a result's weights_version is its oldest token's", device)
+    elif mode == "graph":
         decoding = GraphDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
         cache_len = decoding.state.cache_len
     else:
@@ -276,7 +294,7 @@ def _readable(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list[ClaimedJob], ver
         try:
             job.job_data = JobData.from_dict(job.data)
         except ValueError as err:
-            _fail(cfg, queue, job, err, version, events)
+            fail(cfg, queue, job, err, version, events)
             continue
         readable.append(job)
     return readable
@@ -290,6 +308,12 @@ def _in_flight_weights(cfg: AsyncGRPOConfig, trainer, subscriber, events: EventL
         log.info("[gen] dev%s --in_flight_updates: not with %s; new weights reach a job before it starts", device, why)
         return None
     return InFlightWeights(subscriber, trainer.model, events)
+
+
+def _newer(synced: int | None, held: int) -> int:
+    """The version the model holds after a sync that returned ``synced`` (None: nothing newer was published). A
+    PS relaunched without a checkpoint publishes version 0 again: 0 is a version, not nothing."""
+    return held if synced is None else synced
 
 
 def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
@@ -308,7 +332,6 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
     """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
     any of them raised (it is thrown again or reported failed). With ``in_flight``, newer weights are synced
     between decoding steps: each result's weights_version is its oldest token's."""
-    device = jobs[0].name.device
     started = time.time()
     inputs = [JobInput(job.job_data.rows, job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
                        {"job_id": job.job_id, "weights_version": version}) for job in jobs]
@@ -316,71 +339,7 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
     if in_flight is not None:
         in_flight.version = version
     outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions, in_flight=in_flight)
-    done = time.time()
-    recompiles = decoding.recompiles() if decoding is not None else 0
-    all_done = True
-    for job, outcome in zip(jobs, outcomes, strict=True):
-        if isinstance(outcome, tools.WorkerStopping):  # cut short: given back as it was, for a worker that goes on
-            queue.release(job)
-            events.emit("job_released", job_id=job.job_id)
-            log.info("[queue] dev%s gave job=%s back: %s", device, job.job_id, outcome)
-            all_done = False
-            continue
-        if isinstance(outcome, Exception):
-            _fail(cfg, queue, job, outcome, version, events)
-            all_done = False
-            continue
-        batch, metrics = outcome.batch, outcome.metrics
-        # outcome.logs: the PS prints TRL's completions table from these
-        data = ResultData({k: v for k, v in batch.items() if k != REWARDS_KEY}, batch.get(REWARDS_KEY), metrics,
-                          job.job_data.rows, outcome.logs, outcome.token_versions).to_dict()
-        oldest = outcome.token_versions[0][1] if outcome.token_versions else version
-        try:
-            published = queue.complete(
-                job, data, weights_version=oldest, queue_time=job.claimed_at - job.payload["created_at"],
-                processing_time=done - started, job_age=done - job.payload["created_at"])
-        except QueueWriteError as err:
-            _release_unwritable(queue, job, err, events)
-            continue
-        events.emit("result_written", job_id=job.job_id, weights_version=oldest, published=published,
-                    dur_ms=(time.monotonic() - claimed) * 1e3, samples=int(batch["advantages"].numel()),
-                    tokens=int(batch["completion_mask"].sum()), jobs_in_call=len(jobs), recompiles=recompiles)
-        newest = f" newest_token_version={outcome.token_versions[-1][1]}" if outcome.token_versions and len(
-            outcome.token_versions) > 1 else ""
-        log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s%s%s", device,
-                 job.job_id, oldest, (done - started) * 1e3, metrics.get("reward", float("nan")), published,
-                 f" jobs_in_call={len(jobs)}" if len(jobs) > 1 else "", newest)
-    return all_done
-
-
-_errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
-ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
-
-
-def _fail(cfg: AsyncGRPOConfig, queue: JobQueue, job, err: Exception, version: int, events: EventLog) -> None:
-    device = job.name.device
-    error = {**error_record(err), "attempt": job.attempt, "worker_device": device, "weights_version": version}
-    given_up = job.attempt >= cfg.max_attempts
-    what = describe_error(error)
-    outcome = "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}"
-    key = (error["type"], error["message"], error["reward_function"])
-    if key in _errors_logged or len(_errors_logged) >= ERRORS_WITH_TRACEBACK:  # one line, not another traceback
-        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
-                  cfg.max_attempts, what, outcome)
-    else:
-        _errors_logged.add(key)
-        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
-                  cfg.max_attempts, what, outcome, error["traceback"].rstrip())
-    JOB_FAILURES.failed(f"a job failed: {what}")
-    events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=what[:500], given_up=given_up)
-    try:
-        queue.fail(job, error, max_attempts=cfg.max_attempts, weights_version=version)
-    except QueueWriteError as write_error:
-        _release_unwritable(queue, job, write_error, events)
-
-
-def _release_unwritable(queue: JobQueue, job, err: QueueWriteError, events: EventLog) -> None:
-    log.error("[queue] dev%s cannot write the outcome of %s: %s; giving the job back", job.name.device,
-              job.job_id, err)
-    queue.release(job)
-    events.emit("job_released", job_id=job.job_id)
+    timing = Timing(claimed, started, time.time(), len(jobs), decoding.recompiles() if decoding is not None else 0)
+    published = [publish(cfg, queue, job, outcome, version, events, timing)
+                 for job, outcome in zip(jobs, outcomes, strict=True)]
+    return all(published)
