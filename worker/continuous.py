@@ -1,11 +1,12 @@
-"""Continuous batching (``--worker_decoding continuous``): a worker's decoding as an engine that never decodes an
-empty row while a job waits.
+"""Continuous batching (``--worker_decoding continuous``): a worker's decoding as an engine that keeps its rows
+busy while jobs wait.
 
 A fixed batch lasts as long as its longest row, and completion lengths have a long tail: most of its row-steps
 decode rows that already ended. Here the batch is ``--decoding_slots`` row slots. A job's G rows join together,
-each into a free slot, through a prefill; each slot decodes on its own until its row ends (EOS or the length cap);
-a job whose rows have all ended leaves at once (its tokens copied out, to be scored while the others decode), and
-its slots take the next job's rows.
+each into a free slot, through a prefill; each slot decodes on its own until its row ends (EOS or the length cap),
+when its tokens are copied out and the slot is free again; the next job joins as soon as G slots are free (any G),
+and a job whose rows have all ended leaves at once, to be scored while the others decode. What a slot decodes
+while it waits for G - 1 others to free up is the waste left, about G / 2 of the slots.
 
 Shapes stay fixed, so the step and the prefill compile once (CUDA graphs on a GPU), as the graph decoder's
 (worker/decode_step.py, whose logits processing, sampling and behaviour log-prob this shares):
@@ -20,12 +21,13 @@ Shapes stay fixed, so the step and the prefill compile once (CUDA graphs on a GP
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, and whichever other jobs, it decodes beside.
 
-Every CHECK_EVERY steps the host reads which slots ended (one device sync), hands finished jobs out, and looks for
-newer weights: they are synced in place between steps, and each job records the versions that sampled its tokens
-(``runs``, as worker/in_flight.py defines them; a job's weights_version is its oldest token's).
+Every ``check_every`` steps (CHECK_EVERY) the host reads which slots ended (one device sync), frees them, hands
+finished jobs out, and looks for newer weights: they are synced in place between steps, and each job records the
+versions that sampled its tokens (``runs``, as worker/in_flight.py defines them; a job's weights_version is its
+oldest token's).
 
-``EngineThread`` runs the engine on a thread of its own: the worker's main thread claims jobs, scores finished ones
-(reward functions may be slow, or need the main thread) and publishes them, while the slots keep decoding.
+The worker loop around it (claims, scoring on a thread of its own while the slots decode, publishing) is
+worker/continuous_loop.py.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from worker.fused_projections import fuse_projections
 
 log = logging.getLogger("asyncgrpo.worker")
 
-CHECK_EVERY = 8  # decoding steps between the host's looks at which rows ended (one device sync each)
+# Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
+# launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
+CHECK_EVERY = {"cuda": 8, "cpu": 1}
 
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic)
 GOLDEN = 0x9E3779B97F4A7C15 - 2**64
@@ -112,11 +116,15 @@ class FinishedJob:
 
 @dataclass
 class _Resident:
+    """A job in the engine: its rows' slots (row i in ``slots[i]`` until it ends) and the rows already ended,
+    copied out: {row: (tokens, log-probs)}."""
+
     key: object
     prompt_ids: list[list[int]]
     slots: list[int]
     joined_step: int
     runs: list[tuple[int, int]]
+    ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     joined_at: float = field(default_factory=time.monotonic)
 
 
@@ -176,7 +184,9 @@ class ContinuousDecoding:
         self._compiled_step = compiled(self._step)
         self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
             or compile_prefill else self._prefill_step
+        self.check_every = CHECK_EVERY.get(self.device.type, 8)
         self.residents: list[_Resident] = []
+        self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
         self.free: list[int] = list(range(slots))
         self.steps = 0  # decoding steps run, over every slot
         self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows
@@ -329,7 +339,9 @@ class ContinuousDecoding:
         else:
             self._compiled_prefill(self.prefill_cache, st, *args)
         self.row_steps += rows
-        self.residents.append(_Resident(key, [list(p) for p in prompt_ids], slots, self.steps, [(0, self.version)]))
+        job = _Resident(key, [list(p) for p in prompt_ids], slots, self.steps, [(0, self.version)])
+        self.residents.append(job)
+        self.owners.update((slot, (job, row)) for row, slot in enumerate(slots))
 
     def _prefill_step_allocating(self, st: SlotState, ids, mask, position, *args) -> None:
         # A forward that allocates the prefill's cache and shows the keys' dtype and heads as the model makes them.
@@ -353,25 +365,34 @@ class ContinuousDecoding:
         self.row_steps += steps * self.slots
 
     def collect(self) -> list[FinishedJob]:
-        """The jobs whose rows have all ended, copied out (their slots free again)."""
+        """Frees the slots of the rows that have ended (their tokens copied out) and returns the jobs whose rows have
+        all ended. One device sync, and a copy when rows ended."""
         if not self.residents:
             return []
         st = self.state
-        ended = (st.ended | ~st.active).cpu()  # one device sync
-        finished = []
-        for job in [j for j in self.residents if bool(ended[j.slots].all())]:
-            self.residents.remove(job)
-            index = torch.tensor(job.slots, device=self.device)
-            counts = st.count.index_select(0, index).cpu()
-            width = int(counts.max())
-            tokens = st.tokens.index_select(0, index)[:, :width].cpu()
-            logps = st.logps.index_select(0, index)[:, :width].cpu()
+        ended_slots = (st.ended & st.active).nonzero()[:, 0].cpu().tolist()  # the device sync
+        if ended_slots:
+            index = torch.tensor(ended_slots, device=self.device)
+            counts = st.count.index_select(0, index).cpu().tolist()
+            tokens = st.tokens.index_select(0, index).cpu()
+            logps = st.logps.index_select(0, index).cpu()
             st.active.index_fill_(0, index, False)
-            self.free.extend(job.slots)
-            completion_ids = [row[:n] for row, n in zip(tokens.tolist(), counts.tolist(), strict=True)]
-            self.kept_tokens += int(counts.sum())
+            self.free.extend(ended_slots)
+            for i, slot in enumerate(ended_slots):
+                job, row = self.owners.pop(slot)
+                job.ended[row] = (tokens[i, :counts[i]], logps[i, :counts[i]])
+                self.kept_tokens += counts[i]
+        finished = []
+        for job in [j for j in self.residents if len(j.ended) == len(j.slots)]:
+            self.residents.remove(job)
+            rows = [job.ended[row] for row in range(len(job.slots))]
+            width = max(len(t) for t, _ in rows)
+            tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
+            logps = torch.zeros((len(rows), width), dtype=torch.float32)
+            for i, (t, lp) in enumerate(rows):
+                tokens[i, :len(t)], logps[i, :len(lp)] = t, lp
             runs = [(first, version) for first, version in job.runs if first < max(width, 1)]
-            finished.append(FinishedJob(job.key, job.prompt_ids, completion_ids, tokens, logps, runs,
+            finished.append(FinishedJob(job.key, job.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
                                         time.monotonic() - job.joined_at))
         return finished
 
@@ -398,7 +419,7 @@ class ContinuousDecoding:
             for i in range(self.WARM_UP_JOBS):
                 self.add(("warm-up", i), rows, job_seed=i)
                 while not self.collect():
-                    self.run(CHECK_EVERY)
+                    self.run(self.check_every)
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start

@@ -1,0 +1,231 @@
+"""Continuous batching (worker/continuous.py): each job decodes as transformers' generate decodes it alone
+(greedy), samples what it samples whatever shares its steps, and its behaviour log-probs are TRL's; rows that end
+free their slots for the next job at once.
+
+The engine runs eagerly (``compile=False``: the same functions) where a test is about what it computes; one
+compiled engine (compiling takes seconds here) is shared by the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode_step import (
+    CHI2_LIMIT,
+    DRAWS,
+    GREEDY,
+    NO_WARPER,
+    SAMPLING,
+    SETTINGS,
+    SHAPES,
+    expected_probs,
+    generated,
+    llama,
+    prompt_ids,
+    trainer_for,
+)
+from test_fast_decoding import Events, job, trl_logps
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from asyncgrpo.tasks.demo import build_tokenizer
+from asyncgrpo.tasks.long_tail import end_with_probability
+from worker.continuous import ContinuousDecoding, seeded_exponentials
+from worker.decode_step import Sampling, sample
+from worker.generate import score_generated
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# Four prompts a job (x 8 generations: 32 rows); rows of every length, some never ending.
+JOB_PROMPTS = [["7:", "12 3:", "9 9 9 9:", "0 1:"], ["5:", "3 3:", "1 2 3 4 5 6:", "8:"], ["4 4:", "2:", "6 0:", "1:"],
+               ["3:", "45 6:", "8:", "1 1 1:"], ["0:", "9:", "2 7:", "5 5 5:"]]
+
+
+def job_ids(trainer, index: int) -> list[list[int]]:
+    return prompt_ids(trainer, [p for p in JOB_PROMPTS[index] for _ in range(trainer.num_generations)])
+
+
+def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None) -> dict:
+    """Every job of ``jobs`` ({key: prompt ids}) through the engine, each joining as soon as its slots are free, in
+    order: {key: FinishedJob}."""
+    waiting, finished = list(jobs), {}
+    with torch.no_grad():
+        while waiting or not engine.empty():
+            while waiting and engine.free_slots() >= engine.rows_per_job:
+                key = waiting.pop(0)
+                engine.add(key, jobs[key], job_seed=(seeds or {}).get(key, 0))
+            engine.run(engine.check_every)
+            finished.update((f.key, f) for f in engine.collect())
+    return finished
+
+
+@pytest.fixture(scope="module")
+def greedy_engine(tmp_path_factory):
+    trainer = trainer_for(tmp_path_factory.mktemp("greedy"), llama(eos_bias=2.0), **GREEDY)
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0),
+                                compile_prefill=True)
+    engine.warm_up(job_ids(trainer, 0))
+    return trainer, engine
+
+
+# ---------------------------------------------------------------- the tokens: greedy decoding is generate's
+
+@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "generation_kwargs": {"do_sample": False,
+                                                                                            "min_new_tokens": 5}}])
+def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, settings):
+    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through."""
+    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **{**GREEDY, **settings})
+    jobs = {i: job_ids(trainer, i) for i in range(5)}
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
+    finished = decode_all(engine, jobs)
+    for i, ids in jobs.items():
+        assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
+    lengths = [len(c) for f in finished.values() for c in f.completion_ids]
+    assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
+
+
+def test_the_compiled_engine_decodes_generates_tokens_and_compiles_nothing_after_its_warm_up(greedy_engine):
+    trainer, engine = greedy_engine
+    jobs = {i: job_ids(trainer, i) for i in range(5)}
+    finished = decode_all(engine, jobs)
+    assert engine.recompiles() == 0
+    for i, ids in jobs.items():
+        assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
+
+
+def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly_after_a_reallocation(tmp_path):
+    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **GREEDY)
+    engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
+    ids = prompt_ids(trainer, [long_prompt] * trainer.args.generation_batch_size)
+    assert not engine.fits(ids)
+    engine.reallocate(len(ids[0]))
+    assert decode_all(engine, {"long": ids})["long"].completion_ids == generated(trainer, ids)
+
+
+def test_a_weight_sync_between_jobs_reaches_the_compiled_step(greedy_engine):
+    trainer, engine = greedy_engine
+    ids = job_ids(trainer, 1)
+    before = decode_all(engine, {"before": ids})["before"].completion_ids
+    original = {name: t.clone() for name, t in trainer.model.state_dict().items()}
+    try:
+        trainer.model.load_state_dict(llama(seed=1, eos_bias=2.0).state_dict())  # in place, as a sync copies
+        engine.weights_changed(7)
+        after = decode_all(engine, {"after": ids})["after"]
+        assert after.completion_ids == generated(trainer, ids) != before
+        assert after.runs == [(0, 7)] and engine.recompiles() == 0
+    finally:
+        trainer.model.load_state_dict(original)
+
+
+def test_each_job_records_the_versions_that_sampled_its_tokens(tmp_path):
+    """weights_changed between steps: a job's next token index starts a run; a job that joined later counts from
+    its own first token."""
+    trainer = trainer_for(tmp_path, llama(eos_bias=0.0), **GREEDY)  # rows that run to the cap: no job leaves early
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    engine.weights_changed(3)
+    with torch.no_grad():
+        engine.add("a", job_ids(trainer, 0), job_seed=0)
+        engine.run(4)
+        engine.add("b", job_ids(trainer, 1), job_seed=1)
+        engine.weights_changed(4)  # a: 1 + 4 tokens sampled by version 3; b: its first, from its prefill
+        engine.run(4)
+        engine.weights_changed(5)
+        finished = {}
+        while len(finished) < 2:
+            engine.run(engine.check_every)
+            finished.update((f.key, f) for f in engine.collect())
+    assert finished["a"].runs == [(0, 3), (5, 4), (9, 5)]
+    assert finished["b"].runs == [(0, 3), (1, 4), (5, 5)]
+
+
+# ---------------------------------------------------------------- sampling: per job, whatever shares its steps
+
+def test_a_job_samples_the_same_tokens_alone_and_beside_other_jobs(tmp_path):
+    trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **SAMPLING)
+    jobs = {i: job_ids(trainer, i) for i in range(4)}
+    seeds = {i: 100 + i for i in jobs}
+    slots = 2 * trainer.args.generation_batch_size
+    together = decode_all(ContinuousDecoding(trainer, slots, jobs[0], compile=False), jobs, seeds)
+    for i in (2, 3):  # jobs that joined slots another job had left, beside a job halfway through
+        alone = decode_all(ContinuousDecoding(trainer, slots, jobs[0], compile=False), {i: jobs[i]}, seeds)
+        assert alone[i].completion_ids == together[i].completion_ids
+    rows = together[0].completion_ids
+    same_prompt = rows[: trainer.num_generations]  # one prompt's generations: different samples
+    assert len({tuple(r) for r in same_prompt}) > 1
+    other_seed = decode_all(ContinuousDecoding(trainer, slots, jobs[0], compile=False), {0: jobs[0]}, {0: 999})
+    assert other_seed[0].completion_ids != rows
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_seeded_draws_sample_from_the_distribution_transformers_samples_from(setting):
+    s = Sampling(**{**NO_WARPER, **SETTINGS[setting]})
+    logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0])
+    want = expected_probs(logits, s)
+    seeds = torch.arange(DRAWS, dtype=torch.long) * 7919 - 12345  # a row's seed and counter, as the engine's
+    noise = seeded_exponentials(seeds, torch.full((DRAWS,), 3), logits.numel())
+    tokens = sample(logits.expand(DRAWS, -1).contiguous(), s, noise)
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
+    kept = want > 0
+    expected = want[kept].double() * DRAWS
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
+
+
+def test_seeded_draws_are_exponential_and_differ_by_seed_counter_and_token():
+    draws = seeded_exponentials(torch.tensor([1, 2]), torch.tensor([0, 0]), 50_000)
+    assert abs(draws.mean().item() - 1.0) < 0.02 and abs(draws.var().item() - 1.0) < 0.05
+    assert torch.equal(draws, seeded_exponentials(torch.tensor([1, 2]), torch.tensor([0, 0]), 50_000))
+    assert not torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[0], seeded_exponentials(torch.tensor([1]), torch.tensor([1]), 50_000)[0])
+
+
+# ---------------------------------------------------------------- behaviour log-probs, and the slots' use
+
+def test_behaviour_log_probs_equal_trls_recomputation(tmp_path):
+    trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **SAMPLING)
+    jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(3)]
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(3)})
+    for i, j in enumerate(jobs):
+        f = finished[i]
+        outcome = score_generated(trainer, j, f.prompt_ids, f.completion_ids, f.tokens, f.logps, Events(),
+                                  token_versions=f.runs)
+        assert not isinstance(outcome, Exception), outcome
+        batch = outcome.batch
+        diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
+        assert diff.max().item() < 1e-4
+        assert outcome.token_versions == f.runs
+
+
+def long_tail_model(p: float = 1 / 16) -> LlamaForCausalLM:
+    """A small model whose rows end with probability ``p`` at every token: geometric lengths, mean 1 / p."""
+    tok = build_tokenizer()
+    config = LlamaConfig(**SHAPES["demo"], num_key_value_heads=4, vocab_size=len(tok), initializer_range=0.02,
+                         tie_word_embeddings=False, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    end_with_probability(model, tok.eos_token_id, p)
+    return model
+
+
+def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
+    """Lengths with a long tail (geometric, mean a quarter of the cap): the engine computes fewer row-steps than a
+    fixed batch of the same rows (two jobs a call, decoded until the longer job's longest row ends) on the same
+    jobs, and every token it kept is a token of a finished row."""
+    trainer = trainer_for(tmp_path, long_tail_model(), temperature=1.0, max_completion_length=64)
+    rows = trainer.args.generation_batch_size
+    prompts = [p for job_prompts in JOB_PROMPTS for p in job_prompts]
+    jobs = {i: prompt_ids(trainer, [p for p in prompts[4 * i % 20:4 * i % 20 + 4] for _ in range(8)])
+            for i in range(16)}
+    engine = ContinuousDecoding(trainer, 2 * rows, jobs[0], compile=False)
+    finished = decode_all(engine, jobs, {i: i for i in jobs})
+    lengths = [[len(c) for c in finished[i].completion_ids] for i in sorted(finished)]
+    assert 10 < sum(map(sum, lengths)) / (16 * rows) < 22  # the mean length: about 16
+    fixed_steps = sum(max(max(a), max(b)) for a, b in zip(lengths[::2], lengths[1::2], strict=True))
+    fixed = sum(map(sum, lengths)) / (2 * rows * fixed_steps)
+    assert engine.kept_tokens == sum(map(sum, lengths))
+    assert engine.utilisation() > 1.5 * fixed  # measured: 0.61 against 0.25
+    assert engine.steps < fixed_steps / 1.5
