@@ -88,9 +88,15 @@ def peak_gbs(device: str, given: float | None) -> float:
     return 2 * 5 * src.numel() / (time.perf_counter() - start) / 1e9  # read + write
 
 
-def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path):
+def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path,
+          end_p: float | None = None):
+    """A worker's trainer over ``shape``'s model and its decoder for ``decoding`` (None: eager), warmed up: (trainer,
+    decoder, warm-up seconds, weight bytes). Completions run to ``completion`` tokens, or with ``end_p`` end with
+    that probability at every token (asyncgrpo/tasks/long_tail.py: geometric lengths, cut at ``completion``)."""
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
+    from asyncgrpo.tasks.long_tail import end_with_probability
+    from worker.continuous import ContinuousDecoding
     from worker.decode_step import GraphDecoding
     from worker.decoding import CompiledDecoding
     from worker.generate import build_trainer
@@ -102,15 +108,17 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096,
-                                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                             pad_token_id=tok.pad_token_id))
+        config = {**SHAPES[shape], **({"tie_word_embeddings": False} if end_p else {})}
+        model = LlamaForCausalLM(LlamaConfig(**config, max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        if end_p:
+            end_with_probability(model, tok.eos_token_id, end_p)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype)
     on_cpu = {"use_cpu": True, "bf16": False} if device == "cpu" else {"bf16": True}
     cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **on_cpu, "device_type": device, "output_dir": str(work),
                              "per_device_train_batch_size": batch, "max_completion_length": completion,
-                             "generation_kwargs": {"min_new_tokens": completion}, "disable_tqdm": True,
+                             "generation_kwargs": {} if end_p else {"min_new_tokens": completion}, "disable_tqdm": True,
                              "jobs_per_generate": jobs, "report_to": "none"})
     trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
     compiled, warm_s = None, 0.0
@@ -119,6 +127,8 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
         if decoding == "compiled":
             compiled = CompiledDecoding(trainer, jobs, prompt_ids)
+        elif decoding == "continuous":
+            compiled = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
         else:
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
             mode = "max-autotune" if decoding == "graph-autotune" else None

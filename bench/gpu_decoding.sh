@@ -4,15 +4,17 @@
 #
 #   bash bench/gpu_decoding.sh [OUT_DIR]
 #
-#   1. generation_05b     the worker's decoding step at Qwen2.5-0.5B's shape, 32 rows, 64-token completions: as it
-#                         was before the kernel levers (graph-nolevers), with chunked sampling only (graph-nofuse),
-#                         and with fused projections too (graph), with --profile
+#   1. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
+#                         (128), a stream of 16 jobs, completions capped at 512: long-tail lengths, then fixed ones
 #   2. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
-#   3. generation_05b_128 the step at 128 rows (4 jobs a call)
-#   4. generation_05b_1024  the step with 1024-token completions, 32 rows
-#   5. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
+#   3. generation_05b_1024  the step with 1024-token completions, 32 rows
+#   4. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
+#                         (graph-nolevers), with chunked sampling only (graph-nofuse), and with fused projections too
+#                         (graph), with --profile
+#   5. generation_05b_128 the step at 128 rows (4 jobs a call)
+#   6. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
 #                         nvidia-cuda-mps-control is here
-#   6. generation_15b     the step at 1.5B's shape
+#   7. generation_15b     the step at 1.5B's shape
 #
 # (On the H200, 2026-11-26: a generation_bench setting took 50-100 s, compilation included; TRL's run in
 # gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left.)
@@ -56,13 +58,15 @@ MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part generation_05b 200 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-nolevers,graph-nofuse,graph \
-    --jobs 1 --reps 3 --profile
+part long_tail_05b 230 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+    --lengths long-tail,fixed --jobs 4 --stream 16 --completion 512
 part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker \
     "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
-part generation_05b_128 80 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 4 --reps 3
 part generation_05b_1024 90 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 1 --reps 2 \
     --completion 1024
+part generation_05b 200 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-nolevers,graph-nofuse,graph \
+    --jobs 1 --reps 3 --profile
+part generation_05b_128 80 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 4 --reps 3
 part gpu_vs_trl 240 "$PY" bench/gpu_vs_trl.py --configs "trl,async2_graph$MPS_CONFIG" --steps 20 --warmup 6
 part generation_15b 80 "$PY" bench/generation_bench.py --shapes qwen1.5b --settings graph --jobs 1 --reps 3
 echo "[gpu_decoding] figures in $OUT"

@@ -231,6 +231,7 @@ class GraphDecoding(FixedBatchDecoding):
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.cache: StaticCache | None = None
         self.state: DecodeState | None = None
+        self.steps_run = 0  # decoding steps after the prefills, over every call (the benchmarks' row utilisation)
         self._allocate(self.rows_per_call, longest)
         on_cuda = self.device.type == "cuda"
         mode = compile_mode or ("reduce-overhead" if on_cuda else None)
@@ -336,6 +337,7 @@ class GraphDecoding(FixedBatchDecoding):
                 if before_token is not None:
                     before_token(step)
                 self._compiled_step(self.cache, st)
+                self.steps_run += 1
                 if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
                     break
         with record_function("decode.to_host"):

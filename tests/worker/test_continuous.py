@@ -48,7 +48,7 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
     """Every job of ``jobs`` ({key: prompt ids}) through the engine, each joining as soon as its slots are free, in
     order: {key: FinishedJob}."""
     waiting, finished = list(jobs), {}
-    with torch.no_grad():
+    with torch.no_grad(), engine.trainer.accelerator.autocast():
         while waiting or not engine.empty():
             while waiting and engine.free_slots() >= engine.rows_per_job:
                 key = waiting.pop(0)
@@ -229,3 +229,28 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
     assert engine.kept_tokens == sum(map(sum, lengths))
     assert engine.utilisation() > 1.5 * fixed  # measured: 0.61 against 0.25
     assert engine.steps < fixed_steps / 1.5
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+    from test_fast_decoding import assert_captured_within_bf16_of_trls
+
+    from asyncgrpo.tasks.demo import build_model
+
+    # The demo's own model (initializer_range 0.02): bf16 rounds a logit to 0.4% of its size.
+    trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
+                          device_type="cuda", bf16=True, **SAMPLING)
+    trainer.model.to("cuda")
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))
+    engine.warm_up(job_ids(trainer, 0))
+    jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(4)]
+    finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(4)}, {i: i for i in range(4)})
+    assert engine.recompiles() == 0
+    outcomes = [score_generated(trainer, j, finished[i].prompt_ids, finished[i].completion_ids, finished[i].tokens,
+                                finished[i].logps, Events()) for i, j in enumerate(jobs)]
+    assert_captured_within_bf16_of_trls(trainer, outcomes)
+    alone = decode_all(engine, {3: job_ids(trainer, 3)}, {3: 3})
+    assert alone[3].completion_ids == finished[3].completion_ids  # the same samples beside other jobs or alone

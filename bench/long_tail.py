@@ -1,0 +1,185 @@
+"""Decoders on a worker's stream of jobs, with completion lengths like a real run's (a long tail) or all alike.
+
+    .venv/bin/python bench/long_tail.py [--shapes larger] [--settings graph,continuous] [--jobs 2] [--stream 16]
+        [--completion 64] [--lengths long-tail,fixed] [--batch 32] [--device cpu|cuda] [--out results.json]
+
+Each shape is a randomly initialised Llama (no download), decoded by the worker's own code as
+bench/generation_bench.py builds it. ``--stream`` jobs of ``--batch`` rows (prompts of the demo task) go through
+each decoder as a worker takes them:
+
+    graph       the fixed-batch decoding step (worker/decode_step.py), ``--jobs`` jobs a call, each call scored by
+                TRL as generate_jobs does (the worker's loop)
+    continuous  continuous batching (worker/continuous.py) over ``--jobs`` jobs' rows of slots: a job joins as soon
+                as its rows' slots are free, and is scored on a thread of its own while the slots decode, as the
+                worker's continuous loop does
+    compiled, eager   transformers' generate, compiled or not, ``--jobs`` jobs a call
+
+Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
+each token ends its row with probability 4 / ``--completion`` (asyncgrpo/tasks/long_tail.py: geometric lengths,
+mean about a quarter of the cap, about 2% of rows reaching it). The same prompts and job seeds for every decoder;
+lengths follow the same distribution (the decoders draw their samples differently).
+
+Printed per decoder and workload, measured in this run after each decoder's warm-up: row utilisation (tokens kept
+over row-steps computed: every slot or row of every decoding step, and each prefill's rows), samples/s and
+tokens/s over the stream's wall time, and job latency p50/p99 (from the start of the job's generation, its call or
+its joining the slots, to its scored result); ratios to the first setting of the same workload. One JSON document
+on stdout (and --out), a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from generation_bench import SHAPES, NoEvents, build, log  # noqa: E402  (bench/ is the script's folder)
+
+from worker.continuous_loop import SWITCH_INTERVAL_S  # noqa: E402
+
+
+def now(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def job_inputs(trainer, count: int, batch: int) -> list:
+    from worker.generate import JobInput
+
+    dataset = trainer.train_dataset
+    return [JobInput([dataset[(j * batch + i) // 8 % len(dataset)] for i in range(batch)], seed=j,
+                     fields={"job_id": f"{j:06d}_000"}) for j in range(count)]
+
+
+def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str) -> tuple[list, list, int]:
+    """(outcomes, latencies, row-steps) of the stream in calls of ``jobs`` jobs, as the worker's loop runs them."""
+    from worker.generate import generate_jobs
+
+    outcomes, latencies, row_steps = [], [], 0
+    rows_per_call = jobs * len(inputs[0].rows)
+    for first in range(0, len(inputs), jobs):
+        steps_before = getattr(decoder, "steps_run", 0)
+        start = now(device)
+        called = generate_jobs(trainer, inputs[first:first + jobs], NoEvents(), decoder)
+        latencies += [now(device) - start] * len(called)
+        outcomes += called
+        if hasattr(decoder, "steps_run"):  # the step's own count, and the prefill's token
+            row_steps += rows_per_call * (decoder.steps_run - steps_before + 1)
+        else:  # generate stops when every row of the call has ended
+            longest = max(int(o.batch["completion_mask"].sum(dim=1).max()) for o in called)
+            row_steps += len(called) * len(inputs[0].rows) * longest
+    return outcomes, latencies, row_steps
+
+
+def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[list, list, int]:
+    """The same through the engine: each job joins as soon as its slots are free, scored on another thread."""
+    from worker.generate import prompt_ids_of, score_generated
+
+    waiting, joined, futures = list(enumerate(inputs)), {}, []
+
+    def score(finished):
+        job = inputs[finished.key]
+        outcome = score_generated(trainer, job, finished.prompt_ids, finished.completion_ids, finished.tokens,
+                                  finished.logps, NoEvents(), token_versions=finished.runs)
+        return finished.key, outcome, time.perf_counter() - joined[finished.key]
+
+    row_steps_before = engine.row_steps
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
+    with ThreadPoolExecutor(1) as scorer, torch.no_grad(), trainer.accelerator.autocast():
+        while waiting or not engine.empty():
+            while waiting and engine.free_slots() >= engine.rows_per_job:
+                key, job = waiting.pop(0)
+                engine.add(key, prompt_ids_of(trainer, job.rows), job.seed)
+                joined[key] = time.perf_counter()
+            engine.run(engine.check_every)
+            futures += [scorer.submit(score, finished) for finished in engine.collect()]
+        results = sorted(f.result() for f in futures)
+    return [outcome for _, outcome, _ in results], [seconds for _, _, seconds in results], \
+        engine.row_steps - row_steps_before
+
+
+def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
+    end_p = 4 / a.completion if lengths == "long-tail" else None
+    trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p)
+    inputs = job_inputs(trainer, a.stream, a.batch)
+    start = now(a.device)
+    if decoding == "continuous":
+        outcomes, latencies, row_steps = stream_continuously(trainer, decoder, inputs, a.device)
+    else:
+        outcomes, latencies, row_steps = stream_fixed_batches(trainer, decoder, inputs, a.jobs, a.device)
+    wall_s = now(a.device) - start
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
+    row_lengths = [n for o in outcomes for n in o.batch["completion_mask"].sum(dim=1).tolist()]
+    kept = sum(row_lengths)
+    latencies = sorted(latencies)
+    return {"shape": shape, "decoding": decoding, "lengths": lengths, "jobs": a.jobs, "rows": a.jobs * a.batch,
+            "stream_jobs": a.stream, "wall_s": round(wall_s, 3), "samples_per_s": round(len(row_lengths) / wall_s, 1),
+            "tokens_per_s": round(kept / wall_s), "row_utilisation": round(kept / row_steps, 3),
+            "mean_length": round(kept / len(row_lengths), 1),
+            "at_cap": round(sum(n == a.completion for n in row_lengths) / len(row_lengths), 3),
+            "latency_p50_s": round(statistics.median(latencies), 3),
+            "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+            "warm_up_s": round(warm_s, 1), "recompiles": decoder.recompiles() if decoder is not None else 0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="larger", help=f"any of {', '.join(s for s in SHAPES if SHAPES[s])}")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--settings", default="graph,continuous")
+    p.add_argument("--lengths", default="long-tail,fixed")
+    p.add_argument("--jobs", type=int, default=2, help="jobs a call (fixed batches) or jobs' rows of slots")
+    p.add_argument("--stream", type=int, default=16, help="jobs in the stream")
+    p.add_argument("--completion", type=int, default=64, help="max_completion_length")
+    p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in a.shapes.split(","):
+            if not SHAPES.get(shape):
+                raise SystemExit(f"long_tail: {shape!r} is not a Llama shape of generation_bench.py")
+            for lengths in a.lengths.split(","):
+                for decoding in a.settings.split(","):
+                    log(f"{shape} {lengths} {decoding}")
+                    rows.append(measure(shape, decoding, lengths, a, Path(tmp)))
+                    log(json.dumps(rows[-1]))
+    for row in rows:
+        base = next(r for r in rows if r["shape"] == row["shape"] and r["lengths"] == row["lengths"])
+        row["baseline"] = base["decoding"]
+        row["samples_per_s_vs_baseline"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
+        row["utilisation_vs_baseline"] = round(row["row_utilisation"] / base["row_utilisation"], 2)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
+    doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "completion": a.completion, "batch": a.batch, "results": rows}
+    print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'samples/s':>10} {'vs first':>8} "
+          f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'mean len':>8} {'warm-up s':>9}", file=sys.stderr)
+    for r in rows:
+        print(f"{r['shape']:<9} {r['lengths']:<9} {r['decoding']:<11} {r['row_utilisation']:>5.2f} "
+              f"{r['samples_per_s']:>10.1f} {r['samples_per_s_vs_baseline']:>7.2f}x "
+              f"{r['utilisation_vs_baseline']:>6.2f}x "
+              f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",
+              file=sys.stderr)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
