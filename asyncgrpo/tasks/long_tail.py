@@ -15,7 +15,7 @@ import math
 
 import torch
 
-CONSTANT_SCALE = 1e3  # the constant coordinate's size against the rest of the residual stream (about 1)
+CONSTANT_SCALE = 1e5  # the constant coordinate against an embedding coordinate: it must outweigh what 24 layers add
 
 
 @torch.no_grad()
