@@ -138,7 +138,10 @@ def _decode(cfg, run, queue, trainer, engine, subscriber, watcher, presence, sto
                      max(len(ids) for ids in parked.prompt_ids))
             engine.reallocate(max(len(ids) for ids in parked.prompt_ids))
             held[parked.job.job_id], parked = _join(trainer, engine, parked, events), None
-        while parked is None and not stop.is_set() and engine.free_slots() >= engine.rows_per_job:
+        # Free slots take a job, unless finished jobs wait to be scored (a slow reward function): a worker takes no
+        # more than it can score soon, and the other workers take the rest.
+        while (parked is None and not stop.is_set() and engine.free_slots() >= engine.rows_per_job
+               and len(scorer.in_hand()) < engine.slots // engine.rows_per_job):
             job = queue.claim(device)
             if job is None:
                 break
