@@ -305,9 +305,6 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
             "worker_decoding": (self.worker_decoding in WORKER_DECODING_MODES,
                                 "must be one of " + ", ".join(WORKER_DECODING_MODES)),
-            "decoding_slots": (self.decoding_slots == 0 or self.decoding_slots >= self.generation_batch_size
-                               * self.ps_processes, "must be 0 (automatic) or at least one job's rows "
-                               "(--per_device_train_batch_size x processes)"),
             "jobs_per_generate": (self.jobs_per_generate >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),
@@ -321,10 +318,19 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
         for name, (ok, why) in checks.items():
             if not ok:
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: {why}")
+        if self.use_vllm:
+            # TRL pushes weights into vLLM when its global_step changes, which a worker sets from the job's PS step,
+            # not from the weights it synced: results would claim weights they were not generated with.
+            raise ConfigError("--use_vllm: asyncgrpo's workers generate with their own decoding engine "
+                              "(--worker_decoding: graph, or continuous batching), not vLLM")
         mixed_precision = bool(self.fp16) or self.bf16 is not False  # GRPOConfig: bf16 unless fp16 or set off
         if problem := self.peft_args_problem(self.device_type, mixed_precision):
             raise ConfigError(problem)
         super().__post_init__()  # parses --model_init_kwargs '{...}' into a dict
+        job_rows = self.generation_batch_size * self.ps_processes
+        if self.decoding_slots and self.decoding_slots < job_rows:
+            raise ConfigError(f"--decoding_slots {self.decoding_slots}: must be 0 (automatic) or at least one job's "
+                              f"rows ({job_rows}: the generation batch of each PS process)")
         if not isinstance(self.model_init_kwargs, (dict, type(None))):
             raise ConfigError(f"--model_init_kwargs {self.model_init_kwargs!r}: expected a JSON object, "
                               "e.g. '{\"dtype\": \"bfloat16\"}'")

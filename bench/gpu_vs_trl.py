@@ -23,7 +23,8 @@ Configs (every run real processes started from here, all on cuda:0):
                  suffixes combined in any order: async2_graph_mps
     ..._inflight the same with --in_flight_updates (weights synced between decoding steps inside a job):
                  in_flight_syncs and in_flight_sync_ms_median (their cost inside a job), token_staleness_mean
-    *_cb         the same with --use_transformers_continuous_batching true (TRL's generation engine)
+    *_cb         the same with --use_transformers_continuous_batching true (TRL's generation engine; for TRL
+                 only: asyncgrpo's workers decode with their own engine)
 
 Per run, from step --warmup to the last step: step_ms (median time between logged steps), samples_per_s
 (completions trained per second), and for asyncgrpo trainer_idle (the PS's share of that time spent

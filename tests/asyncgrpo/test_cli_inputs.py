@@ -63,6 +63,10 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--environment_factory", "agent:Sandbox"], "--environment_factory 'agent:Sandbox': agent has no class Sandbox"),
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
+    (["--use_vllm", "true"], "--use_vllm: asyncgrpo's workers generate with their own decoding engine"),
+    (["--worker_decoding", "paged"],
+     "--worker_decoding 'paged': must be one of auto, eager, compiled, graph, continuous"),
+    (["--decoding_slots", "7"], "--decoding_slots 7: must be 0 (automatic) or at least one job's rows"),
     (["--tools", "rewards:ones"], "--tools rewards:ones: the chat template of mymodel cannot call tools"),
     (["--learning_rat", "1e-5"], "--learning_rat: not a flag; did you mean --learning_rate?"),  # not abbreviated
     (["--num_gen=4"], "--num_gen: not a flag; did you mean --num_generations or --num_generations_eval?"),

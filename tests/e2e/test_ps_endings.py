@@ -133,3 +133,55 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
         ps.wait(timeout=60)
         subprocess.run([sys.executable, "-m", "queue_tools", "cleanup", str(run_root)], cwd=REPO, env=PROCESS_ENV,
                        capture_output=True, timeout=60)  # frees the killed PS's weight buffers
+
+
+def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_0(tmp_path):
+    """A PS killed before its first checkpoint and relaunched starts again from step 0 and publishes version 0. The
+    worker that stayed up syncs it, and labels its next results with the new PS's versions, not with the version it
+    held from the old PS. (The worker is paused meanwhile, and the old PS's jobs and results set aside, so that the
+    new PS waits for it at version 0 rather than training again what the old one trained.)"""
+    run_root = tmp_path / "run"
+    flags = run_flags(100000, save_steps=100000)
+    first = start_process(run_root, tmp_path / "ps1.log", "ps", *flags)
+    worker = start_process(run_root, tmp_path / "worker.log", "worker", "--device", "1", *flags)
+    second = None
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(metrics(run_root)) < 5:
+            assert first.poll() is None and worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training steps"
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGSTOP)
+        first.kill()
+        first.wait(timeout=60)
+        held = max(e["weights_version"] for e in worker_events(run_root) if e["event"] == "weights_synced")
+        assert held >= 4
+        aside = tmp_path / "set_aside"
+        aside.mkdir()
+        for leftover in [*(run_root / "queue").glob("*.pt"), *(run_root / "done").glob("*.pt")]:
+            leftover.rename(aside / leftover.name)  # (the new PS would train them again: no checkpoint says not to)
+        second = start_process(run_root, tmp_path / "ps2.log", "ps", *run_flags(3, save_steps=100000))
+        version_file = run_root / "weights" / "published_version.json"
+        deadline = time.monotonic() + TIMEOUT_S
+        while (fileops.read_json(version_file) or {}).get("pid") != second.pid:
+            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "ps2.log").read_text()[-3000:]
+            time.sleep(0.1)
+        resumed = time.time()
+        worker.send_signal(signal.SIGCONT)
+        assert second.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps2.log").read_text()[-3000:]
+        assert worker.poll() is None  # it stayed up beside both
+    finally:
+        for proc in (first, worker, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+    after = [e for e in worker_events(run_root) if e["t"] > resumed]
+    synced = [e["weights_version"] for e in after if e["event"] == "weights_synced"]
+    written = [e["weights_version"] for e in after if e["event"] == "result_written" and e["published"]]
+    assert synced[:1] == [0], synced
+    assert written and max(written) <= 3 < held, (written, held)  # the new PS's versions: it trained 3 steps
+
+
+def worker_events(run_root: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_root / "logs" / "events-worker-dev1.jsonl").read_text().splitlines()]
