@@ -32,7 +32,6 @@ worker/continuous_loop.py.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,11 +40,8 @@ import torch
 from transformers import StaticCache
 from trl.trainer.utils import pad
 
-from worker.decode_step import PACKED_SDPA, GraphDecoding, Sampling, log_prob_at, sample
-from worker.decoding import bucketed, compiled_graphs, generating_model
-from worker.fused_projections import fuse_projections
-
-log = logging.getLogger("asyncgrpo.worker")
+from worker.decode_step import GraphDecoding, OwnStep, log_prob_at, sample
+from worker.decoding import bucketed, compiled_graphs
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
@@ -150,7 +146,7 @@ class SlotState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
 
 
-class ContinuousDecoding:
+class ContinuousDecoding(OwnStep):
     """The engine (see the module's docstring). ``add`` a job's rows, ``run`` steps, ``collect`` finished jobs."""
 
     WARM_UP_JOBS = 3  # the first prefill allocates the caches eagerly, the second compiles, the third records
@@ -158,32 +154,11 @@ class ContinuousDecoding:
     def __init__(self, trainer, slots: int, prompt_ids: list[list[int]], compile: bool = True,
                  compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
         self.trainer = trainer
-        gen = trainer.generation_config
-        self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-        self.device = trainer.accelerator.device
         self.rows_per_job = trainer.args.generation_batch_size
         if slots < self.rows_per_job:
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
         self.slots = self.rows_per_call = slots
-        self.max_new = int(gen.max_new_tokens)
-        self.sampling = Sampling.of(gen)
-        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-        self.eos_ids = {int(e) for e in eos if e is not None}
-        self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
-        self.vocab = self.model.get_output_embeddings().weight.size(0)
-        self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
-        self.unfused = fuse_projections(self.model) if fuse else "not asked"
-        if self.model.config._attn_implementation == "sdpa":
-            self.model.set_attn_implementation(PACKED_SDPA)
-        on_cuda = self.device.type == "cuda"
-        mode = compile_mode or ("reduce-overhead" if on_cuda else None)
-
-        def compiled(fn):
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode) if compile else fn
-
-        self._compiled_step = compiled(self._step)
-        self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
-            or compile_prefill else self._prefill_step
+        self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
         self.check_every = CHECK_EVERY.get(self.device.type, 8)
         self.residents: list[_Resident] = []
         self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
@@ -208,11 +183,6 @@ class ContinuousDecoding:
         if not hasattr(trainer.processing_class, "convert_tokens_to_ids"):
             return "a processor (prompts that may carry images)"
         return None
-
-    def undo(self) -> None:
-        """Back to transformers' sdpa attention (compilation failed)."""
-        if self.model.config._attn_implementation == PACKED_SDPA:
-            self.model.set_attn_implementation("sdpa")
 
     # ------------------------------------------------------------------ shapes
 

@@ -199,20 +199,14 @@ class DecodeState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [rows, vocab + 1], the tokens seen
 
 
-class GraphDecoding(FixedBatchDecoding):
-    """The worker's own decoding loop (see the module's docstring)."""
+class OwnStep:
+    """What the worker's own decoding steps share (this module's fixed batch, worker/continuous.py's slots): the model
+    they run (q/k/v and gate/up fused, a token's query heads packed onto their key/value heads), TRL's sampling
+    settings, EOS and padding ids, and the step and prefill compiled. Subclasses define ``_step`` and
+    ``_prefill_step``."""
 
-    # The first call allocates the cache (an eager prefill) and compiles the step, the second compiles the prefill,
-    # the third records the prefill's CUDA graph.
-    WARM_UP_CALLS = 3
-
-    def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]], compile: bool = True,
-                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
-        """``compile=False``: the same step run eagerly (for tests; the results are the same, slower).
-        ``compile_prefill``: compile the prefill too (default: on CUDA). ``compile_mode``: torch.compile's mode
-        (default: ``reduce-overhead``, CUDA graphs, on CUDA). ``fuse``: q/k/v and gate/up as one GEMM each
-        (worker/fused_projections.py)."""
-        super().__init__(trainer, jobs_per_generate)
+    def _set_up_step(self, trainer, compile: bool, compile_prefill: bool | None, compile_mode: str | None,
+                     fuse: bool) -> None:
         gen = trainer.generation_config
         self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         self.unfused = fuse_projections(self.model) if fuse else "not asked"  # why the projections stay apart
@@ -228,11 +222,6 @@ class GraphDecoding(FixedBatchDecoding):
         self.pad = int(gen.pad_token_id if gen.pad_token_id is not None else eos[0])
         if self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(PACKED_SDPA)
-        longest = max((len(ids) for ids in prompt_ids), default=1)
-        self.cache: StaticCache | None = None
-        self.state: DecodeState | None = None
-        self.steps_run = 0  # decoding steps after the prefills, over every call (the benchmarks' row utilisation)
-        self._allocate(self.rows_per_call, longest)
         on_cuda = self.device.type == "cuda"
         mode = compile_mode or ("reduce-overhead" if on_cuda else None)
 
@@ -242,6 +231,34 @@ class GraphDecoding(FixedBatchDecoding):
         self._compiled_step = compiled(self._step)
         self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
             or compile_prefill else self._prefill_step
+
+    def undo(self) -> None:
+        """Back to transformers' sdpa attention (compilation failed); TRL's generation settings were never
+        changed."""
+        if self.model.config._attn_implementation == PACKED_SDPA:
+            self.model.set_attn_implementation("sdpa")
+
+
+class GraphDecoding(FixedBatchDecoding, OwnStep):
+    """The worker's own decoding loop (see the module's docstring)."""
+
+    # The first call allocates the cache (an eager prefill) and compiles the step, the second compiles the prefill,
+    # the third records the prefill's CUDA graph.
+    WARM_UP_CALLS = 3
+
+    def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]], compile: bool = True,
+                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
+        """``compile=False``: the same step run eagerly (for tests; the results are the same, slower).
+        ``compile_prefill``: compile the prefill too (default: on CUDA). ``compile_mode``: torch.compile's mode
+        (default: ``reduce-overhead``, CUDA graphs, on CUDA). ``fuse``: q/k/v and gate/up as one GEMM each
+        (worker/fused_projections.py)."""
+        super().__init__(trainer, jobs_per_generate)
+        longest = max((len(ids) for ids in prompt_ids), default=1)
+        self.cache: StaticCache | None = None
+        self.state: DecodeState | None = None
+        self.steps_run = 0  # decoding steps after the prefills, over every call (the benchmarks' row utilisation)
+        self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
+        self._allocate(self.rows_per_call, longest)
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -263,12 +280,6 @@ class GraphDecoding(FixedBatchDecoding):
         if (trainer.generation_config.min_length or 0) > 0:
             return "min_length"
         return None
-
-    def undo(self) -> None:
-        """Back to transformers' sdpa attention (compilation failed); TRL's generation settings were never
-        changed."""
-        if self.model.config._attn_implementation == PACKED_SDPA:
-            self.model.set_attn_implementation("sdpa")
 
     def _allocate(self, rows: int, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)  # every prefill's width
