@@ -309,9 +309,15 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     ``ps_step`` is the PS's step when the job was thrown: reward functions see it as
     ``trainer_state.global_step``, as they would in TRL (a worker never trains).
 
-    ``pregenerated``: the job's completions from a generate call shared with other jobs (generate_jobs); TRL's
-    ``_generate_single_turn`` returns them instead of generating. ``in_flight``: newer weights synced between
-    decoding steps (worker/in_flight.py), its runs those of this job's generate call."""
+    Single-turn jobs are generated first (one ``_generate_single_turn`` call, behaviour log-probs captured) and
+    then replayed into TRL's scoring, whose ``_generate_single_turn`` returns them instead of generating: the one
+    path of every decoder. ``pregenerated``: the job's completions when they were generated already (a call shared
+    with other jobs, generate_jobs; the continuous engine). TRL generates inside its scoring call only the turns of
+    tools, an environment or a rollout function, and prompts with images. ``in_flight``: newer weights synced
+    between decoding steps (worker/in_flight.py), its runs those of this job's generate call."""
+    if pregenerated is None:  # single-turn: generated first, then replayed into TRL's scoring, as a shared call is
+        job = JobInput(rows, seed, ps_step, job_fields)
+        pregenerated = (_generate_together(trainer, [job], events, None, in_flight) or [None])[0]
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
     metrics_of = getattr(trainer, METRICS)["train"]
@@ -354,10 +360,10 @@ def error_record(err: BaseException) -> dict:
     TRL itself raised about that function's output (a wrong number of rewards)."""
     reward_function, stage = None, "scoring"
     calculate_rewards = inspect.unwrap(getattr(GRPOTrainer, CALCULATE_REWARDS)).__code__  # TRL profiles it
-    generate = inspect.unwrap(getattr(GRPOTrainer, GENERATE)).__code__
+    generating = (inspect.unwrap(getattr(GRPOTrainer, GENERATE)).__code__, _generate_together.__code__)
     for frame, _ in traceback.walk_tb(err.__traceback__):
         code = frame.f_code
-        if code is generate:
+        if code in generating:
             stage = "generation"
         elif code is calculate_rewards:
             reward_function = frame.f_locals.get("reward_func_name", reward_function)
