@@ -11,7 +11,7 @@ per call is fixed. Settings, per shape:
 
     eager       TRL's generate (dynamic cache), one job per call
     eagerK      the same, K jobs per call (the last of --jobs)
-    compiled    static cache and compiled decoding step (worker/decoding.py), one job per call
+    compiled    static cache and compiled decoding step (worker/compiled.py), one job per call
     compiledK   the same, K jobs per call
     graph       the worker's own decoding loop, a token's forward, sampling and bookkeeping in one compiled
                 function (worker/decode_step.py), one job per call
@@ -96,9 +96,9 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
+    from worker.compiled import CompiledDecoding
     from worker.continuous import ContinuousDecoding
     from worker.decode_step import GraphDecoding
-    from worker.decoding import CompiledDecoding
     from worker.generate import build_trainer
 
     tok = build_tokenizer()

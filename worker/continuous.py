@@ -40,8 +40,8 @@ import torch
 from transformers import StaticCache
 from trl.trainer.utils import pad
 
+from worker.compiled import bucketed, compiled_graphs
 from worker.decode_step import GraphDecoding, OwnStep, log_prob_at, sample
-from worker.decoding import bucketed, compiled_graphs
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.

@@ -36,7 +36,7 @@ first row) and the cache (the longest prompt seen at start-up rounded up to PROM
 syncs copy into the parameters' storage (asyncgrpo/weights), so the graph stays valid across syncs.
 
 What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate``
-(worker/decoding.py).
+(worker/decoding.py decides).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from trl.trainer.utils import pad
 
 from worker.behaviour import BehaviourCapture
-from worker.decoding import FixedBatchDecoding, bucketed, generates_in_turns, generating_model
+from worker.compiled import FixedBatchDecoding, bucketed, generating_model
 from worker.fused_projections import fuse_projections
+from worker.trl_seam import GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
 
@@ -266,8 +267,8 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         why = BehaviourCapture.unsupported(trainer)
         if why is not None:
             return why
-        if generates_in_turns(trainer):
-            return "tools, an environment or a rollout function"
+        if (path := generation_path(trainer)) is not GenerationPath.OWN:
+            return path.value
         model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         if not getattr(model, "_can_compile_fullgraph", False):
             return f"{type(model).__name__} does not declare a static cache that compiles in one graph"

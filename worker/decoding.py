@@ -1,48 +1,35 @@
-"""How a worker decodes: eager, compiled or graph (``--worker_decoding``).
+"""How a worker decodes (``--worker_decoding``): the one place that decides, from the flags and the trainer, which
+decoder a worker builds, and falls back where one does not apply (``build_decoder``).
 
-eager: TRL's own ``generate`` call as TRL configures it (a dynamic KV cache, compilation off):
-one forward per token, each a few hundred kernel launches from Python.
+- eager: TRL's own ``generate`` call as TRL configures it (a dynamic KV cache, compilation off): one forward per
+  token, each a few hundred kernel launches from Python;
+- compiled: ``generate`` with a static KV cache and its decoding step compiled (worker/compiled.py);
+- graph: the worker's own decoding step, forward, sampling and bookkeeping of a token in one compiled function
+  (worker/decode_step.py), a fixed batch of ``--jobs_per_generate`` jobs' rows;
+- continuous: that step over ``--decoding_slots`` row slots, a job's rows joining as slots free up
+  (worker/continuous.py, its loop worker/continuous_loop.py).
 
-compiled: a static KV cache and the decoding step compiled with ``torch.compile`` (CUDA graphs
-on a GPU: one launch per token). The shapes are kept few, so a run compiles a handful of graphs:
-
-- the static cache is sized once, for the longest prompt seen at start-up rounded up to
-  PROMPT_BUCKET tokens plus ``max_completion_length`` (transformers' ``max_cache_len``), so a
-  decoding step's shapes do not depend on the prompt's length (the prefill runs eagerly);
-  a prompt beyond that still generates correctly, with a larger cache and a new graph;
-- the batch is fixed: a call generates ``jobs_per_generate`` jobs' rows, a call with fewer
-  jobs is filled up with copies of its first row (their completions are thrown away).
-
-graph: the worker's own decoding loop, forward, sampling and bookkeeping in one compiled function per token
-(worker/decode_step.py). Where it does not apply (``GraphDecoding.unsupported``) the worker decodes compiled.
-
-``warm_up`` compiles before the worker's first claim, so a job never waits on compilation;
-graphs compiled after it are counted (``compiled_graphs``) into the worker's events, its
-heartbeat (queue_tools ls) and the report.
-
-CUDA graphs hold the parameters' addresses: weight syncs copy into the parameters' storage
-(asyncgrpo/weights), never replace it, so the graphs stay valid across syncs.
-
-transformers compiles ``model.__call__``, hooks included; the worker compiles ``model.forward``
-instead and hands the result to generate as the model's compiled call (CompiledDecodeStep):
-behaviour-log-prob capture (worker/behaviour.py) observes each step outside the graph.
+Every one of them generates a single-turn job in one call and hands it to TRL's scoring as a replay
+(worker/generate.py); jobs whose generation is TRL's own (turns with tools, an environment or a rollout function;
+TRL's engine: worker/trl_seam.py ``generation_path``) are generated eagerly by TRL.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
 
-import torch
-from transformers import CompileConfig
-
-from worker.trl_seam import GENERATE_SINGLE_TURN
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.events import EventLog
+from asyncgrpo.messages import first_line
+from asyncgrpo.run.rundir import WorkerId
+from asyncgrpo.weights.device_errors import is_broken_device_error
+from worker.compiled import CompiledDecoding
+from worker.continuous import ContinuousDecoding
+from worker.decode_step import GraphDecoding
+from worker.trl_seam import TOKENIZE_PROMPTS, GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
-
-PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
-COMPILED_CALL = "_compiled_call"  # what transformers' get_compiled_call returns when it is set (with the config below)
-LAST_COMPILE_CONFIG = "_last_compile_config"
 
 
 def resolve_mode(mode: str, device_type: str) -> str:
@@ -53,107 +40,52 @@ def resolve_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-def generates_in_turns(trainer) -> bool:
-    """Whether a job's rollouts take several generate calls or the user's own loop (tools, an environment, a
-    rollout function): such jobs are generated one per call, eagerly (see docs/design.md, Multi-turn jobs)."""
-    return bool(trainer.tools) or trainer.rollout_func is not None
-
-
-def generating_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose generate runs the decoding loop: a PEFT model's base model (with the adapter
-    layers in it), else the model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-class CompiledDecodeStep:
-    """The compiled forward generate calls for each decoding step, with an observer called after each call."""
-
-    def __init__(self, model: torch.nn.Module, compile_config: CompileConfig):
-        self.compiled = torch.compile(model.forward, **compile_config.to_dict())
-        self.observer = None  # callable(kwargs, output), set by BehaviourCapture for the span of a generate call
-
-    def __call__(self, *args, **kwargs):
-        output = self.compiled(*args, **kwargs)
-        if self.observer is not None:
-            self.observer(kwargs, output)
-        return output
-
-
-def bucketed(prompt_tokens: int) -> int:
-    """The static cache's prompt part for prompts of up to ``prompt_tokens`` tokens: a multiple of PROMPT_BUCKET."""
-    return -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET
-
-
-class FixedBatchDecoding:
-    """What compiled and graph decoding share: a fixed batch of ``jobs_per_generate`` jobs' rows, a warm-up that
-    compiles before the first job, and the count of graphs compiled after it. ``decode_batch`` generates."""
-
-    def __init__(self, trainer, jobs_per_generate: int):
-        self.trainer = trainer
-        self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
-        self.graphs_after_warm_up: int | None = None
-
-    def decode_batch(self, prompt_ids: list[list[int]]):
-        raise NotImplementedError
-
-    def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """``prompt_ids`` filled up to the fixed batch with copies of the first row."""
-        return prompt_ids + [prompt_ids[0]] * max(0, self.rows_per_call - len(prompt_ids))
-
-    # Calls that compile and record: the first compiles the step, the second runs it after a fresh cache, recording
-    # CUDA graphs.
-    WARM_UP_CALLS = 2
-
-    def warm_up(self, prompt_ids: list[list[int]]) -> float:
-        """Compiles by generating one full batch of ``prompt_ids`` WARM_UP_CALLS times; returns the seconds it
-        took."""
-        start = time.monotonic()
-        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
-        for _ in range(self.WARM_UP_CALLS):
-            with torch.no_grad(), self.trainer.accelerator.autocast():
-                self.decode_batch(batch)
-        self.graphs_after_warm_up = compiled_graphs()
-        return time.monotonic() - start
-
-    def recompiles(self) -> int:
-        """Graphs compiled since the warm-up."""
-        return compiled_graphs() - (self.graphs_after_warm_up or 0)
-
-
-class CompiledDecoding(FixedBatchDecoding):
-    """Compiled decoding on a worker's trainer (see the module's docstring)."""
-
-    def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]]):
-        super().__init__(trainer, jobs_per_generate)
-        self.prompt_tokens = bucketed(max((len(ids) for ids in prompt_ids), default=1))
-        gen = trainer.generation_config
-        self._eager = {name: getattr(gen, name) for name in
-                       ("cache_implementation", "max_cache_len", "disable_compile", "compile_config")}
-        self._eager_cache_kwarg = trainer.generation_kwargs.get("cache_implementation")
-        gen.cache_implementation = "static"
-        gen.max_cache_len = self.prompt_tokens + trainer.max_completion_length
-        gen.disable_compile = False
-        on_cuda = trainer.accelerator.device.type == "cuda"
-        gen.compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if on_cuda else None)
-        gen.compile_config._compile_all_devices = not on_cuda  # transformers compiles on accelerators only otherwise
-        trainer.generation_kwargs["cache_implementation"] = "static"  # what TRL sets on the model while generating
-        self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-        setattr(self.model, COMPILED_CALL, CompiledDecodeStep(self.model, gen.compile_config))
-        setattr(self.model, LAST_COMPILE_CONFIG, gen.compile_config)
-
-    def undo(self) -> None:
-        """Back to TRL's eager generation (compilation failed)."""
-        for name, value in self._eager.items():
-            setattr(self.trainer.generation_config, name, value)
-        self.trainer.generation_kwargs["cache_implementation"] = self._eager_cache_kwarg
-        for name in (COMPILED_CALL, LAST_COMPILE_CONFIG):
-            self.model.__dict__.pop(name, None)
-
-    def decode_batch(self, prompt_ids: list[list[int]]):
-        return getattr(self.trainer, GENERATE_SINGLE_TURN)(prompt_ids, None, {}, self.trainer.num_generations)
+def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
+                  events: EventLog) -> CompiledDecoding | GraphDecoding | ContinuousDecoding | None:
+    """The worker's decoder for ``--worker_decoding`` and this trainer, compiled and warmed up now, before the first
+    claim; None: eager (TRL's generate). Where a mode does not apply it falls back, saying why in one line:
+    continuous to graph, graph to compiled, any to eager (turns, TRL's engine, a compilation that fails)."""
+    mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
+    if mode == "eager":
+        return None
+    if (path := generation_path(trainer)) is not GenerationPath.OWN:  # turns of varying batch and length
+        log.info("[gen] dev%s decodes eagerly: its decoders are for single-turn generation, and this trainer "
+                 "generates with %s", device, path.value)
+        return None
+    if mode == "continuous" and (why := ContinuousDecoding.unsupported(trainer)) is not None:
+        log.info("[gen] dev%s decodes with its decoding graph instead of continuous batching: %s", device, why)
+        mode = "graph"
+    if mode == "graph" and (why := GraphDecoding.unsupported(trainer)) is not None:
+        log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
+        mode = "compiled"
+    rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
+    prompt_ids, _, _ = getattr(trainer, TOKENIZE_PROMPTS)([row["prompt"] for row in rows])
+    if mode == "continuous":
+        jobs = cfg.decoding_slots // trainer.args.generation_batch_size if cfg.decoding_slots else (
+            4 if cfg.device_type == "cuda" else 2)
+        decoding = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
+        cache_len = decoding.columns
+        if not cfg.in_flight_updates:
+            log.info("[gen] dev%s continuous batching syncs newer weights between decoding steps, as "
+                     "--in_flight_updates does: a result's weights_version is its oldest token's", device)
+    elif mode == "graph":
+        decoding = GraphDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
+        cache_len = decoding.state.cache_len
+    else:
+        decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
+        cache_len = trainer.generation_config.max_cache_len
+    log.info("[gen] dev%s compiling its decoding step (%s, batch %d rows, cache %d tokens) before its first job",
+             device, mode, decoding.rows_per_call, cache_len)
+    try:
+        seconds = decoding.warm_up(prompt_ids)
+    except Exception as err:  # torch.compile's backends fail in ways of their own: generation works without them
+        if is_broken_device_error(err):
+            raise
+        decoding.undo()
+        log.exception("[gen] dev%s %s decoding failed to compile (%s); decoding eagerly", device, mode,
+                      first_line(err))
+        return None
+    events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
+                rows=decoding.rows_per_call, mode=mode)
+    log.info("[gen] dev%s decoding compiled in %.1f s (%s)", device, seconds, mode)
+    return decoding

@@ -59,8 +59,8 @@ from asyncgrpo.messages import RepeatedFailureLog, first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
+from worker.compiled import CompiledDecoding
 from worker.decode_step import GraphDecoding
-from worker.decoding import CompiledDecoding, generates_in_turns
 from worker.in_flight import InFlightWeights
 from worker.tools import RolloutTurns, WorkerStopping, bounding_environments
 from worker.trl_seam import (
@@ -72,7 +72,9 @@ from worker.trl_seam import (
     GENERATE_SINGLE_TURN,
     METRICS,
     TOKENIZE_PROMPTS,
+    GenerationPath,
     Pregenerated,
+    generation_path,
     scoring_one_job,
 )
 
@@ -258,7 +260,7 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
                        in_flight: InFlightWeights | None) -> list[Pregenerated] | None:
     """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
     (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
-    if generates_in_turns(trainer) or BehaviourCapture.unsupported(trainer) not in (None, "num_beams > 1"):
+    if generation_path(trainer) is not GenerationPath.OWN:
         return None
     prompt_ids = [prompt_ids_of(trainer, job.rows) for job in jobs]
     if any(ids is None for ids in prompt_ids):

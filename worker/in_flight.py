@@ -27,7 +27,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from asyncgrpo.events import EventLog
-from worker.trl_seam import overriding
+from worker.trl_seam import GenerationPath, generation_path, overriding
 
 CHECK_EVERY = 4  # tokens between two looks for newer weights
 
@@ -89,12 +89,8 @@ class _BetweenSteps(StoppingCriteria):
 
 def unsupported(trainer) -> str | None:
     """None where in-flight updates apply to this trainer's generation, else why not."""
-    if trainer.tools:
-        return "tools (a job's turns are separate generate calls)"
-    if trainer.rollout_func is not None:
-        return "a rollout function"
-    if trainer.use_vllm or trainer.use_transformers_continuous_batching:
-        return "vLLM or continuous batching"
+    if (path := generation_path(trainer)) is not GenerationPath.OWN:
+        return path.value
     if (getattr(trainer.generation_config, "num_beams", None) or 1) > 1:
         return "beam search"
     return None

@@ -26,7 +26,6 @@ with its attempt counted.
 from __future__ import annotations
 
 import faulthandler
-import itertools
 import logging
 import os
 import signal
@@ -46,15 +45,16 @@ from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
+from worker.compiled import CompiledDecoding
 from worker.continuous import ContinuousDecoding
 from worker.continuous_loop import serve_continuously
 from worker.decode_step import GraphDecoding
-from worker.decoding import CompiledDecoding, generates_in_turns, resolve_mode
+from worker.decoding import build_decoder
 from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
 from worker.in_flight import unsupported as in_flight_unsupported
 from worker.results import Timing, fail, publish
-from worker.trl_seam import TOKENIZE_PROMPTS
+from worker.trl_seam import GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
 IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop request without an event
@@ -113,7 +113,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
 
     try:
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
-        decoding = _compile_decoding(cfg, trainer, device, events)
+        decoding = build_decoder(cfg, trainer, device, events)
     except Exception as err:
         watcher.close()
         presence.stop()
@@ -127,7 +127,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                                "(traceback in the worker's log)") from None
     # Multi-turn jobs (tools, a rollout function) are generated one by one: a second job claimed with the first
     # would only wait for it.
-    jobs_per_call = 1 if generates_in_turns(trainer) else cfg.jobs_per_generate
+    jobs_per_call = 1 if generation_path(trainer) is GenerationPath.TURNS else cfg.jobs_per_generate
     subscriber = make_subscriber(run, on_read=presence.announce_read)
     in_flight = _in_flight_weights(cfg, trainer, subscriber, events, device)
     version = None
@@ -228,55 +228,6 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                          hooks=load_rollout_hooks(cfg))
-
-
-def _compile_decoding(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
-                      events: EventLog) -> CompiledDecoding | GraphDecoding | ContinuousDecoding | None:
-    """With compiled or graph decoding, compiles it now, before the first claim (worker/decoding.py)."""
-    mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
-    if mode == "eager":
-        return None
-    if generates_in_turns(trainer):  # turns of varying batch and length: one fixed graph won't do
-        log.info("[gen] dev%s decodes eagerly: compiled decoding is for single-turn generation (tools or a rollout "
-                 "function are given)", device)
-        return None
-    if mode == "continuous" and (why := ContinuousDecoding.unsupported(trainer)) is not None:
-        log.info("[gen] dev%s decodes with its decoding graph instead of continuous batching: %s", device, why)
-        mode = "graph"
-    if mode == "graph" and (why := GraphDecoding.unsupported(trainer)) is not None:
-        log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
-        mode = "compiled"
-    rows = list(itertools.islice(trainer.train_dataset, 1024))  # (a streamed dataset has no length)
-    prompt_ids, _, _ = getattr(trainer, TOKENIZE_PROMPTS)([row["prompt"] for row in rows])
-    if mode == "continuous":
-        jobs = cfg.decoding_slots // trainer.args.generation_batch_size if cfg.decoding_slots else (
-            4 if cfg.device_type == "cuda" else 2)
-        decoding = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
-        cache_len = decoding.columns
-        if not cfg.in_flight_updates:
-            log.info("[gen] dev%s continuous batching syncs newer weights between decoding steps, as "
-                     "--in_flight_updates does: a result's weights_version is its oldest token's", device)
-    elif mode == "graph":
-        decoding = GraphDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
-        cache_len = decoding.state.cache_len
-    else:
-        decoding = CompiledDecoding(trainer, cfg.jobs_per_generate, prompt_ids)
-        cache_len = trainer.generation_config.max_cache_len
-    log.info("[gen] dev%s compiling its decoding step (%s, batch %d rows, cache %d tokens) before its first job",
-             device, mode, decoding.rows_per_call, cache_len)
-    try:
-        seconds = decoding.warm_up(prompt_ids)
-    except Exception as err:  # torch.compile's backends fail in ways of their own: generation works without them
-        if is_broken_device_error(err):
-            raise
-        decoding.undo()
-        log.exception("[gen] dev%s %s decoding failed to compile (%s); decoding eagerly", device, mode,
-                      first_line(err))
-        return None
-    events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
-                rows=decoding.rows_per_call, mode=mode)
-    log.info("[gen] dev%s decoding compiled in %.1f s (%s)", device, seconds, mode)
-    return decoding
 
 
 def _device_label(cfg: AsyncGRPOConfig) -> str:

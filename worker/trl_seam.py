@@ -24,6 +24,7 @@ also checks that no other worker module names a TRL internal itself.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,23 @@ SYNC_TOOLS, ASYNC_TOOLS = "_sync_tool_dicts", "_async_tool_dicts"  # per rollout
 ENVIRONMENT_POOL = "_environment_pool"  # {name: [environment instances]}, drawn from for each batch
 TRL_INTERNALS = (GENERATE_AND_SCORE, GENERATE, GENERATE_SINGLE_TURN, CALCULATE_REWARDS, BEHAVIOUR_LOGPS,
                  TOKENIZE_PROMPTS, METRICS, COMPLETION_LOGS, SYNC_TOOLS, ASYNC_TOOLS, ENVIRONMENT_POOL)
+
+
+class GenerationPath(enum.Enum):
+    """Which of TRL's ways of generating a trainer's jobs take: every feature of the worker that depends on it
+    (decoders, behaviour capture, in-flight updates, jobs per call) asks ``generation_path``."""
+
+    OWN = "one generate call per job, by the worker's decoder, replayed into TRL's scoring"
+    TURNS = "tools, an environment or a rollout function (TRL's turns, or the user's loop)"
+    TRL_ENGINE = "TRL's own engine (vLLM or transformers' continuous batching)"
+
+
+def generation_path(trainer: GRPOTrainer) -> GenerationPath:
+    if trainer.tools or trainer.rollout_func is not None:
+        return GenerationPath.TURNS
+    if trainer.use_vllm or trainer.use_transformers_continuous_batching:
+        return GenerationPath.TRL_ENGINE
+    return GenerationPath.OWN
 
 
 @dataclass

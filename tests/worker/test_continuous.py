@@ -254,3 +254,16 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     assert_captured_within_bf16_of_trls(trainer, outcomes)
     alone = decode_all(engine, {3: job_ids(trainer, 3)}, {3: 3})
     assert alone[3].completion_ids == finished[3].completion_ids  # the same samples beside other jobs or alone
+
+
+def test_where_the_engine_does_not_apply_the_worker_decodes_as_graph_and_says_why(tmp_path, monkeypatch, caplog):
+    from worker.decode_step import GraphDecoding
+    from worker.decoding import build_decoder
+
+    monkeypatch.setattr(GraphDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
+    trainer = trainer_for(tmp_path, worker_decoding="continuous", max_staleness=0)
+    decoding = build_decoder(trainer.args, trainer, 1, Events())
+    assert isinstance(decoding, GraphDecoding)
+    lines = [r.getMessage() for r in caplog.records if "instead of continuous batching" in r.getMessage()]
+    assert len(lines) == 1 and "synchronous mode" in lines[0], lines
+    decoding.undo()

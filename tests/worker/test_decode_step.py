@@ -29,8 +29,8 @@ from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker import decode_step
+from worker.compiled import CompiledDecoding
 from worker.decode_step import PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
-from worker.decoding import CompiledDecoding
 from worker.generate import build_trainer, generate_jobs
 from worker.trl_seam import BEHAVIOUR_LOGPS
 
@@ -325,11 +325,11 @@ def test_behaviour_log_probs_equal_trls_recomputation_without_a_second_forward(s
 ])
 def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp_path, monkeypatch, caplog,
                                                                              overrides, why):
-    from worker import loop
+    from worker.decoding import build_decoder
 
     monkeypatch.setattr(CompiledDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
     trainer = trainer_for(tmp_path, worker_decoding="graph", **overrides)
-    decoding = loop._compile_decoding(trainer.args, trainer, 1, Events())
+    decoding = build_decoder(trainer.args, trainer, 1, Events())
     assert isinstance(decoding, CompiledDecoding)
     lines = [r.getMessage() for r in caplog.records if "instead of its own decoding graph" in r.getMessage()]
     assert len(lines) == 1 and why in lines[0], lines
@@ -337,13 +337,13 @@ def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp
 
 
 def test_supported_settings_get_the_step(tmp_path, monkeypatch):
-    from worker import loop
+    from worker.decoding import build_decoder
 
     monkeypatch.setattr(GraphDecoding, "warm_up", lambda self, prompt_ids: 0.0)
     trainer = trainer_for(tmp_path, worker_decoding="graph", temperature=0.8, top_k=5, top_p=0.9, min_p=0.05,
                           repetition_penalty=1.1, generation_kwargs={"min_new_tokens": 2})
     assert GraphDecoding.unsupported(trainer) is None
-    assert isinstance(loop._compile_decoding(trainer.args, trainer, 1, Events()), GraphDecoding)
+    assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), GraphDecoding)
 
 
 def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():

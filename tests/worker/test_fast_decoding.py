@@ -17,7 +17,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker.decoding import CompiledDecodeStep, CompiledDecoding, generating_model
+from worker.compiled import CompiledDecodeStep, CompiledDecoding, generating_model
 from worker.generate import JobInput, build_trainer, generate_jobs
 from worker.in_flight import CHECK_EVERY, InFlightWeights
 from worker.trl_seam import BEHAVIOUR_LOGPS
@@ -265,7 +265,7 @@ def test_compiled_decoding_takes_weights_published_during_a_job_between_its_step
 
 
 def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, monkeypatch, caplog):
-    from worker import loop
+    from worker.decoding import build_decoder
 
     trainer = make_trainer(tmp_path, worker_decoding="compiled")
     eager_settings = trainer.generation_config.to_dict()
@@ -274,7 +274,7 @@ def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, m
         raise RuntimeError("inductor: C++ compile error")
 
     monkeypatch.setattr(CompiledDecoding, "warm_up", backend_fails)
-    assert loop._compile_decoding(trainer.args, trainer, 1, Events()) is None
+    assert build_decoder(trainer.args, trainer, 1, Events()) is None
     assert "dev1 compiled decoding failed to compile (RuntimeError: inductor: C++ compile error); decoding eagerly" in (
         caplog.text)
     assert trainer.generation_config.to_dict() == eager_settings
