@@ -376,7 +376,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _show_progress(self, line: metrics.StepMetrics) -> None:
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
-        log.info("[train] step=%d reward=%.3f staleness=%.1f wait_ms=%.0f loss=%s %s%s", line.step, line.reward,
+        # (reward None: every reward function returned None for every row of the step, which TRL allows)
+        log.info("[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s %s%s", line.step, _fmt(line.reward),
                  line.staleness_mean, line.trainer_wait_s * 1e3, f"{line.loss:.4f}" if line.loss is not None else "-",
                  queue_line(line.queue_depth),
                  (f" dropped_prompts={dropped}" if dropped else "")
@@ -385,7 +386,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                  + (f" tool_failures={line.tool_failure_rate:.0%}" if line.tool_failure_rate is not None else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
-                callback.training_bar.set_postfix(reward=f"{line.reward:.3f}",
+                callback.training_bar.set_postfix(reward=_fmt(line.reward),
                                                   staleness=f"{line.staleness_mean:.1f}",
                                                   wait_ms=f"{line.trainer_wait_s * 1e3:.0f}", refresh=False)
 

@@ -23,3 +23,26 @@ def test_num_tokens_is_the_ps_count_of_trained_tokens_and_only_grows(finished_de
     # TRL's count: prompt and completion tokens of every generation batch trained on.
     expected = sum(int(b["prompt_mask"].sum() + b["completion_mask"].sum()) for b in trained)
     assert abs(counts[-1] - expected) <= 1e-3 * expected  # the log prints 4 significant digits
+
+
+def test_a_step_without_a_reward_still_prints_its_train_line(caplog):
+    """Every reward function returned None for every row (TRL allows it: a function that does not apply to a row):
+    the step's reward is None, and its [train] line still prints, with '-' for the reward (it raised a logging
+    error and printed nothing before)."""
+    import logging
+    from types import SimpleNamespace
+
+    from asyncgrpo.run.metrics import StepMetrics
+    from ps.trainer import AsyncGRPOTrainer
+
+    trainer = SimpleNamespace(pipeline=SimpleNamespace(failed=SimpleNamespace(prompts=0)),
+                              cfg=SimpleNamespace(dynamic_sampling=False, difficulty_filter=0),
+                              callback_handler=SimpleNamespace(callbacks=[]))
+    line = StepMetrics(step=7, reward=None, reward_std=None, loss=0.0, grad_norm=0.0, staleness_mean=1.0,
+                       staleness_max=1, token_staleness_mean=1.0, weights_version=6, trainer_wait_s=0.002,
+                       groups_dropped=0, groups_dropped_total=0, prompts_skipped=0, tool_failure_rate=None,
+                       step_time_s=0.1, time=0.0,
+                       queue_depth={"pending": 1, "processing": 1, "committing": 0, "complete": 0, "collected": 0})
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
+        AsyncGRPOTrainer._show_progress(trainer, line)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("[train] step=7 reward=- ")]
