@@ -251,7 +251,7 @@ class JobPipeline:
             result = self.cache.take(pick, timeout=WAIT_REPORT_S)
             if result is None:
                 log.warning("[train] step=%d has waited %.0fs for a result; %s%s (what each worker holds: "
-                            "queue_tools ls %s)", step, time.monotonic() - started, queue_line(self.queue.counts()),
+                            "queue_tools ls %s)", step + 1, time.monotonic() - started, queue_line(self.queue.counts()),
                             self.failed.summary(), self.run.root)
                 continue
             try:

@@ -115,7 +115,8 @@ def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines
     finally:
         pipeline.stop()
     line = next(r.getMessage() for r in caplog.records if "has waited" in r.getMessage())
-    assert line == ("[train] step=0 has waited 0s for a result; queue=pending:2 processing:0 complete:0 (what each "
+    # The step that waits: the first (the trainer has trained none).
+    assert line == ("[train] step=1 has waited 0s for a result; queue=pending:2 processing:0 complete:0 (what each "
                     f"worker holds: queue_tools ls {run.root})")
 
 
