@@ -94,8 +94,40 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
     _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
+    lengths_note = _check_lengths(cfg, config, tokenizer)
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
-    return half_dtype_note(dtype, cfg.device_type)[0]
+    return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], lengths_note) if note) or None
+
+
+PROMPTS_MEASURED = 1024  # the dataset's first rows whose prompts are measured against the model's positions
+
+
+def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer) -> str | None:
+    """A prompt of the dataset's first rows plus ``max_completion_length`` tokens beyond the model's positions
+    (``max_position_embeddings``): refused for a model with learned positions (it cannot encode them), a note for
+    one with rotary positions (it decodes positions it was not trained on)."""
+    import itertools
+
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not positions:
+        return
+    longest = 0
+    for row in itertools.islice(load_train_dataset(cfg), PROMPTS_MEASURED):
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(prompt, str):
+            longest = max(longest, len(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+        elif isinstance(prompt, list) and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            longest = max(longest, len(ids["input_ids"] if isinstance(ids, dict) else ids))
+    if longest + cfg.max_completion_length <= positions:
+        return None
+    beyond = (f"--max_completion_length {cfg.max_completion_length}: prompts of up to {longest} tokens plus "
+              f"{cfg.max_completion_length} completion tokens exceed the {positions} positions of "
+              f"{cfg.model_name_or_path} (its max_position_embeddings)")
+    rotary = any(getattr(config, name, None) for name in ("rope_parameters", "rope_theta", "rope_scaling"))
+    if not rotary:
+        raise ConfigError(f"{beyond}: shorten the prompts or --max_completion_length")
+    return f"{beyond}: its rotary positions go on beyond them, untrained"
 
 
 # ---------------------------------------------------------------------- all of it, before anything starts

@@ -26,6 +26,7 @@ def user_folder(tmp_path, monkeypatch):
     folder = write_user_folder(tmp_path / "user")
     (folder / "noprompt.jsonl").write_text(json.dumps({"question": "1:"}) + "\n")
     (folder / "empty.jsonl").write_text("")
+    (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
@@ -107,6 +108,32 @@ def test_tools_with_a_built_in_model_whose_template_cannot_call_them_are_refused
     with pytest.raises(ConfigError, match="^--tools rewards:ones: the chat template of the built-in 'repeat' task's "
                                           "model cannot call tools"):
         check_inputs(cfg, user_folder / "run")
+
+
+def test_prompts_and_completions_beyond_the_models_positions_are_refused_or_said(user_folder):
+    """Beyond a model's learned positions nothing can be encoded: refused with the numbers. A rotary model (the
+    demo's Llama) goes on beyond them, untrained: one note, and the run starts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from asyncgrpo.tasks.demo import build_tokenizer
+
+    tok = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=len(tok),
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained("gpt2ish")
+    tok.save_pretrained("gpt2ish")
+    long_prompts = ["--dataset_name", "long.jsonl", "--max_completion_length", "8"]  # 60 + 8 tokens
+    with pytest.raises(ConfigError) as refused:
+        cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, *long_prompts, "--model_name_or_path", "gpt2ish"])
+        check_inputs(cfg, cfg.run_dir)
+    assert str(refused.value) == ("--max_completion_length 8: prompts of up to 60 tokens plus 8 completion tokens "
+                                  "exceed the 64 positions of gpt2ish (its max_position_embeddings): shorten the "
+                                  "prompts or --max_completion_length")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, *long_prompts])
+    assert ("--max_completion_length 8: prompts of up to 60 tokens plus 8 completion tokens exceed the 64 positions "
+            "of mymodel (its max_position_embeddings): its rotary positions go on beyond them, untrained"
+            ) in check_inputs(cfg, user_folder / "run")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--max_completion_length", "8"])
+    assert not [n for n in check_inputs(cfg, user_folder / "run") if "positions" in n]
 
 
 def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(user_folder):
