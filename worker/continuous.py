@@ -60,14 +60,18 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) draws [rows, vocab] that depend only on each row's seed, its counter (the token's index) and the
-    vocabulary position: splitmix64 (Steele et al.) of ``seed + (counter * vocab + position) * golden``, its top 24
+    vocabulary position: splitmix64 (Steele et al.) of ``seed + (counter * vocab + position) * golden``, its top 23
     bits a uniform in (0, 1). Integer products wrap, as the hash wants."""
     x = seeds[:, None] + (counters[:, None] * vocab + torch.arange(vocab, device=seeds.device)[None, :]) * GOLDEN
     x = (x ^ _shift_right(x, 30)) * MIX1
     x = (x ^ _shift_right(x, 27)) * MIX2
-    x = x ^ _shift_right(x, 31)
-    uniform = (_shift_right(x, 40).to(torch.float32) + 0.5) / 2**24
-    return -torch.log(uniform)
+    return -torch.log(unit_interval(x ^ _shift_right(x, 31)))
+
+
+def unit_interval(x: torch.Tensor) -> torch.Tensor:
+    """The top 23 bits of int64 ``x`` as a float32 strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32,
+    so no draw rounds to 1 (with 24 bits the largest does, and its Exp(1) draw of 0 wins every race)."""
+    return (_shift_right(x, 41).to(torch.float32) + 0.5) / 2**23
 
 
 def row_seed(job_seed: int, row: int) -> int:
@@ -347,6 +351,7 @@ class ContinuousDecoding(OwnStep):
             tokens = st.tokens.index_select(0, index).cpu()
             logps = st.logps.index_select(0, index).cpu()
             st.active.index_fill_(0, index, False)
+            st.position.index_fill_(0, index, 0)  # (a free slot's position would otherwise grow without end)
             self.free.extend(ended_slots)
             for i, slot in enumerate(ended_slots):
                 job, row = self.owners.pop(slot)

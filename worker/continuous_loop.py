@@ -157,7 +157,8 @@ def _decode(cfg, run, queue, trainer, engine, subscriber, watcher, presence, sto
             events.emit("job_released", job_id=parked.job.job_id)
             parked = None
         presence.update(state="busy" if held else "idle", job_id=next(iter(held), None),
-                        job_ids=list(held) + scorer.in_hand(), weights_version=engine.version,
+                        job_ids=list(held) + scorer.in_hand() + ([parked.job.job_id] if parked else []),
+                        weights_version=engine.version,
                         recompiles=engine.recompiles())
         if engine.empty():
             _sync(subscriber, trainer.model, engine, events)  # the next job starts with the newest weights

@@ -88,7 +88,7 @@ class Sampling:
             return None if value is None or value == neutral else value
 
         return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature or 1.0),
-                   top_k=active(gen.top_k, 0), top_p=active(gen.top_p, 1.0), min_p=gen.min_p,
+                   top_k=active(gen.top_k, 0), top_p=active(gen.top_p, 1.0), min_p=active(gen.min_p, 0.0),
                    repetition_penalty=active(gen.repetition_penalty, 1.0), min_new_tokens=gen.min_new_tokens or 0)
 
 

@@ -41,8 +41,9 @@ def fuse_projections(model: nn.Module) -> str | None:
         return f"{type(model).__name__} has no model.layers"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(attn).__name__ not in ATTENTION_CLASSES or type(mlp).__name__ not in MLP_CLASSES:
-            return f"layers of {type(attn).__name__} and {type(mlp).__name__}"
+        if (type(attn).__name__ not in ATTENTION_CLASSES or type(mlp).__name__ not in MLP_CLASSES
+                or not type(attn).__module__.startswith("transformers.models.")):  # (not a remote-code namesake)
+            return f"layers of {type(attn).__module__}.{type(attn).__name__} and {type(mlp).__name__}"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
         if any(type(p) is not nn.Linear for p in linears):  # (an adapter's or a quantised layer)
             return "projections that are not plain nn.Linear (an adapter or a quantised model)"

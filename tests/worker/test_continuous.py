@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncgrpo.tasks.demo import build_tokenizer
 from asyncgrpo.tasks.long_tail import end_with_probability
-from worker.continuous import ContinuousDecoding, seeded_exponentials
+from worker.continuous import ContinuousDecoding, seeded_exponentials, unit_interval
 from worker.decode_step import Sampling, sample
 from worker.generate import score_generated
 
@@ -170,6 +170,16 @@ def test_seeded_draws_sample_from_the_distribution_transformers_samples_from(set
     expected = want[kept].double() * DRAWS
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
+
+
+def test_no_seeded_draw_is_zero_or_infinite():
+    """The hash's extreme words map strictly inside (0, 1): a uniform of 1 would be an Exp(1) draw of 0, which wins
+    every race (and beats a token the warpers cut: -inf - log 0 is NaN, which argmax picks)."""
+    extremes = torch.tensor([-1, 0, 2**62, -(2**62), 2**63 - 1], dtype=torch.long)  # all ones, all zeros, ...
+    u = unit_interval(extremes)
+    assert (u > 0).all() and (u < 1).all()
+    draws = seeded_exponentials(torch.arange(64), torch.zeros(64, dtype=torch.long), 151_936)
+    assert torch.isfinite(draws).all() and (draws > 0).all()
 
 
 def test_seeded_draws_are_exponential_and_differ_by_seed_counter_and_token():

@@ -367,3 +367,13 @@ def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tol
     outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
     assert decoding.recompiles() == 0
     assert_captured_within_bf16_of_trls(trainer, outcomes)
+
+
+def test_a_min_p_of_zero_filters_nothing():
+    """transformers takes min_p 0 as no filter; the step must not take log(0) of it."""
+    from transformers import GenerationConfig
+
+    s = Sampling.of(GenerationConfig(do_sample=True, min_p=0.0))
+    assert s.min_p is None
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    assert sample(logits, s).shape == (1,)
