@@ -57,7 +57,9 @@ class Scorer:
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, trainer, engine: ContinuousDecoding, events: EventLog):
         self.cfg, self.queue, self.trainer, self.engine, self.events = cfg, queue, trainer, engine, events
         self._jobs: queues.Queue = queues.Queue()
-        self._in_hand: dict[str, _Held] = {}
+        # By the entry, not the job id: a job thrown again by its failure here may be claimed, decoded and handed
+        # over again (its next attempt, the same id) while this thread still ends the first.
+        self._in_hand: dict[int, _Held] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scoring", daemon=True)
@@ -65,12 +67,12 @@ class Scorer:
 
     def submit(self, entry: _Held, finished: FinishedJob) -> None:
         with self._lock:
-            self._in_hand[entry.job.job_id] = entry
+            self._in_hand[id(entry)] = entry
         self._jobs.put((entry, finished))
 
     def in_hand(self) -> list[str]:
         with self._lock:
-            return list(self._in_hand)
+            return [entry.job.job_id for entry in self._in_hand.values()]
 
     def check(self) -> None:
         if self._error is not None:
@@ -88,11 +90,10 @@ class Scorer:
             try:
                 if self._error is None:
                     self._publish(entry, finished)
-            except BaseException as err:  # (a broken device): the main thread raises it; the job returns by recovery
-                self._error = err
-            finally:
                 with self._lock:
-                    del self._in_hand[entry.job.job_id]
+                    del self._in_hand[id(entry)]
+            except BaseException as err:  # the main thread raises it (check); the jobs held return by recovery
+                self._error = self._error or err
 
     def _publish(self, entry: _Held, finished: FinishedJob) -> None:
         job, trainer = entry.job, self.trainer

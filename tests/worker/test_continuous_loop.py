@@ -1,0 +1,63 @@
+"""The continuous-batching worker loop's scoring thread (worker/continuous_loop.py Scorer): what it holds is named in
+the heartbeat, and a job handed over again (its next attempt, the same job id) while the thread still ends the
+first attempt keeps it working."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from worker.continuous_loop import Scorer, _Held
+
+WAIT_S = 30
+
+
+class RecordingScorer(Scorer):
+    """A Scorer whose publishing only records, and waits for ``release`` on the first job it is handed."""
+
+    def __init__(self):
+        self.published, self.release, self.started = [], threading.Event(), threading.Event()
+        super().__init__(cfg=None, queue=None, trainer=None, engine=None, events=None)
+
+    def _publish(self, entry, finished):
+        if not self.published:
+            self.started.set()
+            assert self.release.wait(WAIT_S)
+        self.published.append((entry.job.job_id, entry.job.attempt))
+
+
+def held(job_id: str, attempt: int) -> _Held:
+    return _Held(SimpleNamespace(job_id=job_id, attempt=attempt), prompt_ids=[], claimed=0.0)
+
+
+def test_a_jobs_next_attempt_handed_over_while_its_first_is_ended_keeps_the_thread_working():
+    scorer = RecordingScorer()
+    try:
+        scorer.submit(held("000000_003", 1), finished=None)  # it fails: thrown again as attempt 2 ...
+        assert scorer.started.wait(WAIT_S)
+        scorer.submit(held("000000_003", 2), finished=None)  # ... claimed and decoded again meanwhile
+        assert sorted(scorer.in_hand()) == ["000000_003", "000000_003"]
+        scorer.release.set()
+        scorer.submit(held("000001_000", 1), finished=None)
+    finally:
+        scorer.close(WAIT_S)
+    scorer.check()
+    assert scorer.published == [("000000_003", 1), ("000000_003", 2), ("000001_000", 1)]
+    assert scorer.in_hand() == []
+
+
+def test_a_job_whose_publishing_raises_stays_named_and_the_error_reaches_the_main_thread():
+    class Failing(RecordingScorer):
+        def _publish(self, entry, finished):
+            raise OSError("disk gone")
+
+    scorer = Failing()
+    scorer.submit(held("000002_000", 1), finished=None)
+    scorer.close(WAIT_S)
+    assert scorer.in_hand() == ["000002_000"]  # still held: it returns through recovery
+    try:
+        scorer.check()
+    except OSError as err:
+        assert str(err) == "disk gone"
+    else:
+        raise AssertionError("the scoring thread's error did not reach the main thread")
