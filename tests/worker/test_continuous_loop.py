@@ -61,3 +61,33 @@ def test_a_job_whose_publishing_raises_stays_named_and_the_error_reaches_the_mai
         assert str(err) == "disk gone"
     else:
         raise AssertionError("the scoring thread's error did not reach the main thread")
+
+
+def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
+    """The loop syncs before a job joins the slots, as the other loop syncs before each job: a version published since
+    the engine's last look samples the joining job's first token (the job's oldest version is the newest one)."""
+    import torch
+    from test_continuous import job_ids
+    from test_decode_step import GREEDY, llama, trainer_for
+
+    from asyncgrpo.events import EventLog
+    from worker.continuous import ContinuousDecoding
+    from worker.continuous_loop import _join
+
+    class Subscriber:  # a PS published version 8 since the engine's last look
+        synced_bytes = 0
+
+        def __init__(self):
+            self.pending = [8]
+
+        def sync(self, model):
+            return self.pending.pop() if self.pending else None
+
+    trainer = trainer_for(tmp_path, llama(), **GREEDY)
+    engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    engine.version = 7
+    entry = _Held(SimpleNamespace(job_id="000008_000", attempt=1), prompt_ids=job_ids(trainer, 0), claimed=0.0)
+    with torch.no_grad():
+        _join(trainer, engine, entry, EventLog.off(), Subscriber())
+    [resident] = engine.residents
+    assert engine.version == 8 and resident.runs == [(0, 8)]
