@@ -66,7 +66,7 @@ def _check_tool_calling(cfg: AsyncGRPOConfig, tokenizer, model: str) -> None:
                           "--model_name_or_path whose template can, or use --builtin_task lookup's model")
 
 
-def _check_model(cfg: AsyncGRPOConfig) -> str | None:
+def _check_model(cfg: AsyncGRPOConfig, dataset) -> str | None:
     """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -94,7 +94,7 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
     _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
-    lengths_note = _check_lengths(cfg, config, tokenizer)
+    lengths_note = _check_lengths(cfg, config, tokenizer, dataset)
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
     return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], lengths_note) if note) or None
 
@@ -102,7 +102,7 @@ def _check_model(cfg: AsyncGRPOConfig) -> str | None:
 PROMPTS_MEASURED = 1024  # the dataset's first rows whose prompts are measured against the model's positions
 
 
-def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer) -> str | None:
+def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset) -> str | None:
     """A prompt of the dataset's first rows plus ``max_completion_length`` tokens beyond the model's positions
     (``max_position_embeddings``): refused for a model with learned positions (it cannot encode them), a note for
     one with rotary positions (it decodes positions it was not trained on)."""
@@ -112,7 +112,7 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer) -> str | None:
     if not positions:
         return
     longest = 0
-    for row in itertools.islice(load_train_dataset(cfg), PROMPTS_MEASURED):
+    for row in itertools.islice(dataset, PROMPTS_MEASURED):
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if isinstance(prompt, str):
             longest = max(longest, len(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
@@ -160,8 +160,9 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     if not load_reward_funcs(cfg) and not callable(getattr(hooks.environment_factory, "get_reward", None)):
         raise ConfigError(f"--environment_factory {cfg.environment_factory}: no get_reward method, and no "
                           "--reward_funcs: nothing would score the rollouts")
+    dataset = load_train_dataset(cfg)
     if cfg.model_name_or_path is not None:
-        notes.append(_check_model(cfg))
+        notes.append(_check_model(cfg, dataset))
     else:
         from asyncgrpo.tasks import demo, lookup
 
@@ -177,7 +178,6 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
             notes.append(half_dtype_note(cfg.dtype, cfg.device_type)[0])
     if cfg.fsdp_plugin_args and cfg.device_type == "cpu":
         notes.append("--fsdp: accelerate shards a model on GPUs only; on CPU every PS process holds the whole model")
-    load_train_dataset(cfg)
     load_eval_dataset(cfg)
     root = Path(os.path.abspath(os.path.expanduser(run_root)))
     if (SOURCE_TREE / "pyproject.toml").is_file() and root.is_relative_to(SOURCE_TREE):

@@ -258,8 +258,8 @@ def prompt_ids_of(trainer: GRPOTrainer, rows: list[dict]) -> list[list[int]] | N
 def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
                        decoding: CompiledDecoding | GraphDecoding | None,
                        in_flight: InFlightWeights | None) -> list[Pregenerated] | None:
-    """One ``_generate_single_turn`` call over the jobs' rows; None where TRL would not generate them that way
-    (see BehaviourCapture.unsupported: tools, a rollout function, vLLM, continuous batching; images)."""
+    """One ``_generate_single_turn`` call over the jobs' rows; None where TRL generates them itself (turns and TRL's
+    engine: trl_seam.generation_path; prompts with images)."""
     if generation_path(trainer) is not GenerationPath.OWN:
         return None
     prompt_ids = [prompt_ids_of(trainer, job.rows) for job in jobs]

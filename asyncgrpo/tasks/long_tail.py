@@ -1,5 +1,5 @@
 """Completions with a long tail of lengths, from a model built in-process: the workload on which decoders are
-compared (bench/generation_bench.py --lengths long-tail, tests/worker/test_continuous.py).
+compared (bench/long_tail.py --lengths long-tail, tests/worker/test_continuous.py).
 
 Real completion lengths run from tens of tokens to the ``max_completion_length`` cap, which a few rows reach. A
 randomly initialised model ends its rows almost never (EOS is one token among the vocabulary) or, with sharp

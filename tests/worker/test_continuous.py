@@ -246,14 +246,10 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+    from test_decode_step import gpu_trainer
     from test_fast_decoding import assert_captured_within_bf16_of_trls
 
-    from asyncgrpo.tasks.demo import build_model
-
-    # The demo's own model (initializer_range 0.02): bf16 rounds a logit to 0.4% of its size.
-    trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
-                          device_type="cuda", bf16=True, **SAMPLING)
-    trainer.model.to("cuda")
+    trainer = gpu_trainer(tmp_path)
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))
     engine.warm_up(job_ids(trainer, 0))
     jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(4)]

@@ -355,15 +355,19 @@ def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
 
 # ---------------------------------------------------------------- on a GPU
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
-    # The demo's own model (initializer_range 0.02): bf16 rounds a logit to 0.4% of its size, and the sharper
-    # logits of llama()'s (0.3) would move log-probs by more than the tolerance.
+def gpu_trainer(tmp_path):
+    """A sampling trainer on the GPU, bf16. The demo's own model (initializer_range 0.02): bf16 rounds a logit to
+    0.4% of its size, and the sharper logits of llama()'s (0.3) would move log-probs by more than the tolerance."""
     trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
                           device_type="cuda", bf16=True, **SAMPLING)
     trainer.model.to("cuda")
-    trainer, decoding = warmed_up(trainer, 2)
+    return trainer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_step_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+    trainer, decoding = warmed_up(gpu_trainer(tmp_path), 2)
     outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
     assert decoding.recompiles() == 0
     assert_captured_within_bf16_of_trls(trainer, outcomes)
