@@ -82,6 +82,8 @@ if [ "$DEVICE" = cpu ]; then
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The processes started below stop when this script is gone, however it goes (asyncgrpo/supervisor.py).
+export ASYNCGRPO_SUPERVISOR_PID=$$
 trap stop_mps EXIT
 start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] && echo 1)" "$MPS" "$RUN_DIR"
 

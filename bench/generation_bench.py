@@ -11,14 +11,14 @@ per call is fixed. Settings, per shape:
 
     eager       TRL's generate (dynamic cache), one job per call
     eagerK      the same, K jobs per call (the last of --jobs)
-    compiled    static cache and compiled decoding step (worker/compiled.py), one job per call
+    compiled    static cache and compiled decoding step (worker/decoding/compiled.py), one job per call
     compiledK   the same, K jobs per call
     graph       the worker's own decoding loop, a token's forward, sampling and bookkeeping in one compiled
-                function (worker/decode_step.py), one job per call
+                function (worker/decoding/graph.py), one job per call
     graphK      the same, K jobs per call
     graph-autotune  graph compiled with torch.compile's max-autotune (GEMM kernels chosen by timing them; CUDA
                 graphs), for comparison: slower to compile
-    graph-nofuse    graph with q/k/v and gate/up as separate GEMMs (worker/fused_projections.py off)
+    graph-nofuse    graph with q/k/v and gate/up as separate GEMMs (worker/decoding/fused_projections.py off)
     graph-nolevers  graph-nofuse, and sampling's reductions over the whole vocabulary at once (VOCAB_CHUNKS 1):
                 the step as it was before either lever, to measure them in one run
 
@@ -96,9 +96,9 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
-    from worker.compiled import CompiledDecoding
-    from worker.continuous import ContinuousDecoding
-    from worker.decode_step import GraphDecoding
+    from worker.decoding.compiled import CompiledDecoding
+    from worker.decoding.continuous import ContinuousDecoding
+    from worker.decoding.graph import GraphDecoding
     from worker.generate import build_trainer
 
     tok = build_tokenizer()
@@ -248,9 +248,9 @@ def main() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     shapes = (a.shapes or ("demo,larger" if a.device == "cpu" else ",".join(SHAPES))).split(",")
     a.peak_gbs = peak_gbs(a.device, a.peak_gbs)
-    from worker import decode_step
+    from worker.decoding import graph
 
-    vocab_chunks = decode_step.VOCAB_CHUNKS
+    vocab_chunks = graph.VOCAB_CHUNKS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -258,7 +258,7 @@ def main() -> None:
                 for jobs in (int(k) for k in a.jobs.split(",")):
                     log(f"{shape} {decoding} jobs_per_call={jobs}")
                     # (a module constant the step reads while compiling, and is guarded on after)
-                    decode_step.VOCAB_CHUNKS = 1 if decoding == "graph-nolevers" else vocab_chunks
+                    graph.VOCAB_CHUNKS = 1 if decoding == "graph-nolevers" else vocab_chunks
                     rows.append(measure(shape, a.device, jobs, decoding, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
     for row in rows:  # ratios to the first setting of the shape with one job a call (eager by default), else its first

@@ -7,10 +7,10 @@ Each shape is a randomly initialised Llama (no download), decoded by the worker'
 bench/generation_bench.py builds it. ``--stream`` jobs of ``--batch`` rows (prompts of the demo task) go through
 each decoder as a worker takes them:
 
-    graph       the fixed-batch decoding step (worker/decode_step.py), ``--jobs`` jobs a call, each call scored by
+    graph       the fixed-batch decoding step (worker/decoding/graph.py), ``--jobs`` jobs a call, each call scored by
                 TRL as generate_jobs does (the worker's loop)
-    continuous  continuous batching (worker/continuous.py) over ``--jobs`` jobs' rows of slots: a job joins as soon
-                as its rows' slots are free, and is scored on a thread of its own while the slots decode, as the
+    continuous  continuous batching (worker/decoding/continuous.py) over ``--jobs`` jobs' rows of slots: a job joins
+                as soon as its rows' slots are free, and is scored on a thread of its own while the slots decode, as the
                 worker's continuous loop does
     compiled, eager   transformers' generate, compiled or not, ``--jobs`` jobs a call
 

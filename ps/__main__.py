@@ -42,6 +42,7 @@ from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, runs_dir
 from asyncgrpo.run.liveness import PSHeartbeat
 from asyncgrpo.run.rundir import PSStatus
+from asyncgrpo.supervisor import watch_supervisor
 from asyncgrpo.user_code import load_rollout_hooks
 from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, _interrupt)  # its terminal closed: unwind as on Ctrl-C (weight buffers freed)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
+    watch_supervisor("ps")  # launch.sh killed outright: SIGTERM, as a scheduler sends it
     from ps.pipeline import PipelineError, StopRequested
 
     try:

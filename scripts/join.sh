@@ -57,6 +57,8 @@ if [ "$DEVICE" = cpu ]; then
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The processes started below stop when this script is gone, however it goes (asyncgrpo/supervisor.py).
+export ASYNCGRPO_SUPERVISOR_PID=$$
 
 # ---- 3. start the workers -------------------------------------------------------------------
 declare -A WORKER_PID WORKER_LOG

@@ -35,7 +35,7 @@ from asyncgrpo.jobqueue.handoff import REWARDS_KEY
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward, write_demo_model
 from worker.behaviour import BehaviourCapture
-from worker.compiled import COMPILED_CALL, LAST_COMPILE_CONFIG
+from worker.decoding.compiled import COMPILED_CALL, LAST_COMPILE_CONFIG
 from worker.generate import completion_logs, error_record, generate_and_score
 from worker.trl_seam import BEHAVIOUR_LOGPS, GENERATE, GENERATE_AND_SCORE, GENERATE_SINGLE_TURN, TRL_INTERNALS
 
@@ -496,7 +496,7 @@ def test_generation_settings_the_worker_reads(trainer):
                                                                                                     None)
     assert not trainer.tools
     assert trainer.temperature == trainer.generation_config.temperature == TEMPERATURE  # what the LM head divides by
-    assert trainer.generation_config.disable_compile is True  # see worker/compiled.py
+    assert trainer.generation_config.disable_compile is True  # see worker/decoding/compiled.py
     assert BehaviourCapture.unsupported(trainer) is None
 
 
@@ -587,8 +587,8 @@ def test_the_decoding_loop_samples_from_the_raw_last_position_logits():
 
 
 def test_generate_decodes_through_the_compiled_call_compiled_decoding_sets():
-    """worker/compiled.py compiles the model's forward and sets it as the model's _compiled_call with the generation's
-    compile_config as _last_compile_config: generate then runs each decoding step through it."""
+    """worker/decoding/compiled.py compiles the model's forward and sets it as the model's _compiled_call with the
+    generation's compile_config as _last_compile_config: generate then runs each decoding step through it."""
     from transformers import CompileConfig, GenerationConfig
 
     tok = build_tokenizer()
@@ -761,7 +761,7 @@ def test_the_worker_names_trl_s_internals_only_in_its_seam():
     internals |= set(re.findall(r"self\.(_[a-z]\w*) = ", source))
     assert set(TRL_INTERNALS) <= internals
     named = []
-    for path in sorted((REPO / "worker").glob("*.py")):
+    for path in sorted((REPO / "worker").rglob("*.py")):
         if path.name == "trl_seam.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -4,7 +4,7 @@ second forward pass over every completion.
 
 The decoding forwards are watched in two ways: a forward hook on the generating model (every
 eager forward: the prefill always, each decoding step in eager decoding), and the observer of
-the compiled decoding step (worker/compiled.py: a forward hook would be traced into the
+the compiled decoding step (worker/decoding/compiled.py: a forward hook would be traced into the
 compiled graph). Both feed the same bookkeeping.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import record_function
 from trl import GRPOTrainer
 
-from worker.compiled import CompiledDecodeStep, generating_model
+from worker.decoding.compiled_step import CompiledDecodeStep, generating_model
 from worker.trl_seam import overriding
 
 
@@ -129,7 +129,7 @@ class BehaviourCapture:
         self._pending = logits[:, -1, :].to(dtype=torch.float32, copy=True)
 
     def on_compiled_step(self, kwargs: dict, output) -> None:
-        """The same, from the compiled decoding step's observer (worker/compiled.py)."""
+        """The same, from the compiled decoding step's observer (worker/decoding/compiled.py)."""
         self.on_forward(None, (), kwargs, output)
 
     def _gather(self, tokens: torch.Tensor) -> None:
@@ -168,7 +168,7 @@ class BehaviourCapture:
         return self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
 
     def given(self, tokens: torch.Tensor, logps: torch.Tensor) -> None:
-        """The log-probs of one generate call that decoded them itself (worker/decode_step.py), with its tokens."""
+        """The log-probs of one generate call that decoded them itself (worker/decoding/graph.py), with its tokens."""
         self.generate_calls, self.tokens, self.logps = 1, tokens, logps
 
     # ------------------------------------------------------------------ after scoring

@@ -1,12 +1,12 @@
-"""The worker loop with continuous batching (``--worker_decoding continuous``, worker/continuous.py).
+"""The worker loop with continuous batching (``--worker_decoding continuous``, worker/decoding/continuous.py).
 
 The worker's main thread runs the engine: it claims a job when a job's rows of slots are free (never earlier: a
-claimed job ages), prefills its rows into them, launches decoding steps, and every few steps (worker/continuous.py
-CHECK_EVERY) collects the jobs whose rows have all ended and syncs newer weights. A finished job is scored and
-published by the ``Scorer`` thread, while the slots keep decoding. (The engine stays on the thread that compiled it:
-CUDA graphs are recorded per thread, and in torch before 2.13 replaying them from another thread fails. Reward
-functions therefore run on the scoring thread, as in TRL's asynchronous trainer; TRL's own math rewards turn their
-signal-based timeouts off there.)
+claimed job ages), prefills its rows into them, launches decoding steps, and every few steps (CHECK_EVERY of
+worker/decoding/continuous.py) collects the jobs whose rows have all ended and syncs newer weights. A finished job
+is scored and published by the ``Scorer`` thread, while the slots keep decoding. (The engine stays on the thread
+that compiled it: CUDA graphs are recorded per thread, and in torch before 2.13 replaying them from another thread
+fails. Reward functions therefore run on the scoring thread, as in TRL's asynchronous trainer; TRL's own math
+rewards turn their signal-based timeouts off there.)
 
 Weights are synced in place between decoding steps, and each job records which versions sampled its tokens (as
 with --in_flight_updates); a result's weights_version is its oldest token's. Exactly once holds as for any job:
@@ -31,7 +31,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import ClaimedJob, JobQueue, QueueWatcher
 from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.run import RunDir, WorkerPresence
-from worker.continuous import ContinuousDecoding, FinishedJob
+from worker.decoding.continuous import ContinuousDecoding, FinishedJob
 from worker.generate import JOB_FAILURES, JobInput, job_seed, prompt_ids_of, score_generated
 from worker.results import Timing, fail, publish
 

@@ -59,8 +59,8 @@ from asyncgrpo.messages import RepeatedFailureLog, first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
-from worker.compiled import CompiledDecoding
-from worker.decode_step import GraphDecoding
+from worker.decoding import Decoder
+from worker.decoding.eager import EagerDecoding
 from worker.in_flight import InFlightWeights
 from worker.tools import RolloutTurns, WorkerStopping, bounding_environments
 from worker.trl_seam import (
@@ -69,7 +69,6 @@ from worker.trl_seam import (
     COMPLETION_LOGS,
     GENERATE,
     GENERATE_AND_SCORE,
-    GENERATE_SINGLE_TURN,
     METRICS,
     TOKENIZE_PROMPTS,
     GenerationPath,
@@ -190,24 +189,22 @@ class Generated:
     token_versions: list[tuple[int, int]] | None = None
 
 
-def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                  decoding: CompiledDecoding | GraphDecoding | None = None, with_logs: bool = False,
-                  in_flight: InFlightWeights | None = None) -> list[Generated | Exception]:
-    """Several jobs, generated in one generate call where that applies, each scored on its own: for each job, what
-    it generated (Generated), or the exception its generation or scoring raised (one job's reward function
-    raising fails that job alone). An error that says the device is broken is raised. ``in_flight``: newer
-    weights are synced between decoding steps (worker/in_flight.py).
+def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog, decoder: Decoder | None = None,
+                  with_logs: bool = False, in_flight: InFlightWeights | None = None) -> list[Generated | Exception]:
+    """Several jobs, generated in one call of ``decoder`` (worker/decoding; None: TRL's eager generate) where that
+    applies, each scored on its own: for each job, what it generated (Generated), or the exception its generation
+    or scoring raised (one job's reward function raising fails that job alone). An error that says the device is
+    broken is raised. ``in_flight``: newer weights are synced between decoding steps (worker/in_flight.py).
 
-    The rows of all the jobs (filled up to compiled decoding's fixed batch) go through TRL's
-    ``_generate_single_turn`` once, sampled with the first job's seed: a job's samples then depend on which jobs
-    shared its call (with one job per call, on its seed alone). If that call raises, the jobs are generated one
-    by one, so that only a job that fails on its own fails."""
+    The rows of all the jobs go through the decoder once, sampled with the first job's seed: a job's samples then
+    depend on which jobs shared its call (with one job per call, on its seed alone). If that call raises, the jobs
+    are generated one by one, eagerly, so that only a job that fails on its own fails."""
+    decoder = decoder or EagerDecoding(trainer)
     shared: list[Pregenerated | None] = [None] * len(jobs)
     shared_versions = None
-    if len(jobs) > 1 or decoding is not None:
+    if len(jobs) > 1 or decoder.mode != "eager":
         try:
-            shared = _generate_together(trainer, jobs, events, decoding, in_flight) or shared
-            shared_versions = list(in_flight.runs) if in_flight is not None else None
+            shared, shared_versions = _generate_together(trainer, jobs, events, decoder, in_flight) or (shared, None)
         except Exception as err:
             if is_broken_device_error(err):
                 raise
@@ -231,9 +228,9 @@ def score_generated(trainer: GRPOTrainer, job: JobInput, prompt_ids: list[list[i
                     completion_ids: list[list[int]], tokens: torch.Tensor, logps: torch.Tensor, events: EventLog,
                     with_logs: bool = False, token_versions: list[tuple[int, int]] | None = None
                     ) -> Generated | Exception:
-    """A job generated elsewhere (worker/continuous.py: TRL's ``_generate_single_turn`` output for its prompts, and
-    the tokens and behaviour log-probs it sampled), scored by TRL's call as a shared call's share is: what it
-    generated, or the exception its scoring raised (an error that says the device is broken is raised)."""
+    """A job generated elsewhere (worker/decoding/continuous.py: TRL's ``_generate_single_turn`` output for its
+    prompts, and the tokens and behaviour log-probs it sampled), scored by TRL's call as a shared call's share is:
+    what it generated, or the exception its scoring raised (an error that says the device is broken is raised)."""
     capture = BehaviourCapture(trainer)
     capture.given(tokens, logps)
     try:
@@ -255,45 +252,30 @@ def prompt_ids_of(trainer: GRPOTrainer, rows: list[dict]) -> list[list[int]] | N
     return [list(x) for x in ids]
 
 
-def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog,
-                       decoding: CompiledDecoding | GraphDecoding | None,
-                       in_flight: InFlightWeights | None) -> list[Pregenerated] | None:
-    """One ``_generate_single_turn`` call over the jobs' rows; None where TRL generates them itself (turns and TRL's
-    engine: trl_seam.generation_path; prompts with images)."""
+def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog, decoder: Decoder,
+                       in_flight: InFlightWeights | None
+                       ) -> tuple[list[Pregenerated], list[tuple[int, int]] | None] | None:
+    """One decoder call over the jobs' rows: each job's share, and the call's token versions; None where TRL
+    generates them itself (turns and TRL's engine: trl_seam.generation_path; prompts with images)."""
     if generation_path(trainer) is not GenerationPath.OWN:
         return None
     prompt_ids = [prompt_ids_of(trainer, job.rows) for job in jobs]
     if any(ids is None for ids in prompt_ids):
         return None
-    batch = [ids for per_job in prompt_ids for ids in per_job]
-    if decoding is not None:
-        batch = decoding.pad_batch(batch)
-    torch.manual_seed(jobs[0].seed)
-    capture = BehaviourCapture(trainer)
     for job in jobs:
         events.emit("generate_start", jobs_in_call=len(jobs), **job.fields)
     started = time.monotonic()
-    if isinstance(decoding, GraphDecoding):  # the worker's own decoding loop: the log-probs come with the tokens
-        if in_flight is not None:
-            in_flight.start()
-        with torch.no_grad(), trainer.accelerator.autocast():
-            completion_ids, tokens, logps = decoding.decode_batch(
-                batch, before_token=in_flight.before_token if in_flight is not None else None)
-        capture.given(tokens, logps)
-    else:
-        in_flight_syncs = in_flight.watching_generate(trainer) if in_flight else contextlib.nullcontext()
-        with torch.no_grad(), trainer.accelerator.autocast(), capture.watching_generate(), in_flight_syncs, \
-                record_function("generate"):
-            completion_ids, _ = getattr(trainer, GENERATE_SINGLE_TURN)(batch, None, {}, trainer.num_generations)
+    with torch.no_grad(), trainer.accelerator.autocast(), record_function("generate"):
+        generation = decoder.generate([ids for per_job in prompt_ids for ids in per_job], jobs[0].seed, in_flight)
     dur_ms = (time.monotonic() - started) * 1e3
     for job in jobs:
         events.emit("generate_end", dur_ms=dur_ms, jobs_in_call=len(jobs), **job.fields)
     shares, start = [], 0
     for ids in prompt_ids:
         stop = start + len(ids)
-        shares.append(Pregenerated(ids, completion_ids[start:stop], capture.rows(start, stop)))
+        shares.append(Pregenerated(ids, generation.completion_ids[start:stop], generation.behaviour.rows(start, stop)))
         start = stop
-    return shares
+    return shares, generation.token_versions
 
 
 def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog, *, seed: int, ps_step: int = 0,
@@ -319,7 +301,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     between decoding steps (worker/in_flight.py), its runs those of this job's generate call."""
     if pregenerated is None:  # single-turn: generated first, then replayed into TRL's scoring, as a shared call is
         job = JobInput(rows, seed, ps_step, job_fields)
-        pregenerated = (_generate_together(trainer, [job], events, None, in_flight) or [None])[0]
+        shares, _ = _generate_together(trainer, [job], events, EagerDecoding(trainer), in_flight) or ([None], None)
+        pregenerated = shares[0]
     torch.manual_seed(seed)
     trainer.state.global_step = ps_step
     metrics_of = getattr(trainer, METRICS)["train"]

@@ -4,7 +4,7 @@ Between decoding steps, every CHECK_EVERY tokens, the worker asks its weight sub
 (one read of ``published_version.json``; nothing else touches the file system) and, when there is one, copies it
 into the model's parameters in place: the same storage, so a compiled step or CUDA graph stays valid. Each token
 is then sampled by the weights of its step, and its behaviour log-prob, read off that step's logits
-(worker/behaviour.py, worker/decode_step.py), is the log-prob under those weights: the PS's per-token correction
+(worker/behaviour.py, worker/decoding/graph.py), is the log-prob under those weights: the PS's per-token correction
 needs no change. The KV cache of the tokens before a sync stays as the older weights computed it (PipelineRL's
 choice; recomputing it is NeMo-RL's option, not implemented).
 

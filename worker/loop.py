@@ -40,16 +40,16 @@ from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, WorkerPresence
 from asyncgrpo.run.rundir import WorkerId
+from asyncgrpo.supervisor import watch_supervisor
 from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
-from worker.compiled import CompiledDecoding
-from worker.continuous import ContinuousDecoding
 from worker.continuous_loop import serve_continuously
-from worker.decode_step import GraphDecoding
-from worker.decoding import build_decoder
+from worker.decoding import Decoder
+from worker.decoding.build import build_decoder
+from worker.decoding.continuous import ContinuousDecoding
 from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
 from worker.in_flight import unsupported as in_flight_unsupported
@@ -106,6 +106,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop as on Ctrl-C (not die holding a job)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
+    watch_supervisor(f"worker dev{device}")  # launch.sh or join.sh killed outright: SIGTERM
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
@@ -198,8 +199,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 failures_in_a_row += 1
                 presence.update(state="backoff", job_id=None, job_ids=[])
                 stop.wait(min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (failures_in_a_row - 1)))
-            if decoding is not None:
-                presence.update(recompiles=decoding.recompiles())
+            presence.update(recompiles=decoding.recompiles())
     except Exception as err:
         if not is_broken_device_error(err):
             raise
@@ -278,7 +278,7 @@ def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
 
 
 def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version: int, events: EventLog,
-             claimed: float, decoding: CompiledDecoding | GraphDecoding | None,
+             claimed: float, decoding: Decoder,
              in_flight: InFlightWeights | None = None) -> bool:
     """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
     any of them raised (it is thrown again or reported failed). With ``in_flight``, newer weights are synced
@@ -290,7 +290,7 @@ def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version
     if in_flight is not None:
         in_flight.version = version
     outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions, in_flight=in_flight)
-    timing = Timing(claimed, started, time.time(), len(jobs), decoding.recompiles() if decoding is not None else 0)
+    timing = Timing(claimed, started, time.time(), len(jobs), decoding.recompiles())
     published = [publish(cfg, queue, job, outcome, version, events, timing)
                  for job, outcome in zip(jobs, outcomes, strict=True)]
     return all(published)

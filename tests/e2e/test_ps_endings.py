@@ -19,6 +19,7 @@ from helpers import (
     backdate,
     kill_run,
     metrics,
+    pid_alive,
     run_flags,
     start_process,
     wait_until_stopped,
@@ -98,6 +99,57 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     assert relaunch.returncode == 0, out[-3000:]
     assert f"resuming from {run_root / 'checkpoints' / f'checkpoint-{trained}'}" in \
         (run_root / "logs" / "log_parameter_server.txt").read_text()
+    assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
+    assert_exactly_once(run_root, jobs=steps)
+
+
+def run_processes(run_root: Path) -> dict[int, str]:
+    """{pid: command line} of every live process whose command line names the run folder (its PS, workers, tail)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_root) in argv and pid_alive(int(proc.name)):
+                found[int(proc.name)] = argv
+    return found
+
+
+def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_nothing(tmp_path):
+    """kill -9 of launch.sh (nothing of it runs to stop its children): its PS and workers see it gone and stop as on
+    a scheduler's SIGTERM, the PS with its checkpoint (--checkpoint_on_sigterm), the workers giving back their jobs.
+    The relaunch trains the rest: every step once, every job once."""
+    run_root = tmp_path / "run"
+    steps = 200
+    flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
+    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    try:
+        wait_for_training(run_root, proc)
+        started = run_processes(run_root)
+        assert len([argv for argv in started.values() if " -m worker " in argv]) == 2, started
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while (left := run_processes(run_root)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"still running {time.monotonic() - deadline + 60:.0f} s after launch.sh died: {left}"
+    finally:
+        kill_run(run_root, proc)
+    trained = len(metrics(run_root))
+    assert 3 <= trained < steps
+    logs = run_root / "logs"
+    for log in [logs / "log_parameter_server.txt", *logs.glob("log_worker_*.txt")]:
+        assert "its supervisor (launch.sh or join.sh, pid" in log.read_text(), log.name
+    assert f"stopped after step {trained} on SIGTERM" in (logs / "log_parameter_server.txt").read_text()
+
+    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    try:
+        out, _ = relaunch.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_run(run_root, relaunch)
+    assert relaunch.returncode == 0, out[-3000:]
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
 

@@ -1,9 +1,9 @@
-"""Continuous batching (worker/continuous.py): each job decodes as transformers' generate decodes it alone
-(greedy), samples what it samples whatever shares its steps, and its behaviour log-probs are TRL's; rows that end
-free their slots for the next job at once.
+"""Continuous batching (worker/decoding/continuous.py), what is the engine's own beside what every decoder must do
+(tests/worker/test_decoders.py): jobs joining slots other jobs left decode as transformers' generate decodes each
+alone (greedy), a job samples what it samples whatever shares its steps, each job records the versions that sampled
+its tokens, and rows that end free their slots for the next job at once.
 
-The engine runs eagerly (``compile=False``: the same functions) where a test is about what it computes; one
-compiled engine (compiling takes seconds here) is shared by the module.
+The engine runs eagerly (``compile=False``: the same functions); compiled, it is one of test_decoders.py's.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from test_decode_step import (
     prompt_ids,
     trainer_for,
 )
-from test_fast_decoding import Events, job, trl_logps
+from test_fast_decoding import Events, job
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncgrpo.tasks.demo import build_tokenizer
 from asyncgrpo.tasks.long_tail import end_with_probability
-from worker.continuous import ContinuousDecoding, seeded_exponentials, unit_interval
-from worker.decode_step import Sampling, sample
+from worker.decoding.continuous import ContinuousDecoding, seeded_exponentials, unit_interval
+from worker.decoding.graph import Sampling, sample
 from worker.generate import score_generated
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -58,22 +58,12 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
     return finished
 
 
-@pytest.fixture(scope="module")
-def greedy_engine(tmp_path_factory):
-    trainer = trainer_for(tmp_path_factory.mktemp("greedy"), llama(eos_bias=2.0), **GREEDY)
-    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0),
-                                compile_prefill=True)
-    engine.warm_up(job_ids(trainer, 0))
-    return trainer, engine
-
-
 # ---------------------------------------------------------------- the tokens: greedy decoding is generate's
 
-@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "generation_kwargs": {"do_sample": False,
-                                                                                            "min_new_tokens": 5}}])
-def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, settings):
-    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through."""
-    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **{**GREEDY, **settings})
+def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path):
+    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through (the engine as
+    a decoder of one call's jobs, with and without a repetition penalty: tests/worker/test_decoders.py)."""
+    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **GREEDY)
     jobs = {i: job_ids(trainer, i) for i in range(5)}
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
     finished = decode_all(engine, jobs)
@@ -81,40 +71,6 @@ def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, settings)
         assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
     lengths = [len(c) for f in finished.values() for c in f.completion_ids]
     assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
-
-
-def test_the_compiled_engine_decodes_generates_tokens_and_compiles_nothing_after_its_warm_up(greedy_engine):
-    trainer, engine = greedy_engine
-    jobs = {i: job_ids(trainer, i) for i in range(5)}
-    finished = decode_all(engine, jobs)
-    assert engine.recompiles() == 0
-    for i, ids in jobs.items():
-        assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
-
-
-def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly_after_a_reallocation(tmp_path):
-    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **GREEDY)
-    engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
-    ids = prompt_ids(trainer, [long_prompt] * trainer.args.generation_batch_size)
-    assert not engine.fits(ids)
-    engine.reallocate(len(ids[0]))
-    assert decode_all(engine, {"long": ids})["long"].completion_ids == generated(trainer, ids)
-
-
-def test_a_weight_sync_between_jobs_reaches_the_compiled_step(greedy_engine):
-    trainer, engine = greedy_engine
-    ids = job_ids(trainer, 1)
-    before = decode_all(engine, {"before": ids})["before"].completion_ids
-    original = {name: t.clone() for name, t in trainer.model.state_dict().items()}
-    try:
-        trainer.model.load_state_dict(llama(seed=1, eos_bias=2.0).state_dict())  # in place, as a sync copies
-        engine.weights_changed(7)
-        after = decode_all(engine, {"after": ids})["after"]
-        assert after.completion_ids == generated(trainer, ids) != before
-        assert after.runs == [(0, 7)] and engine.recompiles() == 0
-    finally:
-        trainer.model.load_state_dict(original)
 
 
 def test_each_job_records_the_versions_that_sampled_its_tokens(tmp_path):
@@ -192,22 +148,6 @@ def test_seeded_draws_are_exponential_and_differ_by_seed_counter_and_token():
 
 # ---------------------------------------------------------------- behaviour log-probs, and the slots' use
 
-def test_behaviour_log_probs_equal_trls_recomputation(tmp_path):
-    trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **SAMPLING)
-    jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(3)]
-    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(3)})
-    for i, j in enumerate(jobs):
-        f = finished[i]
-        outcome = score_generated(trainer, j, f.prompt_ids, f.completion_ids, f.tokens, f.logps, Events(),
-                                  token_versions=f.runs)
-        assert not isinstance(outcome, Exception), outcome
-        batch = outcome.batch
-        diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
-        assert diff.max().item() < 1e-4
-        assert outcome.token_versions == f.runs
-
-
 def long_tail_model(p: float = 1 / 16) -> LlamaForCausalLM:
     """A small model whose rows end with probability ``p`` at every token: geometric lengths, mean 1 / p."""
     tok = build_tokenizer()
@@ -263,8 +203,8 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
 
 
 def test_where_the_engine_does_not_apply_the_worker_decodes_as_graph_and_says_why(tmp_path, monkeypatch, caplog):
-    from worker.decode_step import GraphDecoding
-    from worker.decoding import build_decoder
+    from worker.decoding.build import build_decoder
+    from worker.decoding.graph import GraphDecoding
 
     monkeypatch.setattr(GraphDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
     trainer = trainer_for(tmp_path, worker_decoding="continuous", max_staleness=0)

@@ -71,8 +71,8 @@ def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
     from test_decode_step import GREEDY, llama, trainer_for
 
     from asyncgrpo.events import EventLog
-    from worker.continuous import ContinuousDecoding
     from worker.continuous_loop import _join
+    from worker.decoding.continuous import ContinuousDecoding
 
     class Subscriber:  # a PS published version 8 since the engine's last look
         synced_bytes = 0

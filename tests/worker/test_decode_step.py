@@ -1,10 +1,11 @@
-"""The worker's own decoding step (worker/decode_step.py, ``--worker_decoding graph``) against transformers'
-``generate`` (the tokens), torch.multinomial over transformers' warpers (the sampling distribution) and TRL's
-recomputation (the behaviour log-probs).
+"""The worker's own decoding step (worker/decoding/graph.py, ``--worker_decoding graph``): what is its own, beside
+what every decoder must do (tests/worker/test_decoders.py): the tokens of a larger shape and of TRL's padding to a
+multiple against transformers' ``generate``, rows that all end early, packed grouped-query attention, the compiled
+prefill's cache, an adapter sync, sampling against torch.multinomial over transformers' warpers (the distribution),
+and the settings it does not implement.
 
-The step runs eagerly (``compile=False``: the same function) where a test is about what it computes; the
-compiled decoders (one per sampling setting: compiling takes 5-15 s here) are shared by the module, and each
-test leaves their weights as it found them.
+The step runs eagerly (``compile=False``: the same function) where a test is about what it computes; one compiled
+decoder (compiling takes seconds here) is shared by the module, and each test leaves its weights as it found them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import demo_config
-from test_fast_decoding import Events, assert_captured_within_bf16_of_trls, counted, job, trl_logps, two_jobs
+from test_fast_decoding import Events, assert_captured_within_bf16_of_trls, counted, two_jobs
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -28,11 +29,9 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker import decode_step
-from worker.compiled import CompiledDecoding
-from worker.decode_step import PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
+from worker.decoding.compiled import CompiledDecoding
+from worker.decoding.graph import DONE_CHECK_EVERY, PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
 from worker.generate import build_trainer, generate_jobs
-from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -98,17 +97,11 @@ def greedy_compiled(tmp_path_factory):
     return warmed_up(trainer_for(tmp_path_factory.mktemp("greedy"), **GREEDY), 1, compile_prefill=True)
 
 
-@pytest.fixture(scope="module")
-def sampling_compiled(tmp_path_factory):
-    return warmed_up(trainer_for(tmp_path_factory.mktemp("sampling"), **SAMPLING), 2)
-
-
 # ---------------------------------------------------------------- the tokens: greedy decoding is generate's
 
-@pytest.mark.parametrize("shape", ["demo", "larger"])
-@pytest.mark.parametrize("settings", [{}, {"repetition_penalty": 1.3, "generation_kwargs": {"do_sample": False,
-                                                                                             "min_new_tokens": 5}},
-                                      {"pad_to_multiple_of": 8}])
+# Every decoder's greedy tokens, with and without a repetition penalty: tests/worker/test_decoders.py. Here what is the
+# step's own: a larger shape, and TRL's padding to a multiple.
+@pytest.mark.parametrize(("shape", "settings"), [("larger", {}), ("demo", {"pad_to_multiple_of": 8})])
 def test_greedy_decoding_gives_the_tokens_of_transformers_generate(tmp_path, shape, settings):
     trainer = trainer_for(tmp_path, llama(shape), **{**GREEDY, **settings})
     ids = prompt_ids(trainer)
@@ -121,14 +114,6 @@ def test_greedy_decoding_gives_the_tokens_of_transformers_generate(tmp_path, sha
     assert all(c[-1] == 2 for c in expected if len(c) < trainer.max_completion_length)
 
 
-def test_compiled_greedy_decoding_is_generates_and_compiles_nothing_after_the_warm_up(greedy_compiled):
-    trainer, decoding = greedy_compiled
-    for prompts in (PROMPTS, ["3:", "45 6:", "8:", "1 1 1:"]):  # other lengths and another number of rows
-        ids = prompt_ids(trainer, prompts)
-        assert decoded(decoding, ids) == generated(trainer, ids)
-    assert decoding.recompiles() == 0
-
-
 def test_when_every_row_ends_early_the_loop_stops_and_the_completions_are_generates(tmp_path):
     trainer = trainer_for(tmp_path, llama(eos_bias=30.0), generation_kwargs={"do_sample": False},
                           max_completion_length=64)
@@ -137,8 +122,8 @@ def test_when_every_row_ends_early_the_loop_stops_and_the_completions_are_genera
     steps = counted(trainer, decoding, "_compiled_step")
     expected = generated(trainer, ids)
     assert decoded(decoding, ids) == expected
-    assert max(len(c) for c in expected) < decode_step.DONE_CHECK_EVERY  # every row ended before the first check
-    assert len(steps) == decode_step.DONE_CHECK_EVERY  # the check after step 16 stopped it: not run to step 63
+    assert max(len(c) for c in expected) < DONE_CHECK_EVERY  # every row ended before the first check
+    assert len(steps) == DONE_CHECK_EVERY  # the check after step 16 stopped it: not run to step 63
 
 
 @pytest.mark.parametrize("mask_heads", [1, 8])
@@ -164,30 +149,6 @@ def test_with_grouped_query_attention_the_step_packs_the_heads_and_decodes_gener
     assert decoded(decoding, ids) == expected
 
 
-@pytest.mark.parametrize("transport", ["mmap", "safetensors"])
-def test_a_weight_sync_reaches_the_compiled_step_and_changes_what_it_decodes(greedy_compiled, tmp_path, transport):
-    trainer, decoding = greedy_compiled
-    model = trainer.model
-    original = {name: t.clone() for name, t in model.state_dict().items()}
-    ids = prompt_ids(trainer)
-    before = decoded(decoding, ids)
-    new_weights = llama(seed=1)  # what the PS trained
-    run = RunDir.create(tmp_path / "run")
-    addresses = [p.data_ptr() for p in model.parameters()]
-    with closing(make_publisher(run, new_weights, transport)) as publisher, closing(make_subscriber(run)) as sub:
-        publisher.publish(version=1, step=1)
-        assert sub.sync(model) == 1
-        try:
-            assert [p.data_ptr() for p in model.parameters()] == addresses  # in place: the graph stays valid
-            after = decoded(decoding, ids)
-            assert decoding.recompiles() == 0
-            assert after == generated(trainer_for(tmp_path / "eager", llama(seed=1), **GREEDY), ids)
-            assert after != before  # a graph holding the old weights would decode `before` again
-        finally:
-            model.load_state_dict(original)
-    assert decoded(decoding, ids) == before
-
-
 def test_the_compiled_prefill_writes_into_a_cache_allocated_outside_the_graph(greedy_compiled, monkeypatch):
     """CUDA graphs write into the cache in place only when its tensors' addresses are marked static, which
     transformers does only where it allocates them outside a compiled region: the first prefill into a cache runs
@@ -201,17 +162,6 @@ def test_the_compiled_prefill_writes_into_a_cache_allocated_outside_the_graph(gr
     ids = prompt_ids(trainer)
     assert decoded(decoding, ids) == generated(trainer, ids)
     assert len(prefills) == 1 and [layer.keys.data_ptr() for layer in layers] == addresses
-
-
-def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly_with_a_new_graph(greedy_compiled):
-    trainer, decoding = greedy_compiled
-    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
-    ids = prompt_ids(trainer, [long_prompt, "7:"])
-    cache_len = decoding.state.cache_len
-    assert len(ids[0]) + trainer.max_completion_length > cache_len
-    before = decoding.recompiles()
-    assert decoded(decoding, ids) == generated(trainer, ids)
-    assert decoding.state.cache_len > cache_len and decoding.recompiles() > before  # counted: a new graph
 
 
 def test_an_adapter_sync_reaches_the_step(tmp_path):
@@ -292,29 +242,6 @@ def test_the_sampling_check_catches_a_wrong_distribution():
     assert (counts[want == 0] > 0).any()
 
 
-# ---------------------------------------------------------------- the behaviour log-probs are TRL's
-
-def test_behaviour_log_probs_equal_trls_recomputation_without_a_second_forward(sampling_compiled):
-    trainer, decoding = sampling_compiled
-    forward_passes = counted(trainer, trainer, BEHAVIOUR_LOGPS)
-    try:
-        outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
-        outcomes += generate_jobs(trainer, [job(2, ["3:"], trainer)], Events(), decoding)  # a short call
-    finally:
-        delattr(trainer, BEHAVIOUR_LOGPS)
-    assert forward_passes == []
-    assert decoding.recompiles() == 0
-    lengths = set()
-    for outcome in outcomes:
-        assert not isinstance(outcome, Exception), outcome
-        batch = outcome.batch
-        mask = batch["completion_mask"]
-        diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * mask
-        assert diff.max().item() < 1e-4
-        lengths |= set(mask.sum(dim=1).tolist())
-    assert min(lengths) < trainer.max_completion_length == max(lengths)  # EOS in the middle, and rows never ending
-
-
 # ---------------------------------------------------------------- what the step does not implement
 
 @pytest.mark.parametrize(("overrides", "why"), [
@@ -325,7 +252,7 @@ def test_behaviour_log_probs_equal_trls_recomputation_without_a_second_forward(s
 ])
 def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp_path, monkeypatch, caplog,
                                                                              overrides, why):
-    from worker.decoding import build_decoder
+    from worker.decoding.build import build_decoder
 
     monkeypatch.setattr(CompiledDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
     trainer = trainer_for(tmp_path, worker_decoding="graph", **overrides)
@@ -337,7 +264,7 @@ def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp
 
 
 def test_supported_settings_get_the_step(tmp_path, monkeypatch):
-    from worker.decoding import build_decoder
+    from worker.decoding.build import build_decoder
 
     monkeypatch.setattr(GraphDecoding, "warm_up", lambda self, prompt_ids: 0.0)
     trainer = trainer_for(tmp_path, worker_decoding="graph", temperature=0.8, top_k=5, top_p=0.9, min_p=0.05,
@@ -347,7 +274,7 @@ def test_supported_settings_get_the_step(tmp_path, monkeypatch):
 
 
 def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
-    from worker.decoding import resolve_mode
+    from worker.decoding.build import resolve_mode
 
     assert resolve_mode("auto", "cuda") == "graph"
     assert resolve_mode("auto", "cpu") == "eager"

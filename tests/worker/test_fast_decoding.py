@@ -17,7 +17,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker.compiled import CompiledDecodeStep, CompiledDecoding, generating_model
+from worker.decoding.compiled import CompiledDecodeStep, CompiledDecoding, generating_model
 from worker.generate import JobInput, build_trainer, generate_jobs
 from worker.in_flight import CHECK_EVERY, InFlightWeights
 from worker.trl_seam import BEHAVIOUR_LOGPS
@@ -195,39 +195,6 @@ def test_compiled_decoding_compiles_before_the_first_job_and_not_after(compiled)
     assert decoding.recompiles() == 0
 
 
-def test_compiled_decoding_captures_log_probs_equal_to_trls(compiled):
-    trainer, decoding = compiled
-    forward_passes = counted(trainer, trainer, BEHAVIOUR_LOGPS)
-    try:
-        outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding)
-    finally:
-        delattr(trainer, BEHAVIOUR_LOGPS)
-    assert forward_passes == []  # captured under the compiled step, not recomputed
-    assert_captured_equal_trls(trainer, outcomes)
-
-
-def test_after_a_sync_compiled_greedy_decoding_equals_eager_with_the_new_weights(compiled, tmp_path):
-    trainer, decoding = compiled
-    model = trainer.model
-    new_weights = build_model(seed=0, tokenizer=build_tokenizer())  # what the PS trained: each logit negated
-    with torch.no_grad():
-        new_weights.model.norm.weight.neg_()
-    run = RunDir.create(tmp_path / "run")
-    addresses = [p.data_ptr() for p in model.parameters()]
-    with closing(make_publisher(run, new_weights, "mmap")) as publisher, closing(make_subscriber(run)) as subscriber:
-        publisher.publish(version=1, step=1)
-        assert subscriber.sync(model) == 1
-    assert [p.data_ptr() for p in model.parameters()] == addresses
-
-    prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts(VARIED_PROMPTS * 16)[0]]
-    compiled_ids = greedy(trainer, prompts, decoding)
-    assert decoding.recompiles() == 0
-    eager_ids = eager_greedy(tmp_path / "eager", new_weights.state_dict(), prompts)
-    assert compiled_ids == eager_ids
-    # A graph still holding the old weights would not: they decode otherwise.
-    assert greedy(make_trainer(tmp_path / "old"), prompts) != eager_ids
-
-
 def test_compiled_decoding_takes_weights_published_during_a_job_between_its_steps(compiled, tmp_path):
     """In-flight updates (tests/worker/test_in_flight.py for eager and graph decoding): generate's stopping criterion
     syncs them between the compiled steps; tokens from the sync on are sampled, and scored, by the new weights."""
@@ -265,7 +232,7 @@ def test_compiled_decoding_takes_weights_published_during_a_job_between_its_step
 
 
 def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, monkeypatch, caplog):
-    from worker.decoding import build_decoder
+    from worker.decoding.build import build_decoder
 
     trainer = make_trainer(tmp_path, worker_decoding="compiled")
     eager_settings = trainer.generation_config.to_dict()
@@ -274,24 +241,13 @@ def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, m
         raise RuntimeError("inductor: C++ compile error")
 
     monkeypatch.setattr(CompiledDecoding, "warm_up", backend_fails)
-    assert build_decoder(trainer.args, trainer, 1, Events()) is None
+    assert build_decoder(trainer.args, trainer, 1, Events()).mode == "eager"
     assert "dev1 compiled decoding failed to compile (RuntimeError: inductor: C++ compile error); decoding eagerly" in (
         caplog.text)
     assert trainer.generation_config.to_dict() == eager_settings
     assert "_compiled_call" not in generating_model(trainer.model).__dict__
     [outcome] = generate_jobs(trainer, [job(0, VARIED_PROMPTS, trainer)], Events())
     assert_captured_equal_trls(trainer, [outcome])
-
-
-def test_a_prompt_longer_than_the_cache_was_sized_for_still_generates_correctly(compiled, tmp_path):
-    trainer, decoding = compiled
-    long_prompt = " ".join("0123456789" * 2) + ":"  # 40 tokens; the cache's prompt part was sized for 16
-    prompts = [[int(t) for t in ids] for ids in trainer._tokenize_prompts([long_prompt, "7:"] * 16)[0]]
-    assert len(prompts[0]) > decoding.prompt_tokens
-    before = decoding.recompiles()
-    compiled_ids = greedy(trainer, prompts, decoding)
-    assert decoding.recompiles() > before  # counted: a larger cache is a new graph
-    assert compiled_ids == eager_greedy(tmp_path, trainer.model.state_dict(), prompts)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""q/k/v and gate/up as one GEMM each (worker/fused_projections.py): the same model, the same tokens, and weight
-syncs that still land in place, against an unfused copy of the same model."""
+"""q/k/v and gate/up as one GEMM each (worker/decoding/fused_projections.py): the same model, the same tokens, and
+weight syncs that still land in place, against an unfused copy of the same model."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from transformers import (
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_tokenizer
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker.decode_step import GraphDecoding
-from worker.fused_projections import fuse_projections
+from worker.decoding.fused_projections import fuse_projections
+from worker.decoding.graph import GraphDecoding
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

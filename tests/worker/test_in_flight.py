@@ -18,7 +18,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker.decode_step import GraphDecoding
+from worker.decoding.graph import GraphDecoding
 from worker.generate import JobInput, build_trainer, generate_jobs
 from worker.in_flight import CHECK_EVERY, InFlightWeights
 from worker.trl_seam import BEHAVIOUR_LOGPS

@@ -9,7 +9,7 @@ and a job whose rows have all ended leaves at once, to be scored while the other
 while it waits for G - 1 others to free up is the waste left, about G / 2 of the slots.
 
 Shapes stay fixed, so the step and the prefill compile once (CUDA graphs on a GPU), as the graph decoder's
-(worker/decode_step.py, whose logits processing, sampling and behaviour log-prob this shares):
+(worker/decoding/graph.py, whose logits processing, sampling and behaviour log-prob this shares):
 
 - the KV cache is one ring of ``prompt part + max_completion_length`` columns for every slot (``SlotCache``).
   Every step writes every slot's newest key and value at the same column, the next one round the ring; a joining
@@ -40,8 +40,11 @@ import torch
 from transformers import StaticCache
 from trl.trainer.utils import pad
 
-from worker.compiled import bucketed, compiled_graphs
-from worker.decode_step import GraphDecoding, OwnStep, log_prob_at, sample
+from worker.behaviour import BehaviourCapture
+from worker.decoding import Generation
+from worker.decoding.compiled import bucketed
+from worker.decoding.compiled_step import compiled_graphs
+from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
@@ -152,6 +155,8 @@ class SlotState:
 
 class ContinuousDecoding(OwnStep):
     """The engine (see the module's docstring). ``add`` a job's rows, ``run`` steps, ``collect`` finished jobs."""
+
+    mode = "continuous"
 
     WARM_UP_JOBS = 3  # the first prefill allocates the caches eagerly, the second compiles, the third records
 
@@ -370,6 +375,35 @@ class ContinuousDecoding(OwnStep):
             finished.append(FinishedJob(job.key, job.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
                                         time.monotonic() - job.joined_at))
         return finished
+
+    def generate(self, prompt_ids: list[list[int]], seed: int, in_flight: None = None) -> Generation:
+        """The engine as one decoder call (worker/decoding's interface: tests and benchmarks): the rows as jobs of
+        ``rows_per_job`` rows, job i seeded from ``seed`` and i, each joining as soon as its slots are free, until
+        every row has ended. The worker's continuous loop drives the engine itself, and syncs newer weights between
+        its steps itself: ``in_flight`` is not taken."""
+        if in_flight is not None:
+            raise ValueError("the engine syncs newer weights between its steps itself (worker/continuous_loop.py)")
+        if len(prompt_ids) % self.rows_per_job or not self.empty():
+            raise ValueError(f"{len(prompt_ids)} rows for an engine of {self.rows_per_job}-row jobs, "
+                             f"{len(self.residents)} jobs in it")
+        if not self.fits(prompt_ids):
+            self.reallocate(max(len(ids) for ids in prompt_ids))
+        jobs = [prompt_ids[i:i + self.rows_per_job] for i in range(0, len(prompt_ids), self.rows_per_job)]
+        waiting, finished = list(enumerate(jobs)), {}
+        while waiting or not self.empty():
+            while waiting and self.free_slots() >= self.rows_per_job:
+                key, rows = waiting.pop(0)
+                self.add(key, rows, seed if key == 0 else row_seed(seed, -key))
+            self.run(self.check_every)
+            finished.update((job.key, job) for job in self.collect())
+        ordered = [finished[key] for key in range(len(jobs))]
+        width = max(job.tokens.size(1) for job in ordered)
+        tokens = torch.cat([torch.nn.functional.pad(job.tokens, (0, width - job.tokens.size(1)), value=self.pad)
+                            for job in ordered])
+        logps = torch.cat([torch.nn.functional.pad(job.logps, (0, width - job.logps.size(1))) for job in ordered])
+        behaviour = BehaviourCapture(self.trainer)
+        behaviour.given(tokens, logps)
+        return Generation([ids for job in ordered for ids in job.completion_ids], behaviour)
 
     def weights_changed(self, version: int) -> None:
         """The model now holds ``version``: each job's next token is sampled by it."""

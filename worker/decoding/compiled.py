@@ -30,39 +30,20 @@ import time
 import torch
 from transformers import CompileConfig
 
-from worker.trl_seam import GENERATE_SINGLE_TURN
+from worker.decoding import Generation
+from worker.decoding.compiled_step import (
+    COMPILED_CALL,
+    LAST_COMPILE_CONFIG,
+    CompiledDecodeStep,
+    compiled_graphs,
+    generating_model,
+)
+from worker.decoding.eager import EagerDecoding
+from worker.in_flight import InFlightWeights
 
 log = logging.getLogger("asyncgrpo.worker")
 
 PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
-COMPILED_CALL = "_compiled_call"  # what transformers' get_compiled_call returns when it is set (with the config below)
-LAST_COMPILE_CONFIG = "_last_compile_config"
-
-
-def generating_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose generate runs the decoding loop: a PEFT model's base model (with the adapter
-    layers in it), else the model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-class CompiledDecodeStep:
-    """The compiled forward generate calls for each decoding step, with an observer called after each call."""
-
-    def __init__(self, model: torch.nn.Module, compile_config: CompileConfig):
-        self.compiled = torch.compile(model.forward, **compile_config.to_dict())
-        self.observer = None  # callable(kwargs, output), set by BehaviourCapture for the span of a generate call
-
-    def __call__(self, *args, **kwargs):
-        output = self.compiled(*args, **kwargs)
-        if self.observer is not None:
-            self.observer(kwargs, output)
-        return output
 
 
 def bucketed(prompt_tokens: int) -> int:
@@ -71,15 +52,23 @@ def bucketed(prompt_tokens: int) -> int:
 
 
 class FixedBatchDecoding:
-    """What compiled and graph decoding share: a fixed batch of ``jobs_per_generate`` jobs' rows, a warm-up that
-    compiles before the first job, and the count of graphs compiled after it. ``decode_batch`` generates."""
+    """What compiled and graph decoding share: a fixed batch of ``jobs_per_generate`` jobs' rows (a call with fewer
+    is filled up with copies of its first row, their completions thrown away), a warm-up that compiles before the
+    first job, and the count of graphs compiled after it. ``generate_batch`` generates a full batch."""
 
     def __init__(self, trainer, jobs_per_generate: int):
         self.trainer = trainer
         self.rows_per_call = trainer.args.generation_batch_size * jobs_per_generate
         self.graphs_after_warm_up: int | None = None
 
-    def decode_batch(self, prompt_ids: list[list[int]]):
+    def generate(self, prompt_ids: list[list[int]], seed: int,
+                 in_flight: InFlightWeights | None = None) -> Generation:
+        generation = self.generate_batch(self.pad_batch(prompt_ids), seed, in_flight)
+        generation.completion_ids = generation.completion_ids[:len(prompt_ids)]
+        return generation
+
+    def generate_batch(self, prompt_ids: list[list[int]], seed: int,
+                       in_flight: InFlightWeights | None = None) -> Generation:
         raise NotImplementedError
 
     def pad_batch(self, prompt_ids: list[list[int]]) -> list[list[int]]:
@@ -97,7 +86,7 @@ class FixedBatchDecoding:
         batch = self.pad_batch(prompt_ids[: self.rows_per_call])
         for _ in range(self.WARM_UP_CALLS):
             with torch.no_grad(), self.trainer.accelerator.autocast():
-                self.decode_batch(batch)
+                self.generate_batch(batch, seed=0)
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
 
@@ -106,8 +95,11 @@ class FixedBatchDecoding:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)
 
 
-class CompiledDecoding(FixedBatchDecoding):
-    """Compiled decoding on a worker's trainer (see the module's docstring)."""
+class CompiledDecoding(FixedBatchDecoding, EagerDecoding):
+    """Compiled decoding on a worker's trainer (see the module's docstring): TRL's generate call, as eager decoding
+    makes it, over a fixed batch, with the generation config set for a static cache and a compiled step."""
+
+    mode = "compiled"
 
     def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]]):
         super().__init__(trainer, jobs_per_generate)
@@ -135,5 +127,6 @@ class CompiledDecoding(FixedBatchDecoding):
         for name in (COMPILED_CALL, LAST_COMPILE_CONFIG):
             self.model.__dict__.pop(name, None)
 
-    def decode_batch(self, prompt_ids: list[list[int]]):
-        return getattr(self.trainer, GENERATE_SINGLE_TURN)(prompt_ids, None, {}, self.trainer.num_generations)
+    def generate_batch(self, prompt_ids: list[list[int]], seed: int,
+                       in_flight: InFlightWeights | None = None) -> Generation:
+        return EagerDecoding.generate(self, prompt_ids, seed, in_flight)

@@ -8,7 +8,7 @@ On a GPU that costs more than the forward itself. Here the whole step is one fun
 
 - the forward of every row's newest token over a static KV cache (transformers' ``StaticCache``), the attention
   mask and the positions read from preallocated buffers; q/k/v and gate/up one GEMM each
-  (worker/fused_projections.py);
+  (worker/decoding/fused_projections.py);
 - the logits processing TRL's generation config asks for, in transformers' order: repetition penalty,
   ``min_new_tokens``, temperature, top-k, top-p, min-p (top-p and min-p on the top-k survivors when top-k is set:
   no sort of the whole vocabulary). Tokens tied with the k-th are cut, which transformers keeps;
@@ -36,7 +36,7 @@ first row) and the cache (the longest prompt seen at start-up rounded up to PROM
 syncs copy into the parameters' storage (asyncgrpo/weights), so the graph stays valid across syncs.
 
 What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate``
-(worker/decoding.py decides).
+(worker/decoding/build.py decides).
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from trl.trainer.utils import pad
 
 from worker.behaviour import BehaviourCapture
-from worker.compiled import FixedBatchDecoding, bucketed, generating_model
-from worker.fused_projections import fuse_projections
+from worker.decoding import Generation
+from worker.decoding.compiled import FixedBatchDecoding, bucketed
+from worker.decoding.compiled_step import generating_model
+from worker.decoding.fused_projections import fuse_projections
+from worker.in_flight import InFlightWeights
 from worker.trl_seam import GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -201,8 +204,8 @@ class DecodeState:
 
 
 class OwnStep:
-    """What the worker's own decoding steps share (this module's fixed batch, worker/continuous.py's slots): the model
-    they run (q/k/v and gate/up fused, a token's query heads packed onto their key/value heads), TRL's sampling
+    """What the worker's own decoding steps share (this module's fixed batch, continuous.py's slots): the model they
+    run (q/k/v and gate/up fused, a token's query heads packed onto their key/value heads), TRL's sampling
     settings, EOS and padding ids, and the step and prefill compiled. Subclasses define ``_step`` and
     ``_prefill_step``."""
 
@@ -243,6 +246,8 @@ class OwnStep:
 class GraphDecoding(FixedBatchDecoding, OwnStep):
     """The worker's own decoding loop (see the module's docstring)."""
 
+    mode = "graph"
+
     # The first call allocates the cache (an eager prefill) and compiles the step, the second compiles the prefill,
     # the third records the prefill's CUDA graph.
     WARM_UP_CALLS = 3
@@ -252,7 +257,7 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         """``compile=False``: the same step run eagerly (for tests; the results are the same, slower).
         ``compile_prefill``: compile the prefill too (default: on CUDA). ``compile_mode``: torch.compile's mode
         (default: ``reduce-overhead``, CUDA graphs, on CUDA). ``fuse``: q/k/v and gate/up as one GEMM each
-        (worker/fused_projections.py)."""
+        (worker/decoding/fused_projections.py)."""
         super().__init__(trainer, jobs_per_generate)
         longest = max((len(ids) for ids in prompt_ids), default=1)
         self.cache: StaticCache | None = None
@@ -327,6 +332,17 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         st.step.add_(1)
 
     # ------------------------------------------------------------------ on the host
+
+    def generate_batch(self, prompt_ids: list[list[int]], seed: int,
+                       in_flight: InFlightWeights | None = None) -> Generation:
+        torch.manual_seed(seed)
+        if in_flight is not None:
+            in_flight.start()
+        completion_ids, tokens, logps = self.decode_batch(
+            prompt_ids, before_token=in_flight.before_token if in_flight is not None else None)
+        behaviour = BehaviourCapture(self.trainer)
+        behaviour.given(tokens, logps)
+        return Generation(completion_ids, behaviour, list(in_flight.runs) if in_flight is not None else None)
 
     def decode_batch(self, prompt_ids: list[list[int]], before_token=None
                      ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:

@@ -1,18 +1,5 @@
-"""How a worker decodes (``--worker_decoding``): the one place that decides, from the flags and the trainer, which
-decoder a worker builds, and falls back where one does not apply (``build_decoder``).
-
-- eager: TRL's own ``generate`` call as TRL configures it (a dynamic KV cache, compilation off): one forward per
-  token, each a few hundred kernel launches from Python;
-- compiled: ``generate`` with a static KV cache and its decoding step compiled (worker/compiled.py);
-- graph: the worker's own decoding step, forward, sampling and bookkeeping of a token in one compiled function
-  (worker/decode_step.py), a fixed batch of ``--jobs_per_generate`` jobs' rows;
-- continuous: that step over ``--decoding_slots`` row slots, a job's rows joining as slots free up
-  (worker/continuous.py, its loop worker/continuous_loop.py).
-
-Every one of them generates a single-turn job in one call and hands it to TRL's scoring as a replay
-(worker/generate.py); jobs whose generation is TRL's own (turns with tools, an environment or a rollout function;
-TRL's engine: worker/trl_seam.py ``generation_path``) are generated eagerly by TRL.
-"""
+"""Which decoder a worker builds (``--worker_decoding``, worker/decoding's four): the one place that decides, from the
+flags and the trainer, and falls back where a decoder does not apply, saying why in one line."""
 
 from __future__ import annotations
 
@@ -24,9 +11,11 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.messages import first_line
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.weights.device_errors import is_broken_device_error
-from worker.compiled import CompiledDecoding
-from worker.continuous import ContinuousDecoding
-from worker.decode_step import GraphDecoding
+from worker.decoding import Decoder
+from worker.decoding.compiled import CompiledDecoding
+from worker.decoding.continuous import ContinuousDecoding
+from worker.decoding.eager import EagerDecoding
+from worker.decoding.graph import GraphDecoding
 from worker.trl_seam import TOKENIZE_PROMPTS, GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -40,18 +29,17 @@ def resolve_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
-                  events: EventLog) -> CompiledDecoding | GraphDecoding | ContinuousDecoding | None:
+def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: EventLog) -> Decoder:
     """The worker's decoder for ``--worker_decoding`` and this trainer, compiled and warmed up now, before the first
-    claim; None: eager (TRL's generate). Where a mode does not apply it falls back, saying why in one line:
-    continuous to graph, graph to compiled, any to eager (turns, TRL's engine, a compilation that fails)."""
+    claim. Where a mode does not apply it falls back, saying why in one line: continuous to graph, graph to
+    compiled, any to eager (turns, TRL's engine, a compilation that fails)."""
     mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
     if mode == "eager":
-        return None
+        return EagerDecoding(trainer)
     if (path := generation_path(trainer)) is not GenerationPath.OWN:  # turns of varying batch and length
         log.info("[gen] dev%s decodes eagerly: its decoders are for single-turn generation, and this trainer "
                  "generates with %s", device, path.value)
-        return None
+        return EagerDecoding(trainer)
     if mode == "continuous" and (why := ContinuousDecoding.unsupported(trainer)) is not None:
         log.info("[gen] dev%s decodes with its decoding graph instead of continuous batching: %s", device, why)
         mode = "graph"
@@ -84,7 +72,7 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId,
         decoding.undo()
         log.exception("[gen] dev%s %s decoding failed to compile (%s); decoding eagerly", device, mode,
                       first_line(err))
-        return None
+        return EagerDecoding(trainer)
     events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
                 rows=decoding.rows_per_call, mode=mode)
     log.info("[gen] dev%s decoding compiled in %.1f s (%s)", device, seconds, mode)
