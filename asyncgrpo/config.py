@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import yaml
 from trl import DatasetMixtureConfig, GRPOConfig, TrlParser
 
-from asyncgrpo.jobqueue.queue import DEFAULT_MAX_ATTEMPTS
+from asyncgrpo.jobqueue.queue import DEFAULT_JOB_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from asyncgrpo.messages import first_line
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run.liveness import DEFAULT_LEASE_S
@@ -234,6 +234,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
     # Recovery.
     lease_s: float = field(default=DEFAULT_LEASE_S, metadata={
         "help": "A worker silent this long (no heartbeat) has its job recovered."})
+    job_timeout_s: float = field(default=DEFAULT_JOB_TIMEOUT_S, metadata={
+        "help": "A job a worker has held this long (from its claim) is failed as that attempt, naming where it was "
+                "stuck (a reward function, a tool, generation), and the worker exits to be restarted, giving its "
+                "other jobs back: a reward function or tool that never returns cannot stall the run. Past it and "
+                "the lease, recovery takes the job back whatever the worker's heartbeat says. 0: no deadline."})
     max_attempts: int = field(default=DEFAULT_MAX_ATTEMPTS, metadata={
         "help": "Attempts per job: a job whose worker raises (generating or scoring) or dies is thrown again, up to "
                 "this; then it is archived 'failed' (it raised) or 'orphaned' (its worker died) and not trained on."})
@@ -311,6 +316,7 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "max_staleness": (self.max_staleness >= 0, "must be >= 0"),
             "lease_s": (self.lease_s > 0, "must be > 0"),
             "max_attempts": (self.max_attempts >= 1, "must be >= 1"),
+            "job_timeout_s": (self.job_timeout_s >= 0, "must be >= 0 (0: no deadline)"),
             "archive_keep_files": (self.archive_keep_files >= 0, "must be >= 0 (0 keeps all)"),
             "archive_keep_mb": (self.archive_keep_mb >= 0, "must be >= 0 (0 keeps all)"),
             "max_payload_mb": (self.max_payload_mb >= 0, "must be >= 0 (0: derived from the batch shape)"),

@@ -247,7 +247,8 @@ def train(cfg, run: RunDir) -> int:
         if trainer.accelerator.num_processes > 1:
             resume = broadcast_object_list([resume], from_process=0)[0]
         if first_rank:
-            status = PSStatus.starting(path, resume, cfg.generation_settings())  # workers match its generation
+            # Workers match its generation; recovery and ls go by its deadline.
+            status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None)
             run.write_ps_status(status)
         log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
                  f", resuming from {resume}" if resume else "")

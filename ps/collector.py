@@ -122,7 +122,8 @@ class ResultCollector(WatchedThread):
             self.collect_now()
             if time.monotonic() >= next_recovery:
                 self.failed.record_recovery(self.queue.recover(lease_s=self.cfg.lease_s,
-                                                               max_attempts=self.cfg.max_attempts))
+                                                               max_attempts=self.cfg.max_attempts,
+                                                               job_timeout_s=self.cfg.job_timeout_s or None))
                 self.retention.maybe_compact()  # done/'s bytes: one pass per new checkpoint, when enabled
                 next_recovery = time.monotonic() + self.cfg.lease_s / 4
             self.watcher.wait()

@@ -379,7 +379,8 @@ class JobPipeline:
                 if name.state is JobState.PENDING:
                     self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED,
                                                   name.attempt)
-            self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False)
+            self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False,
+                               job_timeout_s=self.cfg.job_timeout_s or None)
             read = functools.partial(read_result_payload, rows_per_job=self.cfg.generation_batch_size)
             for result in self.queue.collect(read, readopt=True) + self.cache.drain():
                 if isinstance(result.data, FailureReport):

@@ -123,10 +123,12 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
                 newest_failed = max(newest_failed, (entry.stat(follow_symlinks=False).st_ctime, entry.path))
             except FileNotFoundError:
                 pass
-    stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True) if a.job_id is not None]
+    ps = run.read_ps_status()
+    job_timeout_s = ps and ps.job_timeout_s
+    stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True, job_timeout_s=job_timeout_s)
+             if a.job_id is not None]
     workers = [{**w.as_dict(), "held": sorted(held.get(str(w.device), []))} for w in list_workers(run, now, lease_s)]
     global_step = run.read_global_step()
-    ps = run.read_ps_status()
     try:
         ps_beat_age = now - os.stat(run.ps_heartbeat_file).st_mtime
     except OSError:
@@ -144,6 +146,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "global_step": global_step,
         "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
+                                       "job_timeout_s": ps.job_timeout_s, "started_at": ps.started_at,
                                        "alive": pid_alive(ps.pid, ps.host),
                                        "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
@@ -291,8 +294,9 @@ def cmd_cleanup(run: RunDir, args) -> int:
     # unused: re-queued, they would wait for a worker and a PS that will not come.
     over = training_is_over(run)
     queue = JobQueue(run)
+    ps = run.read_ps_status()
     actions = queue.recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run,
-                            requeue=not over)
+                            requeue=not over, job_timeout_s=ps and ps.job_timeout_s)
     if over:
         actions += queue.archive_leftovers(dry_run=args.dry_run)
     retention = None

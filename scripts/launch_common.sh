@@ -103,6 +103,7 @@ restart_dead_workers() {
                 continue
             fi
             why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
+            [ "$status" -eq 4 ] && why=", a job ran past --job_timeout_s"  # worker.deadline.EXIT_JOB_DEADLINE
             say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
             start_worker "$i"
         fi

@@ -4,14 +4,17 @@
 
 kill-mid-sync-in-job   SIGKILLed inside its first weight sync between decoding steps (--in_flight_updates): a
                        job held, half generated, the weights slot's lock taken, its copy not yet made
+deadline-cannot-act    its job deadline (worker/deadline.py) blocks when it comes, as behind a lock the stuck
+                       thread holds: the worker lives, beats and holds its jobs past their deadline
 """
 
 import os
 import signal
 import sys
+import threading
 
 from asyncgrpo.weights import mmap_file
-from worker import in_flight
+from worker import deadline, in_flight
 
 FAULT = os.environ["WORKER_FAULT"]
 
@@ -33,6 +36,8 @@ if FAULT == "kill-mid-sync-in-job":
 
     in_flight.InFlightWeights.before_token = _before_token
     mmap_file.MmapReader.copy_out = _copy_out
+elif FAULT == "deadline-cannot-act":
+    deadline.JobDeadline.expire = lambda self, overdue: threading.Event().wait()
 else:
     sys.exit(f"faulty_worker: WORKER_FAULT: unknown fault {FAULT!r}")
 

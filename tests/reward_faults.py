@@ -49,3 +49,14 @@ def slow_once_when_told(prompts, completions, **kwargs):
         (Path(folder) / "done").touch()
     return [sum(c == p[0] for c in completion) / max(len(completion), 1)
             for p, completion in zip(prompts, completions, strict=True)]
+
+
+def hangs_on_prompt_7(prompts, completions, **kwargs):
+    """The demo reward, except that it never returns for a job holding the prompt "7:" (a scoring service that
+    hangs on some inputs: one demo prompt in ten)."""
+    import time
+
+    while "7:" in prompts:
+        time.sleep(1)
+    return [sum(c == p[0] for c in completion) / max(len(completion), 1)
+            for p, completion in zip(prompts, completions, strict=True)]

@@ -8,7 +8,8 @@ launch.sh starts one per GPU (or CPU slot) and restarts it if it dies. Exit stat
 stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that device, or a
 model that cannot take the PS's weights (another base model under a LoRA adapter, ...) or
 that cannot be built (a library refusing a flag, ...: a restart would fail the same way),
-3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 1 anything else.
+3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 4 a job ran past --job_timeout_s
+(worker.deadline.EXIT_JOB_DEADLINE: that attempt failed, its other jobs given back), 1 anything else.
 
 ``--join`` (what ``launch.sh --join`` passes): the worker's id carries this host's id,
 ``dev{N}.{host id}`` (asyncgrpo/run/hosts.py), so that worker N of every host has names

@@ -31,6 +31,7 @@ from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import ClaimedJob, JobQueue, QueueWatcher
 from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.run import RunDir, WorkerPresence
+from worker.deadline import ACTIVITY
 from worker.decoding.continuous import ContinuousDecoding, FinishedJob
 from worker.generate import JOB_FAILURES, JobInput, job_seed, prompt_ids_of, score_generated
 from worker.results import Timing, fail, publish
@@ -170,7 +171,8 @@ def _decode(cfg, run, queue, trainer, engine, subscriber, watcher, presence, sto
                 watcher.wait(IDLE_WAIT_S)
             continue
         waiting.over()
-        engine.run(engine.check_every)
+        with ACTIVITY.doing("generation"):  # (what a job's deadline names, worker/deadline.py)
+            engine.run(engine.check_every)
         for finished in engine.collect():
             scorer.submit(held.pop(finished.key), finished)
         _sync(subscriber, trainer.model, engine, events)

@@ -59,6 +59,7 @@ from asyncgrpo.messages import RepeatedFailureLog, first_line, log_once
 from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker.behaviour import BehaviourCapture, MultiTurnCapture, capture_for
+from worker.deadline import ACTIVITY
 from worker.decoding import Decoder
 from worker.decoding.eager import EagerDecoding
 from worker.in_flight import InFlightWeights
@@ -139,11 +140,11 @@ def _watched(function, after_s: float):
 
     if is_async_callable(function):
         async def watched(*args, **kwargs):
-            with _reported_after(after_s, report):
+            with _reported_after(after_s, report), ACTIVITY.doing("reward function", name):
                 return await function(*args, **kwargs)
     else:
         def watched(*args, **kwargs):
-            with _reported_after(after_s, report):
+            with _reported_after(after_s, report), ACTIVITY.doing("reward function", name):
                 return function(*args, **kwargs)
     watched = functools.update_wrapper(watched, function, assigned=("__module__", "__doc__"), updated=())
     watched.__name__ = watched.__qualname__ = name
@@ -265,7 +266,7 @@ def _generate_together(trainer: GRPOTrainer, jobs: list[JobInput], events: Event
     for job in jobs:
         events.emit("generate_start", jobs_in_call=len(jobs), **job.fields)
     started = time.monotonic()
-    with torch.no_grad(), trainer.accelerator.autocast(), record_function("generate"):
+    with torch.no_grad(), trainer.accelerator.autocast(), record_function("generate"), ACTIVITY.doing("generation"):
         generation = decoder.generate([ids for per_job in prompt_ids for ids in per_job], jobs[0].seed, in_flight)
     dur_ms = (time.monotonic() - started) * 1e3
     for job in jobs:
@@ -314,6 +315,7 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     # prepares for training); a worker never trains, so its model is never prepared: the same autocast here,
     # or a float32 base meets TRL's bfloat16 QLoRA adapter in one matmul and every generation fails.
     with torch.no_grad(), trainer.accelerator.autocast(), record_function("score"), \
+            ACTIVITY.doing("scoring", job_id=job_fields.get("job_id")), \
             scoring_one_job(trainer, events, job_fields, capture, turns, pregenerated,
                             in_flight if pregenerated is None else None) as seen:
         batch = getattr(trainer, GENERATE_AND_SCORE)(rows)

@@ -49,6 +49,7 @@ from worker import tools
 from worker.continuous_loop import serve_continuously
 from worker.decoding import Decoder
 from worker.decoding.build import build_decoder
+from worker.deadline import JobDeadline
 from worker.decoding.continuous import ContinuousDecoding
 from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
@@ -109,6 +110,8 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     watch_supervisor(f"worker dev{device}")  # launch.sh or join.sh killed outright: SIGTERM
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
+    deadline = JobDeadline(queue, cfg.job_timeout_s, cfg.max_attempts, events, device,
+                           version=lambda: presence.get("weights_version")).start()
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
         log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
@@ -117,6 +120,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         decoding = build_decoder(cfg, trainer, device, events)
     except Exception as err:
         watcher.close()
+        deadline.stop()
         presence.stop()
         events.close()
         if isinstance(err, ConfigError) or is_broken_device_error(err):
@@ -212,6 +216,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             subscriber.close()  # frees IPC mappings: on a broken device that may fail too
         except Exception as err:
             log.warning("[weights] dev%s closing the weights reader: %s", device, first_line(err))
+        deadline.stop()
         presence.stop()
         events.close()
     if status == 0:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.messages import RepeatedFailureLog, first_line
+from worker.deadline import ACTIVITY
 from worker.trl_seam import ENVIRONMENT_POOL
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -56,6 +57,11 @@ STOP_POLL_S = 0.1
 def call_within(timeout_s: float, name: str, function, *args, **kwargs):
     """``function(*args, **kwargs)``, or ToolTimeout once ``timeout_s`` have passed (0: no bound), or WorkerStopping
     once STOPPING is set. The call is left running in a daemon thread: a Python thread cannot be killed."""
+    with ACTIVITY.doing("tool", name):  # what a job's deadline names (worker/deadline.py)
+        return _call_within(timeout_s, name, function, *args, **kwargs)
+
+
+def _call_within(timeout_s: float, name: str, function, *args, **kwargs):
     if STOPPING.is_set():
         raise WorkerStopping(f"{name}: not called, the worker is stopping")
     if not timeout_s:
@@ -85,6 +91,11 @@ def call_within(timeout_s: float, name: str, function, *args, **kwargs):
 async def await_within(timeout_s: float, name: str, awaitable):
     """The awaitable's result, or ToolTimeout once ``timeout_s`` have passed (0: no bound), or WorkerStopping once
     STOPPING is set; it is cancelled then."""
+    with ACTIVITY.doing("tool", name):
+        return await _await_within(timeout_s, name, awaitable)
+
+
+async def _await_within(timeout_s: float, name: str, awaitable):
     if STOPPING.is_set():
         if asyncio.iscoroutine(awaitable):
             awaitable.close()  # never awaited: no "coroutine was never awaited" warning

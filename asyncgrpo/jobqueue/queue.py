@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from asyncgrpo.run.rundir import RunDir, WorkerId
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_ATTEMPTS = 3  # a job recovered this many times is archived `orphaned`
+DEFAULT_JOB_TIMEOUT_S = 1800.0  # --job_timeout_s: generous for long completions on a GPU (worker/deadline.py)
 
 JOB_KEYS = ("schema", "kind", "job_id", "created_step", "created_at", "data")
 RESULT_KEYS = ("schema", "kind", "job_id", "attempt", "worker_device", "weights_version",
@@ -111,6 +113,10 @@ class JobQueue:
         self.max_payload_bytes = max_payload_bytes
         self.events = events or EventLog.off()  # every archive is a timeline event
         self._candidates: deque[QueueName] = deque()
+        # The jobs this process claimed and has not yet ended (published, failed, given back): what a worker's
+        # deadline (worker/deadline.py) looks at, from a thread of its own.
+        self._held: dict[str, ClaimedJob] = {}
+        self._held_lock = threading.Lock()
 
     # ---------------------------------------------------------------- scanning
 
@@ -197,7 +203,19 @@ class JobQueue:
                 log.error("[queue] job %s rejected: %s", name.filename, err)
                 self.archive_if_present(self.path(name), name.job_id, ArchiveReason.FAILED_LOAD, name.attempt)
                 continue
-            return ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at)
+            job = ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at)
+            with self._held_lock:
+                self._held[name.filename] = job
+            return job
+
+    def held(self) -> list[ClaimedJob]:
+        """The jobs this process claimed and has not ended yet, oldest claim first."""
+        with self._held_lock:
+            return sorted(self._held.values(), key=lambda job: job.claimed_at)
+
+    def _let_go(self, job: ClaimedJob) -> None:
+        with self._held_lock:
+            self._held.pop(job.name.filename, None)
 
     def complete(self, job: ClaimedJob, data, *, weights_version: int, **fields) -> bool:
         """Publishes a worker's result. False if the job was recovered from this worker
@@ -235,9 +253,11 @@ class JobQueue:
             fileops.move(job.path, self.path(fence))
         except FileNotFoundError:
             fileops.remove_temp(tmp)
+            self._let_go(job)
             log.warning("[queue] job %s was recovered from dev%s while it ran; dropping its result",
                         job.name.filename, device)
             return False
+        self._let_go(job)  # (given back to it below if the result cannot be written)
         try:
             fileops.stamp_now(self.path(fence))
         except FileNotFoundError:
@@ -251,6 +271,8 @@ class JobQueue:
             fileops.remove_temp(tmp)
             try:
                 fileops.move(self.path(fence), job.path)
+                with self._held_lock:
+                    self._held[job.name.filename] = job
             except (FileNotFoundError, FileExistsError):
                 pass  # recovered meanwhile
             raise
@@ -259,6 +281,7 @@ class JobQueue:
 
     def release(self, job: ClaimedJob) -> bool:
         """Gives an unfinished job back (same attempt), e.g. on SIGTERM."""
+        self._let_go(job)
         try:
             fileops.move(job.path, self.path(job.name.moved_to(JobState.PENDING)))
         except (FileNotFoundError, FileExistsError):
@@ -386,11 +409,11 @@ class JobQueue:
     # ---------------------------------------------------------------- recovery (recovery.py)
 
     def recover(self, *, lease_s: float = DEFAULT_LEASE_S, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                dry_run: bool = False, own_device: WorkerId | None = None,
-                requeue: bool = True) -> list[RecoveryAction]:
+                dry_run: bool = False, own_device: WorkerId | None = None, requeue: bool = True,
+                job_timeout_s: float | None = None) -> list[RecoveryAction]:
         """Recovers the jobs of dead or silent workers, reaps old temp files, archives junk: recovery.recover."""
         return recovery.recover(self, lease_s=lease_s, max_attempts=max_attempts, dry_run=dry_run,
-                                own_device=own_device, requeue=requeue)
+                                own_device=own_device, requeue=requeue, job_timeout_s=job_timeout_s)
 
     def archive_leftovers(self, dry_run: bool = False) -> list[RecoveryAction]:
         """After training is over: every pending job and result left in queue/ archived ``unused``:

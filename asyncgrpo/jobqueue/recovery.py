@@ -4,8 +4,10 @@ docs/design.md, "Liveness, leases and recovery".
 
 A processing or committing file is stale when its worker is dead (its lock is free, or on another
 host its heartbeat is older than the lease: liveness.py), when the worker's heartbeat is older than
-the lease (stopped, hung), or when the worker has moved on to another job and the file is older than
-the lease. A stale job whose result exists is archived ``processed`` (the result wins), one whose job
+the lease (stopped, hung), when the worker has moved on to another job and the file is older than
+the lease, or when it is older than the job's deadline (``--job_timeout_s``) and the lease together,
+whatever the heartbeat says: a worker acts on its own deadline (worker/deadline.py), and this is the
+backstop for one that cannot. A stale job whose result exists is archived ``processed`` (the result wins), one whose job
 is already in the queue as a later attempt (its worker threw it again, then died) ``duplicate``; else
 it goes back to pending with attempt + 1, or to done/ as ``orphaned`` after ``max_attempts``. Temp
 files are reaped when older than the lease, or at once when their writer (a process of this host) is
@@ -46,12 +48,14 @@ class RecoveryAction:
 
 
 def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_device: WorkerId | None,
-            requeue: bool) -> list[RecoveryAction]:
+            requeue: bool, job_timeout_s: float | None = None) -> list[RecoveryAction]:
     """Recovers ``queue``'s stale jobs, reaps its old temp files and archives its junk (see the module).
 
     ``own_device``: a worker starting up recovers every file left under its device number, since the
     process that left them is gone. ``requeue=False`` (the PS's end of training): a stale job without a
     result is archived ``unused`` instead of going back to pending, where a worker would take it.
+    ``job_timeout_s`` (``--job_timeout_s``): a job held past it and the lease is stale whatever its worker's
+    heartbeat says (a worker that could not act on its own deadline).
     """
     now = fs_now(queue.run)
     names, junk = queue.scan()
@@ -77,7 +81,7 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
                 continue
             if name.device not in statuses:
                 statuses[name.device] = worker_status(queue.run, name.device, now, lease_s)
-            why = _stale_reason(statuses[name.device], name, file_age, lease_s)
+            why = _stale_reason(statuses[name.device], name, file_age, lease_s, job_timeout_s)
             if why is None:
                 continue
         reason = None  # requeue
@@ -156,7 +160,8 @@ def _reap_temp_files(queue, now: float, lease_s: float, dry_run: bool) -> list[R
     return actions
 
 
-def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> str | None:
+def _stale_reason(status, name: QueueName, file_age: float, lease_s: float,
+                  job_timeout_s: float | None = None) -> str | None:
     if not status.alive and status.remote and status.state != "stopped":
         return (f"worker dev{name.device} on host {status.host} went silent: heartbeat "
                 f"{status.heartbeat_age_s or 0:.0f}s old (lease {lease_s:g}s)")
@@ -164,6 +169,9 @@ def _stale_reason(status, name: QueueName, file_age: float, lease_s: float) -> s
         return f"worker dev{name.device} is dead"
     if status.heartbeat_age_s is not None and status.heartbeat_age_s > lease_s:
         return f"worker dev{name.device} heartbeat is {status.heartbeat_age_s:.0f}s old (lease {lease_s:g}s)"
+    if job_timeout_s and file_age > job_timeout_s + lease_s:
+        return (f"worker dev{name.device} has held it {file_age:.0f}s, past its deadline (--job_timeout_s "
+                f"{job_timeout_s:g}) and the lease ({lease_s:g}s): stuck where it cannot act on its deadline")
     if not status.holds(name.job_id) and file_age > lease_s:
         return f"worker dev{name.device} moved on to {status.job_id} and this file is {file_age:.0f}s old"
     return None

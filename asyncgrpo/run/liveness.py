@@ -160,6 +160,11 @@ class WorkerPresence:
         with self._mutex:
             self._fields.update(fields)
 
+    def get(self, name: str):
+        """What ``update`` recorded last for ``name``."""
+        with self._mutex:
+            return self._fields.get(name)
+
     def beat(self) -> None:
         """Writes the heartbeat now, stamped with the file server's time."""
         with self._mutex:

@@ -71,13 +71,15 @@ class PSStatus:
     # Whether the GPU's processes run under NVIDIA MPS, as launch.sh found it ("on", or "off: why"); None when
     # the PS was not started by launch.sh.
     mps: str | None = None
+    job_timeout_s: float | None = None  # its --job_timeout_s (None: no deadline): what recovery and ls go by
 
     @classmethod
-    def starting(cls, model: str, resumed_from: str | None, generation: dict) -> PSStatus:
+    def starting(cls, model: str, resumed_from: str | None, generation: dict,
+                 job_timeout_s: float | None = None) -> PSStatus:
         """This process's status as it starts training."""
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
                    started_at=time.time(), resumed_from=resumed_from, generation=generation,
-                   mps=os.environ.get(MPS_ENV) or None)
+                   mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s)
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

@@ -210,6 +210,38 @@ def test_every_job_a_live_worker_holds_for_one_generate_call_is_left_to_it(queue
         presence.stop()
 
 
+def test_a_job_held_past_its_deadline_and_the_lease_is_recovered_whatever_the_heartbeat_says(queue, run):
+    """The backstop for a worker that cannot act on its own deadline (worker/deadline.py): alive, beating, naming
+    the job, and still it comes back once held past --job_timeout_s and the lease."""
+    queue.put_job("000001_000", {}, created_step=1)
+    presence = WorkerPresence(run, 1).start()
+    try:
+        job = queue.claim(1)
+        presence.update(job_id=job.job_id, job_ids=[job.job_id], state="busy")
+        presence.beat()
+        backdate(job.path, 100 + LEASE_S - 1)  # not yet past both
+        assert queue.recover(lease_s=LEASE_S, job_timeout_s=100) == []
+        backdate(job.path, 100 + LEASE_S + 1)
+        assert queue.recover(lease_s=LEASE_S) == []  # without a deadline: the live worker keeps it
+        [action] = queue.recover(lease_s=LEASE_S, job_timeout_s=100)
+        assert action.what == "requeue" and "past its deadline (--job_timeout_s 100)" in action.why
+        assert queue_files(run) == ["000001_000_pending_a2.pt"]
+        assert not queue.complete(job, {}, weights_version=0)  # its late result is fenced out
+    finally:
+        presence.stop()
+
+
+def test_the_jobs_a_process_holds_are_those_it_claimed_and_has_not_ended(queue, run):
+    for i in range(4):
+        queue.put_job(f"000001_00{i}", {}, created_step=1)
+    jobs = [queue.claim(1) for _ in range(4)]
+    assert [j.job_id for j in queue.held()] == [j.job_id for j in jobs]
+    assert queue.complete(jobs[0], {}, weights_version=0)
+    assert queue.fail(jobs[1], {"type": "E"}, max_attempts=3, weights_version=0)
+    assert queue.release(jobs[2])
+    assert [j.job_id for j in queue.held()] == [jobs[3].job_id]
+
+
 def test_a_job_recovered_between_claim_rename_and_lease_start_is_let_go(queue, run, monkeypatch):
     """Until the claim sets its mtime, a processing file carries the job's creation time; a PS
     recovery then, while the heartbeat still names the worker's previous job, requeues it."""

@@ -1,0 +1,97 @@
+"""A job's deadline on a worker (worker/deadline.py), in one process with a real queue: the job stuck in a reward
+function fails as that attempt, naming it, and the worker's other job goes back untouched; a job that ended as
+the deadline came is left alone; the watch thread acts by itself. (The process exit is recorded, not made; the
+whole story with real processes: tests/e2e/test_job_deadline.py.)"""
+
+import threading
+
+import pytest
+from helpers import wait_for
+
+from asyncgrpo.events import EventLog
+from asyncgrpo.run import fileops
+from worker import deadline
+from worker.deadline import ACTIVITY, EXIT_JOB_DEADLINE, JobDeadline
+
+
+@pytest.fixture
+def exits(monkeypatch) -> list:
+    statuses = []
+    monkeypatch.setattr(deadline.os, "_exit", statuses.append)
+    return statuses
+
+
+def in_queue(run) -> list[str]:
+    return sorted(p.name for p in run.queue.iterdir() if p.name != ".tmp")
+
+
+def hanging_reward(job_id: str, started: threading.Event, release: threading.Event):
+    """A scoring thread whose reward function 'hangs' waits for ``release``."""
+    def scoring():
+        with ACTIVITY.doing("scoring", job_id=job_id), ACTIVITY.doing("reward function", "hangs"):
+            started.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=scoring)
+    thread.start()
+    assert started.wait(10)
+    return thread
+
+
+def test_the_job_stuck_in_a_reward_function_fails_naming_it_and_the_other_job_goes_back(queue, run, exits):
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    queue.put_job("000001_001", {"rows": []}, created_step=1)
+    stuck, other = queue.claim(1), queue.claim(1)  # one generate call's jobs: the first is being scored
+    release = threading.Event()
+    thread = hanging_reward(stuck.job_id, threading.Event(), release)
+    try:
+        JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1, version=lambda: 3).expire(
+            [stuck, other])
+    finally:
+        release.set()
+        thread.join()
+    assert exits == [EXIT_JOB_DEADLINE]
+    assert in_queue(run) == ["000001_000_pending_a2.pt", "000001_001_pending.pt"]
+    [error] = fileops.load_payload(run.queue / "000001_000_pending_a2.pt")["errors"]
+    assert error["type"] == "JobTimeout" and error["reward_function"] == "hangs" and error["stage"] == "scoring"
+    assert "ran past its deadline (--job_timeout_s 5: held" in error["message"]
+    assert error["message"].endswith("stuck in reward function 'hangs'")
+    assert "in scoring" in error["traceback"]  # the stuck thread's stack
+    assert "errors" not in fileops.load_payload(run.queue / "000001_001_pending.pt")
+    assert queue.held() == []
+
+
+def test_on_its_last_attempt_the_job_is_reported_failed(queue, run, exits):
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+    JobDeadline(queue, 5, max_attempts=1, events=EventLog.off(), device=1).expire([job])
+    assert exits == [EXIT_JOB_DEADLINE]
+    [result] = in_queue(run)
+    assert result.startswith("000001_000_complete")
+    [error] = fileops.load_payload(run.queue / result)["data"]["errors"]
+    assert error["type"] == "JobTimeout" and error["message"].endswith("stuck in unknown work")
+
+
+def test_a_job_that_ended_as_the_deadline_came_is_left_alone(queue, run, exits):
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+    assert queue.complete(job, {}, weights_version=0)
+    JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1).expire([job])
+    assert exits == []
+    assert in_queue(run) == ["000001_000_complete_from_dev1.pt"]
+
+
+def test_the_watch_fails_a_job_held_past_the_deadline_by_itself(queue, run, exits):
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+    job.claimed_at -= 10  # claimed 10 s ago
+    watch = JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1).start()
+    try:
+        wait_for(lambda: exits, "the watch to act", timeout=30)
+    finally:
+        watch.stop()
+    assert exits[0] == EXIT_JOB_DEADLINE and in_queue(run) == ["000001_000_pending_a2.pt"]
+
+
+def test_no_deadline_no_watch(queue):
+    assert JobDeadline(queue, 0, max_attempts=2, events=EventLog.off(), device=1).start()._thread is None
