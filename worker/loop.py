@@ -47,9 +47,9 @@ from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
 from worker.continuous_loop import serve_continuously
+from worker.deadline import JobDeadline
 from worker.decoding import Decoder
 from worker.decoding.build import build_decoder
-from worker.deadline import JobDeadline
 from worker.decoding.continuous import ContinuousDecoding
 from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
