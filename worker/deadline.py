@@ -96,12 +96,14 @@ def describe(stage: str, name: str | None) -> str:
 
 class JobDeadline:
     """The watch (see the module's docstring). ``version``: the weights version the worker holds (a failure report
-    carries it)."""
+    carries it). ``stopped``: called before the exit when the worker was asked to stop (SIGTERM, Ctrl-C) and its
+    stuck job kept it from it: the jobs are ended, so it marks itself stopped, not dead."""
 
     def __init__(self, queue: JobQueue, timeout_s: float, max_attempts: int, events: EventLog, device,
-                 version=lambda: None):
+                 version=lambda: None, stopping=lambda: False, stopped=lambda: None):
         self.queue, self.timeout_s, self.max_attempts = queue, timeout_s, max_attempts
         self.events, self.device, self.version = events, device, version
+        self.stopping, self.stopped = stopping, stopped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -153,8 +155,10 @@ class JobDeadline:
         for job in others:
             if self.queue.release(job):
                 self.events.emit("job_released", job_id=job.job_id)
-        log.error("[worker] dev%s exits (status %d) to be restarted: a job ran past --job_timeout_s %g, stuck in %s%s. "
-                  "Every thread's stack follows.", self.device, EXIT_JOB_DEADLINE, self.timeout_s, where,
+        stopping = self.stopping()
+        log.error("[worker] dev%s exits (status %d)%s: a job ran past --job_timeout_s %g, stuck in %s%s. Every "
+                  "thread's stack follows.", self.device, EXIT_JOB_DEADLINE,
+                  ", as it was asked to" if stopping else " to be restarted", self.timeout_s, where,
                   f"; {len(others)} other job(s) it held given back" if others else "")
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
@@ -162,4 +166,6 @@ class JobDeadline:
         sys.stderr.flush()
         with contextlib.suppress(Exception):  # (its main thread may be writing an event too)
             self.events.close()
+        if stopping:
+            self.stopped()
         os._exit(EXIT_JOB_DEADLINE)

@@ -111,7 +111,8 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     deadline = JobDeadline(queue, cfg.job_timeout_s, cfg.max_attempts, events, device,
-                           version=lambda: presence.get("weights_version")).start()
+                           version=lambda: presence.get("weights_version"), stopping=stop.is_set,
+                           stopped=presence.stop).start()
     for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
         log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 

@@ -95,3 +95,15 @@ def test_the_watch_fails_a_job_held_past_the_deadline_by_itself(queue, run, exit
 
 def test_no_deadline_no_watch(queue):
     assert JobDeadline(queue, 0, max_attempts=2, events=EventLog.off(), device=1).start()._thread is None
+
+
+def test_a_worker_asked_to_stop_and_kept_from_it_by_a_stuck_job_ends_as_stopped(queue, run, exits):
+    """SIGTERM came while a reward function never returns: at the deadline the job fails as any attempt, and the
+    worker marks itself stopped (its heartbeat's state), not dead, before it exits."""
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+    stopped = []
+    JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1, stopping=lambda: True,
+                stopped=lambda: stopped.append(True)).expire([job])
+    assert exits == [EXIT_JOB_DEADLINE] and stopped == [True]
+    assert in_queue(run) == ["000001_000_pending_a2.pt"]
