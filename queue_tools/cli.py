@@ -33,6 +33,9 @@ from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_f
 WATCH_INTERVAL_S = 1.0
 TOOL_FAILURES_WARN = 0.5  # the share of a step's tool calls that failed from which health warns
 SILENT_AFTER_S = 5.0  # a live worker whose heartbeat (every second) is this old while it holds jobs: said in health
+# No step trained for this long while a worker has held a job as long: said in health (the PS's own log says so from
+# 30 s on; a slow step of a large model is not a stall, so health waits longer).
+TRAINER_WAIT_WARN_S = 120.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -151,6 +154,8 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
                                        "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
     }
+    last_trained = (report["last_step"] or {}).get("time") or (ps.started_at if ps is not None else None)
+    report["since_last_step_s"] = None if last_trained is None else round(max(0.0, time.time() - last_trained), 3)
     report["health"] = _health(report)
     return report
 
@@ -187,6 +192,7 @@ def _health(report: dict) -> str:
         elif (ps["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
             problems.append(f"the parameter server (pid {ps['pid']} on {ps['host']}) silent for "
                             f"{ps['heartbeat_age_s']:.0f}s (stopped or swapped out?): the workers wait for it")
+    problems += _stuck(report)
     if report["stale"]:
         problems.append(f"{len(report['stale'])} stale job(s)")
     for w in alive:
@@ -213,6 +219,35 @@ def _health(report: dict) -> str:
         hint = "; run `queue_tools cleanup`" if report["stale"] or report["junk"] else ""
         return "WARN: " + ", ".join(problems) + hint
     return f"OK: {len(alive)} worker(s) alive, no stale jobs"
+
+
+def _stuck(report: dict) -> list[str]:
+    """What health says of jobs that do not end and of workers nobody will stop."""
+    problems = []
+    ps, alive = report["ps"], [w for w in report["workers"] if w["alive"]]
+    held = sorted(((age, job, w) for w in alive for job, age in w["held"]), key=lambda item: -item[0])
+    timeout_s = ps and ps.get("job_timeout_s")
+    overdue = [(age, job, w) for age, job, w in held if timeout_s and age > timeout_s]
+    for age, job, w in overdue:
+        problems.append(f"job {job} held by dev{w['device']} for {age:.0f}s, past its deadline (--job_timeout_s "
+                        f"{timeout_s:g}): stuck where the worker cannot act on it; recovery takes it back after the "
+                        f"lease (`kill -USR1 {w['pid']}` logs where each thread is)")
+    waited = report["since_last_step_s"]
+    if (ps is not None and ps["state"] == "training" and ps["alive"] and held and not overdue
+            and waited is not None and waited > TRAINER_WAIT_WARN_S and held[0][0] > TRAINER_WAIT_WARN_S):
+        age, job, w = held[0]
+        problems.append(f"no step trained for {waited:.0f}s while workers hold jobs: the oldest, {job}, held by "
+                        f"dev{w['device']} for {age:.0f}s (a reward function or tool that does not return? "
+                        f"`kill -USR1 {w['pid']}` logs where each thread is; --job_timeout_s ends it)")
+    if ps is not None and (ps["state"] == "finished" or not ps["alive"]):
+        unsupervised = [w for w in alive if w["state"] != "stopped"
+                        and not (w.get("supervisor_pid") and pid_alive(w["supervisor_pid"], w["host"]))]
+        if unsupervised:
+            ended = "finished" if ps["state"] == "finished" else "stopped"
+            problems.append(f"{len(unsupervised)} worker(s) alive beside a parameter server that has {ended}, with no "
+                            "launch.sh to stop them: stop them (kill " +
+                            " ".join(str(w["pid"]) for w in unsupervised) + ")")
+    return problems
 
 
 def _num(value, spec: str) -> str:

@@ -107,7 +107,8 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop as on Ctrl-C (not die holding a job)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
-    watch_supervisor(f"worker dev{device}")  # launch.sh or join.sh killed outright: SIGTERM
+    # launch.sh or join.sh killed outright: SIGTERM. (ls tells workers nobody will stop from the others.)
+    presence.update(supervisor_pid=watch_supervisor(f"worker dev{device}"))
     events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
     queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
     deadline = JobDeadline(queue, cfg.job_timeout_s, cfg.max_attempts, events, device,

@@ -241,6 +241,7 @@ class WorkerStatus:
     reading: list | None = None  # [publisher_id, version] of the snapshot it reads, while alive
     job_ids: list[str] = field(default_factory=list)  # every job in its hand (several per generate call)
     recompiles: int = 0  # compiled decoding's graphs made after its warm-up
+    supervisor_pid: int | None = None  # the launch.sh or join.sh that started it (asyncgrpo/supervisor.py)
 
     def holds(self, job_id: str) -> bool:
         return job_id == self.job_id or job_id in self.job_ids
@@ -306,7 +307,8 @@ def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> 
                         weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age, remote=remote,
                         reading=reading if alive and isinstance(reading, list) and len(reading) == 2 else None,
                         job_ids=[str(j) for j in heartbeat.get("job_ids") or []] if alive else [],
-                        recompiles=int(heartbeat.get("recompiles") or 0))
+                        recompiles=int(heartbeat.get("recompiles") or 0),
+                        supervisor_pid=heartbeat.get("supervisor_pid"))
 
 
 def list_workers(run: RunDir, now: float, lease_s: float) -> list[WorkerStatus]:

@@ -238,11 +238,17 @@ class RunDir:
 
 
 def latest_run() -> RunDir:
-    """The most recently modified run in the runs folder."""
+    """The most recently started run in the runs folder: by its PS's last start (``ps.json``), else by its queue's
+    last change. Not by the newest file: the workers of an old run left running keep writing heartbeats."""
     folder = runs_dir()
     if not folder.is_dir():
         raise RunDirError(f"no run directory given and the runs folder {folder} does not exist")
-    runs = [p for p in folder.iterdir() if (p / "queue").is_dir()]
+    runs = [RunDir(p.resolve()) for p in folder.iterdir() if (p / "queue").is_dir()]
     if not runs:
         raise RunDirError(f"no run directory given and the runs folder {folder} holds no runs")
-    return RunDir(max(runs, key=lambda p: p.stat().st_mtime).resolve())
+
+    def started(run: RunDir) -> float:
+        status = run.read_ps_status()
+        return status.started_at if status is not None else (run.root / "queue").stat().st_mtime
+
+    return max(runs, key=started)

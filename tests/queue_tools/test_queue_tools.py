@@ -4,8 +4,10 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,14 +115,84 @@ def test_ls_warns_about_orphaned_jobs(run, queue, capsys):
         "health: WARN: 1 job(s) orphaned (their workers died on every attempt) and not trained on")
 
 
-def test_ls_without_a_run_dir_takes_the_newest_run(tmp_path, monkeypatch, capsys):
+def ps_status(run, *, state="training", pid=None, started_ago_s=0.0, job_timeout_s=None) -> PSStatus:
+    status = PSStatus(pid=os.getpid() if pid is None else pid, host=socket.gethostname(), model="m", state=state,
+                      started_at=time.time() - started_ago_s, job_timeout_s=job_timeout_s)
+    run.write_ps_status(status)
+    return status
+
+
+def test_ls_without_a_run_dir_takes_the_run_started_last(tmp_path, monkeypatch, capsys):
+    """By its PS's start, not by the newest file: the workers of an older run left running write heartbeats."""
     runs = tmp_path / "runs"
-    RunDir.create(runs / "old")
-    newest = RunDir.create(runs / "new")
-    os.utime(runs / "old", (1, 1))
-    monkeypatch.setenv("ASYNCGRPO_RUNS", str(runs))
-    code, out, _ = run_cli(capsys, "ls", "--json")
+    old, newest = RunDir.create(runs / "old"), RunDir.create(runs / "new")
+    ps_status(old, started_ago_s=600)
+    ps_status(newest, started_ago_s=60)
+    presence = WorkerPresence(old, 1).start()  # beating now, in the old run
+    os.utime(old.root, (time.time() + 1, time.time() + 1))  # its files the newest
+    try:
+        monkeypatch.setenv("ASYNCGRPO_RUNS", str(runs))
+        code, out, _ = run_cli(capsys, "ls", "--json")
+    finally:
+        presence.stop()
     assert code == 0 and json.loads(out)["run_dir"] == str(newest.root)
+
+
+def holding(run, queue, held_for_s: float) -> WorkerPresence:
+    """A live dev1 holding job 000001_000, claimed ``held_for_s`` ago."""
+    queue.put_job("000001_000", {}, created_step=1)
+    presence = WorkerPresence(run, 1).start()
+    job = queue.claim(1)
+    presence.update(job_id=job.job_id, job_ids=[job.job_id], state="busy")
+    presence.beat()
+    backdate(job.path, held_for_s)
+    return presence
+
+
+def test_ls_warns_about_a_job_held_past_its_deadline(run, queue, capsys):
+    ps_status(run, job_timeout_s=100)
+    presence = holding(run, queue, 120)  # (past the deadline, not yet past the lease too: not yet stale)
+    try:
+        _, out, _ = run_cli(capsys, "ls", run.root, "--json")
+    finally:
+        presence.stop()
+    assert json.loads(out)["health"] == (
+        f"WARN: job 000001_000 held by dev1 for 120s, past its deadline (--job_timeout_s 100): stuck where the worker "
+        f"cannot act on it; recovery takes it back after the lease (`kill -USR1 {os.getpid()}` logs where each thread "
+        "is)")
+
+
+def test_ls_warns_when_no_step_trains_while_a_worker_holds_a_job_for_long(run, queue, capsys):
+    ps_status(run, started_ago_s=300)  # no deadline, no step yet
+    presence = holding(run, queue, 200)
+    try:
+        _, out, _ = run_cli(capsys, "ls", run.root, "--json")
+        claimed = time.time() - 30  # a job of a slow step, not a stall
+        os.utime(run.queue / "000001_000_processing_by_dev1.pt", (claimed, claimed))
+        _, quiet, _ = run_cli(capsys, "ls", run.root, "--json")
+    finally:
+        presence.stop()
+    health = json.loads(out)["health"]
+    assert health.startswith("WARN: no step trained for 300s while workers hold jobs: the oldest, 000001_000, held by "
+                             "dev1 for 200s (a reward function or tool that does not return?"), health
+    assert json.loads(quiet)["health"].startswith("OK"), quiet
+
+
+@pytest.mark.parametrize("ps_state", ["finished", "dead"])
+def test_ls_warns_about_workers_nobody_will_stop_beside_a_ps_that_has_ended(run, capsys, ps_state):
+    ps_status(run, state="finished" if ps_state == "finished" else "training", pid=dead_pid())
+    presence = WorkerPresence(run, 1).start()
+    try:
+        _, out, _ = run_cli(capsys, "ls", run.root, "--json")
+        presence.update(supervisor_pid=os.getpid())  # a launch.sh that lives: it stops them itself
+        presence.beat()
+        _, supervised, _ = run_cli(capsys, "ls", run.root, "--json")
+    finally:
+        presence.stop()
+    ended = "finished" if ps_state == "finished" else "stopped"
+    assert (f"1 worker(s) alive beside a parameter server that has {ended}, with no launch.sh to stop them: stop "
+            f"them (kill {os.getpid()})") in json.loads(out)["health"]
+    assert "no launch.sh to stop them" not in json.loads(supervised)["health"]
 
 
 def test_cleanup_prints_each_file_it_touches_and_is_idempotent(busy_run, capsys):
