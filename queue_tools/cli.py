@@ -154,8 +154,11 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
                                        "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
     }
-    last_trained = (report["last_step"] or {}).get("time") or (ps.started_at if ps is not None else None)
-    report["since_last_step_s"] = None if last_trained is None else round(max(0.0, time.time() - last_trained), 3)
+    try:  # written after every step (metrics.jsonl only every logging_steps)
+        since_last_step = now - os.stat(run.global_step_file).st_mtime
+    except OSError:  # no step yet: since this PS started
+        since_last_step = None if ps is None else time.time() - ps.started_at
+    report["since_last_step_s"] = None if since_last_step is None else round(max(0.0, since_last_step), 3)
     report["health"] = _health(report)
     return report
 
