@@ -102,9 +102,12 @@ restart_dead_workers() {
                 unset "WORKER_PID[$i]"
                 continue
             fi
-            why=""; [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
-            [ "$status" -eq 4 ] && why=", a job ran past --job_timeout_s"  # worker.deadline.EXIT_JOB_DEADLINE
-            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it (its job returns through recovery)"
+            why=""; jobs="its job returns through recovery"
+            [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
+            if [ "$status" -eq 4 ]; then  # worker.deadline.EXIT_JOB_DEADLINE
+                why=", a job ran past --job_timeout_s"; jobs="that job failed as its attempt, its others given back"
+            fi
+            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it ($jobs)"
             start_worker "$i"
         fi
     done

@@ -96,8 +96,9 @@ def describe(stage: str, name: str | None) -> str:
 
 class JobDeadline:
     """The watch (see the module's docstring). ``version``: the weights version the worker holds (a failure report
-    carries it). ``stopped``: called before the exit when the worker was asked to stop (SIGTERM, Ctrl-C) and its
-    stuck job kept it from it: the jobs are ended, so it marks itself stopped, not dead."""
+    carries it). ``stopping``: whether the worker was asked to stop (then it is not restarted, and says so).
+    ``stopped``: called before the exit, every job ended: the worker marks itself stopped (its heartbeat), not dead
+    holding jobs."""
 
     def __init__(self, queue: JobQueue, timeout_s: float, max_attempts: int, events: EventLog, device,
                  version=lambda: None, stopping=lambda: False, stopped=lambda: None):
@@ -166,6 +167,5 @@ class JobDeadline:
         sys.stderr.flush()
         with contextlib.suppress(Exception):  # (its main thread may be writing an event too)
             self.events.close()
-        if stopping:
-            self.stopped()
+        self.stopped()
         os._exit(EXIT_JOB_DEADLINE)

@@ -187,10 +187,12 @@ def read_result(data, rows_per_job: int) -> ResultData | FailureReport:
 
 def describe_error(error: dict) -> str:
     """One line for one of a job's errors: "reward function 'f' raised ValueError: ..." (or "generation
-    raised ..."). An error holds ERROR_KEYS: ``type``, ``message``, ``stage`` ("generation" or "scoring"),
-    ``reward_function`` (None outside one), ``traceback``, ``time``, and the ``attempt``, ``worker_device``
-    and ``weights_version`` it failed on."""
-    where = f"reward function {error['reward_function']!r}" if error.get("reward_function") else error.get("stage")
+    raised ..."; for a job past its deadline, its message, which names where it was stuck). An error holds
+    ERROR_KEYS: ``type``, ``message``, ``stage`` ("generation" or "scoring"), ``reward_function`` (None outside
+    one), ``traceback``, ``time``, and the ``attempt``, ``worker_device`` and ``weights_version`` it failed on."""
     lines = str(error.get("message", "")).strip().splitlines() or [""]
     message = lines[0][:300] + (" ..." if len(lines) > 1 or len(lines[0]) > 300 else "")
+    if error.get("type") == "JobTimeout":  # (worker/deadline.py: its message says where it was stuck)
+        return message
+    where = f"reward function {error['reward_function']!r}" if error.get("reward_function") else error.get("stage")
     return f"{where or 'the job'} raised {error.get('type', 'an exception')}: {message}"

@@ -97,9 +97,10 @@ def test_no_deadline_no_watch(queue):
     assert JobDeadline(queue, 0, max_attempts=2, events=EventLog.off(), device=1).start()._thread is None
 
 
-def test_a_worker_asked_to_stop_and_kept_from_it_by_a_stuck_job_ends_as_stopped(queue, run, exits):
+def test_a_worker_asked_to_stop_and_kept_from_it_by_a_stuck_job_ends_as_stopped(queue, run, exits, caplog):
     """SIGTERM came while a reward function never returns: at the deadline the job fails as any attempt, and the
-    worker marks itself stopped (its heartbeat's state), not dead, before it exits."""
+    worker marks itself stopped (its heartbeat's state), not dead, before it exits, and does not ask for a
+    restart."""
     queue.put_job("000001_000", {"rows": []}, created_step=1)
     job = queue.claim(1)
     stopped = []
@@ -107,3 +108,13 @@ def test_a_worker_asked_to_stop_and_kept_from_it_by_a_stuck_job_ends_as_stopped(
                 stopped=lambda: stopped.append(True)).expire([job])
     assert exits == [EXIT_JOB_DEADLINE] and stopped == [True]
     assert in_queue(run) == ["000001_000_pending_a2.pt"]
+    assert "dev1 exits (status 4), as it was asked to: a job ran past --job_timeout_s 5" in caplog.text
+
+
+def test_a_job_past_its_deadline_is_described_by_where_it_was_stuck():
+    from asyncgrpo.jobqueue import describe_error
+
+    message = "the job ran past its deadline (--job_timeout_s 30: held 31 s), stuck in reward function 'score'"
+    assert describe_error({"type": "JobTimeout", "message": message, "reward_function": "score"}) == message
+    assert describe_error({"type": "ValueError", "message": "bad", "reward_function": "score"}) == (
+        "reward function 'score' raised ValueError: bad")
