@@ -62,8 +62,9 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
+from ps.learning_signal import LearningSignal, finite
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import BatchInTraining, JobPipeline, queue_line
+from ps.pipeline import BatchInTraining, JobPipeline, PipelineError, queue_line
 
 log = logging.getLogger("asyncgrpo.ps")
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
@@ -101,6 +102,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_wait_s = 0.0  # this optimizer step's wait for results
         self._save_due_after_job = False
         self._groups_dropped_total = 0  # by dynamic sampling, over the steps in metrics.jsonl
+        self.signal = LearningSignal()  # steps without a reward, or whose rewards do not spread
         self.add_callback(_PipelineCallback(self))
 
     # ------------------------------------------------------------------ lifecycle
@@ -349,9 +351,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not is_step_log or not self.is_queue_client:
             return
         now = time.monotonic()
+        reward = finite(logs.get("reward"))  # NaN: every reward function returned None or NaN for every row
+        self.signal.observe(self.state.global_step, reward, logs.get("frac_reward_zero_std"))
         line = metrics.StepMetrics(
             step=self.state.global_step,
-            reward=logs.get("reward"),
+            reward=reward,
             reward_std=logs.get("reward_std"),
             loss=logs.get("loss"),
             grad_norm=logs.get("grad_norm"),
@@ -364,6 +368,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             groups_dropped_total=self._groups_dropped_total + record["groups_dropped"],
             prompts_skipped=self.pipeline.prompts_skipped,
             tool_failure_rate=logs.get("tools/failure_frequency"),
+            frac_reward_zero_std=finite(logs.get("frac_reward_zero_std")),
+            steps_without_reward=self.signal.steps_without_reward,
+            steps_without_spread=self.signal.steps_without_spread,
             step_time_s=round(now - self._last_step_end, 4),
             queue_depth=self.queue.counts(),
             time=time.time(),
@@ -373,6 +380,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_record = _new_step_record()
         metrics.append(self.run.metrics_file, line)
         self._show_progress(line)
+        if self.signal.stop is not None:
+            raise PipelineError(self.signal.stop)
 
     def _show_progress(self, line: metrics.StepMetrics) -> None:
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on

@@ -180,7 +180,8 @@ def last_logged_step(run: RunDir) -> dict | None:
         return None
     return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max", "trainer_wait_s",
                                        "groups_dropped", "groups_dropped_total", "prompts_skipped",
-                                       "tool_failure_rate", "time")}
+                                       "tool_failure_rate", "frac_reward_zero_std", "steps_without_reward",
+                                       "steps_without_spread", "time")}
 
 
 def _health(report: dict) -> str:
@@ -207,6 +208,8 @@ def _health(report: dict) -> str:
     if report["junk"]:
         problems.append(f"{len(report['junk'])} file(s) outside the queue grammar")
     last = report["last_step"]
+    if note := metrics.learning_note(last):
+        problems.append(note)
     if last is not None and (last.get("tool_failure_rate") or 0) >= TOOL_FAILURES_WARN:
         problems.append(f"{last['tool_failure_rate']:.0%} of the tool calls failed at step {last['step']} (the "
                         "workers' logs name the errors: their [tools] lines)")

@@ -36,7 +36,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from asyncgrpo.run import RunDir
+from asyncgrpo.run import RunDir, metrics
 from queue_tools.timeline import Track, length, load_events, num, overlap, subtract, union, worker_intervals
 from queue_tools.trace import build_trace
 
@@ -406,6 +406,8 @@ def make_report(run: RunDir) -> dict | None:
               "processes": [{"process": t.process, "pid": t.pid, "role": t.role, "device": t.device,
                              "events": len(t.events)} for t in tracks],
               **analyse(tracks)}
+    if note := metrics.learning_note(metrics.last_line(run.metrics_file)):  # (a fact of the steps, not of the events)
+        report["diagnosis"] += f"; {note}"
     ps = run.read_ps_status()
     report["mps"] = ps.mps if ps is not None else None  # NVIDIA MPS, as launch.sh found it ("on", "off: why")
     out_dir = run.root / "report"

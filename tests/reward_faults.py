@@ -60,3 +60,8 @@ def hangs_on_prompt_7(prompts, completions, **kwargs):
         time.sleep(1)
     return [sum(c == p[0] for c in completion) / max(len(completion), 1)
             for p, completion in zip(prompts, completions, strict=True)]
+
+
+def never_applies(prompts, completions, **kwargs):
+    """A reward function that applies to no row (TRL's None: the function does not apply to that row)."""
+    return [None] * len(prompts)

@@ -24,6 +24,24 @@ from asyncgrpo.run import fileops
 # How much of the file's end last_line reads: a line is well under 1 KB, so this holds several.
 TAIL_BYTES = 8192
 
+# Steps that teach nothing (ps/learning_signal.py): the PS stops after this many steps in a row without a reward,
+# and warns (as do `queue_tools ls` and `report`) from this many in a row whose groups all scored alike.
+NO_REWARD_STOP_STEPS = 20
+NO_SPREAD_WARN_STEPS = 20
+
+
+def learning_note(line: dict | None) -> str | None:
+    """What a metrics line says of steps that teach nothing, in one phrase; None when they do not last."""
+    if not line:
+        return None
+    if line.get("steps_without_reward"):
+        return (f"the last {line['steps_without_reward']} step(s) had no reward: every reward function returned "
+                "None (or NaN) for every completion")
+    if (line.get("steps_without_spread") or 0) >= NO_SPREAD_WARN_STEPS:
+        return (f"for {line['steps_without_spread']} steps every group's completions scored alike: the advantages "
+                "are all 0 and nothing is learned (the reward, the model, or --dynamic_sampling?)")
+    return None
+
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -45,6 +63,9 @@ class StepMetrics:
     groups_dropped_total: int  # by dynamic sampling, over the steps in the file
     prompts_skipped: int  # by the difficulty filter, so far
     tool_failure_rate: float | None  # TRL's, averaged over the step's results
+    frac_reward_zero_std: float | None  # TRL's: the share of groups whose completions all scored alike
+    steps_without_reward: int  # in a row, up to this step: every reward function returned None (ps/learning_signal.py)
+    steps_without_spread: int  # in a row: every group's completions scored alike (advantages all 0)
     step_time_s: float  # since the previous line
     queue_depth: dict[str, int]  # JobQueue.counts() when the step was logged
     time: float  # wall clock, time.time()

@@ -114,6 +114,26 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
             assert later - earlier >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3
 
 
+def test_a_reward_function_that_applies_to_no_row_is_said_once_then_stops_the_run(tmp_path):
+    """TRL's None (the function does not apply to that row) for every row: each step teaches nothing. The terminal
+    says so once, every step's line still prints, and after NO_REWARD_STOP_STEPS such steps the run stops, naming
+    the cause (it ran all 100 steps and exited 0 before, silently)."""
+    from ps.learning_signal import NO_REWARD_STOP_STEPS
+
+    run_root = tmp_path / "run"
+    status, out, _ = launch_until_it_stops(REPO, run_root, "tests.reward_faults:never_applies",
+                                           stderr=subprocess.STDOUT)
+    assert status == 1, out[-3000:]
+    said = [line for line in out.splitlines() if "no reward: every reward function returned None" in line]
+    assert len(said) == 1 and " WARNING [train] step=1: no reward" in said[0], said
+    assert len(re.findall(r" INFO \[train\] step=\d+ reward=- ", out)) == NO_REWARD_STOP_STEPS
+    assert (f"ps: error: {NO_REWARD_STOP_STEPS} steps in a row without a reward: every reward function returned None "
+            "(or NaN) for every completion") in out
+    lines = metrics(run_root)
+    assert [line["steps_without_reward"] for line in lines] == list(range(1, NO_REWARD_STOP_STEPS + 1))
+    assert all(line["reward"] is None for line in lines)
+
+
 # ---------------------------------------------------------------- a reward that raises on some prompts
 
 

@@ -41,6 +41,7 @@ def test_a_step_without_a_reward_still_prints_its_train_line(caplog):
     line = StepMetrics(step=7, reward=None, reward_std=None, loss=0.0, grad_norm=0.0, staleness_mean=1.0,
                        staleness_max=1, token_staleness_mean=1.0, weights_version=6, trainer_wait_s=0.002,
                        groups_dropped=0, groups_dropped_total=0, prompts_skipped=0, tool_failure_rate=None,
+                       frac_reward_zero_std=None, steps_without_reward=1, steps_without_spread=1,
                        step_time_s=0.1, time=0.0,
                        queue_depth={"pending": 1, "processing": 1, "committing": 0, "complete": 0, "collected": 0})
     with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):

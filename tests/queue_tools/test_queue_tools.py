@@ -388,3 +388,17 @@ def test_ls_into_a_pipe_closed_early_ends_quietly(busy_run):
     result = subprocess.run(f"{sys.executable} -m queue_tools ls {busy_run.root} --watch | head -1",
                             shell=True, capture_output=True, text=True, timeout=60)
     assert result.stdout.startswith("\033[H\033[Jrun: ") and result.stderr == "", result.stderr
+
+
+@pytest.mark.parametrize(("line", "warning"), [
+    ({"steps_without_spread": 25, "frac_reward_zero_std": 1.0},
+     "for 25 steps every group's completions scored alike: the advantages are all 0 and nothing is learned"),
+    ({"steps_without_reward": 3, "steps_without_spread": 3, "reward": None},
+     "the last 3 step(s) had no reward: every reward function returned None (or NaN) for every completion"),
+    ({"steps_without_spread": 19, "frac_reward_zero_std": 1.0}, None),  # not yet
+])
+def test_ls_warns_about_steps_that_teach_nothing(run, capsys, line, warning):
+    (run.root / "metrics.jsonl").write_text(json.dumps({"step": 40, "reward": 0.0, "time": time.time(), **line}) + "\n")
+    _, out, _ = run_cli(capsys, "ls", run.root, "--json")
+    health = json.loads(out)["health"]
+    assert (warning in health) if warning else health.startswith("OK"), health

@@ -605,3 +605,13 @@ def test_token_staleness_is_weighted_by_the_tokens_each_result_gave():
               {"event": "train_step_end", "token_staleness": {"9": 9}}]
     # One value per token: 0 0 0 1 1 1 1 2.
     assert token_staleness(events) == {"count": 8, "mean": 0.75, "p50": 1, "p99": 2, "max": 2}
+
+
+def test_the_diagnosis_says_when_the_steps_teach_nothing(tmp_path, capsys):
+    syn = synthetic_run(tmp_path / "run")
+    before = report_json(capsys, syn["run"].root)["diagnosis"]
+    (syn["run"].root / "metrics.jsonl").write_text(json.dumps(
+        {"step": 40, "reward": 0.0, "frac_reward_zero_std": 1.0, "steps_without_spread": 40}) + "\n")
+    after = report_json(capsys, syn["run"].root)["diagnosis"]
+    assert after == before + ("; for 40 steps every group's completions scored alike: the advantages are all 0 and "
+                              "nothing is learned (the reward, the model, or --dynamic_sampling?)")

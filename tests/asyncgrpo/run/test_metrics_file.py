@@ -17,7 +17,8 @@ def step_metrics(step: int, groups_dropped: int = 0) -> StepMetrics:
                        token_staleness_mean=1.0, staleness_max=2, weights_version=step - 1, trainer_wait_s=0.01,
                        groups_dropped=groups_dropped,
                        groups_dropped_total=groups_dropped, prompts_skipped=0, tool_failure_rate=None,
-                       step_time_s=0.2, queue_depth={"pending": 1, "processing": 2}, time=1000.0 + step)
+                       frac_reward_zero_std=0.25, steps_without_reward=0, steps_without_spread=0, step_time_s=0.2,
+                       queue_depth={"pending": 1, "processing": 2}, time=1000.0 + step)
 
 
 def write_lines(path, *lines: str) -> None:

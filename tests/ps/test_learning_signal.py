@@ -1,0 +1,74 @@
+"""Steps that teach nothing (ps/learning_signal.py): counted by optimizer step, said at most once a minute, and a
+run without a reward stops."""
+
+import logging
+
+import pytest
+
+from ps import learning_signal
+from ps.learning_signal import NO_REWARD_STOP_STEPS, NO_SPREAD_WARN_STEPS, LearningSignal, finite
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(learning_signal.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_steps_whose_groups_all_scored_alike_warn_once_they_last_and_at_most_once_a_minute(caplog, clock):
+    signal = LearningSignal()
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
+        for step in range(1, NO_SPREAD_WARN_STEPS):
+            signal.observe(step, 0.0, 1.0)
+        assert signal.steps_without_spread == NO_SPREAD_WARN_STEPS - 1 and warnings(caplog) == []
+        signal.observe(NO_SPREAD_WARN_STEPS, 0.0, 1.0)
+        [line] = warnings(caplog)
+        assert line.startswith(f"[train] step={NO_SPREAD_WARN_STEPS}: for {NO_SPREAD_WARN_STEPS} steps every group's "
+                               "completions scored alike (frac_reward_zero_std 1): the advantages are all 0")
+        signal.observe(21, 0.0, 1.0)
+        clock[0] += 59
+        signal.observe(22, 0.0, 1.0)
+        assert len(warnings(caplog)) == 1
+        clock[0] += 1
+        signal.observe(23, 0.0, 1.0)
+        assert len(warnings(caplog)) == 2
+    signal.observe(24, 0.5, 0.75)  # a group whose rewards differ: the count starts again
+    assert signal.steps_without_spread == 0 and signal.stop is None
+
+
+def test_logged_lines_count_the_steps_they_cover():
+    signal = LearningSignal()
+    signal.observe(10, 0.0, 1.0)  # --logging_steps 10
+    signal.observe(20, 0.0, 1.0)
+    assert signal.steps_without_spread == 20
+
+
+def test_a_run_whose_steps_have_no_reward_says_so_then_stops(caplog, clock):
+    signal = LearningSignal()
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
+        for step in range(1, NO_REWARD_STOP_STEPS):
+            signal.observe(step, None, None)
+            assert signal.stop is None
+        [line] = warnings(caplog)
+        assert line == ("[train] step=1: no reward: every reward function returned None (or NaN) for every completion "
+                        f"(1 step(s) in a row; the run stops at {NO_REWARD_STOP_STEPS})")
+        signal.observe(NO_REWARD_STOP_STEPS, None, None)
+    assert signal.stop.startswith(f"{NO_REWARD_STOP_STEPS} steps in a row without a reward: every reward function "
+                                  "returned None (or NaN) for every completion")
+    assert signal.steps_without_reward == signal.steps_without_spread == NO_REWARD_STOP_STEPS
+
+
+def test_a_reward_now_and_then_never_stops_the_run():
+    signal = LearningSignal()
+    for step in range(1, 200):
+        signal.observe(step, None if step % NO_REWARD_STOP_STEPS else 0.5, None)
+    assert signal.stop is None
+
+
+def test_nan_is_no_reward():
+    assert finite(float("nan")) is None and finite(None) is None and finite(0.25) == 0.25
