@@ -219,6 +219,7 @@ def train(cfg, run: RunDir) -> int:
     from accelerate.utils import broadcast_object_list
 
     from asyncgrpo.run.checkpoints import checkpoint_to_resume, read_ledger
+    from ps.flag_changes import say_or_refuse_changes
     from ps.pipeline import StopRequested
     from ps.trainer import AsyncGRPOTrainer
 
@@ -246,6 +247,8 @@ def train(cfg, run: RunDir) -> int:
             check_disk_for_checkpoints(run, trainer.model, cfg.save_strategy != "no")
         if trainer.accelerator.num_processes > 1:
             resume = broadcast_object_list([resume], from_process=0)[0]
+        if resume:  # (every rank: a refusal stops them all)
+            say_or_refuse_changes(read_ledger(resume).pipeline_state.get("flags"), cfg, resume, say=first_rank)
         if first_rank:
             # Workers match its generation; recovery and ls go by its deadline.
             status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None)

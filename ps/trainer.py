@@ -62,6 +62,7 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
+from ps.flag_changes import recorded_flags
 from ps.learning_signal import LearningSignal, finite
 from ps.offpolicy import TokenWeighting
 from ps.pipeline import BatchInTraining, JobPipeline, PipelineError, queue_line
@@ -424,7 +425,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         run_dir = self._get_output_dir(trial=trial)
         final = self.state.global_step >= self.state.max_steps
         write_ledger(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"), self.state.global_step,
-                     self.pipeline.state_dict(final))
+                     {**self.pipeline.state_dict(final), "flags": recorded_flags(self.cfg)})
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)

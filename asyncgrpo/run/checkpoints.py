@@ -33,7 +33,7 @@ class Ledger:
     ``pipeline_state`` is the PS pipeline's state at the save (ps/pipeline.py JobPipeline.state_dict), which the
     resumed PS starts its pipeline from: ``consumed``, the ids of the jobs trained into the checkpoint's
     weights; ``groups_done``, the groups trained of a result split across batches; ``producer``, the
-    producer's state (ps/producer.py).
+    producer's state (ps/producer.py); and ``flags``, the flags it was trained with (ps/flag_changes.py).
     """
 
     global_step: int

@@ -1,0 +1,57 @@
+"""A run relaunched with other flags than its checkpoint was trained with.
+
+Each checkpoint's ledger records the flags that shape training and generation (``recorded_flags``). On resume each
+change is said in one line, from and to, and what it means for the jobs already thrown; a change those jobs cannot
+take is refused before training starts. A job's rows are drawn for the generation batch of the run that threw it:
+each prompt repeated ``num_generations`` times, one group a prompt. Under another group size (or another number of
+rows a job) its rows would be regrouped across prompts and its advantages computed against another prompt's
+completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
+``ps_processes`` cannot change within a run. The other generation flags apply from the relaunch on, to the jobs
+already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
+step on.
+
+(``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, said by
+ps/trainer.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from asyncgrpo.config import GENERATION_FLAGS, AsyncGRPOConfig, ConfigError
+
+log = logging.getLogger("asyncgrpo.ps")
+
+ROW_LAYOUT_FLAGS = ("num_generations", "per_device_train_batch_size", "steps_per_generation", "ps_processes")
+TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gradient_accumulation_steps",
+                  "num_iterations", "loss_type", "epsilon", "epsilon_high", "max_staleness", "off_policy_correction",
+                  "off_policy_cap", "dynamic_sampling", "model_name_or_path", "dataset_name", "reward_funcs")
+
+
+def recorded_flags(cfg: AsyncGRPOConfig) -> dict:
+    """What a checkpoint's ledger records of ``cfg``, as JSON values."""
+    names = (*GENERATION_FLAGS, *TRAINING_FLAGS)
+    return json.loads(json.dumps({name: getattr(cfg, name, None) for name in names}, default=str))
+
+
+def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: str, say: bool = True) -> None:
+    """Compares ``cfg`` with the flags ``checkpoint`` was trained with (``saved``; None for a checkpoint that
+    recorded none): ConfigError naming a row-layout change, else one line a change (where ``say``: the first of
+    the PS's ranks)."""
+    if not saved:
+        return
+    now = recorded_flags(cfg)
+    changed = [name for name in now if name in saved and now[name] != saved[name]]
+    where = checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    refused = [name for name in changed if name in ROW_LAYOUT_FLAGS]
+    if refused:
+        flags = ", ".join(f"--{name} {now[name]!r} ({where} was trained with {saved[name]!r})" for name in refused)
+        raise ConfigError(f"{flags}: the jobs this run has thrown hold rows for its group size and batch, which "
+                          "cannot change within a run; relaunch with the run's values, or start a new run with "
+                          "another --run_dir")
+    for name in changed if say else ():
+        after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS
+                 else "applies from the next step on")
+        log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,
+                 saved[name], after)

@@ -1,0 +1,61 @@
+"""A run relaunched with other flags than its checkpoint was trained with (ps/flag_changes.py): each change said in
+one line, from and to; a change of the jobs' row layout refused, naming the values to relaunch with."""
+
+import logging
+
+import pytest
+from helpers import demo_config
+
+from asyncgrpo.config import ConfigError
+from ps.flag_changes import recorded_flags, say_or_refuse_changes
+
+
+def test_each_changed_flag_is_said_in_one_line(tmp_path, caplog):
+    saved = recorded_flags(demo_config(tmp_path, temperature=1.0, learning_rate=1e-3))
+    cfg = demo_config(tmp_path, temperature=0.7, learning_rate=5e-4)
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
+        say_or_refuse_changes(saved, cfg, "/run/checkpoints/checkpoint-40")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[train] resumed with --temperature 0.7 where checkpoint-40 was trained with 1.0: it applies to every job "
+        "generated from now on, those already thrown too",
+        "[train] resumed with --learning_rate 0.0005 where checkpoint-40 was trained with 0.001: it applies from the "
+        "next step on"]
+
+
+@pytest.mark.parametrize(("flag", "before", "after"),
+                         [("num_generations", 8, 4), ("per_device_train_batch_size", 32, 16)])
+def test_a_change_of_the_jobs_rows_is_refused(tmp_path, flag, before, after):
+    saved = recorded_flags(demo_config(tmp_path, **{flag: before}))
+    with pytest.raises(ConfigError, match=rf"^--{flag} {after} \(checkpoint-40 was trained with {before}\): the jobs "
+                                          r"this run has thrown hold rows for its group size and batch"):
+        say_or_refuse_changes(saved, demo_config(tmp_path, **{flag: after}), "/run/checkpoints/checkpoint-40")
+
+
+def test_the_same_flags_or_a_checkpoint_that_recorded_none_say_nothing(tmp_path, caplog):
+    cfg = demo_config(tmp_path)
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
+        say_or_refuse_changes(recorded_flags(cfg), cfg, "checkpoint-3")
+        say_or_refuse_changes(None, cfg, "checkpoint-3")
+    assert caplog.records == []
+
+
+def test_a_ps_relaunched_with_another_group_size_stops_before_training_and_says_why(finished_demo_run, tmp_path):
+    """A real PS, relaunched on (a copy of) a finished 8-step run with --num_generations 4: exit 2, one line, and
+    nothing of the run changed (it trained every step before, regrouping the jobs' rows across prompts)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run, ignore=shutil.ignore_patterns("*.lock"))
+    before = (run / "ps.json").read_text()
+    argv = [sys.executable, "-m", "ps", "--run_dir", str(run), *DEMO_RUN_FLAGS, "--num_generations", "4"]
+    done = subprocess.run(argv, cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ps: error: --num_generations 4 (checkpoint-8 was trained with 8): the jobs this run has thrown hold rows for "
+        "its group size and batch, which cannot change within a run; relaunch with the run's values, or start a new "
+        "run with another --run_dir")
+    assert (run / "ps.json").read_text() == before
