@@ -7,6 +7,7 @@ source tree. Each problem is a one-line ConfigError; what is merely worth saying
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -146,8 +147,9 @@ def check_report_to(cfg: AsyncGRPOConfig) -> None:
         if name not in INTEGRATION_TO_CALLBACK:
             raise ConfigError(f"--report_to {name}: not an integration transformers knows (one of "
                               f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none)")
-        how = (f"pip install 'asyncgrpo[{name}]' (or pip install {name})" if name in REPORT_TO_EXTRAS
-               else f"install the {name} package")
+        pip = Path(sys.executable).with_name("pip")  # this environment's (launch.sh's .venv/bin/pip)
+        how = (f"{pip if pip.exists() else 'pip'} install {name}" if name in REPORT_TO_EXTRAS
+               else f"install the {name} package into {Path(sys.prefix)}")
         raise ConfigError(f"--report_to {name}: {name} is not installed: {how}")
 
 

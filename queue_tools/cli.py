@@ -272,7 +272,7 @@ def format_report(r: dict) -> str:
     last = r["last_step"]
     if last is not None:
         lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "
-                     f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']}) "
+                     f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']} in that step) "
                      f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
                      + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} groups in all)"
                         if last.get("groups_dropped_total") else "")

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import PROCESS_ENV, REPO, launch_sh, write_user_folder
@@ -233,8 +234,9 @@ def test_a_report_to_integration_that_is_not_installed_is_refused_with_how_to_in
     monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: [])
     with pytest.raises(ConfigError) as refused:
         check_report_to(cfg)
-    assert str(refused.value) == ("--report_to tensorboard: tensorboard is not installed: "
-                                  "pip install 'asyncgrpo[tensorboard]' (or pip install tensorboard)")
+    pip = Path(sys.executable).with_name("pip")  # the environment's own pip (launch.sh's: .venv/bin/pip)
+    assert pip.exists()
+    assert str(refused.value) == f"--report_to tensorboard: tensorboard is not installed: {pip} install tensorboard"
     monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: ["tensorboard"])
     check_report_to(cfg)
     with pytest.raises(ConfigError, match="--report_to nosuch: not an integration transformers knows"):

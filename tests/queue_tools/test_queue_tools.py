@@ -294,8 +294,8 @@ def test_ls_watch_refreshes_until_ctrl_c_with_the_last_step(busy_run):
                         f.write(metrics_line(17, 0.75, 2.0))
                 if "step 17" in shown[-1] or frames == 5:
                     break
-        assert shown[0] == "training: step 16 reward 0.500 staleness 1.0 (max 1.0) trainer wait 12 ms"
-        assert shown[-1] == "training: step 17 reward 0.750 staleness 2.0 (max 2.0) trainer wait 12 ms"
+        assert shown[0] == "training: step 16 reward 0.500 staleness 1.0 (max 1.0 in that step) trainer wait 12 ms"
+        assert shown[-1] == "training: step 17 reward 0.750 staleness 2.0 (max 2.0 in that step) trainer wait 12 ms"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
