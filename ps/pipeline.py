@@ -44,7 +44,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,8 @@ import torch
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState
 from asyncgrpo.jobqueue.handoff import FailureReport
-from asyncgrpo.run import RunDir
+from asyncgrpo.run import RunDir, list_workers
+from asyncgrpo.run.liveness import fs_now
 from ps.collector import ResultCache, ResultCollector, read_result_payload
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
@@ -250,9 +251,9 @@ class JobPipeline:
             self._raise_failure()
             result = self.cache.take(pick, timeout=WAIT_REPORT_S)
             if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; %s%s (what each worker holds: "
+                log.warning("[train] step=%d has waited %.0fs for a result; %s%s%s (what each worker holds: "
                             "queue_tools ls %s)", step + 1, time.monotonic() - started, queue_line(self.queue.counts()),
-                            self.failed.summary(), self.run.root)
+                            self.failed.summary(), workers_line(self.run, self.cfg.lease_s), self.run.root)
                 continue
             try:
                 if self._accept(result, step):
@@ -395,6 +396,12 @@ class JobPipeline:
                 break
             time.sleep(0.05)  # workers finish the job in hand, far sooner than a lease expires
         log.info("[queue] finished: %s", self.queue.counts())
+
+
+def workers_line(run: RunDir, lease_s: float) -> str:
+    """What the workers are doing, from their heartbeats: "; workers: 2 compiling, 1 busy" ("" when none beats)."""
+    states = Counter(w.state for w in list_workers(run, fs_now(run), lease_s) if w.alive)
+    return "; workers: " + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) if states else ""
 
 
 def _groups_taken(result: CollectedResult, groups: list[int], num_generations: int) -> GroupsTaken:

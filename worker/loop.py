@@ -49,7 +49,7 @@ from worker import tools
 from worker.continuous_loop import serve_continuously
 from worker.deadline import JobDeadline
 from worker.decoding import Decoder
-from worker.decoding.build import build_decoder
+from worker.decoding.build import build_decoder, resolve_mode
 from worker.decoding.continuous import ContinuousDecoding
 from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
 from worker.in_flight import InFlightWeights
@@ -119,6 +119,8 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
 
     try:
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
+        if resolve_mode(cfg.worker_decoding, cfg.device_type) != "eager":
+            presence.update(state="compiling")  # (the PS's waiting line says so: it may take a minute on a CPU)
         decoding = build_decoder(cfg, trainer, device, events)
     except Exception as err:
         watcher.close()

@@ -1,0 +1,39 @@
+"""What the terminal says while the trainer waits: the PS's waiting line names what the workers are doing (their
+heartbeats), and launch.sh's terminal filter lets through a worker compiling its decoding step (a minute on a CPU,
+said only in its log before)."""
+
+import re
+import subprocess
+
+from helpers import REPO
+
+from asyncgrpo.run import WorkerPresence
+from ps.pipeline import workers_line
+
+
+def test_the_waiting_line_says_what_the_workers_are_doing(run):
+    assert workers_line(run, 30.0) == ""
+    compiling, busy = WorkerPresence(run, 1).start(), WorkerPresence(run, 2).start()
+    try:
+        compiling.update(state="compiling")
+        busy.update(state="busy")
+        for presence in (compiling, busy):
+            presence.beat()
+        assert workers_line(run, 30.0) == "; workers: 1 busy, 1 compiling"
+    finally:
+        compiling.stop()
+        busy.stop()
+
+
+def test_the_terminal_shows_a_worker_compiling_and_a_job_past_its_deadline():
+    pattern = re.search(r"grep --line-buffered -E '([^']+)'", (REPO / "launch.sh").read_text())[1]
+    lines = [
+        "2026-11-27 14:30:01,000 worker1 INFO [gen] dev1 compiling its decoding step (graph, batch 64 rows, cache 48 "
+        "tokens) before its first job",
+        "2026-11-27 14:30:59,000 worker1 ERROR [jobs] dev1 job=000000_002 attempt 1/3: the job ran past its deadline "
+        "(--job_timeout_s 30: held 30 s), stuck in reward function 'score'; thrown again as attempt 2",
+        "2026-11-27 14:31:00,000 worker1 INFO [gen] dev1 job=000000_003 weights_version=3 dur_ms=120 reward=0.5",
+    ]
+    shown = subprocess.run(["grep", "-E", pattern], input="\n".join(lines) + "\n", capture_output=True,
+                           text=True).stdout.splitlines()
+    assert shown == lines[:2]
