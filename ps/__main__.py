@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        log.warning("[train] interrupted; relaunch with the same --run_dir to resume from the last checkpoint")
+        log.warning("[train] interrupted; %s", resume_line(run))
         return 130
     except StopRequested:  # the checkpoint is saved (train)
         return 128 + signal.SIGTERM
@@ -286,6 +286,24 @@ def train(cfg, run: RunDir) -> int:
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
     return 0
+
+
+def resume_line(run: RunDir) -> str:
+    """Where a relaunch resumes, and what it trains again: the steps after the newest complete checkpoint."""
+    from asyncgrpo.run.checkpoints import newest_complete_checkpoint, read_ledger
+
+    step = run.read_global_step() or 0
+    try:
+        checkpoint = newest_complete_checkpoint(run.checkpoints)
+        saved = read_ledger(checkpoint).global_step if checkpoint is not None else 0
+    except (OSError, ValueError):  # (a ledger that cannot be read: the relaunch says which)
+        saved = 0
+    if saved >= step:
+        return f"trained {step} step(s), all saved: relaunch with the same --run_dir to go on from there"
+    lost = f"steps {saved + 1}-{step} are" if step > saved + 1 else f"step {step} is"
+    return (f"trained {step} step(s), the last checkpoint is of step {saved}: relaunch with the same --run_dir to "
+            f"resume there ({lost} trained again; --save_steps saves more often, --checkpoint_on_sigterm saves on "
+            "SIGTERM)")
 
 
 def leave_status_for_the_launcher(status: int) -> None:

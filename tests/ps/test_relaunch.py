@@ -1,5 +1,6 @@
-"""A run relaunched with other flags than its checkpoint was trained with (ps/flag_changes.py): each change said in
-one line, from and to; a change of the jobs' row layout refused, naming the values to relaunch with."""
+"""Relaunching a run: with other flags than its checkpoint was trained with (ps/flag_changes.py), each change said
+in one line, from and to, and a change of the jobs' row layout refused, naming the values to relaunch with; after
+Ctrl-C, the PS says which steps a relaunch trains again."""
 
 import logging
 
@@ -59,3 +60,19 @@ def test_a_ps_relaunched_with_another_group_size_stops_before_training_and_says_
         "its group size and batch, which cannot change within a run; relaunch with the run's values, or start a new "
         "run with another --run_dir")
     assert (run / "ps.json").read_text() == before
+
+
+def test_an_interrupted_ps_says_which_steps_a_relaunch_trains_again(run):
+    from asyncgrpo.run.checkpoints import write_ledger
+    from ps.__main__ import resume_line
+
+    assert resume_line(run) == "trained 0 step(s), all saved: relaunch with the same --run_dir to go on from there"
+    run.write_global_step(137)
+    assert resume_line(run).startswith("trained 137 step(s), the last checkpoint is of step 0: relaunch with the same "
+                                       "--run_dir to resume there (steps 1-137 are trained again;")
+    (run.checkpoints / "checkpoint-100").mkdir(parents=True)
+    write_ledger(run.checkpoints / "checkpoint-100", 100, {"consumed": []})
+    assert resume_line(run).startswith("trained 137 step(s), the last checkpoint is of step 100: relaunch with the "
+                                       "same --run_dir to resume there (steps 101-137 are trained again;")
+    run.write_global_step(100)
+    assert resume_line(run).startswith("trained 100 step(s), all saved")
