@@ -65,14 +65,26 @@ done
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, gpu_env, claim_run, stop_workers, restart_dead_workers
+[ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
+set_file_modes "${PASS[@]}"
+# The run folder is claimed first, before the checks' imports (seconds): a second launch.sh on it is refused at
+# once. Until the checks pass, an exit takes back what the claim made (the folder, its launch.lock).
+CLAIMED="$RUN_DIR" NEW_DIR="" NEW_LOCK=""
+[ -e "$CLAIMED" ] || NEW_DIR=1
+[ -e "$CLAIMED/launch.lock" ] || NEW_LOCK=1
+unclaim() {
+    [ -n "$NEW_LOCK" ] && rm -f "$CLAIMED/launch.lock"
+    [ -n "$NEW_DIR" ] && rmdir "$CLAIMED" 2>/dev/null
+    return 0
+}
+claim_run "$RUN_DIR"
+trap unclaim EXIT
 resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
-[ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
-RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}") || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
+RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
+trap - EXIT
 ARGS[1]="$RUN_DIR"
-set_file_modes "${PASS[@]}"
-claim_run "$RUN_DIR"  # before anything is written into it
 LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"
 

@@ -7,10 +7,10 @@
 # the GPUs it gave the job, else 0..NGPU-1). The processes' own CUDA_VISIBLE_DEVICES are picked from GPU_IDS.
 resolve_device() {
     if [ "$DEVICE" = auto ]; then
-        DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+        DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")' 9>&-)
     fi
     NGPU=0 GPU_IDS=()
-    [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())')
+    [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())' 9>&-)
     [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
     if [ "$NGPU" -gt 0 ]; then
         if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a GPU_IDS <<< "$CUDA_VISIBLE_DEVICES"
