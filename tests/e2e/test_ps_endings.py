@@ -43,6 +43,16 @@ def launch_in_a_terminal(run_root: Path, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def relaunch_to_the_end(run_root: Path, flags: list[str]) -> None:
+    """launch.sh again on the run, with 2 workers, until it finishes (exit 0)."""
+    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    try:
+        out, _ = relaunch.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_run(run_root, relaunch)
+    assert relaunch.returncode == 0, out[-3000:]
+
+
 def wait_for_training(run_root: Path, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while len(metrics(run_root)) < 3 or not buffers_of(run_root):
@@ -91,12 +101,7 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     assert [p.name for p in (run_root / "checkpoints").glob("checkpoint-*")] == [f"checkpoint-{trained}"]
     assert_exactly_once(run_root, jobs=trained)  # the ledger of the step saved: every result trained, once
 
-    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
-    try:
-        out, _ = relaunch.communicate(timeout=TIMEOUT_S)
-    finally:
-        kill_run(run_root, relaunch)
-    assert relaunch.returncode == 0, out[-3000:]
+    relaunch_to_the_end(run_root, flags)
     assert f"resuming from {run_root / 'checkpoints' / f'checkpoint-{trained}'}" in \
         (run_root / "logs" / "log_parameter_server.txt").read_text()
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
@@ -144,12 +149,7 @@ def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_not
         assert "its supervisor (launch.sh or join.sh, pid" in log.read_text(), log.name
     assert f"stopped after step {trained} on SIGTERM" in (logs / "log_parameter_server.txt").read_text()
 
-    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
-    try:
-        out, _ = relaunch.communicate(timeout=TIMEOUT_S)
-    finally:
-        kill_run(run_root, relaunch)
-    assert relaunch.returncode == 0, out[-3000:]
+    relaunch_to_the_end(run_root, flags)
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
 

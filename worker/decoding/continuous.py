@@ -32,6 +32,7 @@ worker/continuous_loop.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
-from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
+from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
@@ -135,10 +136,7 @@ class SlotState:
     """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
 
     def __init__(self, slots: int, columns: int, max_new: int, device: torch.device):
-        def buffer(*shape, dtype=torch.long):
-            t = torch.zeros(shape, dtype=dtype, device=device)
-            torch._dynamo.mark_static_address(t)
-            return t
+        buffer = functools.partial(static_buffer, device=device)
 
         self.mask = buffer(slots, columns, dtype=torch.bool)  # the ring columns each slot attends to
         self.column = buffer(1)  # the ring column the next step writes
@@ -307,8 +305,7 @@ class ContinuousDecoding(OwnStep):
         seeds = torch.tensor([row_seed(job_seed, r) for r in range(rows)], dtype=torch.long)
         st = self.state
         if self.sampling.repetition_penalty is not None and st.seen is None:
-            st.seen = torch.zeros((self.slots, self.vocab + 1), dtype=torch.bool, device=self.device)
-            torch._dynamo.mark_static_address(st.seen)
+            st.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
         self.prefill_cache.reset()
         args = [t.to(self.device) for t in (ids, mask, position, torch.tensor(slots), seeds)]
         # transformers allocates a static cache's tensors at their first write and marks their addresses static
@@ -330,10 +327,8 @@ class ContinuousDecoding(OwnStep):
         keys, values = [], []
         for layer in self.prefill_cache.layers:
             for kind, into in ((layer.keys, keys), (layer.values, values)):
-                t = torch.zeros((self.slots, kind.size(1), self.columns, kind.size(3)), dtype=kind.dtype,
-                                device=self.device)
-                torch._dynamo.mark_static_address(t)
-                into.append(t)
+                into.append(static_buffer(self.slots, kind.size(1), self.columns, kind.size(3), dtype=kind.dtype,
+                                          device=self.device))
         self.cache = SlotCache(keys, values, st.column)
         self._prefill_step(self.prefill_cache, st, ids, mask, position, *args)
 

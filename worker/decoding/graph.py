@@ -41,6 +41,7 @@ What the step does not implement (``GraphDecoding.unsupported``) falls back to c
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -182,14 +183,18 @@ AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 
+def static_buffer(*shape: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Zeros whose address a compiled step may take as fixed (CUDA graphs read and write them in place)."""
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
 class DecodeState:
     """The step's preallocated buffers (their addresses never change: CUDA graphs read and write them in place)."""
 
     def __init__(self, rows: int, cache_len: int, max_new: int, device: torch.device):
-        def buffer(*shape, dtype=torch.long):
-            t = torch.zeros(shape, dtype=dtype, device=device)
-            torch._dynamo.mark_static_address(t)
-            return t
+        buffer = functools.partial(static_buffer, device=device)
 
         self.cache_len = cache_len
         self.mask = buffer(rows, cache_len)  # the attention mask over the cache (0: left padding, not yet written)
@@ -389,8 +394,7 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         st.prompt_len.fill_(width)
         if self.sampling.repetition_penalty is not None:
             if st.seen is None:
-                st.seen = torch.zeros((rows, self.vocab + 1), dtype=torch.bool, device=self.device)
-                torch._dynamo.mark_static_address(st.seen)
+                st.seen = static_buffer(rows, self.vocab + 1, dtype=torch.bool, device=self.device)
             st.seen.zero_()
             # The prompt's tokens, not its padding (transformers' prompt_ignore_length): padding goes to the extra
             # column.
