@@ -48,7 +48,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
         --ps-procs)  [ $# -ge 2 ] || die "--ps-procs needs a value"; PS_PROCS="$2"; shift 2 ;;
-        --run-dir)   [ $# -ge 2 ] || die "--run-dir needs a value"; RUN_DIR="$2"; shift 2 ;;
+        --run-dir|--run_dir) [ $# -ge 2 ] || die "$1 needs a value"; RUN_DIR="$2"; shift 2 ;;
+        --run-dir=*|--run_dir=*) RUN_DIR="${1#*=}"; shift ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
         --mps)       [ $# -ge 2 ] || die "--mps needs a value"; MPS="$2"; shift 2 ;;
@@ -69,12 +70,13 @@ source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, gpu_env, claim_r
 set_file_modes "${PASS[@]}"
 # The run folder is claimed first, before the checks' imports (seconds): a second launch.sh on it is refused at
 # once. Until the checks pass, an exit takes back what the claim made (the folder, its launch.lock).
-CLAIMED="$RUN_DIR" NEW_DIR="" NEW_LOCK=""
-[ -e "$CLAIMED" ] || NEW_DIR=1
+CLAIMED="$RUN_DIR" NEW_TOP="" NEW_LOCK=""
+d="$CLAIMED"; while [ ! -e "$d" ]; do NEW_TOP="$d"; d=$(dirname "$d"); done  # the folders the claim makes
 [ -e "$CLAIMED/launch.lock" ] || NEW_LOCK=1
 unclaim() {
     [ -n "$NEW_LOCK" ] && rm -f "$CLAIMED/launch.lock"
-    [ -n "$NEW_DIR" ] && rmdir "$CLAIMED" 2>/dev/null
+    local d="$CLAIMED"
+    while [ -n "$NEW_TOP" ] && rmdir "$d" 2>/dev/null && [ "$d" != "$NEW_TOP" ]; do d=$(dirname "$d"); done
     return 0
 }
 claim_run "$RUN_DIR"

@@ -42,7 +42,7 @@ GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_p
                     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
                     "use_peft", "builtin_task", "tools", "environment_factory", "rollout_func",
-                    "max_tool_calling_iterations", "tool_timeout_s")
+                    "max_tool_calling_iterations", "tool_timeout_s", "job_timeout_s")
 BUILTIN_TASKS = ("repeat", "first_digit", "lookup")  # asyncgrpo/tasks/demo.py, asyncgrpo/tasks/lookup.py
 
 

@@ -47,7 +47,9 @@ def _stop_when_gone(pid: int, who: str) -> None:
             time.sleep(POLL_S)
         fd = None
     if fd is not None:
-        select.select([fd], [], [])  # readable once the process has exited
+        waiting = select.poll()
+        waiting.register(fd, select.POLLIN)
+        waiting.poll()  # readable once the process has exited
         os.close(fd)
     log.warning("%s: its supervisor (launch.sh or join.sh, pid %d) is gone: stopping as on SIGTERM", who, pid)
     os.kill(os.getpid(), signal.SIGTERM)

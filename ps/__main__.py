@@ -300,6 +300,9 @@ def resume_line(run: RunDir) -> str:
         saved = 0
     if saved >= step:
         return f"trained {step} step(s), all saved: relaunch with the same --run_dir to go on from there"
+    if not saved:
+        return (f"trained {step} step(s), no checkpoint saved yet: a relaunch with the same --run_dir starts from the "
+                "beginning (--save_steps saves more often, --checkpoint_on_sigterm saves on SIGTERM)")
     lost = f"steps {saved + 1}-{step} are" if step > saved + 1 else f"step {step} is"
     return (f"trained {step} step(s), the last checkpoint is of step {saved}: relaunch with the same --run_dir to "
             f"resume there ({lost} trained again; --save_steps saves more often, --checkpoint_on_sigterm saves on "

@@ -26,12 +26,13 @@ log = logging.getLogger("asyncgrpo.ps")
 ROW_LAYOUT_FLAGS = ("num_generations", "per_device_train_batch_size", "steps_per_generation", "ps_processes")
 TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gradient_accumulation_steps",
                   "num_iterations", "loss_type", "epsilon", "epsilon_high", "max_staleness", "off_policy_correction",
-                  "off_policy_cap", "dynamic_sampling", "model_name_or_path", "dataset_name", "reward_funcs")
+                  "off_policy_cap", "dynamic_sampling")
+INPUT_FLAGS = ("model_name_or_path", "dataset_name", "reward_funcs")  # what the jobs are drawn from and scored by
 
 
 def recorded_flags(cfg: AsyncGRPOConfig) -> dict:
     """What a checkpoint's ledger records of ``cfg``, as JSON values."""
-    names = (*GENERATION_FLAGS, *TRAINING_FLAGS)
+    names = (*GENERATION_FLAGS, *TRAINING_FLAGS, *INPUT_FLAGS)
     return json.loads(json.dumps({name: getattr(cfg, name, None) for name in names}, default=str))
 
 
@@ -52,6 +53,8 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
                           "another --run_dir")
     for name in changed if say else ():
         after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS
-                 else "applies from the next step on")
+                 else "applies from the next step on" if name in TRAINING_FLAGS
+                 else "applies to the jobs drawn and scored from now on; the results already scored keep their "
+                      "rewards")
         log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,
                  saved[name], after)

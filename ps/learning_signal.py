@@ -43,6 +43,13 @@ class LearningSignal:
     _last_step: int = 0
     _warned_at: float = -math.inf
 
+    @classmethod
+    def resumed(cls, step: int, line: dict | None) -> LearningSignal:
+        """The counts at ``step``, where a resumed run goes on from: its metrics line ``line`` (None: none kept)."""
+        line = line or {}
+        return cls(steps_without_reward=int(line.get("steps_without_reward") or 0),
+                   steps_without_spread=int(line.get("steps_without_spread") or 0), _last_step=step)
+
     def observe(self, step: int, reward: float | None, frac_reward_zero_std: float | None) -> None:
         """A logged step (TRL's averages since the previous one): counts and says; sets ``stop`` once the run must
         stop (the caller stops it, after the step's line is written)."""

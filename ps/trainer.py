@@ -125,6 +125,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._resume_checkpoint:
             self._say_if_the_schedule_changed(self._resume_checkpoint)
         self._groups_dropped_total = self._forget_metrics_after(self.state.global_step)
+        last = metrics.last_line(self.run.metrics_file)
+        self.signal = LearningSignal.resumed(self.state.global_step,
+                                             last if last and last.get("step") == self.state.global_step else None)
         self.pipeline.start(state, published_version=self.state.global_step)
 
     def _say_if_the_schedule_changed(self, checkpoint: str) -> None:

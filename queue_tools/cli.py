@@ -36,6 +36,7 @@ SILENT_AFTER_S = 5.0  # a live worker whose heartbeat (every second) is this old
 # No step trained for this long while a worker has held a job as long: said in health (the PS's own log says so from
 # 30 s on; a slow step of a large model is not a stall, so health waits longer).
 TRAINER_WAIT_WARN_S = 120.0
+DEADLINE_GRACE_S = 10.0  # a worker acts on a job's deadline within a second or two: past this, it could not
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,10 +155,12 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
                                        "heartbeat_age_s": None if ps_beat_age is None else round(ps_beat_age, 3)},
         "last_step": last_logged_step(run),
     }
-    try:  # written after every step (metrics.jsonl only every logging_steps)
+    since_start = None if ps is None else time.time() - ps.started_at
+    try:  # written after every step (metrics.jsonl only every logging_steps); not before this PS's start
         since_last_step = now - os.stat(run.global_step_file).st_mtime
+        since_last_step = since_last_step if since_start is None else min(since_last_step, since_start)
     except OSError:  # no step yet: since this PS started
-        since_last_step = None if ps is None else time.time() - ps.started_at
+        since_last_step = since_start
     report["since_last_step_s"] = None if since_last_step is None else round(max(0.0, since_last_step), 3)
     report["health"] = _health(report)
     return report
@@ -233,7 +236,7 @@ def _stuck(report: dict) -> list[str]:
     ps, alive = report["ps"], [w for w in report["workers"] if w["alive"]]
     held = sorted(((age, job, w) for w in alive for job, age in w["held"]), key=lambda item: -item[0])
     timeout_s = ps and ps.get("job_timeout_s")
-    overdue = [(age, job, w) for age, job, w in held if timeout_s and age > timeout_s]
+    overdue = [(age, job, w) for age, job, w in held if timeout_s and age > timeout_s + DEADLINE_GRACE_S]
     for age, job, w in overdue:
         problems.append(f"job {job} held by dev{w['device']} for {age:.0f}s, past its deadline (--job_timeout_s "
                         f"{timeout_s:g}): stuck where the worker cannot act on it; recovery takes it back after the "

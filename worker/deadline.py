@@ -55,7 +55,8 @@ class Activity:
     reward function's call, a tool call, a generate call, a job's scoring."""
 
     # Most telling first: a reward function or a tool stuck inside a generate-and-score call is the cause.
-    PRECEDENCE = ("reward function", "tool", "generation", "scoring")
+    # (Scoring before generation: with continuous batching the engine generates all the time beside the scorer.)
+    PRECEDENCE = ("reward function", "tool", "scoring", "generation")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -119,53 +120,64 @@ class JobDeadline:
 
     def _watch(self) -> None:
         while not self._stop.wait(CHECK_EVERY_S):
-            now = time.time()
-            overdue = [job for job in self.queue.held() if now - job.claimed_at > self.timeout_s]
+            now = time.monotonic()
+            overdue = [job for job in self.queue.held() if now - job.claimed_mono > self.timeout_s]
             if overdue and not self._stop.is_set():
                 self.expire(overdue)
 
     def expire(self, overdue: list[ClaimedJob]) -> None:
-        """Fails the overdue job that is stuck (every overdue one when it is not known which: a generate call they
-        share), gives the others back, and exits; returns when they ended meanwhile."""
+        """Fails the job that is stuck (the one being scored where that is known, else every overdue one: a
+        generate call they share), gives the others back, and exits; returns when they ended meanwhile."""
         doing = ACTIVITY.stuck_in()
         where = "unknown work" if doing is None else describe(doing.stage, doing.name)
-        stuck = [job for job in overdue if doing is not None and job.job_id == doing.job_id] or overdue
+        stuck = [job for job in self.queue.held() if doing is not None and job.job_id == doing.job_id] or overdue
         stack = sys._current_frames().get(doing.thread) if doing is not None else None
         failed = []
         for job in stuck:
-            held_s = time.time() - job.claimed_at
-            message = (f"the job ran past its deadline (--job_timeout_s {self.timeout_s:g}: held {held_s:.0f} s), "
-                       f"stuck in {where}")
+            message = (f"the job ran past its deadline (--job_timeout_s {self.timeout_s:g}: held "
+                       f"{time.monotonic() - job.claimed_mono:.0f} s), stuck in {where}")
             error = {"type": "JobTimeout", "message": message,
                      "stage": "generation" if doing is not None and doing.stage == "generation" else "scoring",
                      "reward_function": doing.name if doing is not None and doing.stage == "reward function" else None,
                      "traceback": "".join(traceback.format_stack(stack))[-4000:] if stack else "",
                      "time": time.time(), "attempt": job.attempt, "worker_device": self.device,
                      "weights_version": self.version()}
-            if self.queue.fail(job, error, max_attempts=self.max_attempts, weights_version=self.version() or 0):
-                failed.append(job)
-                given_up = job.attempt >= self.max_attempts
-                log.error("[jobs] dev%s job=%s attempt %d/%d: %s; %s", self.device, job.job_id, job.attempt,
-                          self.max_attempts, message,
-                          "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}")
-                self.events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=message[:500],
-                                 given_up=given_up)
-        if not failed:
-            return  # they ended as the deadline came: nothing is stuck
-        others = self.queue.held()
-        for job in others:
-            if self.queue.release(job):
-                self.events.emit("job_released", job_id=job.job_id)
-        stopping = self.stopping()
-        log.error("[worker] dev%s exits (status %d)%s: a job ran past --job_timeout_s %g, stuck in %s%s. Every "
-                  "thread's stack follows.", self.device, EXIT_JOB_DEADLINE,
-                  ", as it was asked to" if stopping else " to be restarted", self.timeout_s, where,
-                  f"; {len(others)} other job(s) it held given back" if others else "")
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        with contextlib.suppress(Exception):  # (its main thread may be writing an event too)
-            self.events.close()
-        self.stopped()
-        os._exit(EXIT_JOB_DEADLINE)
+            try:
+                if not self.queue.fail(job, error, max_attempts=self.max_attempts, weights_version=self.version() or 0):
+                    continue  # it ended meanwhile, or was recovered
+            except Exception:  # (a full disk): the job returns through recovery; the worker must go all the same
+                log.exception("[jobs] dev%s job=%s: its failure could not be recorded", self.device, job.job_id)
+            failed.append(job)
+            given_up = job.attempt >= self.max_attempts
+            log.error("[jobs] dev%s job=%s attempt %d/%d: %s; %s", self.device, job.job_id, job.attempt,
+                      self.max_attempts, message,
+                      "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}")
+            self.events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=message[:500],
+                             given_up=given_up)
+        if failed:
+            self._exit(where)
+        # else they ended as the deadline came: nothing is stuck
+
+    def _exit(self, where: str) -> None:
+        """Gives the other jobs back and exits, whatever goes wrong on the way: the stuck thread cannot be unwound."""
+        try:
+            others = self.queue.close_claims()  # (a claim under way gives its job back itself)
+            for job in others:
+                if self.queue.release(job):
+                    self.events.emit("job_released", job_id=job.job_id)
+            stopping = self.stopping()
+            log.error("[worker] dev%s exits (status %d)%s: a job ran past --job_timeout_s %g, stuck in %s%s. Every "
+                      "thread's stack follows.", self.device, EXIT_JOB_DEADLINE,
+                      ", as it was asked to" if stopping else " to be restarted", self.timeout_s, where,
+                      f"; {len(others)} other job(s) it held given back" if others else "")
+            for handler in logging.getLogger().handlers + log.handlers:
+                handler.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            self.stopped()  # its heartbeat: stopped, every job ended
+        finally:
+            _exit(EXIT_JOB_DEADLINE)
+
+
+def _exit(status: int) -> None:
+    os._exit(status)  # (tests replace this module-level function)

@@ -122,6 +122,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         if resolve_mode(cfg.worker_decoding, cfg.device_type) != "eager":
             presence.update(state="compiling")  # (the PS's waiting line says so: it may take a minute on a CPU)
         decoding = build_decoder(cfg, trainer, device, events)
+        presence.update(state="idle")
     except Exception as err:
         watcher.close()
         deadline.stop()

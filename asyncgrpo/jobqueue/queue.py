@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.events import EventLog
@@ -74,6 +74,8 @@ class ClaimedJob:
     payload: dict
     claimed_at: float
     job_data: JobData | None = None  # its data as the worker read it (JobData.from_dict)
+    claimed_mono: float = field(default_factory=time.monotonic)  # the claim on this process's monotonic clock
+    claimed_by: object = field(default=None, repr=False, compare=False)  # the JobQueue that claimed it
 
     @property
     def job_id(self) -> str:
@@ -114,9 +116,11 @@ class JobQueue:
         self.events = events or EventLog.off()  # every archive is a timeline event
         self._candidates: deque[QueueName] = deque()
         # The jobs this process claimed and has not yet ended (published, failed, given back): what a worker's
-        # deadline (worker/deadline.py) looks at, from a thread of its own.
+        # deadline (worker/deadline.py) looks at, from a thread of its own. A thread ends a job only once it has
+        # taken it out of here (``_take``): of two threads ending one job, one does, the other is told it lost it.
         self._held: dict[str, ClaimedJob] = {}
         self._held_lock = threading.Lock()
+        self._claims_closed = False  # close_claims: a worker about to exit claims no more
 
     # ---------------------------------------------------------------- scanning
 
@@ -203,19 +207,34 @@ class JobQueue:
                 log.error("[queue] job %s rejected: %s", name.filename, err)
                 self.archive_if_present(self.path(name), name.job_id, ArchiveReason.FAILED_LOAD, name.attempt)
                 continue
-            job = ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at)
+            job = ClaimedJob(name=name, path=self.path(name), payload=payload, claimed_at=claimed_at, claimed_by=self)
             with self._held_lock:
-                self._held[name.filename] = job
-            return job
+                if not self._claims_closed:
+                    self._held[name.filename] = job
+                    return job
+            self._give_back(job)  # claims closed while this one was made
+            return None
 
     def held(self) -> list[ClaimedJob]:
         """The jobs this process claimed and has not ended yet, oldest claim first."""
         with self._held_lock:
-            return sorted(self._held.values(), key=lambda job: job.claimed_at)
+            return sorted(self._held.values(), key=lambda job: job.claimed_mono)
 
-    def _let_go(self, job: ClaimedJob) -> None:
+    def close_claims(self) -> list[ClaimedJob]:
+        """No claim succeeds from now on (one under way gives its job back); returns the jobs held."""
         with self._held_lock:
-            self._held.pop(job.name.filename, None)
+            self._claims_closed = True
+        return self.held()
+
+    def _take(self, job: ClaimedJob) -> bool:
+        """Whether this thread may end ``job``: it was held, and now is not (another thread ending it is told no).
+        A job another JobQueue claimed is left to the fence."""
+        with self._held_lock:
+            return self._held.pop(job.name.filename, None) is not None or job.claimed_by is not self
+
+    def _hold_again(self, job: ClaimedJob) -> None:
+        with self._held_lock:
+            self._held[job.name.filename] = job
 
     def complete(self, job: ClaimedJob, data, *, weights_version: int, **fields) -> bool:
         """Publishes a worker's result. False if the job was recovered from this worker
@@ -245,19 +264,26 @@ class JobQueue:
 
     def _fenced_publish(self, job: ClaimedJob, payload: dict, target: QueueName, fenced_as: ArchiveReason) -> bool:
         """Stages ``payload``, fences the job (processing -> committing), links the payload to ``target``
-        and archives the fenced file as ``fenced_as``. False when the fence fails (the job was recovered)."""
+        and archives the fenced file as ``fenced_as``. False when the fence fails (the job was recovered), or
+        another thread of this process ended the job first (a worker's deadline)."""
         device = job.name.device
-        tmp = fileops.stage_bytes(self.run.tmp, fileops.serialize(payload), fsync=self.fsync)
+        if not self._take(job):
+            log.warning("[queue] job %s was ended by another thread of dev%s meanwhile (its deadline?); dropping "
+                        "this outcome", job.name.filename, device)
+            return False
+        try:
+            tmp = fileops.stage_bytes(self.run.tmp, fileops.serialize(payload), fsync=self.fsync)
+        except fileops.QueueWriteError:
+            self._hold_again(job)  # ours still, to give back
+            raise
         fence = job.name.moved_to(JobState.COMMITTING, device)
         try:
             fileops.move(job.path, self.path(fence))
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):  # (FileExistsError: where a rename without replace is a link)
             fileops.remove_temp(tmp)
-            self._let_go(job)
             log.warning("[queue] job %s was recovered from dev%s while it ran; dropping its result",
                         job.name.filename, device)
             return False
-        self._let_go(job)  # (given back to it below if the result cannot be written)
         try:
             fileops.stamp_now(self.path(fence))
         except FileNotFoundError:
@@ -271,8 +297,7 @@ class JobQueue:
             fileops.remove_temp(tmp)
             try:
                 fileops.move(self.path(fence), job.path)
-                with self._held_lock:
-                    self._held[job.name.filename] = job
+                self._hold_again(job)
             except (FileNotFoundError, FileExistsError):
                 pass  # recovered meanwhile
             raise
@@ -281,7 +306,9 @@ class JobQueue:
 
     def release(self, job: ClaimedJob) -> bool:
         """Gives an unfinished job back (same attempt), e.g. on SIGTERM."""
-        self._let_go(job)
+        return self._take(job) and self._give_back(job)
+
+    def _give_back(self, job: ClaimedJob) -> bool:
         try:
             fileops.move(job.path, self.path(job.name.moved_to(JobState.PENDING)))
         except (FileNotFoundError, FileExistsError):

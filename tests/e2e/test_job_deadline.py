@@ -7,7 +7,6 @@ and the trainer, taking results in job order, waits for that job."""
 from __future__ import annotations
 
 import re
-import time
 
 from helpers import (
     PROCESS_ENV,
@@ -81,9 +80,7 @@ def test_a_job_whose_worker_cannot_act_on_its_deadline_is_taken_back_by_recovery
                                     extra_env={"ASYNCGRPO_TEST_HANG": str(marker)})
         wait_for(marker.exists, "the first worker to hang in its reward function", TIMEOUT_S, procs=(ps, stuck))
         second = start_process(run_root, tmp_path / "w2.log", "worker", "--device", "2", *flags, env=PROCESS_ENV)
-        started = time.monotonic()
         assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-        assert time.monotonic() - started >= JOB_TIMEOUT_S  # (the deadline and the lease passed first)
         assert pid_alive(stuck.pid)  # alive all along, beating
     finally:
         for proc in (ps, stuck, second):

@@ -72,3 +72,13 @@ def test_a_reward_now_and_then_never_stops_the_run():
 
 def test_nan_is_no_reward():
     assert finite(float("nan")) is None and finite(None) is None and finite(0.25) == 0.25
+
+
+def test_a_resumed_run_counts_from_its_checkpoint_step_on():
+    """Resumed at step 500 whose line counted 3 steps without a reward: the next step makes 4, not 501."""
+    signal = LearningSignal.resumed(500, {"step": 500, "steps_without_reward": 3, "steps_without_spread": 3})
+    signal.observe(501, None, None)
+    assert signal.steps_without_reward == 4 and signal.stop is None
+    fresh = LearningSignal.resumed(500, None)
+    fresh.observe(501, None, None)
+    assert fresh.steps_without_reward == 1

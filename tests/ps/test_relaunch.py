@@ -68,8 +68,8 @@ def test_an_interrupted_ps_says_which_steps_a_relaunch_trains_again(run):
 
     assert resume_line(run) == "trained 0 step(s), all saved: relaunch with the same --run_dir to go on from there"
     run.write_global_step(137)
-    assert resume_line(run).startswith("trained 137 step(s), the last checkpoint is of step 0: relaunch with the same "
-                                       "--run_dir to resume there (steps 1-137 are trained again;")
+    assert resume_line(run).startswith("trained 137 step(s), no checkpoint saved yet: a relaunch with the same "
+                                       "--run_dir starts from the beginning")
     (run.checkpoints / "checkpoint-100").mkdir(parents=True)
     write_ledger(run.checkpoints / "checkpoint-100", 100, {"consumed": []})
     assert resume_line(run).startswith("trained 137 step(s), the last checkpoint is of step 100: relaunch with the "

@@ -17,7 +17,7 @@ from worker.deadline import ACTIVITY, EXIT_JOB_DEADLINE, JobDeadline
 @pytest.fixture
 def exits(monkeypatch) -> list:
     statuses = []
-    monkeypatch.setattr(deadline.os, "_exit", statuses.append)
+    monkeypatch.setattr(deadline, "_exit", statuses.append)
     return statuses
 
 
@@ -84,7 +84,7 @@ def test_a_job_that_ended_as_the_deadline_came_is_left_alone(queue, run, exits):
 def test_the_watch_fails_a_job_held_past_the_deadline_by_itself(queue, run, exits):
     queue.put_job("000001_000", {"rows": []}, created_step=1)
     job = queue.claim(1)
-    job.claimed_at -= 10  # claimed 10 s ago
+    job.claimed_mono -= 10  # claimed 10 s ago
     watch = JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1).start()
     try:
         wait_for(lambda: exits, "the watch to act", timeout=30)
@@ -118,3 +118,56 @@ def test_a_job_past_its_deadline_is_described_by_where_it_was_stuck():
     assert describe_error({"type": "JobTimeout", "message": message, "reward_function": "score"}) == message
     assert describe_error({"type": "ValueError", "message": "bad", "reward_function": "score"}) == (
         "reward function 'score' raised ValueError: bad")
+
+
+def test_the_job_being_scored_is_failed_though_its_call_partner_came_first(queue, run, exits):
+    """Two jobs of one generate call: the first claimed is overdue a moment before the second, whose reward function
+    hangs. The second is failed, the first goes back as it was."""
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    queue.put_job("000001_001", {"rows": []}, created_step=1)
+    first, stuck = queue.claim(1), queue.claim(1)
+    release = threading.Event()
+    thread = hanging_reward(stuck.job_id, threading.Event(), release)
+    try:
+        JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1).expire([first])  # only it overdue
+    finally:
+        release.set()
+        thread.join()
+    assert exits == [EXIT_JOB_DEADLINE]
+    assert in_queue(run) == ["000001_000_pending.pt", "000001_001_pending_a2.pt"]
+
+
+def test_of_two_threads_ending_one_job_one_does(queue, run):
+    """The deadline fails a job as the worker's main thread publishes it: the second to come is told it lost."""
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+    assert queue.fail(job, {"type": "JobTimeout"}, max_attempts=2, weights_version=0)
+    assert not queue.complete(job, {}, weights_version=0)
+    assert not queue.release(job)
+    assert in_queue(run) == ["000001_000_pending_a2.pt"]
+
+
+def test_a_worker_about_to_exit_claims_no_more(queue, run):
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    queue.put_job("000001_001", {"rows": []}, created_step=1)
+    held = queue.claim(1)
+    assert queue.close_claims() == [held]
+    assert queue.claim(1) is None
+    assert in_queue(run) == ["000001_000_processing_by_dev1.pt", "000001_001_pending.pt"]
+
+
+def test_a_failure_that_cannot_be_written_still_ends_in_the_exit_with_the_job_given_back(queue, run, exits,
+                                                                                     monkeypatch):
+    from asyncgrpo.run import QueueWriteError
+    from asyncgrpo.run import fileops as run_fileops
+
+    queue.put_job("000001_000", {"rows": []}, created_step=1)
+    job = queue.claim(1)
+
+    def disk_full(*args, **kwargs):
+        raise QueueWriteError("no space left on the disk")
+
+    monkeypatch.setattr(run_fileops, "stage_bytes", disk_full)
+    JobDeadline(queue, 5, max_attempts=2, events=EventLog.off(), device=1).expire([job])
+    assert exits == [EXIT_JOB_DEADLINE]
+    assert in_queue(run) == ["000001_000_pending.pt"]  # given back as it was
