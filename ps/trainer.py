@@ -181,6 +181,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.publisher.close()
             self.events.close()
 
+    def evaluate(self, *args, **kwargs):
+        """TRL's evaluation (--eval_strategy), on the PS's model, as a span of its own in the timeline: the report
+        counts it apart from training (queue_tools/report.py)."""
+        if not self.is_queue_client:
+            return super().evaluate(*args, **kwargs)
+        with self.events.span("eval", step=self.state.global_step):
+            return super().evaluate(*args, **kwargs)
+
     # ------------------------------------------------------------------ the replaced TRL internals
 
     def _generate_and_score_completions(self, inputs):
@@ -351,7 +359,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         del self.state.log_history[:-LOG_HISTORY_KEPT]
         if "eval_loss" in logs:  # TRL's evaluation, on the PS's model (--eval_strategy)
             log.info("[eval] step=%d reward=%s loss=%.4f", self.state.global_step,
-                     _fmt(logs.get("eval_reward")), logs["eval_loss"])
+                     _fmt(finite(logs.get("eval_reward"))), logs["eval_loss"])
+            if self.is_queue_client:
+                metrics.append(self.run.metrics_file, metrics.eval_line(self.state.global_step, logs))
         if not is_step_log or not self.is_queue_client:
             return
         now = time.monotonic()

@@ -119,8 +119,8 @@ def timeline_rows(tracks: list, origin: float) -> list[tuple[str, dict]]:
     for t in tracks:
         if t.role == "ps":
             kinds = {kind: [s for e in t.events if e["event"] == event and (s := span_of(e))]
-                     for kind, event in (("train step", "train_step_end"), ("trainer waits", "wait_result"),
-                                         ("weights publish", "weights_published"))}
+                     for kind, event in (("train step", "train_step_end"), ("evaluation", "eval_end"),
+                                         ("trainer waits", "wait_result"), ("weights publish", "weights_published"))}
         elif t.role == "worker":
             iv = worker_intervals(t)
             kinds = {"busy": iv["jobs"], "syncing": iv["sync"], "life": [(iv["start"], iv["end"])]}

@@ -65,6 +65,7 @@ SYNC_HIGH = 0.20  # workers syncing / waiting for weights this much: weight sync
 BUSY_HIGH = 0.60  # workers busy this much while the trainer waits: generation is the bottleneck
 STALE_HIGH = 0.10  # results archived stale / results collected: said in the diagnosis from here on
 TOOLS_HIGH = 0.50  # tool calls' share of multi-turn job time: named as the bottleneck from here on
+EVAL_HIGH = 0.25  # evaluation's share of the trainer's time: named as the bottleneck from here on
 PLOTS_HINT = "plots: matplotlib is not installed; pip install 'asyncgrpo[plots]' to get them"
 
 
@@ -188,14 +189,17 @@ def training_numbers(lives: list[list]) -> dict:
     samples = sum(num(e, "samples") or 0 for e in consumed)
     tokens = sum(num(e, "tokens") or 0 for e in consumed)
     waits = [num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends]
+    eval_s = sum(num(e, "dur_ms") or 0.0 for life in lives for e in life if e["event"] == "eval_end") / 1e3
     out = {"steps": sum(e["event"] == "train_step_end" for e in kept), "span_s": None, "samples": samples,
            "tokens": tokens, "samples_per_s": None, "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3,
-           "trainer_idle_fraction": None, "trainer_idle_fraction_steady": None, "between_steps_fraction": None}
+           "trainer_idle_fraction": None, "trainer_idle_fraction_steady": None, "between_steps_fraction": None,
+           "eval_s": eval_s, "eval_fraction": None}
     span = sum(end - start for start, end in map(_span, lives))
     if span > 0:
         step_s = sum(num(e, "dur_ms") or 0.0 for life_ends in ends for e in life_ends) / 1e3
         out.update(span_s=span, samples_per_s=samples / span, tokens_per_s=tokens / span,
-                   trainer_idle_fraction=sum(waits) / span / 1e3, between_steps_fraction=(span - step_s) / span)
+                   trainer_idle_fraction=sum(waits) / span / 1e3, between_steps_fraction=(span - step_s) / span,
+                   eval_fraction=eval_s / span)
     steady_span = sum(life_ends[-1]["mono"] - life_ends[0]["mono"] for life_ends in ends)
     if steady_span > 0:
         steady_waits = sum(num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends[1:])
@@ -270,6 +274,11 @@ def _bottleneck(training: dict, workers: dict | None) -> str:
         idle = training["trainer_idle_fraction"]
     if idle is None:
         return "no completed train steps: nothing to diagnose yet"
+    evaluating = training.get("eval_fraction") or 0.0
+    if evaluating >= EVAL_HIGH:  # (the trainer is busy then, but not training)
+        return (f"evaluation takes {pct(evaluating)} of the trainer's time: it is the bottleneck (evaluate less "
+                f"often, --eval_steps, or on fewer prompts); training {pct(max(0.0, 1 - idle - evaluating))}, "
+                f"waiting for results {pct(idle)}")
     if not workers:
         return f"trainer idle {pct(idle)}: no worker events recorded; are the workers running?"
     w_busy, w_sync, w_idle = workers["busy_fraction"], workers["syncing_fraction"], workers["idle_fraction"]
@@ -356,7 +365,9 @@ def format_text(r: dict) -> str:
         steady = t["trainer_idle_fraction_steady"]
         lines.append(f"trainer idle: {pct(t['trainer_idle_fraction'])} (waited {t['trainer_wait_s']:.1f} s of "
                      f"{t['span_s']:.1f} s)" + (f"; {pct(steady)} after the first step" if steady is not None else "")
-                     + f"; outside train steps (publish, logging, checkpoints): {pct(t['between_steps_fraction'])}")
+                     + f"; outside train steps (publish, logging, checkpoints): {pct(t['between_steps_fraction'])}"
+                     + (f", of which evaluation {pct(t['eval_fraction'])} ({t['eval_s']:.1f} s)" if t.get("eval_s")
+                        else ""))
     down = r["downtime"]
     if down["restarts"]:
         lines.append(f"downtime: {down['down_s']:.1f} s between {down['restarts'] + 1} PS lives, left out of the "

@@ -13,6 +13,7 @@ from queue_tools.timeline import COMMON, Track, num, span_of, worker_intervals
 LANES = ["trainer", "publish", "producer", "collector", "consume", "jobs", "weights", "queue wait", "events"]
 # event closing a span -> (thread group, category, slice name)
 TRACE_SPANS = {"train_step_end": ("trainer", "train", "step {step}"),
+               "eval_end": ("trainer", "eval", "evaluate at step {step}"),
                "wait_result": ("trainer", "wait", "wait for result"),
                "weights_published": ("publish", "weights", "publish v{weights_version}"),
                "generate_end": ("jobs", "job", "generate"), "score_end": ("jobs", "job", "score"),

@@ -6,7 +6,9 @@ lines of steps after its checkpoint: those steps are trained again, and the file
 every line.
 
 A line is readable when it is a JSON object whose ``step`` is a number; any other (one cut short by a crash, one
-written over by hand) is skipped by the readers and removed by ``truncate_after``. Readers get the line's
+written over by hand) is skipped by the readers and removed by ``truncate_after``. An evaluation's metrics
+(``--eval_strategy``: TRL's ``eval_*`` names) are a line of their own, ``"kind": "eval"`` (``eval_line``); the
+readers return the training steps' lines unless asked for ``kind="eval"``. Readers get the line's
 dict: a line written by another version of asyncgrpo may lack some of ``StepMetrics``' keys.
 
 No torch here: ``queue_tools ls`` reads this file without loading it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from asyncgrpo.run import fileops
@@ -71,6 +74,12 @@ class StepMetrics:
     time: float  # wall clock, time.time()
 
 
+def eval_line(step: int, logs: dict) -> dict:
+    """The line of an evaluation at ``step``: TRL's ``eval_*`` metrics, as logged."""
+    return {"step": step, "kind": "eval", **{k: v for k, v in logs.items() if k.startswith("eval_")},
+            "time": time.time()}
+
+
 @dataclass(frozen=True)
 class Truncation:
     """What ``truncate_after`` did."""
@@ -80,19 +89,21 @@ class Truncation:
     unreadable: int  # unreadable lines removed
 
 
-def append(path: str | os.PathLike, record: StepMetrics) -> None:
-    """Appends ``record`` as one line, in one write (fileops.append_line); an error names the file."""
-    fileops.append_line(path, json.dumps(dataclasses.asdict(record)))
+def append(path: str | os.PathLike, record: StepMetrics | dict) -> None:
+    """Appends ``record`` (a step's, or an evaluation's ``eval_line``) as one line, in one write
+    (fileops.append_line); an error names the file."""
+    fileops.append_line(path, json.dumps(dataclasses.asdict(record) if isinstance(record, StepMetrics) else record))
 
 
-def read_lines(path: str | os.PathLike) -> list[dict]:
-    """Every readable line, oldest first; [] when the file is missing or cannot be read."""
+def read_lines(path: str | os.PathLike, kind: str = "train") -> list[dict]:
+    """Every readable line of ``kind`` ("train": the steps'; "eval"), oldest first; [] when the file is missing or
+    cannot be read."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return []
-    return [record for line in text.splitlines() if (record := _read(line)) is not None]
+    return [record for line in text.splitlines() if (record := _read(line, kind)) is not None]
 
 
 def read_new_lines(path: str | os.PathLike, offset: int) -> tuple[list[dict], int]:
@@ -105,12 +116,13 @@ def read_new_lines(path: str | os.PathLike, offset: int) -> tuple[list[dict], in
     except FileNotFoundError:
         return [], offset
     complete = appended[: appended.rfind(b"\n") + 1]
-    return [record for line in complete.splitlines() if (record := _read(line)) is not None], offset + len(complete)
+    return [record for line in complete.splitlines() if (record := _read(line, "train")) is not None], \
+        offset + len(complete)
 
 
 def last_line(path: str | os.PathLike) -> dict | None:
-    """The newest readable line, read from the file's last TAIL_BYTES (the file grows with every step);
-    None when there is none there."""
+    """The newest readable line of a training step, read from the file's last TAIL_BYTES (the file grows with
+    every step); None when there is none there."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
@@ -118,7 +130,7 @@ def last_line(path: str | os.PathLike) -> dict | None:
     except OSError:
         return None
     for line in reversed(tail):  # the tail's first line is usually cut; the last may be being written
-        if (record := _read(line)) is not None:
+        if (record := _read(line, "train")) is not None:
             return record
     return None
 
@@ -133,7 +145,7 @@ def truncate_after(path: str | os.PathLike, step: int) -> Truncation:
         return Truncation(kept=[], removed=0, unreadable=0)
     kept, kept_lines, unreadable = [], [], 0
     for line in lines:
-        record = _read(line)
+        record = _read(line, None)
         if record is None:
             unreadable += 1
         elif record["step"] <= step:
@@ -144,10 +156,13 @@ def truncate_after(path: str | os.PathLike, step: int) -> Truncation:
     return Truncation(kept=kept, removed=len(lines) - len(kept) - unreadable, unreadable=unreadable)
 
 
-def _read(line: str | bytes) -> dict | None:
+def _read(line: str | bytes, kind: str | None) -> dict | None:
+    """The line's record if it is readable and of ``kind`` (None: any)."""
     try:
         record = json.loads(line)
     except ValueError:
         return None
     step = record.get("step") if isinstance(record, dict) else None
-    return record if isinstance(step, (int, float)) else None
+    if not isinstance(step, (int, float)):
+        return None
+    return record if kind is None or record.get("kind", "train") == kind else None

@@ -210,6 +210,14 @@ def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
     callers = set((folder / "reward_calls.txt").read_text().split())
     ps_pid, worker_pid = read_json(run_root / "ps.json")["pid"], read_json(run_root / "workers" / "dev1.json")["pid"]
     assert callers == {str(ps_pid), str(worker_pid)}  # the PS scored its evaluation, the worker its jobs
+    # Its metrics in metrics.jsonl (TRL's eval_* names), apart from the steps' lines; its time a span of its own.
+    from asyncgrpo.run import metrics
+
+    evals = metrics.read_lines(run_root / "metrics.jsonl", kind="eval")
+    assert [e["step"] for e in evals] == [1, 2] and all("eval_loss" in e and "eval_reward" in e for e in evals)
+    assert [line["step"] for line in metrics.read_lines(run_root / "metrics.jsonl")] == [1, 2]
+    events = [json.loads(line) for line in (run_root / "logs" / "events-ps.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval_end"] == [1, 2]
 
 
 def test_the_final_model_is_saved_to_output_dir_even_without_checkpoints(trl_run):
@@ -236,7 +244,8 @@ def test_relative_paths_resolve_in_the_users_folder(trl_run):
     folder, run_root, _ = trl_run
     assert run_root.is_dir() and not (REPO / "runs" / "trl").exists()  # --run-dir runs/trl: not in the source tree
     assert (folder / "reward_calls.txt").exists()  # rewards:ones from rewards.py next to the user
-    assert [m["step"] for m in map(json.loads, (run_root / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    lines = [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m.get("kind") != "eval"] == [1, 2]  # (and an evaluation's line a step)
     assert Path(read_json(run_root / "ps.json")["model"]) == folder / "mymodel"
 
 

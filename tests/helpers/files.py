@@ -61,9 +61,10 @@ def read_json(path) -> dict:
 
 
 def metrics(run_root) -> list[dict]:
-    """The lines of RUN/metrics.jsonl ([] before the first step)."""
+    """The steps' lines of RUN/metrics.jsonl ([] before the first step; an evaluation's lines left out)."""
     path = Path(run_root) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [line for line in lines if line.get("kind") != "eval"]
 
 
 def entries(directory) -> set[str]:

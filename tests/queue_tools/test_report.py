@@ -615,3 +615,21 @@ def test_the_diagnosis_says_when_the_steps_teach_nothing(tmp_path, capsys):
     after = report_json(capsys, syn["run"].root)["diagnosis"]
     assert after == before + ("; for 40 steps every group's completions scored alike: the advantages are all 0 and "
                               "nothing is learned (the reward, the model, or --dynamic_sampling?)")
+
+
+def test_evaluation_is_its_own_span_and_named_when_it_takes_the_trainer_s_time():
+    """A PS that trained 10 quick steps over 10 s, 8 s of them in evaluation: busy, but not training; the
+    diagnosis names evaluation, not training, as the bottleneck (it said "trainer busy 100%: training is the
+    bottleneck" before)."""
+    from queue_tools.report import diagnose, training_numbers
+
+    life = [{"event": "train_step_start", "mono": 0.0, "step": 1}]
+    for step in range(1, 11):
+        life.append({"event": "train_step_end", "mono": float(step), "step": step, "dur_ms": 100.0, "wait_ms": 0.0})
+    life.append({"event": "eval_end", "mono": 9.5, "step": 9, "dur_ms": 8000.0})
+    training = training_numbers([life])
+    assert training["eval_s"] == 8.0 and abs(training["eval_fraction"] - 0.8) < 1e-9
+    workers = {"busy_fraction": 0.5, "syncing_fraction": 0.0, "idle_fraction": 0.5}
+    assert diagnose(training, workers).startswith("evaluation takes 80% of the trainer's time: it is the bottleneck")
+    without = training_numbers([[e for e in life if e["event"] != "eval_end"]])
+    assert diagnose(without, workers).startswith("trainer busy 100%: training is the bottleneck")

@@ -125,3 +125,17 @@ def test_metrics_imports_no_torch():
             "print([m for m in ('torch', 'transformers', 'trl') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_evaluation_s_line_is_kept_apart_from_the_steps_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    metrics.append(path, step_metrics(1))
+    metrics.append(path, metrics.eval_line(1, {"eval_loss": 0.5, "eval_reward": 0.25, "loss": 9.0}))
+    metrics.append(path, step_metrics(2))
+    metrics.append(path, metrics.eval_line(2, {"eval_loss": 0.4, "eval_reward": 0.5}))
+    assert [line["step"] for line in metrics.read_lines(path)] == [1, 2]
+    evals = metrics.read_lines(path, kind="eval")
+    assert [(e["step"], e["eval_reward"]) for e in evals] == [(1, 0.25), (2, 0.5)] and "loss" not in evals[0]
+    assert metrics.last_line(path)["step"] == 2 and "kind" not in metrics.last_line(path)
+    metrics.truncate_after(path, 1)
+    assert len(metrics.read_lines(path)) == 1 and len(metrics.read_lines(path, kind="eval")) == 1
