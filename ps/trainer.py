@@ -68,6 +68,13 @@ from ps.offpolicy import TokenWeighting
 from ps.pipeline import BatchInTraining, JobPipeline, PipelineError, queue_line
 
 log = logging.getLogger("asyncgrpo.ps")
+# The [train] line of a step the terminal does not show: in the PS's log at this level ("STEP"), which launch.sh's
+# terminal filter leaves out. The terminal shows one step in every max_steps / TERMINAL_STEP_LINES (and the first and
+# last): a few dozen lines a run, not a thousand; metrics.jsonl and the log keep every step.
+STEP = 15
+TERMINAL_STEP_LINES = 40
+logging.addLevelName(STEP, "STEP")
+log.setLevel(min(log.getEffectiveLevel(), STEP))
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
 
 
@@ -399,14 +406,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _show_progress(self, line: metrics.StepMetrics) -> None:
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
+        max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or 0
+        every = max(1, round(max_steps / TERMINAL_STEP_LINES))
+        shown = line.step % every == 0 or line.step == 1 or line.step >= max_steps
         # (reward None: every reward function returned None for every row of the step, which TRL allows)
-        log.info("[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s %s%s", line.step, _fmt(line.reward),
-                 line.staleness_mean, line.trainer_wait_s * 1e3, f"{line.loss:.4f}" if line.loss is not None else "-",
-                 queue_line(line.queue_depth),
-                 (f" dropped_prompts={dropped}" if dropped else "")
-                 + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
-                 + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")
-                 + (f" tool_failures={line.tool_failure_rate:.0%}" if line.tool_failure_rate is not None else ""))
+        log.log(logging.INFO if shown else STEP, "[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s %s%s",
+                line.step, _fmt(line.reward), line.staleness_mean, line.trainer_wait_s * 1e3,
+                f"{line.loss:.4f}" if line.loss is not None else "-", queue_line(line.queue_depth),
+                (f" dropped_prompts={dropped}" if dropped else "")
+                + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
+                + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")
+                + (f" tool_failures={line.tool_failure_rate:.0%}" if line.tool_failure_rate is not None else ""))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=_fmt(line.reward),

@@ -47,3 +47,30 @@ def test_a_step_without_a_reward_still_prints_its_train_line(caplog):
     with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
         AsyncGRPOTrainer._show_progress(trainer, line)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("[train] step=7 reward=- ")]
+
+
+def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog):
+    """A 1000-step run: the first, every 25th and the last at INFO (launch.sh's terminal shows those), the others at
+    STEP: in the PS's log, not on the terminal."""
+    import logging
+    from types import SimpleNamespace
+
+    from asyncgrpo.run.metrics import StepMetrics
+    from ps.trainer import STEP, AsyncGRPOTrainer
+
+    trainer = SimpleNamespace(pipeline=SimpleNamespace(failed=SimpleNamespace(prompts=0)),
+                              cfg=SimpleNamespace(dynamic_sampling=False, difficulty_filter=0),
+                              callback_handler=SimpleNamespace(callbacks=[]), state=SimpleNamespace(max_steps=1000))
+    with caplog.at_level(STEP, logger="asyncgrpo.ps"):
+        for step in range(1, 1001):
+            line = StepMetrics(step=step, reward=0.5, reward_std=0.1, loss=0.0, grad_norm=0.0, staleness_mean=1.0,
+                               staleness_max=1, token_staleness_mean=1.0, weights_version=step - 1,
+                               trainer_wait_s=0.002, groups_dropped=0, groups_dropped_total=0, prompts_skipped=0,
+                               tool_failure_rate=None, frac_reward_zero_std=0.5, steps_without_reward=0,
+                               steps_without_spread=0, step_time_s=0.1, time=0.0,
+                               queue_depth={"pending": 1, "processing": 1, "committing": 0, "complete": 0,
+                                            "collected": 0})
+            AsyncGRPOTrainer._show_progress(trainer, line)
+    shown = [int(r.getMessage().split()[1][5:]) for r in caplog.records if r.levelno == logging.INFO]
+    assert shown == [1, *range(25, 1001, 25)]
+    assert len([r for r in caplog.records if r.getMessage().startswith("[train] step=")]) == 1000
