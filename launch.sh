@@ -81,6 +81,8 @@ unclaim() {
 }
 claim_run "$RUN_DIR"
 trap unclaim EXIT
+# A flag that is not one, refused at once where an earlier launch recorded the flags (asyncgrpo/flag_check.py).
+"$VENV_PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
 resolve_device
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import yaml
 from trl import DatasetMixtureConfig, GRPOConfig, TrlParser
 
+from asyncgrpo import flag_check
 from asyncgrpo.jobqueue.queue import DEFAULT_JOB_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from asyncgrpo.messages import first_line
 from asyncgrpo.peft_args import PeftArgs
@@ -404,16 +405,14 @@ def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | N
     """ConfigError naming the first flag (or key of the ``--config`` file) the parser does not know, with the
     flags it could be a typo or an abbreviation of."""
     known = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} | {"--config"}
-    spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
+    flag_check.record(known)  # for the next launch's check before the heavy imports
+    if (line := flag_check.unknown_flag(argv, known)) is not None:
+        raise ConfigError(line)
 
     def could_mean(typed: str, among: list[str]) -> str:
         candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3,
                                                                                            cutoff=0.75)
         return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if flag.startswith("--") and flag not in known:
-            raise ConfigError(f"{flag}: not a flag" + could_mean("--" + flag[2:].replace("-", "_"), spelled))
     # The names TrlParser matches a YAML key against, and its env: section (variables it sets).
     fields = {action.dest for action in parser._actions} | {"env"}
     for key in from_yaml:

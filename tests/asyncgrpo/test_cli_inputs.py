@@ -269,3 +269,30 @@ def test_the_users_folder_is_on_the_path_only_while_reward_modules_import(tmp_pa
     assert str(tmp_path) not in sys.path  # later imports do not look in the user's folder
     import importlib.util
     assert importlib.util.find_spec("shadow_of_a_library") is None
+
+
+def test_a_flag_that_is_not_one_is_refused_before_the_heavy_imports_with_the_full_parse_s_line(tmp_path, monkeypatch):
+    """The full parse records the flags it knows (asyncgrpo/flag_check.py); the quick check refuses with its line,
+    and says nothing when the record is not this environment's (another TRL, another config source)."""
+    from asyncgrpo import flag_check
+
+    monkeypatch.setattr(flag_check, "RECORD", tmp_path / "flags.json")
+    assert flag_check.check(["--learning_rat", "1"]) is None  # no record yet: the full parse decides
+    with pytest.raises(ConfigError) as refused:
+        parse_config(["--device_type", "cpu", "--learning_rat", "1"])
+    assert flag_check.check(["--device_type", "cpu", "--learning_rat", "1"]) == str(refused.value)
+    assert str(refused.value) == "--learning_rat: not a flag; did you mean --learning_rate?"
+    assert flag_check.check(["--learning_rate", "1e-5", "--max_steps=3", "--config", "x.yaml"]) is None
+    record = json.loads((tmp_path / "flags.json").read_text())
+    (tmp_path / "flags.json").write_text(json.dumps({**record, "key": "another trl"}))
+    assert flag_check.check(["--learning_rat", "1"]) is None
+
+
+def test_launch_refuses_a_flag_that_is_not_one_before_it_looks_for_a_gpu(user_folder):
+    """With the flags recorded (any earlier parse in this environment), launch.sh refuses a bad flag before its
+    first heavy import: here before it finds that --device cuda has no GPU (which it says otherwise)."""
+    parse_config(["--device_type", "cpu"])  # records this environment's flags
+    result = launch_sh(user_folder, "--workers", "1", "--device", "cuda", "--run-dir", "runs/r", "--nosuch_flag", "1")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "ps: error: --nosuch_flag: not a flag (--help lists them)"
+    assert not (user_folder / "runs").exists()

@@ -1,0 +1,79 @@
+"""A flag that is not one is refused in a fraction of a second, before torch, transformers and TRL are imported
+(10-20 s on a small machine): launch.sh runs ``python -m asyncgrpo.flag_check FLAGS...`` first.
+
+The flags are TRL's and transformers' dataclasses' fields and asyncgrpo's (asyncgrpo/config.py): knowing them means
+importing those libraries. So the full parse (asyncgrpo.config.parse_config) records the flags it knows in this
+environment (``sys.prefix``), keyed by the versions of TRL and transformers and by asyncgrpo's config source; a
+later check whose key matches refuses an unknown flag with the full parse's own line. Without a record that matches
+(the first launch, an upgrade) it says nothing, and the full parse decides, as before.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+RECORD = Path(sys.prefix) / "asyncgrpo-flags.json"
+SOURCES = ("config.py", "peft_args.py")  # asyncgrpo's own flags
+
+
+def key() -> str:
+    """What the known flags depend on: TRL's and transformers' versions and asyncgrpo's config source."""
+    digest = hashlib.sha256()
+    for package in ("trl", "transformers"):
+        try:
+            digest.update(f"{package}={metadata.version(package)};".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package}=?;".encode())
+    for name in SOURCES:
+        digest.update((Path(__file__).with_name(name)).read_bytes())
+    return digest.hexdigest()
+
+
+def record(known: set[str]) -> None:
+    """Writes the flags the full parse knows (best effort: an environment it cannot write to keeps no record)."""
+    try:
+        text = json.dumps({"key": key(), "known": sorted(known)})
+        if not RECORD.is_file() or RECORD.read_text() != text:
+            tmp = RECORD.with_name(RECORD.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(RECORD)
+    except OSError:
+        pass
+
+
+def unknown_flag(argv: list[str], known: set[str]) -> str | None:
+    """The full parse's line for the first flag of ``argv`` not among ``known``; None when all are."""
+    spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known:
+            typed = "--" + flag[2:].replace("-", "_")
+            candidates = [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(
+                typed, spelled, n=3, cutoff=0.75)
+            return f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
+                                            else " (--help lists them)")
+    return None
+
+
+def check(argv: list[str]) -> str | None:
+    """The line refusing a flag of ``argv``, where the record of this environment says it is not one; None
+    otherwise (all are flags, or there is no record to go by)."""
+    try:
+        recorded = json.loads(RECORD.read_text())
+        if recorded.get("key") != key():
+            return None
+        known = set(recorded["known"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return unknown_flag(argv, known)
+
+
+if __name__ == "__main__":
+    if (line := check(sys.argv[1:])) is not None:
+        print(f"ps: error: {line}", file=sys.stderr)
+        sys.exit(2)
