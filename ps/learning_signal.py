@@ -67,8 +67,9 @@ class LearningSignal:
                       f"({self.steps_without_reward} step(s) in a row; the run stops at {NO_REWARD_STOP_STEPS})")
         elif self.steps_without_spread >= NO_SPREAD_WARN_STEPS:
             self._say(f"step={step}: for {self.steps_without_spread} steps every group's completions scored alike "
-                      "(frac_reward_zero_std 1): the advantages are all 0 and nothing is learned. Look at the reward "
-                      "(does it tell this model's completions apart?), the model (do its completions differ?), or "
+                      "(frac_reward_zero_std 1): the advantages are all 0 and nothing is learned. If reward "
+                      f"{reward:.3f} is the task's best, the task is learned; else look at the reward (does it tell "
+                      "this model's completions apart?), the model (do its completions differ?), or "
                       "--dynamic_sampling (trains only on groups whose rewards differ)")
 
     def _say(self, line: str) -> None:

@@ -42,7 +42,8 @@ def learning_note(line: dict | None) -> str | None:
                 "None (or NaN) for every completion")
     if (line.get("steps_without_spread") or 0) >= NO_SPREAD_WARN_STEPS:
         return (f"for {line['steps_without_spread']} steps every group's completions scored alike: the advantages "
-                "are all 0 and nothing is learned (the reward, the model, or --dynamic_sampling?)")
+                "are all 0 and nothing is learned (the task learned already? else the reward, the model, or "
+                "--dynamic_sampling?)")
     return None
 
 

@@ -614,7 +614,8 @@ def test_the_diagnosis_says_when_the_steps_teach_nothing(tmp_path, capsys):
         {"step": 40, "reward": 0.0, "frac_reward_zero_std": 1.0, "steps_without_spread": 40}) + "\n")
     after = report_json(capsys, syn["run"].root)["diagnosis"]
     assert after == before + ("; for 40 steps every group's completions scored alike: the advantages are all 0 and "
-                              "nothing is learned (the reward, the model, or --dynamic_sampling?)")
+                              "nothing is learned (the task learned already? else the reward, the model, or "
+                              "--dynamic_sampling?)")
 
 
 def test_evaluation_is_its_own_span_and_named_when_it_takes_the_trainer_s_time():
