@@ -19,7 +19,6 @@ added the same way, from ``PeftArgs`` (asyncgrpo/peft_args.py).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import sys
 import warnings
@@ -408,17 +407,12 @@ def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | N
     flag_check.record(known)  # for the next launch's check before the heavy imports
     if (line := flag_check.unknown_flag(argv, known)) is not None:
         raise ConfigError(line)
-
-    def could_mean(typed: str, among: list[str]) -> str:
-        candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3,
-                                                                                           cutoff=0.75)
-        return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
     # The names TrlParser matches a YAML key against, and its env: section (variables it sets).
     fields = {action.dest for action in parser._actions} | {"env"}
     for key in from_yaml:
         if key not in fields:
             raise ConfigError(f"--config {config_path}: {key}: not a config key"
-                              + could_mean(str(key).replace("-", "_"), sorted(fields)))
+                              + flag_check.could_mean(str(key).replace("-", "_"), sorted(fields)))
 
 
 def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None

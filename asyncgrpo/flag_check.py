@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -39,7 +40,7 @@ def record(known: set[str]) -> None:
     try:
         text = json.dumps({"key": key(), "known": sorted(known)})
         if not RECORD.is_file() or RECORD.read_text() != text:
-            tmp = RECORD.with_name(RECORD.name + ".tmp")
+            tmp = RECORD.with_name(f"{RECORD.name}.{os.getpid()}.tmp")  # (workers start together)
             tmp.write_text(text)
             tmp.replace(RECORD)
     except OSError:
@@ -52,12 +53,14 @@ def unknown_flag(argv: list[str], known: set[str]) -> str | None:
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
-            typed = "--" + flag[2:].replace("-", "_")
-            candidates = [o for o in spelled if o.startswith(typed)] or difflib.get_close_matches(
-                typed, spelled, n=3, cutoff=0.75)
-            return f"{flag}: not a flag" + (f"; did you mean {' or '.join(candidates[:5])}?" if candidates
-                                            else " (--help lists them)")
+            return f"{flag}: not a flag" + could_mean("--" + flag[2:].replace("-", "_"), spelled)
     return None
+
+
+def could_mean(typed: str, among: list[str]) -> str:
+    """What ``typed`` could be a typo or an abbreviation of, as the end of a refusal's line."""
+    candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3, cutoff=0.75)
+    return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
 
 
 def check(argv: list[str]) -> str | None:

@@ -14,8 +14,11 @@ import logging
 import os
 import select
 import signal
+import socket
 import threading
 import time
+
+from asyncgrpo.run.liveness import pid_alive
 
 SUPERVISOR_PID_ENV = "ASYNCGRPO_SUPERVISOR_PID"
 POLL_S = 1.0  # where pidfds are missing (Linux before 5.3): how often the pid is looked at
@@ -43,7 +46,7 @@ def _stop_when_gone(pid: int, who: str) -> None:
     except ProcessLookupError:
         fd = None  # gone already
     except OSError:  # no pidfds (an old kernel, a sandbox): poll
-        while _alive(pid):
+        while pid_alive(pid, socket.gethostname()):
             time.sleep(POLL_S)
         fd = None
     if fd is not None:
@@ -53,13 +56,3 @@ def _stop_when_gone(pid: int, who: str) -> None:
         os.close(fd)
     log.warning("%s: its supervisor (launch.sh or join.sh, pid %d) is gone: stopping as on SIGTERM", who, pid)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
