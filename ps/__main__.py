@@ -17,11 +17,9 @@ rank trains on its slice of each job (ps/trainer.py).
 from __future__ import annotations
 
 import faulthandler
-import fcntl
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -40,7 +38,7 @@ from asyncgrpo.inputs import (
 )
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, runs_dir
-from asyncgrpo.run.liveness import PSHeartbeat
+from asyncgrpo.run.liveness import PSAlreadyRunning, PSHeartbeat, PSRunLock
 from asyncgrpo.run.rundir import PSStatus
 from asyncgrpo.supervisor import watch_supervisor
 from asyncgrpo.user_code import load_rollout_hooks
@@ -52,52 +50,12 @@ DESCRIPTION = ("The asyncgrpo parameter server: trains with TRL's GRPOTrainer on
                "--config FILE.yaml sets any of them.")
 
 
-class PSAlreadyRunning(RuntimeError):
-    pass
-
-
-def hold_ps_lock(run: RunDir, record: bool = True) -> int:
-    """One PS per run directory: an exclusive flock, held until this process exits. The holder writes its pid and
-    host into the lock file at once (its ps.json comes seconds later), so whoever is refused can name it
-    (``record=False``: only trying the lock)."""
-    fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise PSAlreadyRunning(f"another parameter server is running on {run.root} ({lock_holder(run)})") from None
-    if record:
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        except OSError:  # a full disk: the lock is held all the same, and the disk check says what is wrong
-            pass
-    return fd
-
-
-def lock_holder(run: RunDir) -> str:
-    """'pid P on HOST' of the PS holding the run's lock, waiting up to a second for it to write itself."""
-    for _ in range(20):
-        holder = run.ps_lock_file.read_text(errors="replace").strip()
-        if holder:
-            return holder
-        time.sleep(0.05)
-    other = run.read_ps_status()  # a PS of an older version wrote itself only there
-    return f"pid {other.pid} on {other.host}" if other else "its pid not written yet"
-
-
 def set_tensorboard_dir(final_dir: str) -> None:
     """--report_to tensorboard writes where trl grpo's does, under --output_dir (runs/DATE_HOST), not under the
     checkpoints folder that output_dir becomes here; a TENSORBOARD_LOGGING_DIR already set wins, as in TRL."""
     from transformers.integrations.integration_utils import default_logdir
 
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(final_dir, default_logdir()))
-
-
-def refuse_if_a_ps_runs(run: RunDir) -> None:
-    """PSAlreadyRunning when a PS holds the run's lock now (launch.sh asks before it starts anything)."""
-    if run.ps_lock_file.exists():
-        os.close(hold_ps_lock(run, record=False))  # taken and given back at once
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = check_inputs(cfg, run_root)
         if check_only:
             if not joining:  # workers that join a run want its PS running
-                refuse_if_a_ps_runs(RunDir(Path(run_root).expanduser().resolve()))
+                PSRunLock.refuse_if_held(RunDir(Path(run_root).expanduser().resolve()))
             for note in notes:
                 print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))
@@ -130,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                               "process(es) (start it with torchrun --nproc_per_node K, or launch.sh --ps-procs K)")
         first_rank = cfg.process_index == 0
         run = RunDir.create(run_root, cfg.share_with_group)  # idempotent: every rank may create it
-        lock = hold_ps_lock(run) if first_rank else None
+        lock = PSRunLock(run) if first_rank else None
     except ConfigError as err:
         print(f"ps: error: {err}", file=sys.stderr)
         return 2
@@ -169,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if lock is not None:
-            os.close(lock)
+            lock.release()
 
 
 def _quiet_libraries() -> None:

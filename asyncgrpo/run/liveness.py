@@ -17,6 +17,8 @@ worker whose clock is off loses nothing to recovery.
 The heartbeat also says which safetensors snapshot the worker is reading, if any
 (``announce_read``): the PS keeps a snapshot a live worker names (weights/snapshot.py).
 
+The PS holds a lock of its own (``PSRunLock``): one PS per run directory.
+
 ``pid_alive`` is the same question for processes that record a pid and host instead of
 holding a lock (the PS's weight publishers, their /dev/shm buffer folders).
 """
@@ -197,6 +199,54 @@ class WorkerPresence:
             self.beat()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+
+class PSAlreadyRunning(RuntimeError):
+    pass
+
+
+class PSRunLock:
+    """One PS per run directory: an exclusive flock on ``RUN/ps.lock``, held until ``release`` or this process exits.
+    The holder writes its pid and host into the lock file at once (its ps.json comes seconds later), so whoever is
+    refused can name it (``record=False``: only trying the lock). PSAlreadyRunning when another PS holds it."""
+
+    def __init__(self, run: RunDir, record: bool = True):
+        fd = os.open(run.ps_lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = ps_lock_holder(run)
+            raise PSAlreadyRunning(f"another parameter server is running on {run.root} ({holder})") from None
+        if record:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            except OSError:  # a full disk: the lock is held all the same, and the disk check says what is wrong
+                pass
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    @staticmethod
+    def refuse_if_held(run: RunDir) -> None:
+        """PSAlreadyRunning when a PS holds the run's lock now (launch.sh asks before it starts anything)."""
+        if run.ps_lock_file.exists():
+            PSRunLock(run, record=False).release()  # taken and given back at once
+
+
+def ps_lock_holder(run: RunDir) -> str:
+    """'pid P on HOST' of the PS holding the run's lock, waiting up to a second for it to write itself."""
+    for _ in range(20):
+        holder = run.ps_lock_file.read_text(errors="replace").strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    other = run.read_ps_status()  # a PS of an older version wrote itself only there
+    return f"pid {other.pid} on {other.host}" if other else "its pid not written yet"
 
 
 class PSHeartbeat:

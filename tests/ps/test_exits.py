@@ -23,6 +23,7 @@ from helpers import (
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.run import RunDir
+from asyncgrpo.run.liveness import PSAlreadyRunning, PSRunLock
 from asyncgrpo.run.rundir import PSStatus
 from asyncgrpo.tasks.demo import build_model, write_demo_model
 from asyncgrpo.weights.snapshot import snapshot_path
@@ -83,18 +84,16 @@ def test_a_ps_on_a_full_disk_holds_its_lock_without_writing_who_it_is(monkeypatc
     into a traceback before the disk check can say what is wrong (seen: a worker filled the freed block first)."""
     import os
 
-    import ps.__main__ as ps_main
-
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)
-    fd = ps_main.hold_ps_lock(run)
+    lock = PSRunLock(run)
     try:
-        with pytest.raises(ps_main.PSAlreadyRunning, match="its pid not written yet"):
-            ps_main.hold_ps_lock(run, record=False)
+        with pytest.raises(PSAlreadyRunning, match="its pid not written yet"):
+            PSRunLock(run, record=False)
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finished_demo_run, tmp_path):
