@@ -16,24 +16,12 @@ import time
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import CollectedResult, JobQueue, JobState, QueueWatcher
-from asyncgrpo.jobqueue.handoff import FailureReport, ResultData, read_result
+from asyncgrpo.jobqueue.handoff import FailureReport, ResultData, read_result_payload
 from asyncgrpo.jobqueue.retention import ArchiveRetention
 from ps.background import WatchedThread
 from ps.failures import FailedJobs
 
 log = logging.getLogger("asyncgrpo.ps")
-
-def read_result_payload(payload: dict, rows_per_job: int) -> None:
-    """Checks a collected result (ValueError otherwise) and puts its data in typed form (asyncgrpo/jobqueue/
-    handoff.py): a ResultData, or a FailureReport for a job given up after its last attempt."""
-    version = payload["weights_version"]
-    if type(version) is not int or version < 0:
-        raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
-    data = read_result(payload["data"], rows_per_job)
-    runs = getattr(data, "token_versions", None)
-    if runs and runs[0][1] != version:  # the oldest token's version is the one the staleness bound goes by
-        raise ValueError(f"token_versions start at version {runs[0][1]}, the result's weights_version is {version}")
-    payload["data"] = data
 
 
 def _intern_metric_names(data: ResultData) -> None:

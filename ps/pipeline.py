@@ -51,10 +51,10 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState
-from asyncgrpo.jobqueue.handoff import FailureReport
+from asyncgrpo.jobqueue.handoff import FailureReport, read_result_payload
 from asyncgrpo.run import RunDir, list_workers
 from asyncgrpo.run.liveness import fs_now
-from ps.collector import ResultCache, ResultCollector, read_result_payload
+from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
 from ps.producer import JobProducer, TrainingProgress

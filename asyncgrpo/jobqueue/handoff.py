@@ -185,6 +185,20 @@ def read_result(data, rows_per_job: int) -> ResultData | FailureReport:
     return ResultData.from_dict(data, rows_per_job)
 
 
+def read_result_payload(payload: dict, rows_per_job: int) -> None:
+    """Checks a collected result file's payload (ValueError otherwise) and puts its data in typed form: a
+    ResultData, or a FailureReport for a job given up after its last attempt. Besides ``read_result``'s checks of
+    the data: the envelope's weights_version, and that the result's oldest token was sampled by it."""
+    version = payload["weights_version"]
+    if type(version) is not int or version < 0:
+        raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
+    data = read_result(payload["data"], rows_per_job)
+    runs = getattr(data, "token_versions", None)
+    if runs and runs[0][1] != version:  # the oldest token's version is the one the staleness bound goes by
+        raise ValueError(f"token_versions start at version {runs[0][1]}, the result's weights_version is {version}")
+    payload["data"] = data
+
+
 def describe_error(error: dict) -> str:
     """One line for one of a job's errors: "reward function 'f' raised ValueError: ..." (or "generation
     raised ..."; for a job past its deadline, its message, which names where it was stuck). An error holds

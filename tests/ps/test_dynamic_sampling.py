@@ -12,9 +12,9 @@ import torch
 
 from asyncgrpo.config import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
+from asyncgrpo.jobqueue.handoff import read_result_payload
 from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import WorkerPresence
-from ps.collector import read_result_payload
 from ps.pipeline import JobPipeline
 
 G = 2

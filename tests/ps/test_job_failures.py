@@ -16,10 +16,9 @@ from reward_faults import always_raises, one_reward_too_few
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobState, QueueName, describe_error
-from asyncgrpo.jobqueue.handoff import ResultData
+from asyncgrpo.jobqueue.handoff import ResultData, read_result_payload
 from asyncgrpo.run import fileops
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
-from ps.collector import read_result_payload
 from ps.failures import FailedJobs
 from worker.generate import build_trainer, completion_logs, error_record, generate_and_score
 
