@@ -46,6 +46,9 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     worker  job_failed         job_id, attempt, error (one line), given_up (its last attempt: reported to the PS)
     worker  job_released       job_id
 
+Reading them back: ``read_events(run_root, process=..., role=..., event=...)``, the one reader every tool,
+benchmark and test uses (queue_tools/timeline.py builds the report's per-process tracks on it).
+
 Appending never blocks the hot path for long: one ``write`` of one line to a file opened
 with O_APPEND (atomic per line, so threads share the descriptor). A failed write (full
 disk) drops events with one warning; it never stops training or generation.
@@ -56,8 +59,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 log = logging.getLogger("asyncgrpo.events")
@@ -114,3 +119,51 @@ class EventLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+# ----------------------------------------------------------------------------- reading them back
+
+def event_files(run_root: str | os.PathLike, process: str | None = None) -> list[Path]:
+    """``RUN/logs/events-*.jsonl`` in name order (``ps`` before ``worker-dev1``...), or only ``process``'s file;
+    [] when there is none (or no logs folder)."""
+    return sorted((Path(run_root) / "logs").glob(f"events-{process or '*'}.jsonl"))
+
+
+def read_event_file(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """(the file's events in file order, lines skipped). A line that is not a JSON object with a string ``event``
+    and a finite numeric ``mono`` (a process killed mid-write leaves a torn last line; a full disk a torn line
+    inside) is skipped and counted; a file removed meanwhile reads as empty."""
+    events, skipped = [], 0
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    event = json.loads(raw)
+                except ValueError:  # (a torn multi-byte character is a UnicodeDecodeError, a ValueError)
+                    event = None
+                mono = event.get("mono") if isinstance(event, dict) else None
+                if (isinstance(event, dict) and isinstance(event.get("event"), str) and isinstance(mono, (int, float))
+                        and not isinstance(mono, bool) and math.isfinite(mono)):
+                    events.append(event)
+                else:
+                    skipped += 1
+    except FileNotFoundError:
+        pass
+    return events, skipped
+
+
+def read_events(run_root: str | os.PathLike, *, process: str | None = None, role: str | None = None,
+                event: str | Collection[str] | None = None) -> list[dict]:
+    """The run's events, each file in file order, files in name order (``ps`` first; sort by ``mono`` for one
+    timeline across processes). Lines that are not events are skipped (read_event_file); no logs folder: [].
+
+    Filters, each None for all:
+        process   one process's file: ``"ps"``, ``"worker-dev1"`` (its lives, relaunches included, in order)
+        role      the events' ``role``: ``"ps"`` or ``"worker"`` (every worker process)
+        event     an event name, or a collection of names
+    """
+    names = {event} if isinstance(event, str) else None if event is None else set(event)
+    return [e for path in event_files(run_root, process) for e in read_event_file(path)[0]
+            if (role is None or e.get("role") == role) and (names is None or e["event"] in names)]
