@@ -1,7 +1,8 @@
 """What a job and its result carry between the PS and a worker: the ``data`` inside the queue's files.
 
 The queue (queue.py) owns each file's envelope (schema, kind, job id, attempt, times, weights version) and
-its moves; this module owns what the envelope carries:
+its moves; this module owns what the envelope carries (and, in ``read_result_payload``, how a result's data
+agrees with its envelope's weights version):
 
 - ``JobData``: written by the PS's producer, read by a worker. The job's dataset rows (one generation
   batch, each prompt repeated ``num_generations`` times) and the oldest weights it may be generated with.
