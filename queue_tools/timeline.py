@@ -1,13 +1,13 @@
 """The timeline the report, its trace and its plots share: each process's events from
-``RUN/logs/events-*.jsonl`` (schema: asyncgrpo/events.py), the spans they close, interval
+``RUN/logs/events-*.jsonl`` (schema and reader: asyncgrpo/events.py), the spans they close, interval
 arithmetic over those spans, and ``RUN/metrics.jsonl``'s lines."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
+from asyncgrpo.events import event_files, read_event_file
 from asyncgrpo.run import RunDir, metrics
 
 COMMON = ("event", "t", "mono", "pid", "process", "role", "device")  # fields every event has
@@ -30,31 +30,23 @@ def num(event: dict, key: str) -> float | None:
 
 
 def load_events(run: RunDir) -> tuple[list[Track], int, int]:
-    """(tracks sorted PS first, number of events files, corrupt lines skipped)."""
-    files = sorted(run.logs.glob("events-*.jsonl"))
+    """(tracks sorted PS first, number of events files, lines skipped: not events, e.g. torn)."""
+    files = event_files(run.root)
     tracks: dict[tuple, Track] = {}
-    corrupt = 0
+    skipped = 0
     for path in files:
-        with open(path, "rb") as f:
-            for raw in f:
-                if not raw.strip():
-                    continue
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
-                    ev = None
-                if not isinstance(ev, dict) or not isinstance(ev.get("event"), str) or num(ev, "mono") is None:
-                    corrupt += 1
-                    continue
-                process = str(ev.get("process") or path.stem.removeprefix("events-"))
-                key = (process, ev.get("pid"))
-                if key not in tracks:
-                    tracks[key] = Track(process, ev.get("pid"), str(ev.get("role", "")), str(ev.get("device", "")))
-                tracks[key].events.append(ev)
+        events, corrupt = read_event_file(path)
+        skipped += corrupt
+        for ev in events:
+            process = str(ev.get("process") or path.stem.removeprefix("events-"))
+            key = (process, ev.get("pid"))
+            if key not in tracks:
+                tracks[key] = Track(process, ev.get("pid"), str(ev.get("role", "")), str(ev.get("device", "")))
+            tracks[key].events.append(ev)
     for track in tracks.values():
         track.events.sort(key=lambda e: e["mono"])
     ordered = sorted(tracks.values(), key=lambda t: (t.role != "ps", t.process, t.events[0]["mono"]))
-    return ordered, len(files), corrupt
+    return ordered, len(files), skipped
 
 
 def span_of(ev: dict) -> tuple[float, float] | None:

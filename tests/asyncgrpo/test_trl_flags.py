@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from trl import ModelConfig, ScriptArguments
 
 from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.events import read_events
 from asyncgrpo.inputs import load_eval_dataset, load_model_and_tokenizer, load_reward_funcs, load_train_dataset
 from asyncgrpo.tasks.demo import write_demo_model
 
@@ -216,8 +217,7 @@ def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
     evals = metrics.read_lines(run_root / "metrics.jsonl", kind="eval")
     assert [e["step"] for e in evals] == [1, 2] and all("eval_loss" in e and "eval_reward" in e for e in evals)
     assert [line["step"] for line in metrics.read_lines(run_root / "metrics.jsonl")] == [1, 2]
-    events = [json.loads(line) for line in (run_root / "logs" / "events-ps.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "eval_end"] == [1, 2]
+    assert [e["step"] for e in read_events(run_root, process="ps", event="eval_end")] == [1, 2]
 
 
 def test_the_final_model_is_saved_to_output_dir_even_without_checkpoints(trl_run):

@@ -31,6 +31,7 @@ from helpers import (
     wait_for,
 )
 
+from asyncgrpo.events import read_events
 from asyncgrpo.jobqueue import JobQueue
 from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.run import RunDir, fileops
@@ -86,8 +87,7 @@ def test_ps_and_two_workers_train_on_every_job_exactly_once(finished_demo_run):
 
 def assert_events_trace_every_job(run_root, consumed):
     """Each consumed job's life is in the timeline events, in order, across the processes."""
-    records = [json.loads(line) for path in sorted((Path(run_root) / "logs").glob("events-*.jsonl"))
-               for line in path.read_text().splitlines()]
+    records = read_events(run_root)
     by_job = {}
     for r in sorted(records, key=lambda r: r["mono"]):
         assert {"event", "t", "mono", "pid", "process", "role", "device"} <= r.keys(), r

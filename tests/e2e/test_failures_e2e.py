@@ -28,6 +28,7 @@ from helpers import (
     start_process,
 )
 
+from asyncgrpo.events import read_events
 from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
 from asyncgrpo.run import fileops
 from queue_tools.cli import main as queue_tools
@@ -64,10 +65,8 @@ def done_by_reason(run_root) -> dict[str, list[str]]:
 def worker_events(run_root) -> dict[int, list[dict]]:
     """Each worker process's events, by pid, in file order."""
     by_pid = defaultdict(list)
-    for path in (Path(run_root) / "logs").glob("events-worker-*.jsonl"):
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
-            by_pid[event["pid"]].append(event)
+    for event in read_events(run_root, role="worker"):
+        by_pid[event["pid"]].append(event)
     return by_pid
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from trl import GRPOTrainer, ModelConfig, get_peft_config
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError, parse_config
-from asyncgrpo.events import EventLog
+from asyncgrpo.events import EventLog, read_events
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.tasks.demo import (
@@ -344,8 +344,7 @@ def test_a_lora_run_learns_trains_each_job_once_and_shares_only_the_adapter(lora
     layout, full_bytes = adapter_layout_of_the_run(lora_run)
     assert layout.base is not None and layout.total_bytes < full_bytes
     published = {r["bytes"] for r in ps_events(lora_run, "weights_published")}
-    synced = {json.loads(line)["bytes"] for line in (lora_run / "logs" / "events-worker-dev1.jsonl").read_text()
-              .splitlines() if json.loads(line)["event"] == "weights_synced"}
+    synced = {r["bytes"] for r in read_events(lora_run, process="worker-dev1", event="weights_synced")}
     assert published == synced == {layout.total_bytes}, (published, synced, layout.total_bytes, full_bytes)
     # Checkpoints and the final save hold the adapter, not the model.
     for folder in (lora_run / "checkpoints" / "checkpoint-80", lora_run / "final_model"):

@@ -26,6 +26,7 @@ from helpers import (
     wait_until_stopped,
 )
 
+from asyncgrpo.events import read_events
 from asyncgrpo.run import fileops
 
 TIMEOUT_S = 300
@@ -241,4 +242,4 @@ def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_
 
 
 def worker_events(run_root: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_root / "logs" / "events-worker-dev1.jsonl").read_text().splitlines()]
+    return read_events(run_root, process="worker-dev1")

@@ -4,7 +4,8 @@ assert_exactly_once compares the ledger, done/ and the jobs the PS threw, assert
 same per group (dynamic sampling). Also fill and held_values, to set and check every value of a model.
 
 The exactly-once helpers read the run directory directly (folder names, file names, JSON),
-never through the library code they check.
+never through the library code they check; the events through the timeline's one reader
+(asyncgrpo.events.read_events), which they do not check.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
+
+from asyncgrpo.events import read_events
 
 LEDGER_FILE = "asyncgrpo_state.json"  # in each checkpoint folder; written last, it marks the checkpoint complete
 
@@ -48,16 +51,7 @@ def consumed_in_done(run_root) -> list[str]:
 def ps_events(run_root, event: str) -> list[dict]:
     """Every ``event`` line in RUN/logs/events-ps.jsonl, in file order, over all PS processes of the
     run (a relaunched PS appends to the same file). A line a killed PS left torn is skipped."""
-    path = Path(run_root) / "logs" / "events-ps.jsonl"
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            records.append(record)
-    return records
+    return read_events(run_root, process="ps", event=event)
 
 
 def duplicates(values: list) -> dict:

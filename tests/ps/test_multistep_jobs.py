@@ -17,6 +17,8 @@ import pytest
 from helpers import PROCESS_ENV, REPO, assert_exactly_once, run_flags, start_process
 from safetensors.torch import load_file
 
+from asyncgrpo.events import read_events
+
 TIMEOUT_S = 600
 FLAGS = ["--num_iterations", "2", "--max_staleness", "0", "--save_total_limit", "10", *run_flags(8, save_steps=3)]
 KILL_AFTER_STEP = 5  # the first of job 3's two steps
@@ -47,9 +49,7 @@ def consumed_in_done(run_root: Path) -> list[str]:
 
 
 def thrown(run_root: Path) -> list[str]:
-    events = [json.loads(line) for path in (run_root / "logs").glob("events-*.jsonl")
-              for line in path.read_text().splitlines()]
-    return [e["job_id"] for e in events if e["event"] == "job_created"]
+    return [e["job_id"] for e in read_events(run_root, event="job_created")]
 
 
 def final_weights(run_root: Path) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 
+from asyncgrpo.events import read_events
 from asyncgrpo.run import RunDir
 from queue_tools.cli import main
 
@@ -474,18 +475,6 @@ def test_report_defaults_to_the_latest_run(tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------------------------ a real run
 
-def read_events(run_root: Path) -> list[dict]:
-    """The run's events, parsed here independently of queue_tools.report."""
-    events = []
-    for path in (run_root / "logs").glob("events-*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass
-    return events
-
-
 def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
     """One worker process's busy / syncing / idle seconds, by sampling its life on a grid."""
     def spans(names, dur_key="dur_ms"):
@@ -514,7 +503,7 @@ def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
 
 def test_report_on_a_real_run(finished_demo_run, capsys):
     run_root = finished_demo_run  # a PS and two workers, 8 steps (tests/conftest.py)
-    events = read_events(run_root)
+    events = read_events(run_root)  # the figures below are computed here, independently of queue_tools.report
     r = report_json(capsys, run_root)
     assert r["corrupt_lines"] == 0 and r["events"] == len(events)
     from queue_tools.report import STATS
