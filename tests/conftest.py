@@ -4,12 +4,15 @@ real 8-step demo run (a PS and two workers) that several tests read. Shared help
 
 import contextlib
 import logging
+import os
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import DEMO_RUN_FLAGS, start_process
 
 from asyncgrpo import messages
@@ -82,3 +85,23 @@ def _nothing_left_behind(tmp_path_factory):
     yield
     left = _left_behind(tmp_path_factory.getbasetemp().resolve(), started)
     assert not left, "left behind by the suite's processes:\n" + "\n".join(left)
+
+
+# The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process") runs what starts no process and compiles
+# nothing. A test that does either without its `process` mark fails there, naming what it started, so the tier
+# stays what it says.
+FAST_TIER = os.environ.get("ASYNCGRPO_TEST_TIER") == "fast"
+
+
+@pytest.fixture(autouse=FAST_TIER)
+def _fast_tier_starts_nothing(request, monkeypatch):
+    if request.node.get_closest_marker("process") is not None:
+        return
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            pytest.fail(f"{what} in a test without @pytest.mark.process: mark it, or it slows the fast tier")
+        return refused
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a process (subprocess.Popen)"))
+    monkeypatch.setattr(torch, "compile", refuse("compiles (torch.compile)"))

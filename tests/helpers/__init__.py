@@ -5,7 +5,8 @@ the PS and workers as real processes (or launch.sh, from a user's folder), waiti
 the ledger, done/ and the jobs the PS threw.
 
 They live in submodules by subject: ``configs`` (the demo task's config and a run's flags, a user's folder),
-``processes`` (the repository's paths and the processes' environment, starting and waiting for processes),
+``processes`` (the repository's paths and the processes' environment, starting, stopping and waiting for processes:
+RunProcesses, a run's PS and workers stopped however the test ends; expect_exit, a status checked with the log's end),
 ``files`` (back-dated mtimes, file modes, small readers of a run's files), ``checks`` (the exactly-once check,
 the ledger, the PS's events, a model's values) and ``faults`` (a full disk, a second host, a skewed clock).
 Every public name is re-exported here: tests write ``from helpers import X`` or ``helpers.X``.
@@ -32,10 +33,13 @@ from .processes import (
     PROCESS_ENV,
     REPO,
     TESTS,
+    RunProcesses,
+    expect_exit,
     faulty_ps_env,
     heartbeat_pid,
     kill_run,
     launch_sh,
+    log_tail,
     pid_alive,
     process_state,
     start_faulty_ps,
@@ -56,6 +60,7 @@ __all__ = [
     "REPO",
     "REWARDS_PY",
     "TESTS",
+    "RunProcesses",
     "as_other_host",
     "assert_exactly_once",
     "assert_groups_exactly_once",
@@ -65,6 +70,7 @@ __all__ = [
     "demo_flags",
     "duplicates",
     "entries",
+    "expect_exit",
     "faulty_ps_env",
     "fill",
     "heartbeat_pid",
@@ -73,6 +79,7 @@ __all__ = [
     "kill_run",
     "launch_sh",
     "ledger",
+    "log_tail",
     "metrics",
     "modes_beyond",
     "newest_checkpoint",

@@ -2,8 +2,9 @@
 (PROCESS_ENV: one thread each); starting the PS and workers as real processes (start_process, forked from the
 zygote, tests/zygote.py, when it can; start_faulty_ps and faulty_ps_env for tests/faulty_ps.py; start_ps_ranks
 under torchrun; start_script; launch_sh from a user's folder); waiting for a condition (wait_for: bounded, and
-failing early when a process it depends on exits) or for a process to stop; and a process's state, liveness,
-heartbeat pid, and the cleanup of a launch.sh run (kill_run).
+failing early when a process it depends on exits) or for a process to stop; a run's PS and workers stopped
+however the test ends (RunProcesses) and a process's exit status checked with its log's end (expect_exit,
+log_tail); and a process's state, liveness, heartbeat pid, and the cleanup of a launch.sh run (kill_run).
 """
 
 from __future__ import annotations
@@ -44,9 +45,22 @@ def wait_for(condition, what: str, timeout: float = 60, *, procs=(), log=None, p
             why = "; ".join(f"{_process_name(p)} (pid {p.pid}) exited with status {p.returncode}" for p in exited)
             message = f"{why} while waiting for {what}" if why else f"waited {timeout:g} s for {what}"
             if log is not None and Path(log).exists():
-                message += "\n" + Path(log).read_text(errors="replace")[-3000:]
+                message += "\n" + log_tail(log)
             raise AssertionError(message)
         time.sleep(poll_s)
+
+
+def log_tail(path, chars: int = 3000) -> str:
+    """The last ``chars`` characters of a process's log: what a failed assertion about the process shows."""
+    path = Path(path)
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} was never written)"
+
+
+def expect_exit(proc, status: int, log, timeout: float = 600) -> None:
+    """Waits for ``proc`` to exit; fails unless it exits with ``status``, with the end of its ``log``."""
+    code = proc.wait(timeout=timeout)
+    assert code == status, f"{_process_name(proc)} exited with status {code}, not {status}; {log} ends:\n" + (
+        log_tail(log))
 
 
 def _process_name(proc: subprocess.Popen) -> str:
@@ -81,6 +95,65 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
                                 env=PROCESS_ENV if env is None else env, stdout=log, stderr=subprocess.STDOUT)
+
+
+class RunProcesses:
+    """A run's PS and workers as real processes, each logging into the folder that holds the run directory, and
+    stopped however the test ends: SIGTERM to those still running on leaving the ``with`` block (a worker finishes
+    or gives back the job in hand), SIGKILL to any still running two minutes later.
+
+        with RunProcesses(tmp_path / "run", *flags) as run:
+            run.ps("--max_steps", "14")
+            run.workers(1, 2)
+            run.expect_ps_exit(0)        # else fails with the end of ps.log
+    """
+
+    def __init__(self, root, *flags: str):
+        self.root, self.flags = Path(root), flags
+        self.logs = self.root.parent
+        self.procs: list = []
+
+    def ps(self, *args: str, log: str = "ps.log", env: dict | None = None):
+        self.ps_proc = self.add(start_process(self.root, self.logs / log, "ps", *self.flags, *args, env=env))
+        self.ps_log = self.logs / log
+        return self.ps_proc
+
+    def worker(self, device, *args: str, log: str | None = None, env: dict | None = None):
+        log_path = self.logs / (log or f"w{device}.log")
+        return self.add(start_process(self.root, log_path, "worker", "--device", str(device), *self.flags, *args,
+                                      env=env))
+
+    def workers(self, *devices) -> list:
+        return [self.worker(device) for device in devices]
+
+    def add(self, proc):
+        """``proc`` (a process of this run started otherwise) is stopped with the others."""
+        self.procs.append(proc)
+        return proc
+
+    def expect_ps_exit(self, status: int = 0, timeout: float = 600) -> None:
+        expect_exit(self.ps_proc, status, self.ps_log, timeout)
+
+    def stop(self, procs=None) -> list[int]:
+        """SIGTERM to each of ``procs`` (default: every process of the run) still running; their exit statuses."""
+        procs = self.procs if procs is None else procs
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=120))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        return codes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def faulty_ps_env(fault: str, arg: int) -> dict:
