@@ -42,7 +42,6 @@ from pathlib import Path
 
 from common import (
     child_env,
-    read_jsonl,
     read_trl_steps,
     ready_to_train_at,
     remove_weight_buffers,
@@ -53,6 +52,7 @@ from common import (
     train_trl_child,
 )
 
+from asyncgrpo.events import read_events
 from asyncgrpo.run import RunDir, metrics
 
 WINDOW = 10
@@ -131,8 +131,7 @@ def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target:
     remove_weight_buffers(run)
     steps = metrics.read_lines(metrics_file)
     all_ready = ready_to_train_at(run, workers)
-    written = [e for i in range(1, workers + 1) for e in read_jsonl(run / "logs" / f"events-worker-dev{i}.jsonl")
-               if e.get("event") == "result_written"]
+    written = read_events(run, role="worker", event="result_written")
     dropped = sum(s.get("groups_dropped") or 0 for s in steps)
     return summarize([s["reward"] for s in steps], [s["time"] for s in steps], all_ready, target,
                      samples=lambda _step, t: sum(e["samples"] for e in written if e["t"] <= t),
