@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -22,6 +21,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from asyncgrpo.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,23 +123,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def ready_times(run: Path, workers: int) -> dict[int, float]:
-    """When each worker first held the PS's weights: its first weights_synced event, else its first log line
-    '[weights] devN synced version=' (logging's asctime, local time, ms)."""
+    """When each worker first held the PS's weights (wall clock): its first weights_synced event; a worker that
+    never synced is left out."""
     ready = {}
     for i in range(1, workers + 1):
-        events = run / "logs" / f"events-worker-dev{i}.jsonl"
-        for e in read_jsonl(events):
-            if e.get("event") == "weights_synced":
-                ready[i] = e["t"]
-                break
-        if i in ready:
-            continue
-        logf = run / "logs" / f"log_worker_{i}.txt"
-        text = logf.read_text(errors="replace") if logf.exists() else ""
-        m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) worker\d+ INFO \[weights\] dev\d+ synced version=",
-                      text, re.M)
-        if m:
-            ready[i] = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+        synced = read_events(run, process=f"worker-dev{i}", event="weights_synced")
+        if synced:
+            ready[i] = synced[0]["t"]
     return ready
 
 

@@ -10,7 +10,6 @@ per job and divides by that run's median step or job time. Goal: <= 1%.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncgrpo.events import EventLog  # noqa: E402
+from asyncgrpo.events import EventLog, read_events  # noqa: E402
 from asyncgrpo.run import RunDir, RunDirError, latest_run, metrics  # noqa: E402
 
 EMITS = 20_000
@@ -55,8 +54,10 @@ def main() -> int:
     steps = metrics.read_lines(metrics_file)
     step_s = statistics.median(s["step_time_s"] for s in steps)
     print(f"run {run}: {len(steps)} steps, median step {step_s * 1e3:.1f} ms")
-    for path in sorted((run / "logs").glob("events-*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    by_process: dict[str, list[dict]] = {}
+    for record in read_events(run):
+        by_process.setdefault(record["process"], []).append(record)
+    for process, records in by_process.items():
         counts = Counter(r["event"] for r in records)
         if records and records[0]["role"] == "ps":
             per_unit, unit_s, unit = sum(counts.values()) / max(1, counts["train_step_end"]), step_s, "step"
@@ -66,7 +67,7 @@ def main() -> int:
                 continue
             per_unit, unit_s, unit = sum(counts.values()) / len(jobs), statistics.median(jobs), "job"
         overhead = per_unit * cost_us / 1e6 / unit_s
-        print(f"{path.stem[len('events-'):]:>14}: {per_unit:.1f} events per {unit} of {unit_s * 1e3:.1f} ms "
+        print(f"{process:>14}: {per_unit:.1f} events per {unit} of {unit_s * 1e3:.1f} ms "
               f"-> overhead {overhead:.3%} (goal <= 1%)")
     return 0
 

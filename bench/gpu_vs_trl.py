@@ -51,6 +51,7 @@ import e2e_vs_trl as e2e  # noqa: E402
 import in_flight  # noqa: E402
 from common import REPO, read_jsonl, run_trl_child, start_python, terminate_and_reap  # noqa: E402
 
+from asyncgrpo.events import read_events  # noqa: E402
 from asyncgrpo.run import RunDir, metrics  # noqa: E402
 
 QWEN05_SHAPE = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
@@ -132,8 +133,7 @@ def worker_settings(name: str) -> tuple[int, list[str], bool]:
 def in_flight_figures(run: Path) -> dict:
     """Token staleness (bench/in_flight.py's definition) and the syncs made inside jobs (_inflight configs)."""
     mean, p90 = in_flight.token_staleness(run)
-    syncs = [e["dur_ms"] for path in (run / "logs").glob("events-worker-*.jsonl") for e in read_jsonl(path)
-             if e.get("event") == "weights_synced" and e.get("in_flight")]
+    syncs = [e["dur_ms"] for e in read_events(run, role="worker", event="weights_synced") if e.get("in_flight")]
     return {"token_staleness_mean": mean, "token_staleness_p90": p90, "in_flight_syncs": len(syncs),
             "in_flight_sync_ms_median": round(statistics.median(syncs), 3) if syncs else None}
 

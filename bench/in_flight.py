@@ -41,7 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_vs_trl as e2e  # noqa: E402
-from common import log, read_jsonl  # noqa: E402
+from common import log  # noqa: E402
+
+from asyncgrpo.events import read_events  # noqa: E402
 
 SETTINGS = {"off": [], "on": ["--in_flight_updates"]}
 COLUMNS = [("token_stale_mean", "token stale mean"), ("token_stale_p90", "token stale p90"),
@@ -54,11 +56,10 @@ CAPPED = re.compile(r"'off_policy/capped_frac': '?([0-9.eE+-]+)")
 def token_staleness(run: Path) -> tuple[float | None, int | None]:
     """(mean, p90) over every completion token the PS trained."""
     counts: dict[int, int] = {}
-    for path in (run / "logs").glob("events-ps*.jsonl"):
-        for e in read_jsonl(path):
-            if e.get("event") == "result_consumed" and isinstance(e.get("token_staleness"), dict):
-                for staleness, n in e["token_staleness"].items():
-                    counts[int(staleness)] = counts.get(int(staleness), 0) + n
+    for e in read_events(run, process="ps", event="result_consumed"):
+        if isinstance(e.get("token_staleness"), dict):
+            for staleness, n in e["token_staleness"].items():
+                counts[int(staleness)] = counts.get(int(staleness), 0) + n
     total = sum(counts.values())
     if not total:
         return None, None
@@ -76,8 +77,7 @@ def run_figures(run: Path) -> dict:
     ps_log = (run / "logs" / "log_parameter_server.txt").read_text(errors="replace") if (
         run / "logs" / "log_parameter_server.txt").exists() else ""
     capped = [float(x) for x in CAPPED.findall(ps_log)]
-    syncs = sum(1 for path in (run / "logs").glob("events-worker-*.jsonl") for e in read_jsonl(path)
-                if e.get("event") == "weights_synced" and e.get("in_flight"))
+    syncs = sum(1 for e in read_events(run, role="worker", event="weights_synced") if e.get("in_flight"))
     return {"token_stale_mean": mean, "token_stale_p90": p90,
             "capped_frac": e2e.r3(statistics.fmean(capped)) if capped else None, "in_flight_syncs": syncs}
 

@@ -22,26 +22,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from asyncgrpo.events import read_events  # noqa: E402
 from asyncgrpo.run import RunDir, metrics  # noqa: E402
 
 
 def step(run: Path) -> int:
     last = metrics.last_line(RunDir(run).metrics_file)
     return last["step"] if last else 0
-
-
-def events(paths, name: str) -> list[dict]:
-    """The ``name`` events of the events files ``paths`` (a torn line is skipped)."""
-    out = []
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == name:
-                out.append(record)
-    return out
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 600):
@@ -81,9 +68,9 @@ def main() -> None:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGINT)
             launcher.wait()
-    waits = {e["step"]: e["dur_ms"] for e in events([run / "logs" / "events-ps.jsonl"], "wait_result")}
+    waits = {e["step"]: e["dur_ms"] for e in read_events(run, process="ps", event="wait_result")}
     during = [waits[s] for s in range(first + 1, last + 1) if s in waits]
-    job_ms = [e["dur_ms"] for e in events((run / "logs").glob("events-worker-*.jsonl"), "result_written")]
+    job_ms = [e["dur_ms"] for e in read_events(run, role="worker", event="result_written")]
     print(f"worker dev2 stopped {args.stop_s:g} s holding a job; steps trained meanwhile: {last - first}")
     print(f"trainer's longest wait for a result during the stop: {max(during):.0f} ms "
           f"(median wait then {statistics.median(during):.0f} ms)")
