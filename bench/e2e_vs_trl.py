@@ -38,13 +38,12 @@ Per run (all times from the moment the first process was started, imports includ
     trainer_idle       asyncgrpo: sum(trainer_wait_s) / span over the same steps (RUN/metrics.jsonl). TRL: 0 by
                        construction; gen_frac says how much of its step is generation and scoring
     gen_ms             generation + scoring per batch (TRL: timed around _generate_and_score_completions;
-                       asyncgrpo: the workers' processing_time from the consumed results; generate_ms and
+                       asyncgrpo: per job, its generate and score spans in the timeline events; generate_ms and
                        score_ms split it, score including any behaviour log-probs not captured during generation)
     train_ms           the trainer's own time per step: TRL step minus its generation; asyncgrpo: PS step
                        minus its wait for a result (train_step_end events)
-    queue_ms, sync_ms  asyncgrpo's per-job overhead: queue (claim, write, hand-off to the PS) and weight sync;
-                       from RUN/logs/events-*.jsonl when the processes write them, else from result payloads
-                       and worker logs (see overhead())
+    queue_ms, sync_ms  asyncgrpo's per-job overhead: queue (claim, write, hand-off to the PS) and weight sync,
+                       from the timeline events (RUN/logs/events-*.jsonl; see overhead())
     cpu_s, cores       CPU seconds of all the run's processes (rusage) and cpu_s / wall: how busy the cores were
     leaked_weight_buffers  the PS's /dev/shm weight folders left after it stopped (removed here)
 Medians with [min-max] over seeds, ratios asyncgrpo / TRL of medians, and a headline per workload (the best config's
@@ -58,7 +57,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
@@ -66,12 +64,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from common import (
     REPO,
     child_env,
-    read_jsonl,
     ready_times,
     reap,
     remove_weight_buffers,
@@ -80,7 +78,9 @@ from common import (
     terminate_and_reap,
 )
 
+from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.run import RunDir, metrics
+from queue_tools.timeline import length, load_events, num, span_of, subtract, union, worker_intervals
 
 TARGET = 0.9       # rolling mean reward to reach
 WINDOW = 20        # steps in the rolling mean
@@ -341,90 +341,66 @@ def med(xs: list[float]) -> float | None:
 
 
 def overhead(run: Path) -> dict:
-    """asyncgrpo's per-job overhead, medians in ms.
-
-    From the timeline events (RUN/logs/events-*.jsonl) when the processes write them:
-        sync_ms     weights_synced.dur_ms, per sync (worker copies the newest weights)
-        publish_ms  weights_published.dur_ms, per step (PS)
-        queue_ms    per job: worker's claimed->written minus generation, scoring, sync and weights wait (claim
-                    load, result save + fsync + rename), plus result_collected.latency_ms (written -> collected)
-    Otherwise from the consumed results' payloads (done/*_consumed.pt) and the worker logs:
-        sync_ms     '[weights] ... sync_ms=' in the worker logs
-        queue_ms    claimed_at -> completed_at minus processing_time minus sync: what a worker spends on a job
-                    between claiming it and writing it, other than generating (the write itself not included)
-    Both: pending_wait_ms (created -> claimed, a job waiting for a free worker: buffering, not overhead),
-    consumed_after_ms (result written -> consumed by the trainer: inode mtime -> ctime of the archived file;
-    buffering in async mode), gen_ms (workers' processing_time), per-reason archive counts.
+    """asyncgrpo's per-job figures from the run's timeline events, on queue_tools' tracks and interval arithmetic
+    (queue_tools/timeline.py); medians in ms:
+        sync_ms, syncs     weights_synced.dur_ms per sync (a worker copies the newest weights), and how many
+        publish_ms         weights_published.dur_ms per step (PS)
+        train_ms           train_step_end.dur_ms minus its wait_ms, from step WARMUP on
+        gen_ms             per consumed job: its generate span's start to its score_end (with several jobs in one
+                           generate call, the call's scoring before it included); generate_ms, score_ms: the spans
+        worker_queue_ms    per job: its claim to result_written (the report's job span) while its worker neither
+                           generated, scored, synced nor waited for weights: claims and loads, results' save + fsync
+                           + rename (with several jobs in one call, theirs too)
+        handoff_ms         result_collected.latency_ms (result written -> collected by the PS)
+        queue_ms           per job: worker_queue_ms + handoff_ms
+        pending_wait_ms    per consumed job: job_claimed.queue_wait_ms (created -> claimed: waiting for a free
+                           worker; buffering, not overhead)
+        consumed_after_ms  per consumed job: result_written -> archived consumed (waiting for the trainer; buffering)
+    and archived: done/'s files by reason (asyncgrpo/jobqueue/names.py's grammar).
     """
-    res: dict = {"overhead_source": None}
     done = run / "done"
-    names = os.listdir(done) if done.exists() else []
-    reasons: dict[str, int] = {}
-    for n in names:
-        m = re.match(r"\d{6}_\d{3}_([a-z_]+?)(?:_a\d+)?(?:\.\d+)?\.pt$", n)
-        if m:
-            reasons[m.group(1)] = reasons.get(m.group(1), 0) + 1
-    res["archived"] = reasons
-    payloads = []
-    try:
-        import torch
+    reasons = [done_reason(name) for name in (os.listdir(done) if done.exists() else [])]
+    res: dict = {"archived": dict(Counter(r.value for r in reasons if r is not None))}
+    tracks, _, _ = load_events(RunDir(run))
+    ps = [e for t in tracks if t.role == "ps" for e in t.events]
+    workers = [t for t in tracks if t.role == "worker"]
+    worker_events = [e for t in workers for e in t.events]
 
-        for n in sorted(x for x in names if x.endswith("_consumed.pt")):
-            path = done / n
-            st = os.stat(path)
-            p = torch.load(path, weights_only=True, map_location="cpu")
-            payloads.append((p, st.st_mtime, st.st_ctime))
-    except Exception as err:  # an unreadable archive must not lose the rest of the run's figures
-        res["payload_error"] = str(err)[:200]
-    gen = [p["processing_time"] * 1e3 for p, _, _ in payloads if "processing_time" in p]
-    res["gen_ms"] = med(gen)
-    res["pending_wait_ms"] = med([p["queue_time"] * 1e3 for p, _, _ in payloads if "queue_time" in p])
-    res["consumed_after_ms"] = med([(ctime - mtime) * 1e3 for _, mtime, ctime in payloads])
+    def values(events: list[dict], name: str, field: str = "dur_ms") -> list[float]:
+        return [v for e in events if e["event"] == name and (v := num(e, field)) is not None]
 
-    events = {p.name: read_jsonl(p) for p in (run / "logs").glob("events-*.jsonl")}
-    worker_events = [ev for name, ev in events.items() if name.startswith("events-worker")]
-    if any(e.get("event") == "result_written" for ev in worker_events for e in ev):
-        res["overhead_source"] = "events"
-        syncs, per_job = [], {}
-        for ev in worker_events:  # one process's events, in order
-            job = None
-            for e in ev:
-                kind = e.get("event")
-                if kind == "job_claimed":
-                    job = {"job_id": e.get("job_id"), "other_ms": 0.0}
-                elif kind == "weights_synced":
-                    syncs.append(e.get("dur_ms", 0.0))
-                    if job:
-                        job["other_ms"] += e.get("dur_ms", 0.0)
-                elif kind in ("weights_wait", "generate_end", "score_end") and job:
-                    job["other_ms"] += e.get("dur_ms", 0.0)
-                elif kind == "result_written" and job and job["job_id"] == e.get("job_id"):
-                    per_job[job["job_id"]] = e.get("dur_ms", 0.0) - job["other_ms"]
-                    job = None
-        ps_events = events.get("events-ps.jsonl", [])
-        latency = {e.get("job_id"): e.get("latency_ms", 0.0) for e in ps_events if e.get("event") == "result_collected"}
-        res["sync_ms"] = med(syncs)
-        res["syncs"] = len(syncs)
-        for name, kind in (("generate_ms", "generate_end"), ("score_ms", "score_end")):  # gen_ms = the two
-            res[name] = med([e["dur_ms"] for ev in worker_events for e in ev if e.get("event") == kind])
-        res["train_ms"] = med([e["dur_ms"] - e.get("wait_ms", 0.0) for e in ps_events
-                               if e.get("event") == "train_step_end" and "dur_ms" in e][WARMUP:])
-        res["publish_ms"] = med([e["dur_ms"] for e in ps_events if e.get("event") == "weights_published"
-                                 and "dur_ms" in e])
-        res["worker_queue_ms"] = med(list(per_job.values()))
-        res["handoff_ms"] = med(list(latency.values()))
-        res["queue_ms"] = med([per_job[j] + latency[j] for j in per_job if j in latency])
-        return res
-    res["overhead_source"] = "payloads+logs"
-    syncs = []
-    for logf in (run / "logs").glob("log_worker_*.txt"):
-        syncs += [float(x) for x in re.findall(r"\[weights\] dev\d+ synced version=\d+ sync_ms=([\d.]+)",
-                                                logf.read_text(errors="replace"))]
-    res["sync_ms"] = med(syncs)
-    res["syncs"] = len(syncs)
-    sync = statistics.median(syncs) if syncs else 0.0
-    res["queue_ms"] = med([(p["completed_at"] - p["claimed_at"] - p["processing_time"]) * 1e3 - sync
-                           for p, _, _ in payloads if {"completed_at", "claimed_at", "processing_time"} <= p.keys()])
+    computing = defaultdict(list)  # job id -> its generate and score spans
+    worker_queue, written_at = {}, {}
+    for track in workers:
+        timeline = worker_intervals(track)
+        busy = list(timeline["sync"])  # the worker syncing, waiting for weights, generating or scoring (any job)
+        for e in track.events:
+            if e["event"] in ("generate_end", "score_end") and (span := span_of(e)):
+                computing[e.get("job_id")].append(span)
+                busy.append(span)
+        busy = union(busy)
+        for job in timeline["records"]:
+            if job["close"] is not None and job["close"]["event"] == "result_written":
+                worker_queue[job["job_id"]] = 1e3 * length(subtract([(job["start"], job["end"])], busy))
+                written_at[job["job_id"]] = job["end"]
+    handoff = {e.get("job_id"): e["latency_ms"] for e in ps
+               if e["event"] == "result_collected" and num(e, "latency_ms") is not None}
+    consumed_at = {e.get("job_id"): e["mono"] for e in reversed(ps)  # (reversed: a job's first archive wins)
+                   if e["event"] == "result_archived" and e.get("reason") == "consumed"}
+    waited = {e.get("job_id"): e["queue_wait_ms"] for e in worker_events  # (a job's last claim wins)
+              if e["event"] == "job_claimed" and num(e, "queue_wait_ms") is not None}
+    syncs = values(worker_events, "weights_synced")
+    steps = [e for e in ps if e["event"] == "train_step_end" and num(e, "dur_ms") is not None][WARMUP:]
+    res.update(
+        sync_ms=med(syncs), syncs=len(syncs), publish_ms=med(values(ps, "weights_published")),
+        train_ms=med([e["dur_ms"] - (num(e, "wait_ms") or 0.0) for e in steps]),
+        gen_ms=med([1e3 * (max(end for _, end in spans) - min(start for start, _ in spans))
+                    for job, spans in computing.items() if job in consumed_at]),
+        generate_ms=med(values(worker_events, "generate_end")), score_ms=med(values(worker_events, "score_end")),
+        worker_queue_ms=med(list(worker_queue.values())), handoff_ms=med(list(handoff.values())),
+        queue_ms=med([worker_queue[j] + handoff[j] for j in worker_queue if j in handoff]),
+        pending_wait_ms=med([waited[j] for j in consumed_at if j in waited]),
+        consumed_after_ms=med([1e3 * (consumed_at[j] - written_at[j]) for j in written_at if j in consumed_at]))
     return res
 
 
