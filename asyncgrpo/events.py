@@ -22,9 +22,11 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
                                groups, of_groups: the result's groups in that step's batch (with dynamic
                                sampling a result may give groups to two batches, and a batch take from several)
     ps      groups_dropped     job_id, groups, reward_std, reason: dynamic sampling dropped them
-    any     result_archived    job_id, reason, attempt: any job or result file moved to done/
+    any     result_archived    job_id, reason, attempt: any job or result file moved to done/; record: true for
+                               a record of part of a result written into done/ (JobQueue.archive_record)
     ps      train_step_start   step
-    ps      train_step_end     step, dur_ms, wait_ms (reward and loss per step: RUN/metrics.jsonl)
+    ps      train_step_end     step, dur_ms, wait_ms, staleness (the step's stalest result) (reward and loss per
+                               step: RUN/metrics.jsonl)
     ps      weights_published  weights_version, dur_ms, bytes
     ps      eval_start/_end    step; dur_ms: TRL's evaluation (--eval_strategy), on the PS's model
     ps      job_dropped        job_id, attempt, prompts, error: a job given up after its last attempt (archived
@@ -32,17 +34,23 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      job_straggling     job_id, held_s, worker: a worker has held the job far longer than jobs take;
                                admission no longer waits for it (ps/producer.py)
     worker  job_claimed        job_id, attempt, queue_wait_ms (created -> claimed)
-    worker  weights_synced     weights_version, dur_ms, bytes; in_flight, at_token: a sync between decoding steps
+    worker  weights_synced     weights_version, dur_ms, bytes; in_flight: a sync between decoding steps
+                               (--in_flight_updates, continuous batching), at_token: the token it came before
+                               (--in_flight_updates)
     worker  weights_wait       job_id, weights_version, dur_ms (synchronous mode: waited for newer weights)
-    worker  generate_start     job_id, weights_version
-    worker  generate_end       job_id, weights_version, dur_ms
+    worker  decoding_compiled  dur_ms, graphs, rows, mode: the decoding step compiled before the first job
+                               (worker/decoding/build.py)
+    worker  generate_start     job_id, weights_version; jobs_in_call: the jobs sharing its generate call
+                               (--jobs_per_generate), each with its own event
+    worker  generate_end       job_id, weights_version, dur_ms; jobs_in_call as above
     worker  generate_turn_end  job_id, weights_version, turn, rows, dur_ms: one generate call of a multi-turn job
                                (tools: worker/tools.py), inside its generate span
     worker  tools_end          job_id, weights_version, turn, calls, failed, timed_out, dur_ms: the tool calls
                                before that turn (since the previous turn's end)
     worker  score_start        job_id, weights_version
     worker  score_end          job_id, weights_version, dur_ms (rewards, advantages, behaviour log-probs)
-    worker  result_written     job_id, weights_version, dur_ms (claimed -> written), published, samples, tokens
+    worker  result_written     job_id, weights_version, dur_ms (claimed -> written), published, samples, tokens,
+                               jobs_in_call, recompiles (the decoding's graphs compiled after its warm-up so far)
     worker  job_failed         job_id, attempt, error (one line), given_up (its last attempt: reported to the PS)
     worker  job_released       job_id
 
