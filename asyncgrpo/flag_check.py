@@ -2,7 +2,7 @@
 (10-20 s on a small machine): launch.sh runs ``python -m asyncgrpo.flag_check FLAGS...`` first.
 
 The flags are TRL's and transformers' dataclasses' fields and asyncgrpo's (asyncgrpo/config.py): knowing them means
-importing those libraries. So the full parse (asyncgrpo.config.parse_config) records the flags it knows in this
+importing those libraries. So the full parse (asyncgrpo.config_parser.parse_config) records the flags it knows in this
 environment (``sys.prefix``), keyed by the versions of TRL and transformers and by asyncgrpo's config source; a
 later check whose key matches refuses an unknown flag with the full parse's own line. Without a record that matches
 (the first launch, an upgrade) it says nothing, and the full parse decides, as before.
@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 RECORD = Path(sys.prefix) / "asyncgrpo-flags.json"
-SOURCES = ("config.py", "peft_args.py")  # asyncgrpo's own flags
+SOURCES = ("config.py", "peft_args.py", "config_parser.py")  # asyncgrpo's own flags, and how they are parsed
 
 
 def key() -> str:

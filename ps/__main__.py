@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 
 from asyncgrpo.checks import check_inputs
-from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.config import ConfigError
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.inputs import (
     load_eval_dataset,
     load_model_and_tokenizer,

@@ -24,7 +24,7 @@ _bootstrap() {
         _pip_install --upgrade pip && _pip_install "$torch_spec" && _pip_install -e "$repo_root[dev]" || return 1
         # The environment's flags, recorded once (asyncgrpo/flag_check.py): from the first launch on, a flag that is
         # not one is refused before the heavy imports.
-        PYTHONPATH="$repo_root" "$VENV_PY" -c 'from asyncgrpo.config import parse_config; parse_config([])' \
+        PYTHONPATH="$repo_root" "$VENV_PY" -c 'from asyncgrpo.config_parser import parse_config; parse_config([])' \
             > /dev/null 2>&1 || true
         echo "$want" > "$stamp"
     fi

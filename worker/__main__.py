@@ -20,7 +20,8 @@ import argparse
 import logging
 import sys
 
-from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.config import ConfigError
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
 from asyncgrpo.run.fileops import set_file_modes
 from asyncgrpo.run.hosts import HOST_ID

@@ -17,7 +17,8 @@ import pytest
 from helpers import PROCESS_ENV, REPO, launch_sh, write_user_folder
 
 from asyncgrpo.checks import check_inputs
-from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.config import ConfigError
+from asyncgrpo.config_parser import parse_config
 
 
 @pytest.fixture

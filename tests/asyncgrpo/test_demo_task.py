@@ -163,7 +163,8 @@ def test_demo_defaults_are_grpo_config_fields_that_a_run_without_a_task_gets(tmp
     otherwise; a reward function of the user's own turns the table off."""
     from trl import GRPOConfig
 
-    from asyncgrpo.config import AsyncGRPOConfig, parse_config
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.config_parser import parse_config
 
     unknown = (set(DEMO_DEFAULTS) | set(cpu_overrides())) - {f.name for f in dataclasses.fields(GRPOConfig)}
     assert not unknown, f"not GRPOConfig fields: {sorted(unknown)}"

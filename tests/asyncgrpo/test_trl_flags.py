@@ -20,7 +20,8 @@ from helpers import REPO, launch_sh, modes_beyond, newest_checkpoint, open_as_no
 from safetensors.torch import load_file
 from trl import ModelConfig, ScriptArguments
 
-from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.config import ConfigError
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.events import read_events
 from asyncgrpo.inputs import load_eval_dataset, load_model_and_tokenizer, load_reward_funcs, load_train_dataset
 from asyncgrpo.tasks.demo import write_demo_model

@@ -20,7 +20,8 @@ from helpers import PROCESS_ENV, REPO, assert_exactly_once, demo_config, metrics
 from safetensors.torch import load_file
 from trl import GRPOTrainer, ModelConfig, get_peft_config
 
-from asyncgrpo.config import AsyncGRPOConfig, ConfigError, parse_config
+from asyncgrpo.config import AsyncGRPOConfig, ConfigError
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.events import EventLog, read_events
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run import RunDir, fileops

@@ -36,7 +36,7 @@ def demo_config(tmp_path, *flags: str, **fields):
     fills the rest; on CPU, seed 0, no progress bars, output in ``tmp_path/out``. Then ``flags`` (command-line
     words) and ``fields`` (name=value, passed as flags: a list as several words, a dict as JSON, None not at all,
     leaving the field's default): they win."""
-    from asyncgrpo.config import parse_config
+    from asyncgrpo.config_parser import parse_config
 
     argv = ["--device_type", "cpu", "--seed", "0", "--disable_tqdm", "true",
             "--output_dir", str(Path(tmp_path) / "out"), *flags]
@@ -52,7 +52,7 @@ def demo_config(tmp_path, *flags: str, **fields):
 
 def demo_flags() -> list[str]:
     """The demo task's settings (DEMO_DEFAULTS) as command-line flags, for a run that names its own model,
-    dataset or reward function: any of them turns the demo's defaults off (asyncgrpo.config). max_steps is left
+    dataset or reward function: any of them turns the demo's defaults off (asyncgrpo.config_parser). max_steps is left
     out (a test's run has its own length)."""
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS
 

@@ -10,7 +10,7 @@ import helpers
 import pytest
 import torch
 
-from asyncgrpo.config import parse_config
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.jobqueue.handoff import read_result_payload
 from asyncgrpo.run import fileops

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from asyncgrpo.config import ConfigError, parse_config
+from asyncgrpo.config import ConfigError
+from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import ArchiveReason, make_job_id
 from asyncgrpo.jobqueue.names import done_name
 from asyncgrpo.jobqueue.retention import ArchiveRetention, compact_archive, read_boundary
