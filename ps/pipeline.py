@@ -9,7 +9,7 @@
     pipeline.finish()                                          # end of training: archive what is left
 
 It owns the job producer and the result collector threads (ps/producer.py, ps/collector.py),
-the staleness and re-throw policy, the consumed-job ledger, the re-adoption of results after
+the staleness and re-throw policy, the ledger (ps/ledger.py), the re-adoption of results after
 a restart, and the count of jobs dropped after failing (ps/failures.py). An exception in
 either thread, or failures that are systematic, are re-raised by ``next_batch`` as a
 PipelineError, so training stops with it instead of waiting forever.
@@ -21,15 +21,8 @@ staleness bound applies when a result is first taken; later steps, and a result'
 over for the next batch, are trained against the proximal policy (ps/offpolicy.py), each
 group's staleness counted from its own result's weights version.
 
-The ledger is kept per group: a result enters ``consumed`` when every one of its groups is
-trained or dropped, and ``groups_done`` holds the groups done of results partly used. The
-groups of a batch enter it when the batch's last step has trained; the trainer saves
-checkpoints only between batches, so a checkpoint's ledger never holds a batch half trained
-(except the final one, where a batch cut short by ``max_steps`` counts as consumed). A result
-is archived ``consumed`` when its last groups are taken (while some wait for the next batch it
-stays in queue/ as collected, and a restart re-adopts it and takes the groups not done);
-``filtered`` when every group was dropped, with a ``filtered`` record in done/ for the groups
-dropped from a result otherwise trained.
+The pipeline tells the ledger when a batch's last step has trained and which groups dynamic sampling dropped,
+and asks it which results are consumed or partly done.
 
 Admission counts the expected yield: the fraction of groups found informative over the last
 results (1 without dynamic sampling), so the producer throws more jobs when most are dropped.
@@ -57,6 +50,7 @@ from asyncgrpo.run.liveness import fs_now
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
+from ps.ledger import Ledger
 from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -129,10 +123,7 @@ class JobPipeline:
         # instead of taking a batch, even while it waits for results (within a second: see ResultCache.take).
         self.stop_at_boundary = stop_at_boundary or threading.Event()
         self.pad_token_id = pad_token_id  # the tokenizer's: assembled batches pad their ids with it
-        # The ledger: results whose every group is trained into the weights (or dropped), and the groups done of
-        # results partly trained. Groups of the batch in training enter it when its last step has trained.
-        self.consumed: set[str] = set()
-        self.groups_done: dict[str, set[int]] = {}
+        self.ledger = Ledger()  # groups of the batch in training enter it when its last step has trained
         self.leftover: tuple[CollectedResult, list[int]] | None = None  # a result's groups left for the next batch
         self.in_training: BatchInTraining | None = None
         self.progress = TrainingProgress()  # what the producer's admission reads
@@ -145,17 +136,12 @@ class JobPipeline:
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def prompts_skipped(self) -> int:
-        """Prompts difficulty filtering set aside so far (ps/producer.py)."""
-        return self.producer.prompts_skipped
-
     def start(self, state: dict | None, published_version: int) -> None:
         """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
         the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
         self.progress.published_version = self.progress.next_take_step = published_version
-        self.queue.roll_back_consumed(self.consumed)
+        self.queue.roll_back_consumed(self.ledger.consumed)
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
             log.info("[queue] re-adopted %d result(s) from the run directory", readopted)
@@ -163,20 +149,16 @@ class JobPipeline:
         self.producer.start()
 
     def state_dict(self, final: bool = False) -> dict:
-        """The ledger between batches. In the final checkpoint the batch cut short by max_steps, and a result
-        whose groups are split across batches, count as consumed (no later step will train the rest)."""
-        consumed, groups_done = set(self.consumed), {job: set(done) for job, done in self.groups_done.items()}
+        """The ledger and the producer's journal, between batches. In the final checkpoint the batch cut short by
+        max_steps, and a result whose groups are split across batches, count as consumed (Ledger.state_dict)."""
+        cut_short = set()
         if final:
             cut_short = {part.job_id for part in self.in_training.parts} if self.in_training else set()
             cut_short |= {self.leftover[0].job_id} if self.leftover else set()
-            consumed |= cut_short
-            groups_done = {job: done for job, done in groups_done.items() if job not in cut_short}
-        return {"consumed": sorted(consumed), "groups_done": {job: sorted(done) for job, done in groups_done.items()},
-                "producer": self.producer.state_dict()}
+        return {**self.ledger.state_dict(cut_short), "producer": self.producer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consumed = set(state.get("consumed", []))
-        self.groups_done = {job: set(done) for job, done in state.get("groups_done", {}).items()}
+        self.ledger.load_state_dict(state)
         self.producer.load_state(state.get("producer"))
 
     def stop(self) -> None:
@@ -218,7 +200,7 @@ class JobPipeline:
         while (room := groups_per_batch - sum(len(groups) for _, groups in parts)) > 0:
             if self.leftover is None:
                 result = self._next_result(step, started, stoppable=not parts)
-                partly_done = result.job_id in self.groups_done
+                partly_done = self.ledger.is_partly_done(result.job_id)
                 informative, dropped_now = self._informative_groups(result)
                 dropped += dropped_now
                 if not informative:
@@ -271,13 +253,13 @@ class JobPipeline:
         staleness bound applies when a result is first taken (a result partly trained before a restart has passed
         it)."""
         staleness = step - result.payload["weights_version"]
-        if staleness > self.cfg.max_staleness and result.job_id not in self.groups_done:
+        if staleness > self.cfg.max_staleness and not self.ledger.is_partly_done(result.job_id):
             log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
                      result.job_id, staleness, self.cfg.max_staleness)
             self.producer.owe(result.job_id, result.data.rows)  # journal first: a crash loses no rows
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
             return False
-        if result.job_id in self.consumed:  # in the checkpoint's ledger, though not archived so
+        if self.ledger.is_consumed(result.job_id):  # in the checkpoint's ledger, though not archived so
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
             return False
         return True
@@ -287,7 +269,7 @@ class JobPipeline:
         dynamic sampling, those whose rewards spread no more than the threshold. Dropped groups are done. Each
         group's outcome feeds difficulty filtering (the producer's settled prompts)."""
         G = self.cfg.num_generations
-        done = self.groups_done.get(result.job_id, set())
+        done = self.ledger.groups_done_of(result.job_id)
         todo = [g for g in range(result.data.completions // G) if g not in done]
         if not (self.cfg.dynamic_sampling or self.cfg.difficulty_filter):
             return todo, 0
@@ -302,7 +284,7 @@ class JobPipeline:
         if not self.cfg.dynamic_sampling:
             return todo, 0
         if flat:
-            self.groups_done.setdefault(result.job_id, set()).update(flat)
+            self.ledger.drop(result.job_id, flat)
             self._record_dropped(result, flat, spread)
         self.informative.append((len(todo) - len(flat), len(todo)))
         kept, judged = (sum(column) for column in zip(*self.informative, strict=True))
@@ -327,11 +309,9 @@ class JobPipeline:
     def _close_untrained(self, result: CollectedResult, partly_done: bool) -> None:
         """Every group of ``result`` left is dropped: archived ``filtered``, or ``consumed`` when groups of it were
         done before a restart (some may have trained)."""
-        self.groups_done.pop(result.job_id, None)
         if not partly_done:
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.FILTERED, result.attempt)
-        elif self.queue.consume(result):
-            self.consumed.add(result.job_id)
+        self.ledger.close(result.job_id, consumed=partly_done and self.queue.consume(result))
 
     def pick(self, cached: dict[str, CollectedResult]) -> str | None:
         """Which cached result to take next (``--consume_order``), or None to wait; raises a pipeline failure."""
@@ -343,7 +323,7 @@ class JobPipeline:
             coming = self.queue.active_job_ids() - cached.keys()
             picked = None if coming and min(coming) < oldest else oldest  # an older job is still on its way
         else:  # a result partly trained before a restart first: it has passed the staleness bound already
-            picked = min(cached, key=lambda job_id: (job_id not in self.groups_done,
+            picked = min(cached, key=lambda job_id: (not self.ledger.is_partly_done(job_id),
                                                      cached[job_id].payload["weights_version"], job_id))
         self.progress.judging = picked  # under the cache's lock: never out of the cache and out of judging at once
         return picked
@@ -351,12 +331,7 @@ class JobPipeline:
     def on_step_end(self, step: int) -> None:
         """Step ``step`` has trained and its weights are published."""
         if self.in_training is not None and self.in_training.trained_one_step():
-            for part in self.in_training.parts:
-                done = self.groups_done.setdefault(part.job_id, set())
-                done.update(part.groups)
-                if len(done) == part.of_groups:
-                    self.consumed.add(part.job_id)
-                    del self.groups_done[part.job_id]
+            self.ledger.trained(self.in_training.parts)
             self.in_training = None
         self.progress.published_version = step
         self.producer.wake()

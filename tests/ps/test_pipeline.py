@@ -500,11 +500,11 @@ def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained
         result, staleness = take(pipeline, 0)
         assert (result.job_id, staleness) == (job.job_id, 0)
         pipeline.on_step_end(1)
-        assert pipeline.consumed == set() and pipeline.in_training.parts[0].job_id == job.job_id
+        assert pipeline.ledger.consumed == set() and pipeline.in_training.parts[0].job_id == job.job_id
         with pytest.raises(PipelineError, match="while the one in training has 1 step"):
             take(pipeline, 1)  # the trainer's steps and the jobs are out of step: stop, loudly
         pipeline.on_step_end(2)
-        assert pipeline.consumed == {job.job_id} and pipeline.in_training is None
+        assert pipeline.ledger.consumed == {job.job_id} and pipeline.in_training is None
     finally:
         pipeline.stop()
 
