@@ -23,13 +23,13 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
   each logged step appends one line to ``RUN/metrics.jsonl``; a step's staleness is its own
   (step - 1 - the weights version of the result it trains). Checkpoints carry the
   pipeline's durable state (ledger, producer journal, rows owed a re-throw) and are saved
-  only between jobs: a save that falls inside a job waits for the job's last step (the
-  final save excepted), so the ledger never holds a job half trained and resume is exact.
+  only between batches: a save that falls inside a batch waits for the batch's last step (the
+  final save excepted), so the ledger never holds a batch half trained and resume is exact.
 - Several processes (``--ps_processes``, started by torchrun / accelerate launch): the first rank
   alone is the queue client (pipeline, events, metrics.jsonl) and publishes weights (under FSDP2 the
   ranks first gather each tensor whole together: adapter.gather_full_tensors); it
   broadcasts each batch (ps/batches.py, TRL's own vLLM-server pattern) and every rank trains on its
-  ``process_slice`` with the job's ``num_items_in_batch``, so K ranks make the update one
+  ``process_slice`` with the batch's ``num_items_in_batch``, so K ranks make the update one
   rank would. A checkpoint's ledger is written once every rank has saved its part.
 """
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -105,10 +104,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self.is_queue_client else BroadcastBatches())
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
-        self._step_record = _new_step_record()  # since the last logged step
+        self._step_record = metrics.StepRecord()  # since the last logged step
         self._step_started = self._last_step_end = time.monotonic()
         self._step_wait_s = 0.0  # this optimizer step's wait for results
-        self._save_due_after_job = False
+        self._save_due_after_batch = False
         self._groups_dropped_total = 0  # by dynamic sampling, over the steps in metrics.jsonl
         self.signal = LearningSignal()  # steps without a reward, or whose rewards do not spread
         self.add_callback(_PipelineCallback(self))
@@ -207,13 +206,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         waited = time.monotonic() - started
         batch = taken.tensors
         self._step_wait_s += waited
-        self._step_record["trainer_wait_s"] += waited
+        self._step_record.trainer_wait_s += waited
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
         self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-        self._add_job_metrics()
+        self._add_batch_metrics()
         if self.cfg.dynamic_sampling:  # counted on the batch's first step
-            self._step_record["groups_dropped"] += self.job.groups_dropped
-            self._metrics["train"]["dynamic_sampling/groups_dropped"].append(self.job.groups_dropped)
+            dropped = self.batch_in_training.groups_dropped
+            self._step_record.groups_dropped += dropped
+            self._metrics["train"]["dynamic_sampling/groups_dropped"].append(dropped)
         if self.log_completions and self.is_queue_client:
             self._add_completion_logs(taken.logs)
         batch = self._process_slice(batch)
@@ -227,12 +227,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return batch
 
     @property
-    def job(self) -> BatchInTraining | None:
-        """The batch in training (ps/batches.py: alike on every rank)."""
+    def batch_in_training(self) -> BatchInTraining | None:
+        """The batch whose steps are being trained (ps/batches.py: alike on every rank)."""
         return self.batches.in_training
 
     def _process_slice(self, batch: dict) -> dict:
-        """This rank's rows of the job, as TRL's process_slice; num_items_in_batch stays the job's token count
+        """This rank's rows of the batch, as TRL's process_slice; num_items_in_batch stays the batch's token count
         (TRL's loss divides every rank's sum by the global count)."""
         if self.accelerator.num_processes == 1:
             return batch
@@ -242,10 +242,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return {k: v[part] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == rows else v
                 for k, v in batch.items()}
 
-    def _add_job_metrics(self) -> None:
-        """The worker's TRL metrics (reward, ...) of the job in training, once per step it trains; num_tokens
+    def _add_batch_metrics(self) -> None:
+        """The workers' TRL metrics (reward, ...) of the batch in training, once per step it trains; num_tokens
         is the PS's own count (each worker's counts only the jobs it generated)."""
-        for name, value in self.job.metrics.items():
+        for name, value in self.batch_in_training.metrics.items():
             if name != "num_tokens":
                 self._metrics["train"][name].append(value)
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
@@ -265,7 +265,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._logs["extra"][column].extend(values)
 
     def _proximal_logps(self, batch: dict) -> torch.Tensor:
-        """Log-probs under the weights the job is taken with: the proximal policy of its later steps."""
+        """Log-probs under the weights the batch is taken with: the proximal policy of its later steps."""
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad():
@@ -294,19 +294,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._step_started, self._step_wait_s = time.monotonic(), 0.0
         if self.is_queue_client:
             self.events.emit("train_step_start", step=self.state.global_step + 1)
-        if self.job is not None:  # a later step of the same job: no result is taken
-            self._add_job_metrics()
+        if self.batch_in_training is not None:  # a later step of the same batch: no result is taken
+            self._add_batch_metrics()
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
         # Each group's staleness: the weights this step started from, minus its result's (the behaviour's).
-        for part in self.job.parts:
-            self._step_record["staleness"] += [step - 1 - part.weights_version] * len(part.groups)
-            self._step_record["weights_versions"].append(part.weights_version)
-            for version, tokens in (part.tokens_by_version or {part.weights_version: part.tokens}).items():
-                self._step_record["token_staleness"][0] += (step - 1 - version) * tokens
-                self._step_record["token_staleness"][1] += tokens
-        staleness = max(step - 1 - part.weights_version for part in self.job.parts)
+        parts = self.batch_in_training.parts
+        for part in parts:
+            self._step_record.trained(step, part.weights_version, len(part.groups),
+                                      part.tokens_by_version or {part.weights_version: part.tokens})
+        staleness = max(step - 1 - part.weights_version for part in parts)
         if self.is_queue_client:
             self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
                              wait_ms=self._step_wait_s * 1e3, staleness=staleness)
@@ -315,15 +313,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.run.write_global_step(step)
         self.batches.step_trained(step)
 
-    def hold_save_until_job_ends(self, control) -> None:
-        """Checkpoints only between jobs: a save inside a job moves to its last step (not the final save)."""
-        inside_a_job = self.job is not None  # known on every rank: they all save, or none
-        if control.should_save and inside_a_job and self.state.global_step < self.state.max_steps:
-            control.should_save, self._save_due_after_job = False, True
-            log.info("[train] step=%d is inside a job: its checkpoint is saved when the job's last step has "
+    def hold_save_until_batch_ends(self, control) -> None:
+        """Checkpoints only between batches: a save inside a batch moves to its last step (not the final save)."""
+        inside_a_batch = self.batch_in_training is not None  # known on every rank: they all save, or none
+        if control.should_save and inside_a_batch and self.state.global_step < self.state.max_steps:
+            control.should_save, self._save_due_after_batch = False, True
+            log.info("[train] step=%d is inside a batch: its checkpoint is saved when the batch's last step has "
                      "trained", self.state.global_step)
-        elif self._save_due_after_job and not inside_a_job:
-            control.should_save, self._save_due_after_job = True, False
+        elif self._save_due_after_batch and not inside_a_batch:
+            control.should_save, self._save_due_after_batch = True, False
 
     def save_checkpoint_at_stop(self) -> str | None:
         """After StopRequested (every rank): the checkpoint of the last trained step, unless it is saved already
@@ -352,13 +350,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         record = self._step_record
-        is_step_log = self.model.training and "loss" in logs and record["staleness"]
+        is_step_log = self.model.training and "loss" in logs and record.staleness
         if is_step_log:  # asyncgrpo's own metrics go to report_to integrations with TRL's
-            logs.update({"staleness/mean": statistics.fmean(record["staleness"]),
-                         "staleness/max": max(record["staleness"]),
-                         "staleness/token_mean": record["token_staleness"][0] / max(record["token_staleness"][1], 1),
-                         "weights_version": max(record["weights_versions"]),
-                         "trainer_wait_s": round(record["trainer_wait_s"], 4)})
+            logs.update(record.trl_logs())
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
         # transformers keeps every log in log_history for the life of the process (1.5 KB a step with the demo's
         # --logging_steps 1) and rewrites all of it into each checkpoint's trainer_state.json: the PS would grow
@@ -374,20 +368,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         now = time.monotonic()
         reward = finite(logs.get("reward"))  # NaN: every reward function returned None or NaN for every row
         self.signal.observe(self.state.global_step, reward, logs.get("frac_reward_zero_std"))
-        line = metrics.StepMetrics(
+        line = record.line(
+            groups_dropped_before=self._groups_dropped_total,
             step=self.state.global_step,
             reward=reward,
             reward_std=logs.get("reward_std"),
             loss=logs.get("loss"),
             grad_norm=logs.get("grad_norm"),
-            staleness_mean=logs["staleness/mean"],
-            staleness_max=logs["staleness/max"],
-            token_staleness_mean=round(logs["staleness/token_mean"], 4),
-            weights_version=logs["weights_version"],
-            trainer_wait_s=logs["trainer_wait_s"],
-            groups_dropped=record["groups_dropped"],
-            groups_dropped_total=self._groups_dropped_total + record["groups_dropped"],
-            prompts_skipped=self.pipeline.prompts_skipped,
+            prompts_skipped=self.pipeline.producer.prompts_skipped,
             tool_failure_rate=logs.get("tools/failure_frequency"),
             frac_reward_zero_std=finite(logs.get("frac_reward_zero_std")),
             steps_without_reward=self.signal.steps_without_reward,
@@ -398,7 +386,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         self._last_step_end = now
         self._groups_dropped_total = line.groups_dropped_total
-        self._step_record = _new_step_record()
+        self._step_record = metrics.StepRecord()
         metrics.append(self.run.metrics_file, line)
         self._show_progress(line)
         if self.signal.stop is not None:
@@ -466,13 +454,8 @@ class _PipelineCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.on_optimizer_step_end()
-        self.trainer.hold_save_until_job_ends(control)  # after DefaultFlowCallback decided should_save
+        self.trainer.hold_save_until_batch_ends(control)  # after DefaultFlowCallback decided should_save
 
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-
-def _new_step_record() -> dict:
-    return {"staleness": [], "token_staleness": [0, 0], "trainer_wait_s": 0.0, "weights_versions": [],
-            "groups_dropped": 0}

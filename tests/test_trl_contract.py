@@ -176,7 +176,7 @@ def test_trainer_state_and_control_fields_the_ps_reads():
     assert {"global_step", "max_steps"} <= {f.name for f in dataclasses.fields(TrainerState)}, (
         "TrainerState.global_step / max_steps are gone (the PS's weights versions and checkpoint placement)")
     assert "should_save" in {f.name for f in dataclasses.fields(TrainerControl)}, (
-        "TrainerControl.should_save is gone (the PS moves a save that falls inside a job to its last step)")
+        "TrainerControl.should_save is gone (the PS moves a save that falls inside a batch to its last step)")
 
 
 def test_the_progress_bar_the_ps_shows_reward_and_staleness_on(tmp_path):
@@ -411,11 +411,12 @@ def test_log_averages_the_metrics_the_ps_adds(trainer):
 
 def test_the_ps_keeps_the_newest_of_the_log_history_transformers_grows_at_every_log(trainer, monkeypatch):
     import ps.trainer
-    from ps.trainer import AsyncGRPOTrainer, _new_step_record
+    from asyncgrpo.run.metrics import StepRecord
+    from ps.trainer import AsyncGRPOTrainer
 
     monkeypatch.setattr(ps.trainer, "LOG_HISTORY_KEPT", 5)
     ps_trainer = object.__new__(AsyncGRPOTrainer)  # the fixture's trainer, with the PS's log
-    vars(ps_trainer).update(vars(trainer), _step_record=_new_step_record())
+    vars(ps_trainer).update(vars(trainer), _step_record=StepRecord())
     kept = list(trainer.state.log_history)
     try:
         for loss in range(12):
