@@ -25,9 +25,11 @@ from trl import DatasetMixtureConfig, GRPOConfig
 from asyncgrpo.jobqueue.queue import DEFAULT_JOB_TIMEOUT_S, DEFAULT_MAX_ATTEMPTS
 from asyncgrpo.peft_args import PeftArgs
 from asyncgrpo.run.liveness import DEFAULT_LEASE_S
+from asyncgrpo.weights.base import TRANSPORTS
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # TRL ModelConfig's choices for --dtype
-WORKER_DECODING_MODES = ("auto", "eager", "compiled", "graph", "continuous")
+WORKER_DECODING_MODES = ("auto", "eager", "compiled", "graph", "continuous")  # worker/decoding/build.py builds them
+WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)  # "auto": cuda_ipc on GPU, mmap on CPU (asyncgrpo/weights)
 OFF_POLICY_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # The flags a worker must share with the PS: each changes what a job's result holds (its size, sampling, the
 # rewards' weights and advantages, the reference log-probs). The PS writes its values in RUN/ps.json.
@@ -298,8 +300,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "difficulty_filter": (self.difficulty_filter >= 0, "must be >= 0 (0: off)"),
             "difficulty_filter_wait": (self.difficulty_filter_wait >= 1, "must be >= 1"),
             "tool_timeout_s": (self.tool_timeout_s >= 0, "must be >= 0 (0: no limit)"),
-            "weight_transport": (self.weight_transport in ("auto", "cuda_ipc", "mmap", "safetensors"),
-                                 "must be auto, cuda_ipc, mmap or safetensors"),
+            "weight_transport": (self.weight_transport in WEIGHT_TRANSPORTS,
+                                 f"must be {', '.join(WEIGHT_TRANSPORTS[:-1])} or {WEIGHT_TRANSPORTS[-1]}"),
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
             "worker_decoding": (self.worker_decoding in WORKER_DECODING_MODES,
                                 "must be one of " + ", ".join(WORKER_DECODING_MODES)),

@@ -81,7 +81,7 @@ from asyncgrpo.weights.memcopy import copy_tensors
 
 VERSION_FILE = "published_version.json"
 SLOT_WAIT_S = 10.0  # longest wait for a slot's lock: a healthy reader holds it for one copy
-TRANSPORTS = ("mmap", "cuda_ipc", "safetensors")
+TRANSPORTS = ("cuda_ipc", "mmap", "safetensors")  # --weight_transport's choices, with "auto" (asyncgrpo/config.py)
 NUM_SLOTS = 2
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -104,11 +104,11 @@ def open_lock(run: RunDir, slot: int) -> int:
     return os.open(lock_path(run, slot), os.O_RDWR | os.O_CREAT, 0o666)
 
 
-WAIT_REPORT_S = 60.0  # how often a process blocked on a lock says what it waits for
+LOCK_WAIT_REPORT_S = 60.0  # how often a process blocked on a lock says what it waits for
 
 
 @contextlib.contextmanager
-def flocked_patiently(fd: int, mode: int, what: str, report_every_s: float = WAIT_REPORT_S):
+def flocked_patiently(fd: int, mode: int, what: str, report_every_s: float = LOCK_WAIT_REPORT_S):
     """Holds the flock for the block, saying every ``report_every_s`` what it waits for and since when: a holder
     stopped (SIGSTOP, swapped out) holds the lock for as long, and is waited for, since it may go on."""
     started = time.monotonic()

@@ -17,6 +17,7 @@ from test_continuous import JOB_PROMPTS, job_ids
 from test_decode_step import GREEDY, SAMPLING, generated, llama, prompt_ids, trainer_for
 from test_fast_decoding import Events, counted, job, trl_logps
 
+from asyncgrpo.config import WORKER_DECODING_MODES
 from asyncgrpo.run import RunDir
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding.compiled import CompiledDecoding
@@ -28,7 +29,7 @@ from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-MODES = ["eager", "compiled", "graph", "continuous"]
+MODES = [mode for mode in WORKER_DECODING_MODES if mode != "auto"]  # --worker_decoding's decoders
 JOBS_A_CALL = 2  # the fixed-batch decoders' batch, and the engine's slots, in jobs
 
 
@@ -64,6 +65,11 @@ def greedy(request, tmp_path_factory):
     decoder = build(request.param, trainer, ids)
     decoder.warm_up(ids)
     return request.param, trainer, decoder, trainer_for(tmp_path / "reference", llama(), **GREEDY)
+
+
+def test_each_decoder_is_a_worker_decoding_choice():
+    # The choices are listed once (asyncgrpo/config.py WORKER_DECODING_MODES); each names its decoder's ``mode``.
+    assert [decoder.mode for decoder in (EagerDecoding, CompiledDecoding, GraphDecoding, ContinuousDecoding)] == MODES
 
 
 def test_each_jobs_greedy_tokens_are_those_generate_gives_it_alone(greedy):
