@@ -45,6 +45,7 @@ import torch
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.jobqueue import ArchiveReason, CollectedResult, JobQueue, JobState
 from asyncgrpo.jobqueue.handoff import FailureReport, read_result_payload
+from asyncgrpo.jobqueue.names import depth_line
 from asyncgrpo.run import RunDir, list_workers
 from asyncgrpo.run.liveness import fs_now
 from ps.collector import ResultCache, ResultCollector
@@ -54,17 +55,11 @@ from ps.ledger import Ledger
 from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
-WAIT_REPORT_S = 30.0  # a trainer waiting this long for results says so in the log
+TRAINER_WAIT_REPORT_S = 30.0  # how often a trainer waiting for results says so in the log
 ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
 DROP_REASON = "reward std at most dynamic_sampling_max_std"
 YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
 MIN_YIELD = 0.1  # admission never counts on fewer informative groups per result than this fraction
-
-
-def queue_line(depth: dict) -> str:
-    """The queue's depth as the [train] lines show it: ``queue=pending:P processing:R complete:C``."""
-    return (f"queue=pending:{depth['pending']} processing:{depth['processing'] + depth['committing']} "
-            f"complete:{depth['complete'] + depth['collected']}")
 
 
 class PipelineError(RuntimeError):
@@ -231,10 +226,10 @@ class JobPipeline:
         pick = self._pick_unless_stopping if stoppable else self.pick
         while True:
             self._raise_failure()
-            result = self.cache.take(pick, timeout=WAIT_REPORT_S)
+            result = self.cache.take(pick, timeout=TRAINER_WAIT_REPORT_S)
             if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; %s%s%s (what each worker holds: "
-                            "queue_tools ls %s)", step + 1, time.monotonic() - started, queue_line(self.queue.counts()),
+                log.warning("[train] step=%d has waited %.0fs for a result; queue=%s%s%s (what each worker holds: "
+                            "queue_tools ls %s)", step + 1, time.monotonic() - started, depth_line(self.queue.counts()),
                             self.failed.summary(), workers_line(self.run, self.cfg.lease_s), self.run.root)
                 continue
             try:
@@ -340,7 +335,7 @@ class JobPipeline:
 
     def finish(self) -> None:
         """Every job and result left in queue/ is archived 'unused' (a result whose groups were split across
-        batches 'consumed': the final checkpoint counts it so).
+        batches 'consumed': the final checkpoint counts it so); failure reports are recorded (archived 'failed').
 
         Jobs in workers' hands are waited for (at most a lease) and their results archived.
         Nothing goes back to pending (a worker would take it with no one left to collect), and
@@ -349,20 +344,17 @@ class JobPipeline:
         if self.leftover is not None:
             self.queue.consume(self.leftover[0])
             self.leftover = None
+        self.cache.drain()  # its results are in queue/ as collected: archived below
+        read = functools.partial(read_result_payload, rows_per_job=self.cfg.generation_batch_size)
         deadline = time.monotonic() + self.cfg.lease_s
         while True:
-            for name in self.queue.scan()[0]:
-                if name.state is JobState.PENDING:
-                    self.queue.archive_if_present(self.queue.path(name), name.job_id, ArchiveReason.UNUSED,
-                                                  name.attempt)
             self.queue.recover(lease_s=self.cfg.lease_s, max_attempts=self.cfg.max_attempts, requeue=False,
                                job_timeout_s=self.cfg.job_timeout_s or None)
-            read = functools.partial(read_result_payload, rows_per_job=self.cfg.generation_batch_size)
-            for result in self.queue.collect(read, readopt=True) + self.cache.drain():
+            for result in self.queue.collect(read, readopt=True):
                 if isinstance(result.data, FailureReport):
                     self.failed.record(result)  # archived failed, with its errors
-                else:
-                    self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.UNUSED, result.attempt)
+            # Results completed since collect are left for the next pass, which records a failure report among them.
+            self.queue.archive_leftovers(states=(JobState.PENDING, JobState.COLLECTED))
             if not self.queue.scan()[0]:
                 break
             if time.monotonic() > deadline:

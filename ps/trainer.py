@@ -51,6 +51,7 @@ from trl import GRPOTrainer
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobQueue
+from asyncgrpo.jobqueue.names import depth_line
 from asyncgrpo.run import RunDir, metrics
 from asyncgrpo.run.checkpoints import (
     is_complete,
@@ -64,7 +65,7 @@ from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
 from ps.flag_changes import recorded_flags
 from ps.learning_signal import LearningSignal, finite
 from ps.offpolicy import TokenWeighting
-from ps.pipeline import BatchInTraining, JobPipeline, PipelineError, queue_line
+from ps.pipeline import BatchInTraining, JobPipeline, PipelineError
 
 log = logging.getLogger("asyncgrpo.ps")
 # The [train] line of a step the terminal does not show: in the PS's log at this level ("STEP"), which launch.sh's
@@ -398,9 +399,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         every = max(1, round(max_steps / TERMINAL_STEP_LINES))
         shown = line.step % every == 0 or line.step == 1 or line.step >= max_steps
         # (reward None: every reward function returned None for every row of the step, which TRL allows)
-        log.log(logging.INFO if shown else STEP, "[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s %s%s",
+        log.log(logging.INFO if shown else STEP,
+                "[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s queue=%s%s",
                 line.step, _fmt(line.reward), line.staleness_mean, line.trainer_wait_s * 1e3,
-                f"{line.loss:.4f}" if line.loss is not None else "-", queue_line(line.queue_depth),
+                f"{line.loss:.4f}" if line.loss is not None else "-", depth_line(line.queue_depth),
                 (f" dropped_prompts={dropped}" if dropped else "")
                 + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
                 + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")

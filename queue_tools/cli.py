@@ -24,7 +24,7 @@ import sys
 import time
 
 from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describe_error
-from asyncgrpo.jobqueue.names import ArchiveReason, done_reason
+from asyncgrpo.jobqueue.names import ArchiveReason, depth_line, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers, metrics
 from asyncgrpo.run.liveness import fs_now, pid_alive
@@ -269,9 +269,7 @@ def _age(seconds) -> str:
 
 def format_report(r: dict) -> str:
     lines = [f"run: {r['run_dir']}" + (f"  (global step {r['global_step']})" if r["global_step"] is not None else "")]
-    lines.append(f"queue: pending {r['pending']} (oldest {_age(r['oldest_pending_age_s'])}) | "
-                 f"processing {r['processing']} | committing {r['committing']} | "
-                 f"complete {r['complete']} | collected {r['collected']}")
+    lines.append(f"queue: {depth_line(r, every_state=True)} (oldest pending {_age(r['oldest_pending_age_s'])})")
     last = r["last_step"]
     if last is not None:
         lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "

@@ -43,7 +43,6 @@ from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.supervisor import watch_supervisor
 from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
-from asyncgrpo.weights.base import WAIT_REPORT_S
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
 from worker.continuous_loop import serve_continuously
@@ -62,13 +61,14 @@ IDLE_WAIT_S = 1.0  # how often an idle worker looks for weights or a stop reques
 EXIT_DEVICE_BROKEN = 3  # exit status of a worker whose GPU failed; launch.sh restarts it
 FAILURE_BACKOFF_S = 0.1  # wait after a failed job before the next claim, doubled for each failure in a row ...
 FAILURE_BACKOFF_MAX_S = 1.0  # ... up to this
+WORKER_WAIT_REPORT_S = 60.0  # how often a worker waiting (for weights, for the PS) says so in the log
 
 
 class Waiting:
     """Says once every ``report_every_s`` what a worker waits for and since when. A worker keeps waiting (a stopped
     PS may go on, a new one may start), but not silently."""
 
-    def __init__(self, device: WorkerId, report_every_s: float = WAIT_REPORT_S):
+    def __init__(self, device: WorkerId, report_every_s: float = WORKER_WAIT_REPORT_S):
         self.device, self.report_every_s = device, report_every_s
         self.what: str | None = None
         self.since = self.said = 0.0

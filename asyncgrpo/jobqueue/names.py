@@ -40,6 +40,18 @@ class JobState(str, enum.Enum):
     COLLECTED = "collected"
 
 
+def depth_line(counts: dict[str, int], every_state: bool = False) -> str:
+    """The queue's depth (JobQueue.counts) as the PS's [train] lines show it, ``pending:P processing:R complete:C``
+    (a result being committed counts as processing, one collected as complete), or with ``every_state`` each
+    state's count, as `queue_tools ls` shows it."""
+    if every_state:
+        shown = {state.value: counts[state.value] for state in JobState}
+    else:
+        shown = {"pending": counts["pending"], "processing": counts["processing"] + counts["committing"],
+                 "complete": counts["complete"] + counts["collected"]}
+    return " ".join(f"{state}:{n}" for state, n in shown.items())
+
+
 class ArchiveReason(str, enum.Enum):
     CONSUMED = "consumed"  # trained on, exactly once
     PROCESSED = "processed"  # a worker's job file once its result is published

@@ -442,7 +442,8 @@ class JobQueue:
         return recovery.recover(self, lease_s=lease_s, max_attempts=max_attempts, dry_run=dry_run,
                                 own_device=own_device, requeue=requeue, job_timeout_s=job_timeout_s)
 
-    def archive_leftovers(self, dry_run: bool = False) -> list[RecoveryAction]:
+    def archive_leftovers(self, dry_run: bool = False,
+                          states: tuple[JobState, ...] = recovery.LEFTOVER_STATES) -> list[RecoveryAction]:
         """After training is over: every pending job and result left in queue/ archived ``unused``:
         recovery.archive_leftovers."""
-        return recovery.archive_leftovers(self, dry_run=dry_run)
+        return recovery.archive_leftovers(self, dry_run=dry_run, states=states)

@@ -104,12 +104,16 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
     return actions
 
 
-def archive_leftovers(queue, *, dry_run: bool) -> list[RecoveryAction]:
+LEFTOVER_STATES = (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED)
+
+
+def archive_leftovers(queue, *, dry_run: bool, states=LEFTOVER_STATES) -> list[RecoveryAction]:
     """After training is over: each pending job and each result still in ``queue`` archived ``unused`` (no PS will
-    train on them; pending, a worker would only take them)."""
+    train on them; pending, a worker would only take them). ``states``: those of them to archive (the PS's end of
+    training leaves complete results for its next pass: it reads them first, to record failure reports)."""
     actions = []
     for name in sorted(queue.scan()[0]):
-        if name.state in (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED):
+        if name.state in states:
             actions.append(_recovery_move(queue, queue.path(name), name, ArchiveReason.UNUSED,
                                           f"{name.state.value} after training was over", dry_run))
     return actions

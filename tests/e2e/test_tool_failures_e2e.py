@@ -73,7 +73,7 @@ def test_a_run_that_ends_while_tools_hang_leaves_no_job_behind(tmp_path):
                        "--lease_s", "4", "--max-steps", "2", "--seed", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "queue: pending 0 (oldest -) | processing 0 | committing 0 | complete 0 | collected 0" in out, out
+    assert "queue: pending:0 processing:0 committing:0 complete:0 collected:0 (oldest pending -)" in out, out
     assert out.strip().splitlines()[-1].startswith("health: OK"), out
     for n in (1, 2):
         log = (run / "logs" / f"log_worker_{n}.txt").read_text()

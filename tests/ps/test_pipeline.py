@@ -101,7 +101,7 @@ def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, monkeyp
 
 
 def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines_show_it(run, monkeypatch, caplog):
-    monkeypatch.setattr(pipeline_module, "WAIT_REPORT_S", 0.05)
+    monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_REPORT_S", 0.05)
     pipeline = make_pipeline(run, max_pending=2)
     pipeline.start(None, published_version=0)
     try:

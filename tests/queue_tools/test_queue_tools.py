@@ -76,7 +76,7 @@ def test_ls_json_reports_the_queue(busy_run, capsys):
 def test_ls_text_has_a_health_verdict(busy_run, queue, capsys):
     code, out, _ = run_cli(capsys, "ls", busy_run.root)
     assert code == 0
-    assert "pending 2" in out and "dev1" in out and "000001_001" in out
+    assert "pending:2" in out and "dev1" in out and "000001_001" in out
     assert out.strip().splitlines()[-1].startswith("health: WARN")
     queue.recover(lease_s=LEASE_S)
     _, out, _ = run_cli(capsys, "ls", busy_run.root)
