@@ -35,7 +35,9 @@ class RepeatedFailureLog:
     some prompts), as WARNING lines tagged ``[tag]`` that launch.sh shows on the terminal: the first of each kind
     (its text) at once, the repeats counted and logged together every ``every_s`` seconds (checked at each failure
     and at each ``flush``). Past ``MAX_KINDS`` kinds (an error whose text names each prompt makes each failure a kind
-    of its own), a new kind is counted as a repeat, not logged at once; the periodic line names the commonest."""
+    of its own), a new kind is counted as a repeat, not logged at once; the periodic line names the commonest.
+    ``failed`` says whether it logged the kind at once, for a caller that adds what only the first of a kind needs
+    (a failed job's traceback, worker/results.py)."""
 
     MAX_KINDS = 20
     NAMED_IN_A_LINE = 5
@@ -47,15 +49,18 @@ class RepeatedFailureLog:
         self.since = clock()
         self._lock = threading.Lock()  # async tools fail on TRL's event-loop thread
 
-    def failed(self, kind: str) -> None:
+    def failed(self, kind: str) -> bool:
+        """Counts one failure of ``kind``; True when it was the first of its kind, logged at once."""
         with self._lock:
-            if kind in self.seen or len(self.seen) >= self.MAX_KINDS:
-                self.repeats[kind] += 1
-            else:
+            first = kind not in self.seen and len(self.seen) < self.MAX_KINDS
+            if first:
                 self.seen.add(kind)
                 self.logger.warning("[%s] %s (the first such failure; repeats are counted and logged every %g s)",
                                     self.tag, kind, self.every_s)
+            else:
+                self.repeats[kind] += 1
         self.flush()
+        return first
 
     def flush(self) -> None:
         """Logs the repeats counted since the last such line, if ``every_s`` has passed."""

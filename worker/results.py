@@ -70,10 +70,6 @@ def publish(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, outcome: Gen
     return True
 
 
-_errors_logged: set[tuple] = set()  # (type, message, reward function) of the errors logged with their traceback
-ERRORS_WITH_TRACEBACK = 100  # distinct errors per process; later ones get one line too
-
-
 def fail(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, err: Exception, version: int,
          events: EventLog) -> None:
     """The job raised: thrown again as its next attempt, or reported to the PS as failed after ``max_attempts``."""
@@ -82,15 +78,11 @@ def fail(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, err: Exception,
     given_up = job.attempt >= cfg.max_attempts
     what = describe_error(error)
     outcome = "reported to the PS as failed" if given_up else f"thrown again as attempt {job.attempt + 1}"
-    key = (error["type"], error["message"], error["reward_function"])
-    if key in _errors_logged or len(_errors_logged) >= ERRORS_WITH_TRACEBACK:  # one line, not another traceback
-        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s", device, job.job_id, job.attempt,
-                  cfg.max_attempts, what, outcome)
-    else:
-        _errors_logged.add(key)
-        log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s\n%s", device, job.job_id, job.attempt,
-                  cfg.max_attempts, what, outcome, error["traceback"].rstrip())
-    JOB_FAILURES.failed(f"a job failed: {what}")
+    # Each failure is a line in the worker's log; the first of its kind also brings its traceback there.
+    first = JOB_FAILURES.failed(f"a job failed: {what}")
+    traceback = "\n" + error["traceback"].rstrip() if first else ""
+    log.error("[gen] dev%s job=%s attempt %d/%d failed: %s; %s%s", device, job.job_id, job.attempt, cfg.max_attempts,
+              what, outcome, traceback)
     events.emit("job_failed", job_id=job.job_id, attempt=job.attempt, error=what[:500], given_up=given_up)
     try:
         queue.fail(job, error, max_attempts=cfg.max_attempts, weights_version=version)

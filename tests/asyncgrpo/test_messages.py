@@ -1,8 +1,8 @@
-"""One-line messages: an error's first line, and a line logged once per process."""
+"""One-line messages: an error's first line, a line logged once per process, failures said once and then counted."""
 
 import logging
 
-from asyncgrpo.messages import first_line, log_once
+from asyncgrpo.messages import RepeatedFailureLog, first_line, log_once
 
 
 def test_first_line_names_the_type_and_keeps_one_line():
@@ -22,3 +22,9 @@ def test_log_once_logs_each_key_once(caplog):
             log_once(log, "probe failed on %s", "/y", key="probe EIO", level=logging.WARNING)  # same key
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", "capture off: a hook is missing"), ("WARNING", "probe failed on /x")]
+
+
+def test_a_repeated_failure_log_says_which_failure_was_the_first_of_its_kind():
+    # (worker/results.py logs a failed job's traceback with the first of its kind only: tests/worker/test_results.py)
+    errors = RepeatedFailureLog(logging.getLogger("asyncgrpo.test"), "jobs")
+    assert [errors.failed(kind) for kind in ("a", "a", "b", "a")] == [True, False, True, False]
