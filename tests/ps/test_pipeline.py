@@ -40,6 +40,25 @@ def make_pipeline(run, **overrides):
     return JobPipeline(make_cfg(**overrides), run, JobQueue(run), DATASET)
 
 
+@pytest.fixture
+def start(run):
+    """``start(**flags)``: a pipeline over ``run`` with these flags, started from ``state`` (None: a fresh run) at
+    ``published_version``, once ``until_pending`` jobs are pending when given. Stopped when the test ends."""
+    pipelines = []
+
+    def start_pipeline(state=None, published_version=0, until_pending=None, **overrides):
+        pipeline = make_pipeline(run, **overrides)
+        pipelines.append(pipeline)
+        pipeline.start(state, published_version=published_version)
+        if until_pending is not None:
+            wait_for(lambda: pending(pipeline.queue) == until_pending, f"{until_pending} pending job(s)")
+        return pipeline
+
+    yield start_pipeline
+    for pipeline in pipelines:
+        pipeline.stop()
+
+
 def batch(rows=ROWS, completion=3):
     return {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
             "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
@@ -85,35 +104,29 @@ def next_batch_in_thread(pipeline, step):
 
 
 @pytest.mark.parametrize("where", ["write", "fsync"])
-def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, monkeypatch, where):
+def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, start, monkeypatch, where):
     inject_disk_full(monkeypatch, run, where)
-    pipeline = make_pipeline(run)
-    pipeline.start(None, published_version=0)
-    try:
-        thread, outcome = next_batch_in_thread(pipeline, step=0)
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "the trainer kept waiting after the producer died"
-        err = outcome["error"]
-        assert isinstance(err, PipelineError) and "job producer" in str(err) and "No space left" in str(err)
-    finally:
-        pipeline.stop()
+    pipeline = start()
+    thread, outcome = next_batch_in_thread(pipeline, step=0)
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the trainer kept waiting after the producer died"
+    err = outcome["error"]
+    assert isinstance(err, PipelineError) and "job producer" in str(err) and "No space left" in str(err)
+    pipeline.stop()
     assert os.listdir(run.queue) == [".tmp"]  # nothing half-written under a final name
 
 
-def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines_show_it(run, monkeypatch, caplog):
+def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines_show_it(run, start, monkeypatch,
+                                                                                         caplog):
     monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_REPORT_S", 0.05)
-    pipeline = make_pipeline(run, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        with caplog.at_level("WARNING", logger="asyncgrpo.ps"):
-            thread, outcome = next_batch_in_thread(pipeline, step=0)
-            wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records), "a waiting line")
-            work_one(pipeline.queue, version=0)
-            thread.join(WAIT_S)
-        assert not thread.is_alive() and "result" in outcome, outcome
-    finally:
-        pipeline.stop()
+    pipeline = start(until_pending=2, max_pending=2)
+    with caplog.at_level("WARNING", logger="asyncgrpo.ps"):
+        thread, outcome = next_batch_in_thread(pipeline, step=0)
+        wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records), "a waiting line")
+        work_one(pipeline.queue, version=0)
+        thread.join(WAIT_S)
+    assert not thread.is_alive() and "result" in outcome, outcome
+    pipeline.stop()
     line = next(r.getMessage() for r in caplog.records if "has waited" in r.getMessage())
     # The step that waits: the first (the trainer has trained none).
     assert line == ("[train] step=1 has waited 0s for a result; queue=pending:2 processing:0 complete:0 (what each "
@@ -137,30 +150,25 @@ def test_a_crash_in_the_collector_stops_training_with_that_error(run, monkeypatc
         pipeline.stop()
 
 
-def test_a_stop_request_ends_the_wait_for_a_result_and_leaves_the_results_for_the_next_start(run):
-    pipeline = make_pipeline(run, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        work_one(pipeline.queue, version=0)
-        assert take(pipeline, step=0)[0].job_id == "000000_000"
-        pipeline.on_step_end(1)
-        picked = threading.Event()  # set once the trainer looks into the cache: it is past next_batch's first check
-        pick = pipeline.pick
-        pipeline.pick = lambda cached: (picked.set(), pick(cached))[1]
-        thread, outcome = next_batch_in_thread(pipeline, step=1)  # no result: it waits
-        assert picked.wait(WAIT_S)
-        pipeline.stop_at_boundary.set()
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "the trainer kept waiting after the stop request"
-        assert isinstance(outcome.get("error"), StopRequested), outcome
-        assert pipeline.in_training is None and pipeline.state_dict()["consumed"] == ["000000_000"]
-        work_one(pipeline.queue, version=1)  # a result that comes now is not taken: the next start trains it
-        with pytest.raises(StopRequested):
-            pipeline.next_batch(1)
-        assert pipeline.state_dict()["consumed"] == ["000000_000"] and not list(run.done.glob("000000_001*consumed*"))
-    finally:
-        pipeline.stop()
+def test_a_stop_request_ends_the_wait_for_a_result_and_leaves_the_results_for_the_next_start(run, start):
+    pipeline = start(until_pending=2, max_pending=2)
+    work_one(pipeline.queue, version=0)
+    assert take(pipeline, step=0)[0].job_id == "000000_000"
+    pipeline.on_step_end(1)
+    picked = threading.Event()  # set once the trainer looks into the cache: it is past next_batch's first check
+    pick = pipeline.pick
+    pipeline.pick = lambda cached: (picked.set(), pick(cached))[1]
+    thread, outcome = next_batch_in_thread(pipeline, step=1)  # no result: it waits
+    assert picked.wait(WAIT_S)
+    pipeline.stop_at_boundary.set()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the trainer kept waiting after the stop request"
+    assert isinstance(outcome.get("error"), StopRequested), outcome
+    assert pipeline.in_training is None and pipeline.state_dict()["consumed"] == ["000000_000"]
+    work_one(pipeline.queue, version=1)  # a result that comes now is not taken: the next start trains it
+    with pytest.raises(StopRequested):
+        pipeline.next_batch(1)
+    assert pipeline.state_dict()["consumed"] == ["000000_000"] and not list(run.done.glob("000000_001*consumed*"))
 
 
 def fail_one(queue, message="boom", device=1):
@@ -173,58 +181,63 @@ def fail_one(queue, message="boom", device=1):
     return job
 
 
-def test_jobs_failing_in_a_row_stop_the_waiting_trainer_with_their_error(run):
-    pipeline = make_pipeline(run, max_attempts=2, max_failed_in_a_row=2, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        thread, outcome = next_batch_in_thread(pipeline, step=0)
-        for _ in range(4):  # two jobs, two attempts each: the oldest first, thrown-again attempts included
-            fail_one(pipeline.queue, message="the server is down")
-        thread.join(WAIT_S)  # well before the trainer's 30 s wait report
-        assert not thread.is_alive(), "the trainer kept waiting while every job failed"
-        err = outcome["error"]
-        assert isinstance(err, PipelineError) and str(err).startswith(
-            "2 jobs in a row failed on all 2 attempt(s), none produced a result: reward function 'my_reward' raised "
-            "ValueError: the server is down")
-    finally:
-        pipeline.stop()
+def test_jobs_failing_in_a_row_stop_the_waiting_trainer_with_their_error(run, start):
+    pipeline = start(until_pending=2, max_attempts=2, max_failed_in_a_row=2, max_pending=2)
+    thread, outcome = next_batch_in_thread(pipeline, step=0)
+    for _ in range(4):  # two jobs, two attempts each: the oldest first, thrown-again attempts included
+        fail_one(pipeline.queue, message="the server is down")
+    thread.join(WAIT_S)  # well before the trainer's 30 s wait report
+    assert not thread.is_alive(), "the trainer kept waiting while every job failed"
+    err = outcome["error"]
+    assert isinstance(err, PipelineError) and str(err).startswith(
+        "2 jobs in a row failed on all 2 attempt(s), none produced a result: reward function 'my_reward' raised "
+        "ValueError: the server is down")
+    pipeline.stop()
     assert sorted(p.name for p in run.done.glob("*_failed_a2.pt")) == ["000000_000_failed_a2.pt",
                                                                         "000000_001_failed_a2.pt"]
 
 
-def test_a_job_that_fails_on_every_attempt_is_dropped_and_training_goes_on(run):
-    pipeline = make_pipeline(run, max_attempts=2, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        failing = fail_one(pipeline.queue)  # attempt 1: thrown again, ahead of the newer job
-        assert fail_one(pipeline.queue).job_id == failing.job_id  # attempt 2: reported, dropped
-        good = work_one(pipeline.queue, version=0)
-        result, _ = take(pipeline, 0)
-        assert result.job_id == good.job_id
-        wait_for(lambda: os.path.exists(run.done / f"{failing.job_id}_failed_a2.pt"), "the failed job archived")
-        assert (pipeline.failed.jobs, pipeline.failed.prompts) == (1, 2)  # 4 rows, 2 generations each
-        assert pipeline.producer.owed == []  # its prompts are dropped, not thrown again
-    finally:
-        pipeline.stop()
+def test_a_job_that_fails_on_every_attempt_is_dropped_and_training_goes_on(run, start):
+    pipeline = start(until_pending=2, max_attempts=2, max_pending=2)
+    failing = fail_one(pipeline.queue)  # attempt 1: thrown again, ahead of the newer job
+    assert fail_one(pipeline.queue).job_id == failing.job_id  # attempt 2: reported, dropped
+    good = work_one(pipeline.queue, version=0)
+    result, _ = take(pipeline, 0)
+    assert result.job_id == good.job_id
+    wait_for(lambda: os.path.exists(run.done / f"{failing.job_id}_failed_a2.pt"), "the failed job archived")
+    assert (pipeline.failed.jobs, pipeline.failed.prompts) == (1, 2)  # 4 rows, 2 generations each
+    assert pipeline.producer.owed == []  # its prompts are dropped, not thrown again
 
 
 @pytest.mark.parametrize("version", ["3", 2.5, None, -1, True])
-def test_a_result_whose_weights_version_is_not_an_integer_is_rejected_not_fatal(run, version):
-    pipeline = make_pipeline(run, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        job = pipeline.queue.claim(1)
-        assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]},
-                                       weights_version=version)
-        good = work_one(pipeline.queue, version=0, device=2)
-        result, staleness = take(pipeline, 0)
-        assert (result.job_id, staleness) == (good.job_id, 0)
-        assert os.path.exists(run.done / f"{job.job_id}_failed_load.pt")
-    finally:
-        pipeline.stop()
+def test_a_result_whose_weights_version_is_not_an_integer_is_rejected_not_fatal(run, start, version):
+    pipeline = start(until_pending=2, max_pending=2)
+    job = pipeline.queue.claim(1)
+    assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]},
+                                   weights_version=version)
+    good = work_one(pipeline.queue, version=0, device=2)
+    result, staleness = take(pipeline, 0)
+    assert (result.job_id, staleness) == (good.job_id, 0)
+    assert os.path.exists(run.done / f"{job.job_id}_failed_load.pt")
+
+
+# --------------------------------------------------------------------------- end of training
+
+
+def test_finish_archives_what_is_left_unused_and_a_failure_report_failed(run, start):
+    pipeline = start(until_pending=3, max_pending=3, max_attempts=2)
+    cached = work_one(pipeline.queue, version=0)
+    wait_for(lambda: len(pipeline.cache) == 1, "the result cached")
+    pipeline.stop()  # from here only finish collects: what comes now is finish's to judge
+    failing = fail_one(pipeline.queue)  # attempt 1: thrown again
+    assert fail_one(pipeline.queue).job_id == failing.job_id  # attempt 2: a failure report for the PS
+    late = work_one(pipeline.queue, version=0)
+    pipeline.finish()
+    assert os.listdir(run.queue) == [".tmp"]
+    done = {p.name for p in run.done.iterdir()}
+    assert {f"{cached.job_id}_unused.pt", f"{late.job_id}_unused.pt", f"{failing.job_id}_failed_a2.pt"} <= done
+    assert not [name for name in done if name.endswith("_consumed.pt")]
+    assert pipeline.failed.jobs == 1
 
 
 # --------------------------------------------------------------------------- the producer's journal
@@ -236,97 +249,77 @@ def thrown_jobs(queue):
 
 
 @pytest.mark.parametrize("prompt_chars", [4, 20_000], ids=["short", "journal_over_64KiB"])
-def test_a_job_id_reserved_before_a_crash_is_not_reused_and_its_rows_are_thrown_again(run, prompt_chars):
+def test_a_job_id_reserved_before_a_crash_is_not_reused_and_its_rows_are_thrown_again(run, start, prompt_chars):
     """The old PS wrote its journal for job 000000_001 and died before the job file existed. Realistic prompts make
     the journal (whole batches of rows) far larger than a status file: it is read whole."""
     lost_rows = [{"prompt": "lost"[:prompt_chars] + "x" * (prompt_chars - 4)}] * ROWS
     fileops.write_json(run.root / "producer.json", {"batches_drawn": 2, "last_job_id": "000000_001",
                                                     "last_rows": lost_rows, "owed": []})
-    pipeline = make_pipeline(run, max_pending=1, max_staleness=0)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-    finally:
-        pipeline.stop()
+    pipeline = start(until_pending=1, max_pending=1, max_staleness=0)
+    pipeline.stop()
     assert thrown_jobs(pipeline.queue) == {"000000_002": lost_rows}
 
 
-def test_a_job_written_before_a_crash_keeps_its_id_and_is_not_thrown_twice(run):
+def test_a_job_written_before_a_crash_keeps_its_id_and_is_not_thrown_twice(run, start):
     """The old PS died right after the job file appeared: the journal already names it."""
     queue = JobQueue(run)
     rows = [{"prompt": "kept"}] * ROWS
     fileops.write_json(run.root / "producer.json", {"batches_drawn": 1, "last_job_id": "000000_000",
                                                     "last_rows": rows, "owed": []})
     queue.put_job("000000_000", {"rows": rows, "min_weights_version": 0}, created_step=0)
-    pipeline = make_pipeline(run, max_pending=2, max_staleness=8)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(queue) == 2, "a second pending job")
-    finally:
-        pipeline.stop()
+    pipeline = start(until_pending=2, max_pending=2, max_staleness=8)
+    pipeline.stop()
     jobs = thrown_jobs(queue)
     assert sorted(jobs) == ["000000_000", "000000_001"]
     assert jobs["000000_001"] != rows  # the next batch of the dataset, not the same rows again
 
 
-def test_a_lost_journal_never_reuses_an_id_still_in_the_queue(run):
+def test_a_lost_journal_never_reuses_an_id_still_in_the_queue(run, start):
     queue = JobQueue(run)
     queue.put_job("000007_003", {"rows": [], "min_weights_version": 0}, created_step=7)
-    pipeline = make_pipeline(run, max_pending=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(queue) == 2, "a second pending job")
-    finally:
-        pipeline.stop()
+    pipeline = start(until_pending=2, max_pending=2)
+    pipeline.stop()
     assert sorted(thrown_jobs(queue)) == ["000007_003", "000007_004"]
 
 
 # --------------------------------------------------------------------------- staleness and re-throw
 
 
-def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run):
-    pipeline = make_pipeline(run, max_pending=1, max_outstanding=1, max_staleness=1)
-    pipeline.start({"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3)  # taken 3
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
-        thread, outcome = next_batch_in_thread(pipeline, step=3)
-        wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
-        wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
-        rethrown = pipeline.queue.claim(1)
-        assert rethrown.data["rows"] == stale.data["rows"] and rethrown.job_id > stale.job_id
-        assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
-                                       weights_version=3)
-        thread.join(WAIT_S)
-        [part] = outcome["result"].in_training.parts
-        assert part.job_id == rethrown.job_id and part.weights_version == 3
-    finally:
-        pipeline.stop()
+def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run, start):
+    pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
+                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
+    stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
+    thread, outcome = next_batch_in_thread(pipeline, step=3)
+    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
+    wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
+    rethrown = pipeline.queue.claim(1)
+    assert rethrown.data["rows"] == stale.data["rows"] and rethrown.job_id > stale.job_id
+    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
+                                   weights_version=3)
+    thread.join(WAIT_S)
+    [part] = outcome["result"].in_training.parts
+    assert part.job_id == rethrown.job_id and part.weights_version == 3
 
 
-def test_a_result_is_as_stale_as_its_oldest_token(run):
+def test_a_result_is_as_stale_as_its_oldest_token(run, start):
     """With in-flight updates a result's later tokens come from newer weights; the bound goes by its oldest (its
     weights_version), so a result whose newest tokens are fresh is still archived stale, and admission is as it
     is without them (docs/design.md, "In-flight weight updates")."""
-    pipeline = make_pipeline(run, max_pending=1, max_outstanding=1, max_staleness=1)
-    pipeline.start({"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3)  # taken 3
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        job = pipeline.queue.claim(1)
-        # Tokens 0-1 sampled by version 1 (2 steps stale at step 3), tokens 2- by version 3 (fresh).
-        assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"],
-                                             "token_versions": [[0, 1], [2, 3]]}, weights_version=1)
-        thread, outcome = next_batch_in_thread(pipeline, step=3)
-        wait_for(lambda: os.path.exists(run.done / f"{job.job_id}_stale.pt"), "the stale archive")
-        rethrown = wait_for(lambda: pipeline.queue.claim(1), "the re-thrown job")
-        assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"],
-                                                  "token_versions": [[0, 3], [1, 4]]}, weights_version=3)
-        thread.join(WAIT_S)
-        [part] = outcome["result"].in_training.parts
-        # Each row's 3 completion tokens: the first by version 3, the other two by version 4.
-        assert part.job_id == rethrown.job_id and part.tokens_by_version == {3: ROWS, 4: 2 * ROWS}
-    finally:
-        pipeline.stop()
+    pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
+                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
+    job = pipeline.queue.claim(1)
+    # Tokens 0-1 sampled by version 1 (2 steps stale at step 3), tokens 2- by version 3 (fresh).
+    assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"],
+                                         "token_versions": [[0, 1], [2, 3]]}, weights_version=1)
+    thread, outcome = next_batch_in_thread(pipeline, step=3)
+    wait_for(lambda: os.path.exists(run.done / f"{job.job_id}_stale.pt"), "the stale archive")
+    rethrown = wait_for(lambda: pipeline.queue.claim(1), "the re-thrown job")
+    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"],
+                                              "token_versions": [[0, 3], [1, 4]]}, weights_version=3)
+    thread.join(WAIT_S)
+    [part] = outcome["result"].in_training.parts
+    # Each row's 3 completion tokens: the first by version 3, the other two by version 4.
+    assert part.job_id == rethrown.job_id and part.tokens_by_version == {3: ROWS, 4: 2 * ROWS}
 
 
 def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_queued(run):
@@ -345,17 +338,12 @@ def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_qu
     assert thrown_jobs(queue) == {"000002_001": owed[0]["rows"]}
 
 
-def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(run):
-    pipeline = make_pipeline(run, max_pending=1, max_staleness=0)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        job = work_one(pipeline.queue, version=0)
-        result, _ = take(pipeline, 0)
-        pipeline.producer.owe("000000_999", [{"prompt": "owed"}])
-        between_batches, state = pipeline.state_dict(), pipeline.state_dict(final=True)
-    finally:
-        pipeline.stop()
+def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(run, start):
+    pipeline = start(until_pending=1, max_pending=1, max_staleness=0)
+    job = work_one(pipeline.queue, version=0)
+    result, _ = take(pipeline, 0)
+    pipeline.producer.owe("000000_999", [{"prompt": "owed"}])
+    between_batches, state = pipeline.state_dict(), pipeline.state_dict(final=True)
     assert between_batches["consumed"] == []  # its step has not trained yet
     assert state["consumed"] == [job.job_id] == [result.job_id]  # the run ends here: a batch cut short counts
     assert state["producer"]["owed"] == [{"from_job": "000000_999", "rows": [{"prompt": "owed"}]}]
@@ -365,62 +353,48 @@ def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(r
 # --------------------------------------------------------------------------- admission and order
 
 
-def test_admission_throws_only_what_can_still_be_trained_within_the_bound(run):
+def test_admission_throws_only_what_can_still_be_trained_within_the_bound(start):
     """max_staleness 3. A job claimed at version 0 stays in a worker's hands; every job in flight
     could be trained before it, so the producer keeps taken + in_flight - 0 <= 3 by throwing less
     as steps pass. (Capping jobs in flight at max_staleness + 1 alone would keep 4 in flight.)"""
-    pipeline = make_pipeline(run, max_pending=8, max_staleness=3)
-    pipeline.start(None, published_version=0)
+    pipeline = start(until_pending=4, max_pending=8, max_staleness=3)
     queue = pipeline.queue
-    try:
-        wait_for(lambda: pending(queue) == 4, "four pending jobs")
-        assert pipeline.producer.may_throw() is False
-        straggler = queue.claim(1)
-        for step in (1, 2, 3):  # the other three are generated with newer weights and trained
-            work_one(queue, version=step - 1, device=2)
-            assert take(pipeline, step - 1)[1] <= 3
-            pipeline.on_step_end(step)
-            assert pipeline.producer.may_throw() is False  # taken + in flight - 0 would exceed 3
-        assert [(n.job_id, n.state) for n in queue.scan()[0]] == [(straggler.job_id, JobState.PROCESSING)]
-        assert queue.complete(straggler, {"batch": batch(), "metrics": {}, "rows": straggler.data["rows"]},
-                              weights_version=0)
-        result, staleness = take(pipeline, 3)
-        assert (result.job_id, staleness) == (straggler.job_id, 3)  # trained, not stale
-        pipeline.on_step_end(4)
-        wait_for(lambda: pending(queue) == 4, "the producer to throw again")
-    finally:
-        pipeline.stop()
+    assert pipeline.producer.may_throw() is False
+    straggler = queue.claim(1)
+    for step in (1, 2, 3):  # the other three are generated with newer weights and trained
+        work_one(queue, version=step - 1, device=2)
+        assert take(pipeline, step - 1)[1] <= 3
+        pipeline.on_step_end(step)
+        assert pipeline.producer.may_throw() is False  # taken + in flight - 0 would exceed 3
+    assert [(n.job_id, n.state) for n in queue.scan()[0]] == [(straggler.job_id, JobState.PROCESSING)]
+    assert queue.complete(straggler, {"batch": batch(), "metrics": {}, "rows": straggler.data["rows"]},
+                          weights_version=0)
+    result, staleness = take(pipeline, 3)
+    assert (result.job_id, staleness) == (straggler.job_id, 3)  # trained, not stale
+    pipeline.on_step_end(4)
+    wait_for(lambda: pending(queue) == 4, "the producer to throw again")
 
 
-def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(run):
+def test_a_result_taken_but_not_yet_accounted_for_still_counts_as_in_flight(start):
     """Between leaving the cache and moving next_take_step on, the result the trainer is judging is
     in neither: admission must still count it, or it throws one job too many (one that goes stale)."""
-    pipeline = make_pipeline(run, max_pending=8, max_staleness=1)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        pipeline.producer.stop()  # from here the test makes each call the threads would make, one at a time
-        cache_results(pipeline, versions=[0, 0])
-        assert pipeline.producer.may_throw() is False  # 0 + 2 in flight - 0 > 1
-        # The trainer, in the middle of next_batch: the result is out of the cache and archived consumed
-        # (out of queue/), and next_take_step is not yet 1.
-        result = pipeline.cache.take(pipeline.pick, timeout=WAIT_S)
-        assert pipeline.queue.consume(result) and pipeline.progress.next_take_step == 0
-        assert pipeline.producer.may_throw() is False
-    finally:
-        pipeline.stop()
+    pipeline = start(until_pending=2, max_pending=8, max_staleness=1)
+    pipeline.producer.stop()  # from here the test makes each call the threads would make, one at a time
+    cache_results(pipeline, versions=[0, 0])
+    assert pipeline.producer.may_throw() is False  # 0 + 2 in flight - 0 > 1
+    # The trainer, in the middle of next_batch: the result is out of the cache and archived consumed
+    # (out of queue/), and next_take_step is not yet 1.
+    result = pipeline.cache.take(pipeline.pick, timeout=WAIT_S)
+    assert pipeline.queue.consume(result) and pipeline.progress.next_take_step == 0
+    assert pipeline.producer.may_throw() is False
 
 
-def test_synchronous_mode_throws_one_job_for_the_newest_weights(run):
-    pipeline = make_pipeline(run, max_pending=8, max_staleness=0)
-    pipeline.start({"consumed": ["000000_000", "000001_000"]}, published_version=2)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        assert pipeline.producer.may_throw() is False  # one job in flight is all synchronous mode allows
-        job = pipeline.queue.claim(1)
-        assert job.data["min_weights_version"] == 2  # the worker waits for the weights of step 2
-    finally:
-        pipeline.stop()
+def test_synchronous_mode_throws_one_job_for_the_newest_weights(start):
+    pipeline = start(state={"consumed": ["000000_000", "000001_000"]}, published_version=2, until_pending=1,
+                     max_pending=8, max_staleness=0)
+    assert pipeline.producer.may_throw() is False  # one job in flight is all synchronous mode allows
+    job = pipeline.queue.claim(1)
+    assert job.data["min_weights_version"] == 2  # the worker waits for the weights of step 2
 
 
 def cache_results(pipeline, versions):
@@ -432,40 +406,30 @@ def cache_results(pipeline, versions):
     return ids
 
 
-def test_ready_order_trains_the_result_with_the_oldest_weights_first(run):
-    pipeline = make_pipeline(run, max_pending=3, max_staleness=8)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 3, "three pending jobs")
-        ids = cache_results(pipeline, versions=[2, 0, 1])
-        order = []
-        for step in (3, 4, 5):
-            order.append(take(pipeline, step)[0].job_id)
-            pipeline.on_step_end(step + 1)
-    finally:
-        pipeline.stop()
+def test_ready_order_trains_the_result_with_the_oldest_weights_first(start):
+    pipeline = start(until_pending=3, max_pending=3, max_staleness=8)
+    ids = cache_results(pipeline, versions=[2, 0, 1])
+    order = []
+    for step in (3, 4, 5):
+        order.append(take(pipeline, step)[0].job_id)
+        pipeline.on_step_end(step + 1)
     assert order == [ids[1], ids[2], ids[0]]
 
 
-def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(run):
-    pipeline = make_pipeline(run, max_pending=2, max_staleness=8, consume_order="fifo")
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 2, "two pending jobs")
-        first = pipeline.queue.claim(1)
-        second = work_one(pipeline.queue, version=0, device=2)
-        wait_for(lambda: len(pipeline.cache) == 1, "the second result cached")
-        thread, outcome = next_batch_in_thread(pipeline, step=0)
-        thread.join(0.3)
-        assert thread.is_alive() and not outcome  # head-of-line: waits for the first job
-        assert pipeline.queue.complete(first, {"batch": batch(), "metrics": {}, "rows": first.data["rows"]},
-                                       weights_version=0)
-        thread.join(WAIT_S)
-        assert outcome["result"].in_training.parts[0].job_id == first.job_id
-        pipeline.on_step_end(1)
-        assert take(pipeline, 1)[0].job_id == second.job_id
-    finally:
-        pipeline.stop()
+def test_fifo_order_waits_for_an_older_job_still_in_a_workers_hands(start):
+    pipeline = start(until_pending=2, max_pending=2, max_staleness=8, consume_order="fifo")
+    first = pipeline.queue.claim(1)
+    second = work_one(pipeline.queue, version=0, device=2)
+    wait_for(lambda: len(pipeline.cache) == 1, "the second result cached")
+    thread, outcome = next_batch_in_thread(pipeline, step=0)
+    thread.join(0.3)
+    assert thread.is_alive() and not outcome  # head-of-line: waits for the first job
+    assert pipeline.queue.complete(first, {"batch": batch(), "metrics": {}, "rows": first.data["rows"]},
+                                   weights_version=0)
+    thread.join(WAIT_S)
+    assert outcome["result"].in_training.parts[0].job_id == first.job_id
+    pipeline.on_step_end(1)
+    assert take(pipeline, 1)[0].job_id == second.job_id
 
 
 @pytest.mark.parametrize("flags, steps_per_job", [
@@ -491,58 +455,43 @@ def test_a_job_that_would_end_inside_an_optimizer_step_is_refused_in_one_line(fl
 # --------------------------------------------------------------------------- one job, several optimizer steps
 
 
-def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained(run):
-    pipeline = make_pipeline(run, max_pending=1, max_staleness=8, num_iterations=2)
-    pipeline.start(None, published_version=0)
-    try:
-        wait_for(lambda: pending(pipeline.queue) == 1, "a pending job")
-        job = work_one(pipeline.queue, version=0)
-        result, staleness = take(pipeline, 0)
-        assert (result.job_id, staleness) == (job.job_id, 0)
-        pipeline.on_step_end(1)
-        assert pipeline.ledger.consumed == set() and pipeline.in_training.parts[0].job_id == job.job_id
-        with pytest.raises(PipelineError, match="while the one in training has 1 step"):
-            take(pipeline, 1)  # the trainer's steps and the jobs are out of step: stop, loudly
-        pipeline.on_step_end(2)
-        assert pipeline.ledger.consumed == {job.job_id} and pipeline.in_training is None
-    finally:
-        pipeline.stop()
+def test_a_job_of_several_steps_enters_the_ledger_when_its_last_step_has_trained(start):
+    pipeline = start(until_pending=1, max_pending=1, max_staleness=8, num_iterations=2)
+    job = work_one(pipeline.queue, version=0)
+    result, staleness = take(pipeline, 0)
+    assert (result.job_id, staleness) == (job.job_id, 0)
+    pipeline.on_step_end(1)
+    assert pipeline.ledger.consumed == set() and pipeline.in_training.parts[0].job_id == job.job_id
+    with pytest.raises(PipelineError, match="while the one in training has 1 step"):
+        take(pipeline, 1)  # the trainer's steps and the jobs are out of step: stop, loudly
+    pipeline.on_step_end(2)
+    assert pipeline.ledger.consumed == {job.job_id} and pipeline.in_training is None
 
 
-def test_admission_counts_the_steps_each_job_in_flight_will_train(run):
+def test_admission_counts_the_steps_each_job_in_flight_will_train(start):
     """Two steps per job, max_staleness 3: a job thrown now may wait for the two before it, 4
     steps, so only two are in flight at version 0; one more once step 1's weights are out."""
-    pipeline = make_pipeline(run, max_pending=8, max_staleness=3, num_iterations=2)
-    pipeline.start(None, published_version=0)
+    pipeline = start(until_pending=2, max_pending=8, max_staleness=3, num_iterations=2)
     queue = pipeline.queue
-    try:
-        wait_for(lambda: pending(queue) == 2, "two pending jobs")
-        assert pipeline.producer.may_throw() is False
-        work_one(queue, version=0)
-        assert take(pipeline, 0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
-        assert pipeline.producer.may_throw() is False  # 2 + 1 x 2 - 0 > 3
-        pipeline.on_step_end(1)
-        wait_for(lambda: pending(queue) == 2, "a job for the weights of step 1")  # 2 + 1 x 2 - 1 <= 3
-        assert pipeline.producer.may_throw() is False
-    finally:
-        pipeline.stop()
+    assert pipeline.producer.may_throw() is False
+    work_one(queue, version=0)
+    assert take(pipeline, 0)[1] == 0  # trains steps 1 and 2; the next take is at step 2
+    assert pipeline.producer.may_throw() is False  # 2 + 1 x 2 - 0 > 3
+    pipeline.on_step_end(1)
+    wait_for(lambda: pending(queue) == 2, "a job for the weights of step 1")  # 2 + 1 x 2 - 1 <= 3
+    assert pipeline.producer.may_throw() is False
 
 
-def test_synchronous_mode_with_several_steps_per_job_waits_for_the_jobs_last_step(run):
-    pipeline = make_pipeline(run, max_pending=8, max_staleness=0, num_iterations=2)
-    pipeline.start(None, published_version=0)
+def test_synchronous_mode_with_several_steps_per_job_waits_for_the_jobs_last_step(start):
+    pipeline = start(until_pending=1, max_pending=8, max_staleness=0, num_iterations=2)
     queue = pipeline.queue
-    try:
-        wait_for(lambda: pending(queue) == 1, "a pending job")
-        work_one(queue, version=0)
-        take(pipeline, 0)
-        pipeline.on_step_end(1)
-        assert pipeline.producer.may_throw() is False  # its result would be taken at step 2
-        pipeline.on_step_end(2)
-        wait_for(lambda: pending(queue) == 1, "the next job")
-        assert queue.claim(1).data["min_weights_version"] == 2
-    finally:
-        pipeline.stop()
+    work_one(queue, version=0)
+    take(pipeline, 0)
+    pipeline.on_step_end(1)
+    assert pipeline.producer.may_throw() is False  # its result would be taken at step 2
+    pipeline.on_step_end(2)
+    wait_for(lambda: pending(queue) == 1, "the next job")
+    assert queue.claim(1).data["min_weights_version"] == 2
 
 
 def test_an_unknown_off_policy_correction_is_refused_in_one_line():
