@@ -28,49 +28,33 @@ Progress goes to stderr; the table and then the JSON document to stdout (and the
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import shutil
 import statistics
 import sys
-import tempfile
-import time
-import warnings
 from pathlib import Path
 
-from common import (
-    child_env,
-    read_trl_steps,
-    ready_to_train_at,
-    remove_weight_buffers,
-    run_matrix,
-    run_trl_child,
-    start_python,
-    terminate_and_reap,
-    train_trl_child,
+from common import child_env, run_matrix
+from race import (
+    WINDOW,
+    child_spec,
+    launch_threads,
+    race_asyncgrpo,
+    race_parser,
+    race_trl,
+    reached,
+    report,
+    rolling,
+    seeds_and_configs,
+    train_trl,
 )
 
 from asyncgrpo.events import read_events
-from asyncgrpo.run import RunDir, metrics
 
-WINDOW = 10
 RUN_TIMEOUT_S = 1800
 # asyncN: N workers; _ds: --dynamic_sampling; _df: --difficulty_filter DIFFICULTY_K as well.
 CONFIGS = {"trl": None, "async1": (1, False, 0), "async1_ds": (1, True, 0), "async3": (3, False, 0),
            "async3_ds": (3, True, 0), "async3_ds_df": (3, True, 2)}
 DIFFICULTY_K = 2
 BATCH = 32  # completions per step (DEMO_DEFAULTS)
-
-
-def rolling(rewards: list[float]) -> list[float]:
-    return [statistics.fmean(rewards[max(0, i - WINDOW + 1):i + 1]) for i in range(len(rewards))]
-
-
-def reached(rewards: list[float], target: float) -> int | None:
-    """The first step (1-based) whose rolling mean over a full window reaches ``target``."""
-    return next((i + 1 for i, r in enumerate(rolling(rewards)) if i + 1 >= WINDOW and r >= target), None)
 
 
 def hyperparameters(seed: int) -> dict:
@@ -81,62 +65,37 @@ def hyperparameters(seed: int) -> dict:
 
 def trl_child(spec_path: str) -> int:
     """Plain TRL on first_digit until the target or the cap; one JSON line per step to spec['log']."""
-    spec = json.loads(Path(spec_path).read_text())
-    warnings.filterwarnings("ignore")
+    spec = child_spec(spec_path)
     from asyncgrpo.tasks.demo import build_dataset, first_digit_reward, write_demo_model
 
     def should_stop(rewards: list[float], step: int) -> bool:
         return reached(rewards, spec["target"]) is not None or step >= spec["cap"]
 
-    work = tempfile.mkdtemp(prefix="ds_trl_", dir=spec["tmp"])
-    train_trl_child(spec, work, write_demo_model(os.path.join(work, "demo_model")), first_digit_reward,
-                    build_dataset(n=1000, seed=spec["config"]["seed"]), should_stop)
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return train_trl(spec, write_demo_model, first_digit_reward, build_dataset, should_stop)
 
 
 def run_trl(seed: int, target: float, cap: int, work: Path) -> dict:
-    work.mkdir(parents=True)
-    spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "log": str(work / "steps.jsonl"),
-            "tmp": str(work)}
-    proc, _cpu = run_trl_child(__file__, spec, work, child_env(1), RUN_TIMEOUT_S)
-    ready, steps = read_trl_steps(work / "steps.jsonl")
+    spec = {"config": hyperparameters(seed), "target": target, "cap": cap}
+    returncode, ready, steps = race_trl(__file__, spec, work, child_env(1), RUN_TIMEOUT_S)
     return summarize([s["reward"] for s in steps], [s["t"] for s in steps], ready, target,
-                     samples=lambda step, _t: step * BATCH, dropped=None, returncode=proc.returncode)
+                     samples=lambda step, _t: step * BATCH, dropped=None, returncode=returncode)
 
 
 def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target: float, cap: int, work: Path) -> dict:
     run = work / "run"
-    (run / "logs").mkdir(parents=True)
-    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
-            "--save_strategy", "no", "--builtin_task", "first_digit"]
-    env = child_env(max(1, (os.cpu_count() or 1) // (workers + 1)))  # launch.sh on CPU
-
-    def start(name, *cmd):
-        return start_python(run / "logs" / name, "-m", *cmd, *args, env=env)
-
-    ps = start("ps.txt", "ps", *(["--dynamic_sampling"] if dynamic else []),
-               *(["--difficulty_filter", str(difficulty_k)] if difficulty_k else []))
-    procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
-    metrics_file = RunDir(run).metrics_file
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while ps.poll() is None and time.monotonic() < deadline:
-            rewards = [s["reward"] for s in metrics.read_lines(metrics_file)]
-            if reached(rewards, target) or len(rewards) >= cap:
-                break
-            time.sleep(0.2)
-    finally:
-        terminate_and_reap(procs, 120)  # the PS first: workers then finish the job in hand and exit
-    remove_weight_buffers(run)
-    steps = metrics.read_lines(metrics_file)
-    all_ready = ready_to_train_at(run, workers)
+    flags = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true", "--seed", str(seed),
+             "--save_strategy", "no", "--builtin_task", "first_digit"]
+    ps_flags = (*(["--dynamic_sampling"] if dynamic else []),
+                *(["--difficulty_filter", str(difficulty_k)] if difficulty_k else []))
+    status, steps, all_ready = race_asyncgrpo(
+        run, flags, child_env(launch_threads(workers)), workers,
+        lambda rewards: reached(rewards, target) is not None or len(rewards) >= cap, RUN_TIMEOUT_S, 120, ps_flags)
     written = read_events(run, role="worker", event="result_written")
     dropped = sum(s.get("groups_dropped") or 0 for s in steps)
     return summarize([s["reward"] for s in steps], [s["time"] for s in steps], all_ready, target,
                      samples=lambda _step, t: sum(e["samples"] for e in written if e["t"] <= t),
                      dropped=dropped / (dropped + len(steps) * BATCH // 8) if dynamic and steps else None,
-                     returncode=0 if ps.returncode in (0, 130, -15) else ps.returncode)
+                     returncode=status)
 
 
 def summarize(rewards, times, ready, target, samples, dropped, returncode) -> dict:
@@ -207,22 +166,12 @@ def plot(results: dict, path: Path, target: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--cap", type=int, default=600)
-    parser.add_argument("--out")
+    parser = race_parser(__doc__.splitlines()[0], CONFIGS, cap=600)
     parser.add_argument("--png", default="dynamic_sampling.png")
-    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
         return trl_child(args.trl_child)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    seeds, configs = seeds_and_configs(parser, args, CONFIGS)
 
     def run_one(config: str, seed: int, work: Path) -> dict:
         if CONFIGS[config] is None:
@@ -235,13 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_matrix(seeds, configs, "bench_ds_", run_one, summary_line)
     text, ratios = table(results, seeds)
     plot(results, Path(args.png), args.target)
-    doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-           "target": args.target, "window": WINDOW, "cap": args.cap, "seeds": seeds, "ratios": ratios,
-           "results": results, "png": str(Path(args.png).resolve())}
-    print(text)
-    print(json.dumps(doc))
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+    report(text, {"target": args.target, "window": WINDOW, "cap": args.cap, "seeds": seeds, "ratios": ratios,
+                  "results": results, "png": str(Path(args.png).resolve())}, args.out)
     return 0
 
 

@@ -29,33 +29,26 @@ table and then the JSON document to stdout (and the JSON to --out).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import shutil
 import statistics
 import sys
-import tempfile
-import time
-import warnings
 from pathlib import Path
 
-from common import (
-    REPO,
-    child_env,
-    read_trl_steps,
-    ready_to_train_at,
-    remove_weight_buffers,
-    run_matrix,
-    run_trl_child,
-    start_python,
-    terminate_and_reap,
-    train_trl_child,
+from common import REPO, child_env, run_matrix
+from race import (
+    WINDOW,
+    child_spec,
+    launch_threads,
+    race_asyncgrpo,
+    race_parser,
+    race_trl,
+    reached,
+    report,
+    seeds_and_configs,
+    train_trl,
 )
-from dynamic_sampling import WINDOW, reached
 
-from asyncgrpo.run import RunDir, metrics
+from asyncgrpo.run import RunDir
 
 BENCH = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 3600
@@ -73,8 +66,7 @@ def hyperparameters(seed: int) -> dict:
 
 def trl_child(spec_path: str) -> int:
     """Plain TRL with the slowed-down environment until the target or the cap; one JSON line per step."""
-    spec = json.loads(Path(spec_path).read_text())
-    warnings.filterwarnings("ignore")
+    spec = child_spec(spec_path)
     from slow_lookup import SlowLookup
 
     from asyncgrpo.tasks.lookup import build_dataset, lookup_reward, write_lookup_model
@@ -82,11 +74,8 @@ def trl_child(spec_path: str) -> int:
     def should_stop(rewards: list[float], step: int) -> bool:
         return (reached(rewards, spec["target"]) is not None and step >= spec["steps"]) or step >= spec["cap"]
 
-    work = tempfile.mkdtemp(prefix="tl_trl_", dir=spec["tmp"])
-    train_trl_child(spec, work, write_lookup_model(os.path.join(work, "lookup_model")), lookup_reward,
-                    build_dataset(n=1000, seed=spec["config"]["seed"]), should_stop, environment_factory=SlowLookup)
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return train_trl(spec, write_lookup_model, lookup_reward, build_dataset, should_stop,
+                     environment_factory=SlowLookup)
 
 
 def bench_env(threads: int, latency_ms: float, seed: int) -> dict:
@@ -98,46 +87,28 @@ def bench_env(threads: int, latency_ms: float, seed: int) -> dict:
 
 
 def run_trl(seed: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
-    work.mkdir(parents=True)
-    spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "steps": steps,
-            "log": str(work / "steps.jsonl"), "tmp": str(work)}
-    proc, _cpu = run_trl_child(__file__, spec, work, bench_env(1, latency_ms, seed), RUN_TIMEOUT_S)
-    ready, rows = read_trl_steps(work / "steps.jsonl")
+    spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "steps": steps}
+    returncode, ready, rows = race_trl(__file__, spec, work, bench_env(1, latency_ms, seed), RUN_TIMEOUT_S)
     batch = spec["config"]["per_device_train_batch_size"]
     return summarize([r["reward"] for r in rows], [r["t"] for r in rows], ready, batch, steps, target,
-                     tools=None, returncode=proc.returncode)
+                     tools=None, returncode=returncode)
 
 
 def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
     run = work / "run"
-    (run / "logs").mkdir(parents=True)
     # The task's reward named, so its environment can be swapped: its defaults are then given as flags.
     from asyncgrpo.tasks.lookup import LOOKUP_DEFAULTS
 
-    args = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true",
-            *[f"--{k}={v}" for k, v in LOOKUP_DEFAULTS.items()], "--seed", str(seed), "--save_strategy", "no",
-            "--builtin_task", "lookup", "--environment_factory", "slow_lookup:SlowLookup",
-            "--reward_funcs", "asyncgrpo.tasks.lookup:lookup_reward"]
-    env = bench_env(max(1, (os.cpu_count() or 1) // (workers + 1)), latency_ms, seed)  # launch.sh on CPU
+    flags = ["--run_dir", str(run), "--device_type", "cpu", "--disable_tqdm", "true",
+             *[f"--{k}={v}" for k, v in LOOKUP_DEFAULTS.items()], "--seed", str(seed), "--save_strategy", "no",
+             "--builtin_task", "lookup", "--environment_factory", "slow_lookup:SlowLookup",
+             "--reward_funcs", "asyncgrpo.tasks.lookup:lookup_reward"]
 
-    def start(name, *cmd):
-        return start_python(run / "logs" / name, "-m", *cmd, *args, env=env)
+    def should_stop(rewards: list[float]) -> bool:
+        return (reached(rewards, target) is not None and len(rewards) >= steps) or len(rewards) >= cap
 
-    ps = start("ps.txt", "ps")
-    procs = [ps] + [start(f"worker{i}.txt", "worker", "--device", str(i)) for i in range(1, workers + 1)]
-    metrics_file = RunDir(run).metrics_file
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while ps.poll() is None and time.monotonic() < deadline:
-            rewards = [s["reward"] for s in metrics.read_lines(metrics_file)]
-            if (reached(rewards, target) and len(rewards) >= steps) or len(rewards) >= cap:
-                break
-            time.sleep(0.2)
-    finally:
-        terminate_and_reap(procs, 180)  # the PS first: workers then finish the job in hand and exit
-    remove_weight_buffers(run)
-    rows = metrics.read_lines(metrics_file)
-    all_ready = ready_to_train_at(run, workers)
+    status, rows, all_ready = race_asyncgrpo(run, flags, bench_env(launch_threads(workers), latency_ms, seed),
+                                             workers, should_stop, RUN_TIMEOUT_S, 180)
     from queue_tools.report import make_report
 
     report = make_report(RunDir(run)) or {}
@@ -145,7 +116,7 @@ def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: fl
     batch = hyperparameters(seed)["per_device_train_batch_size"]
     return summarize([r["reward"] for r in rows], [r["time"] for r in rows], all_ready, batch, steps, target,
                      tools=split.get("tools_fraction"),
-                     returncode=0 if ps.returncode in (0, 130, -15) else ps.returncode)
+                     returncode=status)
 
 
 def summarize(rewards, times, ready, batch, steps, target, tools, returncode) -> dict:
@@ -189,23 +160,13 @@ def table(results: dict) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser = race_parser(__doc__.splitlines()[0], CONFIGS, cap=400)
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps samples/s is measured over")
-    parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--cap", type=int, default=400)
-    parser.add_argument("--out")
-    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
         return trl_child(args.trl_child)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    seeds, configs = seeds_and_configs(parser, args, CONFIGS)
 
     def run_one(config: str, seed: int, work: Path) -> dict:
         if CONFIGS[config] is None:
@@ -214,13 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run_matrix(seeds, configs, "bench_tools_", run_one, str)
     text, ratios = table(results)
-    doc = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-           "latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": WINDOW,
-           "cap": args.cap, "seeds": seeds, "ratios": ratios, "results": results}
-    print(text)
-    print(json.dumps(doc))
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+    report(text, {"latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": WINDOW,
+                  "cap": args.cap, "seeds": seeds, "ratios": ratios, "results": results}, args.out)
     return 0
 
 
