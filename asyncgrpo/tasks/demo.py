@@ -8,10 +8,9 @@
   A random policy succeeds on about 1/16 of its samples, so most groups of 8 are all wrong early (zero
   advantage) and all right once learned: the task dynamic sampling is for.
 
-Everything is built in-process, offline: a character-level tokenizer (one token per character, made
-with the `tokenizers` library) and a tiny Llama from a `LlamaConfig` (a Llama config, because with a
-Qwen2 config `AutoTokenizer` swaps a custom tokenizer for its own). `write_demo_model` saves both so
-that `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load them back.
+Everything is built in-process, offline (asyncgrpo/tasks/tiny_llama.py): a character-level tokenizer (one token
+per character) and a tiny Llama. `write_demo_model` saves both so that `AutoModelForCausalLM.from_pretrained` /
+`AutoTokenizer.from_pretrained` load them back.
 
 `DEMO_DEFAULTS` holds the `GRPOConfig` keyword arguments that learn the task; calibrated against plain
 TRL 1.16 on 2 CPU cores by bench/demo_trl_baseline.py. On CPU the caller also passes `use_cpu=True`
@@ -24,12 +23,11 @@ import os
 import random
 from typing import Any
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+from asyncgrpo.tasks import tiny_llama
+from asyncgrpo.tasks.tiny_llama import BOS, EOS, PAD, UNK
+
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 CHARS = tuple("0123456789:") + (" ",)
 DIGITS = "0123456789"
@@ -111,20 +109,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     No special tokens are added on encoding ("7:" -> 2 ids), decoding joins characters without spaces,
     padding is on the left (as TRL pads prompts).
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    backend = Tokenizer(WordLevel(vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        model_max_length=MAX_POSITIONS,
-    )
+    return tiny_llama.character_tokenizer(SPECIAL_TOKENS + CHARS, model_max_length=MAX_POSITIONS)
 
 
 def build_model(
@@ -137,34 +122,13 @@ def build_model(
 ) -> LlamaForCausalLM:
     """A tiny Llama (about 71k parameters by default) over the demo tokenizer, deterministic given `seed`."""
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    # Seeds the CPU generator only for the construction, and puts the caller's RNG state back afterwards.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model
+    return tiny_llama.build_model(tok, seed, hidden_size, num_layers, num_heads, intermediate_size, MAX_POSITIONS)
 
 
 def write_demo_model(path: str | os.PathLike, seed: int = 0, **model_kwargs) -> str:
     """Save `build_model(seed, **model_kwargs)` (safetensors) and `build_tokenizer()` to folder `path`; return it."""
-    path = os.fspath(path)
     tok = build_tokenizer()
-    model = build_model(seed=seed, tokenizer=tok, **model_kwargs)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return tiny_llama.save(path, build_model(seed=seed, tokenizer=tok, **model_kwargs), tok)
 
 
 def build_dataset(n: int = 1000, seed: int = 0):

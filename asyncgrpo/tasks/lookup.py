@@ -52,21 +52,19 @@ import os
 import random
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import WordLevel
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from asyncgrpo.tasks import demo
+from asyncgrpo.tasks import demo, tiny_llama
 from asyncgrpo.tasks.demo import cpu_overrides  # noqa: F401  (re-exported: the same CPU overrides apply)
+from asyncgrpo.tasks.tiny_llama import BOS, EOS, PAD, UNK
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT, TOOL = "<user>", "<assistant>", "<tool>"
 DIGITS = "0123456789"
 # One token per possible call, spelled exactly as the chat template renders a lookup call with that key.
 CALL_TOKENS = tuple(f'<tool_call>{{"name": "lookup", "arguments": {{"key": {d}}}}}</tool_call>' for d in DIGITS)
 NO_SUCH_KEY = "no such key"  # one token too, so a wrong call's result is as short as a right one's
 CHARS = tuple(DIGITS) + tuple("key ?")  # everything else is one token per character
-MAX_POSITIONS = demo.MAX_POSITIONS  # the model's context (demo.build_model builds it)
+MAX_POSITIONS = demo.MAX_POSITIONS  # the model's context, the demo's
 
 # The "?" after the key matters: with "key K" the call (K, <assistant> -> CALL_K) and the answer (S, <assistant>
 # -> S) read a digit at the same offset, and the learned call circuit kept answering with calls; with "key K?"
@@ -185,25 +183,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """
     specials = (PAD, BOS, EOS, UNK, USER, ASSISTANT, TOOL)
     words = (*CALL_TOKENS, NO_SUCH_KEY)
-    backend = Tokenizer(WordLevel({tok: i for i, tok in enumerate(specials + words + CHARS)}, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()  # join tokens as they are, no spaces
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in words])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        additional_special_tokens=[USER, ASSISTANT, TOOL],
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
+    return tiny_llama.character_tokenizer(
+        specials + words + CHARS, special=specials, whole=words, additional_special_tokens=[USER, ASSISTANT, TOOL],
         # TRL's template checks tokenise a few dozen characters of probe text; this silences a length warning.
-        model_max_length=4 * MAX_POSITIONS,
-        chat_template=CHAT_TEMPLATE,
-        response_template=RESPONSE_TEMPLATE,
-    )
+        model_max_length=4 * MAX_POSITIONS, chat_template=CHAT_TEMPLATE, response_template=RESPONSE_TEMPLATE)
 
 
 def build_model(
@@ -220,8 +203,7 @@ def build_model(
     result -> answer), which a 64-wide model learns several times slower (also supervised: ~270 vs ~70 steps).
     """
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    model = demo.build_model(seed=seed, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                             intermediate_size=intermediate_size, tokenizer=tok)
+    model = tiny_llama.build_model(tok, seed, hidden_size, num_layers, num_heads, intermediate_size, MAX_POSITIONS)
     # TRL stops a completion at any of these ids and runs the tool loop on it; saved in generation_config.json.
     model.generation_config.eos_token_id = [tok.eos_token_id, *tok.convert_tokens_to_ids(list(CALL_TOKENS))]
     return model
@@ -232,11 +214,8 @@ def write_lookup_model(path: str | os.PathLike, seed: int = 0, **model_kwargs) -
 
     `AutoTokenizer.from_pretrained(path)` gets the chat template and the response template back (no extra step).
     """
-    path = os.fspath(path)
     tok = build_tokenizer()
-    build_model(seed=seed, tokenizer=tok, **model_kwargs).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return tiny_llama.save(path, build_model(seed=seed, tokenizer=tok, **model_kwargs), tok)
 
 
 def user_prompt(key: int) -> str:
