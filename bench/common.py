@@ -191,7 +191,7 @@ def read_trl_steps(path: Path) -> tuple[float | None, list[dict]]:
 
 
 # ----------------------------------------------------------------------------- calibrating a task against TRL
-# bench/demo_trl_baseline.py and bench/lookup_trl_baseline.py train in their own process, one run per seed.
+# bench/trl_baseline.py (--task demo, --task lookup) trains in its own process, one run per seed.
 
 def set_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` items as GRPOConfig keyword arguments, each VALUE parsed as JSON if it can be."""

@@ -13,7 +13,7 @@ per character) and a tiny Llama. `write_demo_model` saves both so that `AutoMode
 `AutoTokenizer.from_pretrained` load them back.
 
 `DEMO_DEFAULTS` holds the `GRPOConfig` keyword arguments that learn the task; calibrated against plain
-TRL 1.16 on 2 CPU cores by bench/demo_trl_baseline.py. On CPU the caller also passes `use_cpu=True`
+TRL 1.16 on 2 CPU cores by bench/trl_baseline.py --task demo. On CPU the caller also passes `use_cpu=True`
 and `bf16=False` (GRPOConfig turns bf16 on by default and fails without a GPU); see `cpu_overrides()`.
 """
 
@@ -33,7 +33,7 @@ CHARS = tuple("0123456789:") + (" ",)
 DIGITS = "0123456789"
 MAX_POSITIONS = 64
 
-# GRPOConfig keyword arguments that learn the demo task (see bench/demo_trl_baseline.py for the calibration).
+# GRPOConfig keyword arguments that learn the demo task (see bench/trl_baseline.py --task demo for the calibration).
 # Device handling is the caller's job: on CPU add cpu_overrides() (use_cpu=True, bf16=False).
 # Plain TRL 1.16 on CPU with these, seeds 0-9: rolling-10 reward >= 0.9 after 190-225 steps, >= 0.99 after
 # 300-365, and it stays there (~45-55 ms a step on 2 cores).

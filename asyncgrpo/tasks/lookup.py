@@ -31,7 +31,7 @@ too: 1 in 10 for a digit). Partial credit goes only to progress along the right 
 to a well-formed but wrong call (that is what made the policy collapse above).
 
 `LOOKUP_DEFAULTS` holds the best GRPOConfig keyword arguments found so far; calibrated with plain TRL 1.16 on
-a 2-core CPU VM by bench/lookup_trl_baseline.py (add `cpu_overrides()` on CPU). NOT YET AT THE TARGET:
+a 2-core CPU VM by bench/trl_baseline.py --task lookup (add `cpu_overrides()` on CPU). NOT YET AT THE TARGET:
 with these defaults, seeds 0/1/2, the rolling-10 reward goes from ~0.03 to 0.2 (every rollout makes the
 right call, tools/call_frequency 1.0) by step ~150, reaches 0.5 at steps 469/457/473, then hovers at
 0.45-0.6 until max_steps 1000 (final rolling 0.45/0.61/0.57); 0.8 was not reached. Likely (not verified)
@@ -103,7 +103,8 @@ RESPONSE_TEMPLATE = {
     },
 }
 
-# GRPOConfig keyword arguments (bench/lookup_trl_baseline.py; see the module docstring); on CPU add cpu_overrides().
+# GRPOConfig keyword arguments (bench/trl_baseline.py --task lookup; see the module docstring); on CPU add
+# cpu_overrides().
 LOOKUP_DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-3,
     # Linear decay to 0 at max_steps, as in DEMO_DEFAULTS (keeps a learned policy from drifting off).
