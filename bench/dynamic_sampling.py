@@ -32,20 +32,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import race
 from common import child_env, run_matrix
-from race import (
-    WINDOW,
-    child_spec,
-    launch_threads,
-    race_asyncgrpo,
-    race_parser,
-    race_trl,
-    reached,
-    report,
-    rolling,
-    seeds_and_configs,
-    train_trl,
-)
 
 from asyncgrpo.events import read_events
 
@@ -65,18 +53,18 @@ def hyperparameters(seed: int) -> dict:
 
 def trl_child(spec_path: str) -> int:
     """Plain TRL on first_digit until the target or the cap; one JSON line per step to spec['log']."""
-    spec = child_spec(spec_path)
+    spec = race.child_spec(spec_path)
     from asyncgrpo.tasks.demo import build_dataset, first_digit_reward, write_demo_model
 
     def should_stop(rewards: list[float], step: int) -> bool:
-        return reached(rewards, spec["target"]) is not None or step >= spec["cap"]
+        return race.reached(rewards, spec["target"]) is not None or step >= spec["cap"]
 
-    return train_trl(spec, write_demo_model, first_digit_reward, build_dataset, should_stop)
+    return race.train_trl(spec, write_demo_model, first_digit_reward, build_dataset, should_stop)
 
 
 def run_trl(seed: int, target: float, cap: int, work: Path) -> dict:
     spec = {"config": hyperparameters(seed), "target": target, "cap": cap}
-    returncode, ready, steps = race_trl(__file__, spec, work, child_env(1), RUN_TIMEOUT_S)
+    returncode, ready, steps = race.run_trl(__file__, spec, work, child_env(1), RUN_TIMEOUT_S)
     return summarize([s["reward"] for s in steps], [s["t"] for s in steps], ready, target,
                      samples=lambda step, _t: step * BATCH, dropped=None, returncode=returncode)
 
@@ -87,9 +75,10 @@ def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target:
              "--save_strategy", "no", "--builtin_task", "first_digit"]
     ps_flags = (*(["--dynamic_sampling"] if dynamic else []),
                 *(["--difficulty_filter", str(difficulty_k)] if difficulty_k else []))
-    status, steps, all_ready = race_asyncgrpo(
-        run, flags, child_env(launch_threads(workers)), workers,
-        lambda rewards: reached(rewards, target) is not None or len(rewards) >= cap, RUN_TIMEOUT_S, 120, ps_flags)
+    status, steps, all_ready = race.run_asyncgrpo(
+        run, flags, child_env(race.launch_threads(workers)), workers,
+        lambda rewards: race.reached(rewards, target) is not None or len(rewards) >= cap, RUN_TIMEOUT_S, 120,
+        ps_flags)
     written = read_events(run, role="worker", event="result_written")
     dropped = sum(s.get("groups_dropped") or 0 for s in steps)
     return summarize([s["reward"] for s in steps], [s["time"] for s in steps], all_ready, target,
@@ -99,10 +88,10 @@ def run_async(seed: int, workers: int, dynamic: bool, difficulty_k: int, target:
 
 
 def summarize(rewards, times, ready, target, samples, dropped, returncode) -> dict:
-    step = reached(rewards, target)
+    step = race.reached(rewards, target)
     out = {"steps": step, "samples": None, "wall_s": None, "dropped": None if dropped is None else round(dropped, 3),
            "steps_run": len(rewards), "returncode": returncode,
-           "curve": {"rolling": [round(r, 4) for r in rolling(rewards)],
+           "curve": {"rolling": [round(r, 4) for r in race.rolling(rewards)],
                      "t": [round(t - ready, 2) if ready else None for t in times]}}
     if step is not None:
         out["samples"] = samples(step, times[step - 1])
@@ -158,7 +147,7 @@ def plot(results: dict, path: Path, target: float) -> None:
     for ax, xlabel in ((by_step, "optimizer step"), (by_time, "seconds since training could start")):
         ax.axhline(target, color="grey", ls="--", lw=0.8)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"accuracy (rolling mean over {WINDOW} steps)")
+        ax.set_ylabel(f"accuracy (rolling mean over {race.WINDOW} steps)")
         ax.legend(fontsize=8)
     fig.suptitle("first_digit: dynamic sampling (_ds) against none, and plain TRL")
     fig.tight_layout()
@@ -166,12 +155,11 @@ def plot(results: dict, path: Path, target: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = race_parser(__doc__.splitlines()[0], CONFIGS, cap=600)
+    parser = race.argument_parser(__doc__.splitlines()[0], CONFIGS, cap=600)
     parser.add_argument("--png", default="dynamic_sampling.png")
-    args = parser.parse_args(argv)
+    args = race.parse(parser, argv, CONFIGS)
     if args.trl_child:
         return trl_child(args.trl_child)
-    seeds, configs = seeds_and_configs(parser, args, CONFIGS)
 
     def run_one(config: str, seed: int, work: Path) -> dict:
         if CONFIGS[config] is None:
@@ -181,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     def summary_line(r: dict) -> str:
         return f"steps {r['steps']} samples {r['samples']} wall {r['wall_s']} s dropped {r['dropped']}"
 
-    results = run_matrix(seeds, configs, "bench_ds_", run_one, summary_line)
-    text, ratios = table(results, seeds)
+    results = run_matrix(args.seeds, args.configs, "bench_ds_", run_one, summary_line)
+    text, ratios = table(results, args.seeds)
     plot(results, Path(args.png), args.target)
-    report(text, {"target": args.target, "window": WINDOW, "cap": args.cap, "seeds": seeds, "ratios": ratios,
-                  "results": results, "png": str(Path(args.png).resolve())}, args.out)
+    doc = {"target": args.target, "window": race.WINDOW, "cap": args.cap, "seeds": args.seeds, "ratios": ratios,
+           "results": results, "png": str(Path(args.png).resolve())}
+    race.report(text, doc, args.out)
     return 0
 
 

@@ -51,7 +51,7 @@ def launch_threads(workers: int) -> int:
 
 # ----------------------------------------------------------------------------- TRL's side
 
-def race_trl(script: str, spec: dict, work: Path, env: dict, timeout_s: float
+def run_trl(script: str, spec: dict, work: Path, env: dict, timeout_s: float
             ) -> tuple[int, float | None, list[dict]]:
     """Plain TRL in a child of ``script`` with ``spec`` (its "config" and stop condition; the log and temporary
     folder are added here): its return code, when its trainer was ready (None: never), and its step lines
@@ -64,7 +64,7 @@ def race_trl(script: str, spec: dict, work: Path, env: dict, timeout_s: float
 
 
 def child_spec(spec_path: str) -> dict:
-    """In the TRL child, before its heavy imports: the spec ``race_trl`` wrote, TRL's warnings silenced."""
+    """In the TRL child, before its heavy imports: the spec ``run_trl`` wrote, TRL's warnings silenced."""
     warnings.filterwarnings("ignore")
     return json.loads(Path(spec_path).read_text())
 
@@ -82,7 +82,7 @@ def train_trl(spec: dict, write_model: Callable[[str], str], reward, build_datas
 
 # ----------------------------------------------------------------------------- asyncgrpo's side
 
-def race_asyncgrpo(run: Path, flags: list[str], env: dict, workers: int, should_stop: Callable[[list[float]], bool],
+def run_asyncgrpo(run: Path, flags: list[str], env: dict, workers: int, should_stop: Callable[[list[float]], bool],
               timeout_s: float, reap_s: float, ps_flags: tuple[str, ...] = ()) -> tuple[int, list[dict], float | None]:
     """The PS (with ``ps_flags`` too) and ``workers`` workers on ``run``, every process with ``flags``, until
     ``should_stop(rewards)``, the PS's end or ``timeout_s``; then stopped (the PS first: workers then finish the job
@@ -111,7 +111,7 @@ def race_asyncgrpo(run: Path, flags: list[str], env: dict, workers: int, should_
 
 # ----------------------------------------------------------------------------- the command line and the document
 
-def race_parser(description: str, configs: dict, cap: int) -> argparse.ArgumentParser:
+def argument_parser(description: str, configs: dict, cap: int) -> argparse.ArgumentParser:
     """The flags every race takes: --seeds, --configs (of ``configs``), --target, --cap, --out."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seeds", default="0,1,2")
@@ -123,13 +123,14 @@ def race_parser(description: str, configs: dict, cap: int) -> argparse.ArgumentP
     return parser
 
 
-def seeds_and_configs(parser: argparse.ArgumentParser, args: argparse.Namespace, configs: dict
-                      ) -> tuple[list[int], list[str]]:
-    chosen = args.configs.split(",")
-    unknown = [c for c in chosen if c not in configs]
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None, configs: dict) -> argparse.Namespace:
+    """``argv`` parsed, its --seeds and --configs as lists (an unknown config refused)."""
+    args = parser.parse_args(argv)
+    args.seeds, args.configs = [int(s) for s in args.seeds.split(",")], args.configs.split(",")
+    unknown = [c for c in args.configs if c not in configs]
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(configs)}")
-    return [int(s) for s in args.seeds.split(",")], chosen
+    return args
 
 
 def report(text: str, doc: dict, out: str | None) -> None:

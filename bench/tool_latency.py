@@ -34,19 +34,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import race
 from common import REPO, child_env, run_matrix
-from race import (
-    WINDOW,
-    child_spec,
-    launch_threads,
-    race_asyncgrpo,
-    race_parser,
-    race_trl,
-    reached,
-    report,
-    seeds_and_configs,
-    train_trl,
-)
 
 from asyncgrpo.run import RunDir
 
@@ -66,15 +55,15 @@ def hyperparameters(seed: int) -> dict:
 
 def trl_child(spec_path: str) -> int:
     """Plain TRL with the slowed-down environment until the target or the cap; one JSON line per step."""
-    spec = child_spec(spec_path)
+    spec = race.child_spec(spec_path)
     from slow_lookup import SlowLookup
 
     from asyncgrpo.tasks.lookup import build_dataset, lookup_reward, write_lookup_model
 
     def should_stop(rewards: list[float], step: int) -> bool:
-        return (reached(rewards, spec["target"]) is not None and step >= spec["steps"]) or step >= spec["cap"]
+        return (race.reached(rewards, spec["target"]) is not None and step >= spec["steps"]) or step >= spec["cap"]
 
-    return train_trl(spec, write_lookup_model, lookup_reward, build_dataset, should_stop,
+    return race.train_trl(spec, write_lookup_model, lookup_reward, build_dataset, should_stop,
                      environment_factory=SlowLookup)
 
 
@@ -88,7 +77,7 @@ def bench_env(threads: int, latency_ms: float, seed: int) -> dict:
 
 def run_trl(seed: int, latency_ms: float, steps: int, target: float, cap: int, work: Path) -> dict:
     spec = {"config": hyperparameters(seed), "target": target, "cap": cap, "steps": steps}
-    returncode, ready, rows = race_trl(__file__, spec, work, bench_env(1, latency_ms, seed), RUN_TIMEOUT_S)
+    returncode, ready, rows = race.run_trl(__file__, spec, work, bench_env(1, latency_ms, seed), RUN_TIMEOUT_S)
     batch = spec["config"]["per_device_train_batch_size"]
     return summarize([r["reward"] for r in rows], [r["t"] for r in rows], ready, batch, steps, target,
                      tools=None, returncode=returncode)
@@ -105,10 +94,10 @@ def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: fl
              "--reward_funcs", "asyncgrpo.tasks.lookup:lookup_reward"]
 
     def should_stop(rewards: list[float]) -> bool:
-        return (reached(rewards, target) is not None and len(rewards) >= steps) or len(rewards) >= cap
+        return (race.reached(rewards, target) is not None and len(rewards) >= steps) or len(rewards) >= cap
 
-    status, rows, all_ready = race_asyncgrpo(run, flags, bench_env(launch_threads(workers), latency_ms, seed),
-                                             workers, should_stop, RUN_TIMEOUT_S, 180)
+    env = bench_env(race.launch_threads(workers), latency_ms, seed)
+    status, rows, all_ready = race.run_asyncgrpo(run, flags, env, workers, should_stop, RUN_TIMEOUT_S, 180)
     from queue_tools.report import make_report
 
     report = make_report(RunDir(run)) or {}
@@ -120,7 +109,7 @@ def run_async(seed: int, workers: int, latency_ms: float, steps: int, target: fl
 
 
 def summarize(rewards, times, ready, batch, steps, target, tools, returncode) -> dict:
-    step = reached(rewards, target)
+    step = race.reached(rewards, target)
     out = {"samples_s": None, "wall_s": None, "steps_to_target": step, "steps_run": len(rewards),
            "tools": None if tools is None else round(tools, 3), "returncode": returncode}
     if ready and len(times) >= steps:
@@ -160,23 +149,23 @@ def table(results: dict) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = race_parser(__doc__.splitlines()[0], CONFIGS, cap=400)
+    parser = race.argument_parser(__doc__.splitlines()[0], CONFIGS, cap=400)
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps samples/s is measured over")
-    args = parser.parse_args(argv)
+    args = race.parse(parser, argv, CONFIGS)
     if args.trl_child:
         return trl_child(args.trl_child)
-    seeds, configs = seeds_and_configs(parser, args, CONFIGS)
 
     def run_one(config: str, seed: int, work: Path) -> dict:
         if CONFIGS[config] is None:
             return run_trl(seed, args.latency_ms, args.steps, args.target, args.cap, work)
         return run_async(seed, CONFIGS[config], args.latency_ms, args.steps, args.target, args.cap, work)
 
-    results = run_matrix(seeds, configs, "bench_tools_", run_one, str)
+    results = run_matrix(args.seeds, args.configs, "bench_tools_", run_one, str)
     text, ratios = table(results)
-    report(text, {"latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": WINDOW,
-                  "cap": args.cap, "seeds": seeds, "ratios": ratios, "results": results}, args.out)
+    doc = {"latency_ms": args.latency_ms, "steps": args.steps, "target": args.target, "window": race.WINDOW,
+           "cap": args.cap, "seeds": args.seeds, "ratios": ratios, "results": results}
+    race.report(text, doc, args.out)
     return 0
 
 

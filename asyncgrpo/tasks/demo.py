@@ -112,17 +112,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tiny_llama.character_tokenizer(SPECIAL_TOKENS + CHARS, model_max_length=MAX_POSITIONS)
 
 
-def build_model(
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    intermediate_size: int = 96,
-    tokenizer: PreTrainedTokenizerFast | None = None,
-) -> LlamaForCausalLM:
-    """A tiny Llama (about 71k parameters by default) over the demo tokenizer, deterministic given `seed`."""
+MODEL_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 96}  # about 71k parameters
+
+
+def build_model(seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None, **shape) -> LlamaForCausalLM:
+    """A tiny Llama of MODEL_SHAPE (``shape``: sizes that differ) over the demo tokenizer, deterministic given
+    `seed`."""
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    return tiny_llama.build_model(tok, seed, hidden_size, num_layers, num_heads, intermediate_size, MAX_POSITIONS)
+    return tiny_llama.build_model(tok, seed, **{**MODEL_SHAPE, **shape}, max_positions=MAX_POSITIONS)
 
 
 def write_demo_model(path: str | os.PathLike, seed: int = 0, **model_kwargs) -> str:

@@ -190,21 +190,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=4 * MAX_POSITIONS, chat_template=CHAT_TEMPLATE, response_template=RESPONSE_TEMPLATE)
 
 
-def build_model(
-    seed: int = 0,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    intermediate_size: int = 256,
-    tokenizer: PreTrainedTokenizerFast | None = None,
-) -> LlamaForCausalLM:
-    """A tiny Llama (about 0.3M parameters by default) whose turns end at <eos> or at a call token.
+# 128 hidden rather than the demo's 64: the task needs copying a digit twice (prompt key -> call, tool result ->
+# answer), which a 64-wide model learns several times slower (also supervised: ~270 vs ~70 steps).
+MODEL_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 256}  # about 0.3M parameters
 
-    128 hidden rather than the demo's 64: the task needs copying a digit twice (prompt key -> call, tool
-    result -> answer), which a 64-wide model learns several times slower (also supervised: ~270 vs ~70 steps).
-    """
+
+def build_model(seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None, **shape) -> LlamaForCausalLM:
+    """A tiny Llama of MODEL_SHAPE (``shape``: sizes that differ) whose turns end at <eos> or at a call token."""
     tok = tokenizer if tokenizer is not None else build_tokenizer()
-    model = tiny_llama.build_model(tok, seed, hidden_size, num_layers, num_heads, intermediate_size, MAX_POSITIONS)
+    model = tiny_llama.build_model(tok, seed, **{**MODEL_SHAPE, **shape}, max_positions=MAX_POSITIONS)
     # TRL stops a completion at any of these ids and runs the tool loop on it; saved in generation_config.json.
     model.generation_config.eos_token_id = [tok.eos_token_id, *tok.convert_tokens_to_ids(list(CALL_TOKENS))]
     return model
