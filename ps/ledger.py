@@ -19,10 +19,20 @@ The checkpoint's format: ``{"consumed": [job ids, sorted], "groups_done": {job i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from ps.pipeline import GroupsTaken
+
+@dataclass
+class GroupsTaken:
+    """One result's groups in a training batch: what the ledger records when the batch has trained."""
+
+    job_id: str
+    weights_version: int
+    groups: list[int]
+    of_groups: int  # how many the result holds
+    samples: int  # rows (completions) taken
+    tokens: int  # completion tokens taken
+    tokens_by_version: dict[int, int] | None = None  # of those tokens, how many each weights version sampled
 
 
 class Ledger:

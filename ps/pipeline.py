@@ -51,7 +51,7 @@ from asyncgrpo.run.liveness import fs_now
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
-from ps.ledger import Ledger
+from ps.ledger import GroupsTaken, Ledger
 from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
@@ -69,19 +69,6 @@ class PipelineError(RuntimeError):
 class StopRequested(Exception):
     """A request to save a checkpoint and stop (``stop_at_boundary``) met the trainer between batches, where the
     weights, the optimizer and the ledger agree on a step: the trainer saves there and stops."""
-
-
-@dataclass
-class GroupsTaken:
-    """One result's groups in a training batch."""
-
-    job_id: str
-    weights_version: int
-    groups: list[int]
-    of_groups: int  # how many the result holds
-    samples: int  # rows (completions) taken
-    tokens: int  # completion tokens taken
-    tokens_by_version: dict[int, int] | None = None  # of those tokens, how many each weights version sampled
 
 
 @dataclass

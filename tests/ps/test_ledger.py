@@ -3,8 +3,8 @@ checkpointed form reads back the same."""
 
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import JobQueue
-from ps.ledger import Ledger
-from ps.pipeline import BatchInTraining, GroupsTaken, JobPipeline
+from ps.ledger import GroupsTaken, Ledger
+from ps.pipeline import BatchInTraining, JobPipeline
 
 
 def part(job_id: str, groups: list[int], of_groups: int = 2) -> GroupsTaken:

@@ -11,7 +11,8 @@ from helpers import demo_config
 
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, write_demo_model_once
 from asyncgrpo.run import RunDir
-from ps.pipeline import BatchInTraining, GroupsTaken, TrainingBatch
+from ps.ledger import GroupsTaken
+from ps.pipeline import BatchInTraining, TrainingBatch
 from ps.trainer import AsyncGRPOTrainer
 
 COMPLETION = 4
