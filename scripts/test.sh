@@ -9,6 +9,6 @@ cd "$REPO_ROOT"
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     export ASYNCGRPO_TEST_TIER=fast
-    exec "$VENV_PY" -m pytest -m "not process" "$@"
+    exec "$VENV_PY" -m pytest -m "not process and not slow" "$@"
 fi
 exec "$VENV_PY" -m pytest "$@"

@@ -87,21 +87,33 @@ def _nothing_left_behind(tmp_path_factory):
     assert not left, "left behind by the suite's processes:\n" + "\n".join(left)
 
 
-# The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process") runs what starts no process and compiles
-# nothing. A test that does either without its `process` mark fails there, naming what it started, so the tier
-# stays what it says.
+# The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process and not slow") runs what starts no process and
+# compiles nothing. There, a test without the `process` mark that does either, in its body or in a fixture it uses,
+# fails naming what it started, so the tier stays what it says.
 FAST_TIER = os.environ.get("ASYNCGRPO_TEST_TIER") == "fast"
 
 
-@pytest.fixture(autouse=FAST_TIER)
-def _fast_tier_starts_nothing(request, monkeypatch):
-    if request.node.get_closest_marker("process") is not None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not FAST_TIER or item.get_closest_marker("process") is not None:
+        yield
         return
+    saved = subprocess.Popen.__init__, torch.compile
 
     def refuse(what):
         def refused(*args, **kwargs):
             pytest.fail(f"{what} in a test without @pytest.mark.process: mark it, or it slows the fast tier")
         return refused
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a process (subprocess.Popen)"))
-    monkeypatch.setattr(torch, "compile", refuse("compiles (torch.compile)"))
+    subprocess.Popen.__init__ = refuse("starts a process (subprocess.Popen)")
+    torch.compile = refuse("compiles (torch.compile)")
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, torch.compile = saved
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # whole runs, every one of them
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.process)

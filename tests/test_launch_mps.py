@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from helpers import REPO
 
+pytestmark = pytest.mark.process
+
 # The part of launch.sh around MPS: start_mps after the device is known, stop_mps on EXIT, then an ending.
 SCRIPT = """
 say() { echo "[launch] $*"; }

@@ -161,6 +161,7 @@ def test_evaluation_without_evaluation_data_is_refused_for_the_demo_too(user_fol
         check_inputs(cfg, user_folder / "run")
 
 
+@pytest.mark.process
 def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
     # Each bad input's line is checked in process above; through launch.sh, one of them stands for all: the same
     # check_inputs runs in `python -m ps --check_only` before any process starts.
@@ -176,6 +177,7 @@ def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
     ({"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens there: the hub cannot be reached
      "not a local folder, not in the Hugging Face cache, and the hub cannot be reached (ConnectError"),
     ({"HF_HUB_OFFLINE": "1"}, "not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")])
+@pytest.mark.process
 def test_a_hub_model_that_cannot_be_had_is_refused_in_one_line_without_retries(user_folder, tmp_path, hub, message):
     """transformers retries an unreachable hub 5 times over half a minute, two warning lines a try."""
     env = {**PROCESS_ENV, "HF_HUB_CACHE": str(tmp_path / "empty_cache"), **hub}
@@ -194,6 +196,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", ["ps", "worker"])
 def test_ps_and_worker_print_their_options(module):
     result = run_python("-m", module, "--help")
@@ -205,6 +208,7 @@ def test_ps_and_worker_print_their_options(module):
     assert ("--check_only" if module == "ps" else "--device N") in result.stdout
 
 
+@pytest.mark.process
 def test_launch_help_prints_only_its_help(tmp_path):
     result = launch_sh(tmp_path, "--workers", "2", "--help", "--dataset_name", "x.jsonl", timeout=30)
     assert result.returncode == 0 and result.stderr == ""
@@ -214,6 +218,7 @@ def test_launch_help_prints_only_its_help(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing created, nothing started
 
 
+@pytest.mark.process
 def test_join_help_is_whole_and_join_without_a_run_says_what_is_missing(tmp_path):
     result = launch_sh(tmp_path, "--join", str(tmp_path), "--help", timeout=30)
     assert result.returncode == 0 and result.stderr == ""
@@ -289,6 +294,7 @@ def test_a_flag_that_is_not_one_is_refused_before_the_heavy_imports_with_the_ful
     assert flag_check.check(["--learning_rat", "1"]) is None
 
 
+@pytest.mark.process
 def test_launch_refuses_a_flag_that_is_not_one_before_it_looks_for_a_gpu(user_folder):
     """With the flags recorded (any earlier parse in this environment), launch.sh refuses a bad flag before its
     first heavy import: here before it finds that --device cuda has no GPU (which it says otherwise)."""

@@ -75,6 +75,7 @@ def test_a_worker_scores_its_completions_with_the_reward_model(tmp_path, reward_
     assert batch[REWARDS_KEY].std() > 0  # a score, not a constant
 
 
+@pytest.mark.process
 def test_a_ps_and_a_worker_train_on_the_reward_models_scores(tmp_path, reward_model):
     run_root = tmp_path / "run"
     flags = ["--reward_model_name_or_path", reward_model, *run_flags(3, save_steps=3)]

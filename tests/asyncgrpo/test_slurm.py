@@ -85,6 +85,7 @@ def test_what_cannot_make_a_run_is_refused_in_one_line(env, args, message):
         task(env, *args)
 
 
+@pytest.mark.process
 def test_the_module_says_why_in_one_line_and_exits_2_outside_a_job():
     out = subprocess.run([sys.executable, "-m", "asyncgrpo.slurm"], cwd=REPO, capture_output=True, text=True,
                          env={k: v for k, v in PROCESS_ENV.items() if not k.startswith("SLURM")}, timeout=60)

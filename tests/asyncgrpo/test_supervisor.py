@@ -5,7 +5,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from helpers import PROCESS_ENV, REPO
+
+pytestmark = pytest.mark.process
 
 CHILD = """
 import signal, sys, time

@@ -188,6 +188,7 @@ def trl_run(tmp_path_factory):
     return folder, run_root, logs
 
 
+@pytest.mark.process
 def test_share_with_group_opens_every_file_of_the_run_to_its_group_and_nobody_else(trl_run):
     _, run_root, _ = trl_run
     assert modes_beyond(run_root, 0o770) == []  # nothing for other users
@@ -199,6 +200,7 @@ def test_share_with_group_opens_every_file_of_the_run_to_its_group_and_nobody_el
     assert not open_as_nobody(run_root / "logs", "launch.txt")
 
 
+@pytest.mark.process
 def test_dtype_applies_on_the_ps_and_the_worker(trl_run):
     folder, _, logs = trl_run
     for name, text in logs.items():
@@ -206,6 +208,7 @@ def test_dtype_applies_on_the_ps_and_the_worker(trl_run):
     assert {t.dtype for t in load_file(folder / "out" / "model.safetensors").values()} == {torch.bfloat16}
 
 
+@pytest.mark.process
 def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
     folder, run_root, logs = trl_run
     assert "[eval] step=1 " in logs["log_parameter_server.txt"] and "[eval] step=2 " in logs["log_parameter_server.txt"]
@@ -221,6 +224,7 @@ def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
     assert [e["step"] for e in read_events(run_root, process="ps", event="eval_end")] == [1, 2]
 
 
+@pytest.mark.process
 def test_the_final_model_is_saved_to_output_dir_even_without_checkpoints(trl_run):
     folder, run_root, _ = trl_run
     out = folder / "out"
@@ -231,6 +235,7 @@ def test_the_final_model_is_saved_to_output_dir_even_without_checkpoints(trl_run
     assert model.num_parameters() > 0
 
 
+@pytest.mark.process
 def test_the_final_model_lands_in_the_run_without_output_dir(finished_demo_run):
     """The shared demo run (tests/conftest.py) gave no --output_dir: RUN/final_model holds the model of its last
     step, which its last checkpoint (step 8) holds too."""
@@ -241,6 +246,7 @@ def test_the_final_model_lands_in_the_run_without_output_dir(finished_demo_run):
     assert saved.keys() == checkpoint.keys() and all(torch.equal(saved[k], checkpoint[k]) for k in saved)
 
 
+@pytest.mark.process
 def test_relative_paths_resolve_in_the_users_folder(trl_run):
     folder, run_root, _ = trl_run
     assert run_root.is_dir() and not (REPO / "runs" / "trl").exists()  # --run-dir runs/trl: not in the source tree

@@ -26,6 +26,8 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.process
+
 STEPS = 2
 GLOBAL_BATCH = 16  # completions per job: 2 prompts x 8 generations
 # Plain SGD without clipping: Adam and gradient clipping would hide a gradient of the wrong scale (each rank

@@ -10,6 +10,7 @@ swaps one pointer and frees nothing). A real PS and worker train two steps with 
 import json
 import os
 
+import pytest
 from helpers import PROCESS_ENV, REPO, run_flags, start_process
 
 TIMEOUT_S = 600
@@ -60,6 +61,7 @@ os.putenv, os.unsetenv = putenv, unsetenv
 """
 
 
+@pytest.mark.process
 def test_no_environment_variable_is_added_or_removed_once_the_trainer_is_built(tmp_path):
     inject = tmp_path / "inject"
     inject.mkdir()

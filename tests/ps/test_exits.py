@@ -96,6 +96,7 @@ def test_a_ps_on_a_full_disk_holds_its_lock_without_writing_who_it_is(monkeypatc
         lock.release()
 
 
+@pytest.mark.process
 def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finished_demo_run, tmp_path):
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
@@ -111,6 +112,7 @@ def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finish
     assert "Traceback" not in ps.stderr
 
 
+@pytest.mark.process
 def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relaunch_says_why(tmp_path):
     """A real 1.8 MB disk: the demo model (0.3 MB) and checkpoint-2 (0.9 MB) fit, checkpoint-4 does not. The PS
     stops with one line naming the full disk, frees its weight buffers, and a relaunch on that disk refuses up
@@ -141,6 +143,7 @@ def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relau
     assert "a checkpoint of this model needs about" in refusal
 
 
+@pytest.mark.process
 def test_a_full_disk_at_each_small_write_stops_the_ps_with_one_line_and_a_relaunch_loses_nothing(tmp_path):
     """The disk is full for one write of each kind in turn, in three lives of the PS on one run (the fault is
     injected: tests/faulty_ps.py): a metrics line, a checkpoint's ledger, a weights snapshot. Each life stops with

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from asyncgrpo.run import fileops
 
 
@@ -11,6 +13,7 @@ def logged_dicts(ps_log: str) -> list[dict]:
             if line.lstrip().startswith("{'loss'")]
 
 
+@pytest.mark.process
 def test_num_tokens_is_the_ps_count_of_trained_tokens_and_only_grows(finished_demo_run):
     """Each worker counts only the jobs it generated; the PS's num_tokens counts every job it trained."""
     steps = logged_dicts((finished_demo_run.parent / "ps.log").read_text())

@@ -63,6 +63,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_root
 
 
+@pytest.mark.process
 def test_each_step_is_logged_with_its_own_staleness_and_jobs_enter_the_ledger_whole(uninterrupted):
     lines = metrics(uninterrupted)
     assert [m["step"] for m in lines] == list(range(1, 9))
@@ -79,6 +80,7 @@ def test_each_step_is_logged_with_its_own_staleness_and_jobs_enter_the_ledger_wh
     assert_exactly_once(uninterrupted, jobs=4)  # ledger, done/ and thrown jobs agree, no job id twice
 
 
+@pytest.mark.process
 def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp_path):
     """Killed right after step 5 (job 3 half trained), the PS resumes from checkpoint-4: job 3's
     result comes back from done/ and trains both its steps again."""

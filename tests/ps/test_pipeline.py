@@ -501,6 +501,7 @@ def test_an_unknown_off_policy_correction_is_refused_in_one_line():
         parse_config(["--off_policy_correction", "clip"])
 
 
+@pytest.mark.process
 def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_terminal(tmp_path):
     """A real PS process; every job file write fails like a full disk (injected at start-up
     through a sitecustomize module, so the PS's own code runs unchanged)."""

@@ -40,6 +40,7 @@ def test_the_same_flags_or_a_checkpoint_that_recorded_none_say_nothing(tmp_path,
     assert caplog.records == []
 
 
+@pytest.mark.process
 def test_a_ps_relaunched_with_another_group_size_stops_before_training_and_says_why(finished_demo_run, tmp_path):
     """A real PS, relaunched on (a copy of) a finished 8-step run with --num_generations 4: exit 2, one line, and
     nothing of the run changed (it trained every step before, regrouping the jobs' rows across prompts)."""

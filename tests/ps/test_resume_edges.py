@@ -8,6 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 from helpers import (
     DEMO_RUN_FLAGS,
@@ -21,6 +22,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 
+@pytest.mark.process
 def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run, tmp_path):
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
@@ -54,6 +56,7 @@ def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog)
     assert "1 line(s) of steps after 3 removed (they are trained again), 1 unreadable line(s) removed" in caplog.text
 
 
+@pytest.mark.process
 def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_before(tmp_path):
     # With --save_total_limit 1, transformers deletes checkpoint-2 as part of saving checkpoint-4: had it done so
     # before checkpoint-4's ledger, no complete checkpoint would be left and the relaunch would start from step 0.
@@ -77,6 +80,7 @@ def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_be
     assert_exactly_once(root, jobs=6)
 
 
+@pytest.mark.process
 def test_the_model_card_names_the_local_model_it_was_trained_from(finished_demo_run):
     card = (finished_demo_run / "checkpoints" / "README.md").read_text()  # TRL's, written with each checkpoint
     demo_model = json.loads((finished_demo_run / "ps.json").read_text())["model"]

@@ -5,6 +5,7 @@ said only in its log before)."""
 import re
 import subprocess
 
+import pytest
 from helpers import REPO
 
 from asyncgrpo.run import WorkerPresence
@@ -25,6 +26,7 @@ def test_the_waiting_line_says_what_the_workers_are_doing(run):
         busy.stop()
 
 
+@pytest.mark.process
 def test_the_terminal_shows_a_worker_compiling_and_a_job_past_its_deadline():
     pattern = re.search(r"grep --line-buffered -E '([^']+)'", (REPO / "launch.sh").read_text())[1]
     lines = [

@@ -183,6 +183,7 @@ def test_ls_warns_when_no_step_trains_while_a_worker_holds_a_job_for_long(run, q
     assert json.loads(quiet)["health"].startswith("OK"), quiet
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("ps_state", ["finished", "dead"])
 def test_ls_warns_about_workers_nobody_will_stop_beside_a_ps_that_has_ended(run, capsys, ps_state):
     ps_status(run, state="finished" if ps_state == "finished" else "training", pid=dead_pid())
@@ -256,6 +257,7 @@ def test_errors_are_one_line_exit_2_and_touch_nothing(tmp_path, run, capsys, arg
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.process
 def test_console_script_is_installed(busy_run):
     script = Path(sys.executable).with_name("queue_tools")
     result = subprocess.run([script, "ls", busy_run.root, "--json"], capture_output=True, text=True, timeout=60)
@@ -263,6 +265,7 @@ def test_console_script_is_installed(busy_run):
     assert json.loads(result.stdout)["pending"] == 2
 
 
+@pytest.mark.process
 def test_ls_does_not_import_torch(busy_run):
     """ls scans names only: it must answer without importing torch (fast on big runs)."""
     code = ("import sys; from queue_tools.cli import main; main(['ls', sys.argv[1], '--json']); "
@@ -277,6 +280,7 @@ def metrics_line(step, reward, staleness):
                        "staleness_max": staleness, "trainer_wait_s": 0.012, "time": 0.0}) + "\n"
 
 
+@pytest.mark.process
 def test_ls_watch_refreshes_until_ctrl_c_with_the_last_step(busy_run):
     metrics = busy_run.root / "metrics.jsonl"
     metrics.write_text(metrics_line(16, 0.5, 1.0))
@@ -344,6 +348,7 @@ def finished_ps(run) -> None:
     run.write_ps_status(dataclasses.replace(status, pid=dead_pid()))
 
 
+@pytest.mark.process
 def test_cleanup_on_a_finished_run_archives_what_is_left_unused_and_requeues_nothing(run, queue, capsys):
     for i in range(4):
         queue.put_job(make_job_id(9, i), {}, created_step=9)
@@ -369,6 +374,7 @@ def test_cleanup_on_a_run_whose_ps_is_still_training_requeues_a_dead_workers_job
     assert code == 0 and out.startswith("requeue 000009_000_processing_by_dev1.pt -> 000009_000_pending_a2.pt")
 
 
+@pytest.mark.process
 def test_ls_names_the_parameter_server_and_its_state(run, capsys):
     _, out, _ = run_cli(capsys, "ls", run.root)
     assert "parameter server: none yet (no ps.json)\n" in out
@@ -383,6 +389,7 @@ def test_ls_names_the_parameter_server_and_its_state(run, capsys):
     assert ", finished, not running\n" in out
 
 
+@pytest.mark.process
 def test_ls_into_a_pipe_closed_early_ends_quietly(busy_run):
     """`queue_tools ls RUN --watch | head -1`: the reader leaves after one line; the next frame meets a closed pipe."""
     result = subprocess.run(f"{sys.executable} -m queue_tools ls {busy_run.root} --watch | head -1",

@@ -419,6 +419,7 @@ def test_plots_are_pngs(tmp_path, capsys):
         assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.process
 def test_without_matplotlib_the_report_still_runs_and_says_how_to_get_plots(tmp_path):
     syn = synthetic_run(tmp_path / "run")
     code = ("import sys; sys.modules['matplotlib'] = None; from queue_tools.cli import main; "
@@ -501,6 +502,7 @@ def sampled_utilisation(events: list[dict], resolution_s=1e-4) -> dict:
     return {"life_s": end - start, "busy_s": busy, "syncing_s": syncing, "idle_s": (end - start) - busy - syncing}
 
 
+@pytest.mark.process
 def test_report_on_a_real_run(finished_demo_run, capsys):
     run_root = finished_demo_run  # a PS and two workers, 8 steps (tests/conftest.py)
     events = read_events(run_root)  # the figures below are computed here, independently of queue_tools.report

@@ -202,6 +202,7 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     assert alone[3].completion_ids == finished[3].completion_ids  # the same samples beside other jobs or alone
 
 
+@pytest.mark.process
 def test_where_the_engine_does_not_apply_the_worker_decodes_as_graph_and_says_why(tmp_path, monkeypatch, caplog):
     from worker.decoding.build import build_decoder
     from worker.decoding.graph import GraphDecoding

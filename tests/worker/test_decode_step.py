@@ -149,6 +149,7 @@ def test_with_grouped_query_attention_the_step_packs_the_heads_and_decodes_gener
     assert decoded(decoding, ids) == expected
 
 
+@pytest.mark.process
 def test_the_compiled_prefill_writes_into_a_cache_allocated_outside_the_graph(greedy_compiled, monkeypatch):
     """CUDA graphs write into the cache in place only when its tensors' addresses are marked static, which
     transformers does only where it allocates them outside a compiled region: the first prefill into a cache runs
@@ -214,6 +215,7 @@ NO_WARPER = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=
 
 
 # Each setting eagerly; compiled once, with every warper (compiling costs seconds; the math is the same).
+@pytest.mark.process
 @pytest.mark.parametrize(("setting", "compiled"), [(name, False) for name in SETTINGS] + [("all", True)])
 def test_sampling_draws_from_the_distribution_transformers_samples_from(setting, compiled):
     s = Sampling(**{**NO_WARPER, **SETTINGS[setting]})
@@ -250,6 +252,7 @@ def test_the_sampling_check_catches_a_wrong_distribution():
     ({"generation_kwargs": {"sequence_bias": {"[3]": -5.0}}}, "sequence_bias"),
     ({"generation_kwargs": {"suppress_tokens": [3]}}, "suppress_tokens"),
 ])
+@pytest.mark.process
 def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp_path, monkeypatch, caplog,
                                                                              overrides, why):
     from worker.decoding.build import build_decoder
@@ -263,6 +266,7 @@ def test_settings_the_step_does_not_implement_fall_back_to_compiled_generate(tmp
     decoding.undo()
 
 
+@pytest.mark.process
 def test_supported_settings_get_the_step(tmp_path, monkeypatch):
     from worker.decoding.build import build_decoder
 

@@ -30,6 +30,8 @@ from worker.trl_seam import BEHAVIOUR_LOGPS
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 MODES = [mode for mode in WORKER_DECODING_MODES if mode != "auto"]  # --worker_decoding's decoders
+# The fixtures build each decoder once per module: all but eager compile (so they are left out of the fast tier).
+BUILT = [mode if mode == "eager" else pytest.param(mode, marks=pytest.mark.process) for mode in MODES]
 JOBS_A_CALL = 2  # the fixed-batch decoders' batch, and the engine's slots, in jobs
 
 
@@ -54,7 +56,7 @@ def alone(reference, jobs: list[list[list[int]]]) -> list[list[int]]:
     return [row for ids in jobs for row in generated(reference, ids)]
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=BUILT)
 def greedy(request, tmp_path_factory):
     """(mode, trainer, its decoder warmed up, a reference trainer that generates eagerly with the same weights): greedy
     decoding, rows that end early and rows that never end. (The reference keeps the tests' own generate calls from
@@ -130,7 +132,7 @@ def test_a_prompt_longer_than_the_cache_was_sized_for_decodes_correctly(greedy):
     assert generate(decoder, trainer, ids).completion_ids == generated(reference, ids)
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=BUILT)
 def sampling(request, tmp_path_factory):
     """(mode, trainer, decoder): sampling with top-k and top-p (the own step run eagerly: its compiled function is
     the greedy fixture's)."""

@@ -174,6 +174,7 @@ def test_a_shared_call_that_raises_is_done_job_by_job(tmp_path, caplog):
 
 # ---------------------------------------------------------------- compiled decoding
 
+@pytest.mark.process
 def test_compiled_decoding_compiles_before_the_first_job_and_not_after(compiled):
     trainer, decoding = compiled
     assert decoding.graphs_after_warm_up >= 1
@@ -195,6 +196,7 @@ def test_compiled_decoding_compiles_before_the_first_job_and_not_after(compiled)
     assert decoding.recompiles() == 0
 
 
+@pytest.mark.process
 def test_compiled_decoding_takes_weights_published_during_a_job_between_its_steps(compiled, tmp_path):
     """In-flight updates (tests/worker/test_in_flight.py for eager and graph decoding): generate's stopping criterion
     syncs them between the compiled steps; tokens from the sync on are sampled, and scored, by the new weights."""
@@ -231,6 +233,7 @@ def test_compiled_decoding_takes_weights_published_during_a_job_between_its_step
         torch.testing.assert_close(captured[after], under_new[after], atol=1e-4, rtol=0)
 
 
+@pytest.mark.process
 def test_a_compilation_that_fails_leaves_the_worker_decoding_eagerly(tmp_path, monkeypatch, caplog):
     from worker.decoding.build import build_decoder
 

@@ -27,6 +27,8 @@ from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
 from asyncgrpo.tasks.demo import write_demo_model
 
+pytestmark = pytest.mark.process
+
 WORKER = TESTS / "queue_worker.py"
 LEASE_S = 30.0
 PROCESS_TIMEOUT_S = 180

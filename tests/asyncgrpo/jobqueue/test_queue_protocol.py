@@ -326,6 +326,7 @@ def test_only_old_temp_files_are_reaped(queue, run):
     assert os.listdir(run.tmp) == ["young.tmp"]
 
 
+@pytest.mark.process
 def test_a_young_temp_file_of_a_dead_writer_is_reaped_at_once(queue, run):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)  # that process has exited

@@ -4,11 +4,13 @@ test_trl_flags.py, a launch.sh run; the weight buffers and launch.sh's logs: tes
 
 import os
 
+import pytest
 from helpers import modes_beyond, open_as_nobody
 
 from asyncgrpo.run import RunDir
 
 
+@pytest.mark.process
 def test_a_finished_run_is_its_owners_alone(finished_demo_run):
     assert modes_beyond(finished_demo_run, 0o700) == []
     assert not open_as_nobody(finished_demo_run, "ps.lock")

@@ -81,6 +81,7 @@ def test_a_worker_whose_lock_cannot_be_probed_is_judged_by_its_heartbeat(run, qu
         presence.stop()
 
 
+@pytest.mark.process
 def test_a_process_that_exited_and_was_not_reaped_is_dead():
     from asyncgrpo.run.liveness import pid_alive as library_pid_alive
 
@@ -162,6 +163,7 @@ def host_id_of(monkeypatch, environ=None, **identity) -> str:
     return host_id({} if environ is None else environ)
 
 
+@pytest.mark.process
 def test_the_host_id_is_8_hex_digits_the_same_in_every_process_of_the_host():
     machine = host_id({})  # this machine's own id, whatever ASYNCGRPO_HOST_ID says here
     assert re.fullmatch(HOST_ID_RE, machine), machine
@@ -201,6 +203,7 @@ def test_the_environment_variable_overrides_the_host_id(monkeypatch):
     assert host_id_of(monkeypatch, {HOST_ID_ENV: ""}) == host_id_of(monkeypatch)  # empty: not set
 
 
+@pytest.mark.process
 def test_a_process_in_another_pid_namespace_has_another_host_id():
     """A real second PID namespace (what a container has), with the same hostname and kernel. Needs unshare:
     as root, or with unprivileged user namespaces."""
@@ -222,6 +225,7 @@ def test_a_process_in_another_pid_namespace_has_another_host_id():
     pytest.skip(f"unshare cannot make a PID namespace here ({'; '.join(failures)})")
 
 
+@pytest.mark.process
 def test_the_environment_variable_names_the_host_of_a_process(run):
     env = {**PROCESS_ENV, "ASYNCGRPO_HOST_ID": "node07"}
     code = ("from asyncgrpo.run import fileops; from asyncgrpo.run.hosts import HOST_ID; "
@@ -234,6 +238,7 @@ def test_the_environment_variable_names_the_host_of_a_process(run):
 # ---------------------------------------------------------------------- liveness
 
 
+@pytest.mark.process
 def test_a_worker_on_another_host_is_alive_while_it_beats_whatever_its_pid(run, queue):
     device = worker_id(1, OTHER)
     queue.put_job("000001_000", {}, created_step=1)
@@ -249,6 +254,7 @@ def test_a_worker_on_another_host_is_alive_while_it_beats_whatever_its_pid(run, 
         f"worker dev1.{OTHER} on host {status.host} went silent: heartbeat 60s old (lease 30s)")
 
 
+@pytest.mark.process
 def test_a_worker_of_this_host_is_judged_by_its_lock_at_once(run, queue):
     queue.put_job("000001_000", {}, created_step=1)
     job = queue.claim(1)
@@ -258,6 +264,7 @@ def test_a_worker_of_this_host_is_judged_by_its_lock_at_once(run, queue):
     assert action.why == "worker dev1 is dead"
 
 
+@pytest.mark.process
 def test_temp_files_of_another_host_are_judged_by_age_alone(run, queue):
     pid = dead_pid()
     mine, theirs = f"{HOST_ID}-{pid}-{'a' * 32}.tmp", f"{OTHER}-{pid}-{'b' * 32}.tmp"
@@ -268,6 +275,7 @@ def test_temp_files_of_another_host_are_judged_by_age_alone(run, queue):
     assert [a.src for a in queue.recover(lease_s=LEASE_S)] == [f".tmp/{theirs}"]
 
 
+@pytest.mark.process
 def test_a_worker_id_beating_on_another_host_is_not_started_twice(run):
     remote_heartbeat(run, 1, state="idle")
     with pytest.raises(WorkerAlreadyRunning, match="from host .* heartbeat 0s ago.*launch.sh --join"):
@@ -309,6 +317,7 @@ def snapshots(run) -> list[str]:
     return sorted(n for n in os.listdir(snapshot_dir(run)) if not n.startswith("."))
 
 
+@pytest.mark.process
 def test_a_snapshot_a_live_worker_reads_is_kept(run):
     publisher = make_publisher(run, tiny_model(1), "safetensors")
     presence = WorkerPresence(run, 1, interval_s=3600).start()
@@ -428,6 +437,7 @@ def test_the_watcher_polls_on_a_network_filesystem_and_says_so(run, monkeypatch,
 # ---------------------------------------------------------------------- launch.sh --join
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("make", ["missing", "plain folder"])
 def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
     target = tmp_path / "target"
@@ -441,6 +451,7 @@ def test_join_refuses_a_folder_that_is_not_a_run(tmp_path, make):
     assert not (target / "workers").exists()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_join_restarts_a_dead_worker_and_ctrl_c_stops_them(tmp_path):
     run = RunDir.create(tmp_path / "run")  # its PS has not started: the workers wait for it

@@ -119,6 +119,7 @@ def test_truncate_after_of_a_missing_file_creates_nothing(path):
     assert not path.exists()
 
 
+@pytest.mark.process
 def test_metrics_imports_no_torch():
     # queue_tools ls reads the file; it must answer without loading torch.
     code = ("import sys; import asyncgrpo.run.metrics, asyncgrpo.run.checkpoints; "

@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.process
 
 TESTS = Path(__file__).resolve().parents[2]
 

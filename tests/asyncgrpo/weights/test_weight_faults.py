@@ -92,6 +92,7 @@ def resume(proc: subprocess.Popen) -> dict:
 
 # ---------------------------------------------------------------- a reader stopped holding a lock
 
+@pytest.mark.process
 @pytest.mark.parametrize("transport, device", TRANSPORTS)
 def test_publish_goes_around_a_reader_stopped_holding_a_slot(run, caplog, transport, device):
     ps_model, worker_model = mixed_model(device), mixed_model(device)
@@ -139,6 +140,7 @@ def test_publish_goes_around_a_reader_stopped_holding_a_slot(run, caplog, transp
         reader.close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("transport, device", TRANSPORTS)
 def test_close_returns_while_a_stopped_reader_holds_a_slot(run, caplog, transport, device):
     ps_model = mixed_model(device)
@@ -161,6 +163,7 @@ def test_close_returns_while_a_stopped_reader_holds_a_slot(run, caplog, transpor
             stuck.communicate()
 
 
+@pytest.mark.process
 def test_a_ps_dying_mid_rewrite_leaves_nothing_torn_to_read(run):
     """Slot 1 is held (by this test), so the PS's second publish rewrites slot 0 in place;
     it dies halfway through that copy. Readers must not take the half-written slot."""
@@ -191,6 +194,7 @@ def test_a_ps_dying_mid_rewrite_leaves_nothing_torn_to_read(run):
 
 # ---------------------------------------------------------------- a SIGKILLed PS's buffers
 
+@pytest.mark.process
 def test_queue_tools_cleanup_frees_the_buffers_of_a_sigkilled_ps_only(run, capsys):
     from queue_tools.cli import main as queue_tools
 

@@ -203,6 +203,7 @@ def test_no_ps_yet(run):
     subscriber.close()
 
 
+@pytest.mark.process
 def test_cuda_ipc_handles_of_a_dead_ps_are_not_opened(run):
     """Runs without a GPU too: the worker must not touch the handles of a PS that is gone."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -257,6 +258,7 @@ def test_ps_restart_is_picked_up(run, transport, old_closes):
     assert read_version_file(run)["publisher_id"] == new.publisher_id
 
 
+@pytest.mark.process
 def test_crashed_ps_leaves_weights_usable_and_its_folder_is_reaped(run):
     proc = run_script("crash", str(run.root))
     out, _ = proc.communicate(timeout=PROC_TIMEOUT_S)
@@ -314,6 +316,7 @@ def _check_race(published: dict, reports: list[dict]) -> None:
         assert r["versions"] == sorted(set(r["versions"]))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("transport", ["mmap", "safetensors"])
 def test_no_torn_reads_while_the_ps_publishes_flat_out(run, tmp_path, transport):
     published, reports = _race(run, tmp_path / "sync", transport, "cpu", "cpu")
