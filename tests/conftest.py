@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_RUN_FLAGS, start_process
+from helpers import DEMO_RUN_FLAGS, expect_exit, start_process
 
 from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobQueue
@@ -53,7 +53,7 @@ def finished_demo_run(tmp_path_factory) -> Path:
     workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *DEMO_RUN_FLAGS)
                for i in (1, 2)]
     try:
-        assert ps.wait(timeout=600) == 0, (root.parent / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, root.parent / "ps.log", 600)
     finally:
         for worker in workers:
             worker.send_signal(signal.SIGTERM)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from helpers import demo_config, ledger, metrics, newest_checkpoint, run_flags, start_process
+from helpers import demo_config, expect_exit, ledger, metrics, newest_checkpoint, run_flags, start_process
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from asyncgrpo.config import ConfigError
@@ -82,7 +82,7 @@ def test_a_ps_and_a_worker_train_on_the_reward_models_scores(tmp_path, reward_mo
     ps = start_process(run_root, tmp_path / "ps.log", "ps", *flags)
     worker = start_process(run_root, tmp_path / "w1.log", "worker", "--device", "1", *flags)
     try:
-        assert ps.wait(timeout=300) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", 300)
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=120)

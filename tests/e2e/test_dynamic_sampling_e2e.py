@@ -8,6 +8,7 @@ import time
 from helpers import (
     LEDGER_FILE,
     assert_groups_exactly_once,
+    expect_exit,
     metrics,
     ps_events,
     run_flags,
@@ -32,14 +33,14 @@ def test_a_result_split_across_a_kill_trains_each_group_once_and_no_zero_varianc
     ps = start_faulty_ps(run_root, tmp_path / "ps.log", "kill-after-split", 3, *FLAGS, "--dynamic_sampling")
     worker = start_process(run_root, tmp_path / "w1.log", "worker", "--device", "1", *FLAGS)
     try:
-        assert ps.wait(timeout=TIMEOUT_S) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, -signal.SIGKILL, tmp_path / "ps.log", TIMEOUT_S)
         killed_at = time.time()
         resumed_from = max((p for p in (run_root / "checkpoints").iterdir() if (p / LEDGER_FILE).is_file()),
                            key=lambda p: int(p.name.split("-")[1]))
         split = json.loads((resumed_from / LEDGER_FILE).read_text())["groups_done"]
         assert split, "the fault fires only after a checkpoint with a result partly trained"
         ps = start_process(run_root, tmp_path / "ps2.log", "ps", *FLAGS, "--dynamic_sampling")
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps2.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps2.log", TIMEOUT_S)
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=120)

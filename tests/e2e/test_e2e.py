@@ -1,8 +1,11 @@
 """The parameter server and workers as real processes on the demo task (CPU, tiny model).
 
 Every job is consumed exactly once, weights versions advance, staleness stays within
-its bound, a SIGKILLed worker's job comes back, a SIGKILLed PS resumes from its
-checkpoint, and launch.sh rejects bad input before starting anything.
+its bound, a SIGKILLed PS resumes from its checkpoint, and launch.sh rejects bad input
+before starting anything. (Workers killed holding jobs: tests/e2e/test_chaos.py at random
+moments, test_jobs_per_generate.py holding several, test_in_flight_e2e.py inside a sync,
+test_second_host.py on another host; tests/worker/test_worker_processes.py at each step of
+the protocol.)
 """
 
 import contextlib
@@ -18,7 +21,9 @@ from helpers import (
     LEDGER_FILE,
     PROCESS_ENV,
     REPO,
+    RunProcesses,
     assert_exactly_once,
+    expect_exit,
     heartbeat_pid,
     kill_run,
     metrics,
@@ -41,16 +46,6 @@ from queue_tools.report import make_report
 TIMEOUT_S = 600
 SAVE_STEPS = 3
 FAST = run_flags(save_steps=SAVE_STEPS)
-
-
-def start(run_root, log_name, module, *args):
-    return start_process(run_root, Path(run_root).parent / log_name, module, *args)
-
-
-def stop(procs):
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    return [proc.wait(timeout=120) for proc in procs]
 
 
 def wait_for_steps(run_root, n, proc):
@@ -105,38 +100,21 @@ def assert_events_trace_every_job(run_root, consumed):
     assert [r["step"] for r in steps] == list(range(1, 9)) and all(r["dur_ms"] >= r["wait_ms"] >= 0 for r in steps)
 
 
-def test_killed_worker_job_comes_back_and_nothing_is_consumed_twice(tmp_path):
-    run_root = tmp_path / "run"
-    ps = start(run_root, "ps.log", "ps", "--max_steps", "14", *FAST)
-    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *FAST) for i in (1, 2)]
-    try:
-        wait_for_steps(run_root, 4, ps)
-        workers[0].send_signal(signal.SIGKILL)
-        assert workers[0].wait(timeout=60) == -signal.SIGKILL
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        stop(workers[1:])
-    assert_exactly_once(run_root, jobs=14)
-    assert_queue_drained(run_root)
-
-
 def test_a_ps_killed_inside_a_save_resumes_from_the_checkpoint_before(tmp_path):
     run_root = tmp_path / "run"
     args = ["--max_steps", "20", *FAST]
     # Killed in the save of checkpoint-9 (its model written, not its optimizer nor its ledger), right after
     # logging steps 7-9: a resume must start after checkpoint-6, drop the unfinished save and those lines.
-    ps = start_faulty_ps(run_root, tmp_path / "ps.log", "kill-mid-save", 9, *args)
-    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), *args) for i in (1, 2)]
-    try:
-        assert ps.wait(timeout=TIMEOUT_S) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]
+    with RunProcesses(run_root, *args) as run:
+        faulty = run.add(start_faulty_ps(run_root, tmp_path / "ps.log", "kill-mid-save", 9, *args))
+        run.workers(1, 2)
+        expect_exit(faulty, -signal.SIGKILL, tmp_path / "ps.log", TIMEOUT_S)
         killed_at = time.time()
         partial = run_root / "checkpoints" / "checkpoint-9"
         assert {p.name for p in partial.iterdir()} >= {"model.safetensors"} and not (partial / LEDGER_FILE).exists()
         assert [m["step"] for m in metrics(run_root)] == list(range(1, 10))
-        ps = start(run_root, "ps.log", "ps", *args)  # same run directory: resume
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        stop(workers)
+        run.ps()  # same run directory: resume
+        run.expect_ps_exit(0, TIMEOUT_S)
     lines = metrics(run_root)
     assert min(m["step"] for m in lines if m["time"] > killed_at) == 7  # after checkpoint-6, not the partial 9
     assert all((p / LEDGER_FILE).is_file() for p in (run_root / "checkpoints").glob("checkpoint-*"))  # no partial
@@ -178,12 +156,10 @@ def test_launch_rejects_bad_input_before_starting_anything(tmp_path, args, messa
 def test_demo_task_learns_with_two_workers(tmp_path):
     """Mean reward rises from about 0.1 to >= 0.8 (a typical run passes 0.9 by step ~200)."""
     run_root = tmp_path / "run"
-    ps = start(run_root, "ps.log", "ps", "--max_steps", "350", "--seed", "0")
-    workers = [start(run_root, f"w{i}.log", "worker", "--device", str(i), "--max_steps", "350") for i in (1, 2)]
-    try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        stop(workers)
+    with RunProcesses(run_root, "--max_steps", "350") as run:
+        run.ps("--seed", "0")
+        run.workers(1, 2)
+        run.expect_ps_exit(0, TIMEOUT_S)
     rewards = [m["reward"] for m in metrics(run_root)]
     first, best = sum(rewards[:10]) / 10, max(sum(rewards[i:i + 20]) / 20 for i in range(len(rewards) - 19))
     assert first < 0.3, f"the untrained model already scores {first:.2f}"
@@ -301,10 +277,10 @@ def test_a_finished_run_resumed_for_more_steps_says_how_its_learning_rate_schedu
     worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--seed", "0")
     try:
         first = start_process(run, ps_log, "ps", *run_flags(4, save_steps=2))
-        assert first.wait(timeout=TIMEOUT_S) == 0, ps_log.read_text()[-3000:]
+        expect_exit(first, 0, ps_log, TIMEOUT_S)
         assert "learning-rate schedule" not in ps_log.read_text()
         second = start_process(run, ps_log, "ps", *run_flags(8, save_steps=2))
-        assert second.wait(timeout=TIMEOUT_S) == 0, ps_log.read_text()[-3000:]
+        expect_exit(second, 0, ps_log, TIMEOUT_S)
     finally:
         worker.terminate()
         worker.wait(timeout=60)

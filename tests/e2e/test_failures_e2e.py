@@ -21,6 +21,7 @@ from helpers import (
     REPO,
     assert_exactly_once,
     demo_flags,
+    expect_exit,
     kill_run,
     metrics,
     ps_events,
@@ -153,7 +154,7 @@ def flaky_run(tmp_path_factory) -> Path:
     ps = start_process(root, root.parent / "ps.log", "ps", *flags)
     workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *flags) for i in (1, 2)]
     try:
-        assert ps.wait(timeout=600) == 0, (root.parent / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, root.parent / "ps.log", 600)
     finally:
         for worker in workers:
             worker.terminate()

@@ -6,6 +6,8 @@ import signal
 
 from helpers import (
     assert_exactly_once,
+    expect_exit,
+    log_tail,
     metrics,
     run_flags,
     start_faulty_worker,
@@ -26,12 +28,12 @@ def test_a_worker_killed_inside_an_in_flight_sync_loses_only_the_jobs_it_held(tm
     try:
         wait_for(lambda: dying.poll() is not None, "dev1 to die inside an in-flight sync", TIMEOUT_S,
                  procs=(ps, other))
-        assert dying.returncode == -signal.SIGKILL, (tmp_path / "w1.log").read_text()[-3000:]
+        assert dying.returncode == -signal.SIGKILL, log_tail(tmp_path / "w1.log")
         held = [n.name.split("_processing_by_dev1")[0] for n in (root / "queue").iterdir()
                 if "_processing_by_dev1" in n.name]
         # The jobs of the generate call it was in (--jobs_per_generate, default 2: one or two were pending).
         assert 1 <= len(held) <= 2, held
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
     finally:
         for proc in (dying, other, ps):
             if proc.poll() is None:

@@ -13,6 +13,7 @@ from helpers import (
     REPO,
     assert_exactly_once,
     demo_flags,
+    expect_exit,
     launch_sh,
     metrics,
     pid_alive,
@@ -80,7 +81,7 @@ def test_a_job_whose_worker_cannot_act_on_its_deadline_is_taken_back_by_recovery
                                     extra_env={"ASYNCGRPO_TEST_HANG": str(marker)})
         wait_for(marker.exists, "the first worker to hang in its reward function", TIMEOUT_S, procs=(ps, stuck))
         second = start_process(run_root, tmp_path / "w2.log", "worker", "--device", "2", *flags, env=PROCESS_ENV)
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
         assert pid_alive(stuck.pid)  # alive all along, beating
     finally:
         for proc in (ps, stuck, second):

@@ -16,7 +16,7 @@ import json
 import os
 
 import pytest
-from helpers import PROCESS_ENV, assert_exactly_once, demo_flags, run_flags, start_process, wait_for
+from helpers import PROCESS_ENV, assert_exactly_once, demo_flags, expect_exit, run_flags, start_process, wait_for
 
 # The demo task with another reward.
 FLAGS = [*demo_flags(), *run_flags(6, save_steps=3), "--disable_tqdm", "true",
@@ -60,7 +60,7 @@ def test_a_worker_killed_holding_several_jobs_loses_and_repeats_none(tmp_path, m
         wait_for(lambda: set(requeued) <= set(in_queue(root, "_pending_a2")), "the held jobs back in pending",
                  TIMEOUT_S, procs=(ps,))
         second = start_process(root, tmp_path / "w2.log", "worker", "--device", "2", *flags)
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
     finally:
         for proc in (ps, stuck, second):
             if proc is not None and proc.poll() is None:

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, demo_config, metrics, ps_events, run_flags, start_process
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    assert_exactly_once,
+    demo_config,
+    expect_exit,
+    metrics,
+    ps_events,
+    run_flags,
+    start_process,
+)
 from safetensors.torch import load_file
 from trl import GRPOTrainer, ModelConfig, get_peft_config
 
@@ -308,10 +318,10 @@ def run_ps_and_worker(run_root: Path, *flags: str) -> None:
     ps = start_process(run_root, logs / "ps.log", "ps", *flags)
     worker = start_process(run_root, logs / "w1.log", "worker", "--device", "1", *flags)
     try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (logs / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, logs / "ps.log", TIMEOUT_S)
     finally:
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=120) == 0, (logs / "w1.log").read_text()[-3000:]
+        expect_exit(worker, 0, logs / "w1.log", 120)
 
 
 @pytest.fixture(scope="module")
@@ -402,10 +412,10 @@ def test_a_lora_run_on_the_gpu_shares_only_the_adapter_through_cuda_ipc(tmp_path
     ps = start_process(root, tmp_path / "ps.log", "ps", *flags, env=env)
     worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags, env=env)
     try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
     finally:
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=120) == 0, (tmp_path / "w1.log").read_text()[-3000:]
+        expect_exit(worker, 0, tmp_path / "w1.log", 120)
     assert_exactly_once(root, jobs=6)
     version = json.loads((root / "weights" / "published_version.json").read_text())
     assert version["transport"] == "cuda_ipc"

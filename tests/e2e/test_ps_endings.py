@@ -17,7 +17,9 @@ from helpers import (
     REPO,
     assert_exactly_once,
     backdate,
+    expect_exit,
     kill_run,
+    log_tail,
     metrics,
     pid_alive,
     ps_events,
@@ -168,7 +170,7 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not (run_root / "ps.json").exists() or not (run_root / "ps.heartbeat").exists():
-            assert ps.poll() is None and time.monotonic() < deadline, (tmp_path / "ps.log").read_text()[-3000:]
+            assert ps.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "ps.log")
             time.sleep(0.1)
         assert not queue_tools_ls(run_root)["health"].startswith("WARN")  # waiting for workers is not silence
         ps.send_signal(signal.SIGSTOP)
@@ -202,7 +204,7 @@ def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while len(metrics(run_root)) < 5:
-            assert first.poll() is None and worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            assert first.poll() is None and worker.poll() is None, log_tail(tmp_path / "worker.log")
             assert time.monotonic() < deadline, "no training steps"
             time.sleep(0.1)
         worker.send_signal(signal.SIGSTOP)
@@ -218,11 +220,11 @@ def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_
         version_file = run_root / "weights" / "published_version.json"
         deadline = time.monotonic() + TIMEOUT_S
         while (fileops.read_json(version_file) or {}).get("pid") != second.pid:
-            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "ps2.log").read_text()[-3000:]
+            assert second.poll() is None and time.monotonic() < deadline, log_tail(tmp_path / "ps2.log")
             time.sleep(0.1)
         resumed = time.time()
         worker.send_signal(signal.SIGCONT)
-        assert second.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps2.log").read_text()[-3000:]
+        expect_exit(second, 0, tmp_path / "ps2.log", TIMEOUT_S)
         assert worker.poll() is None  # it stayed up beside both
     finally:
         for proc in (first, worker, second):

@@ -20,12 +20,14 @@ from helpers import (
     CLOCK_SKEW_DIR,
     PROCESS_ENV,
     REPO,
+    RunProcesses,
     as_other_host,
     assert_exactly_once,
+    expect_exit,
     ledger,
+    log_tail,
     other_host_unavailable,
     run_flags,
-    start_process,
     wait_for,
     wait_until_stopped,
 )
@@ -43,10 +45,10 @@ def _second_host():
         pytest.skip(why)
 
 
-def start_ps(root: Path):
-    ps = start_process(root, root.parent / "ps.log", "ps", *FLAGS)
-    wait_for(lambda: (root / "queue").is_dir() and (root / "done").is_dir(), "a run to join", TIMEOUT_S,
-             procs=(ps,), log=root.parent / "ps.log")
+def start_ps(run: RunProcesses):
+    ps = run.ps()
+    wait_for(lambda: (run.root / "queue").is_dir() and (run.root / "done").is_dir(), "a run to join", TIMEOUT_S,
+             procs=(ps,), log=run.ps_log)
     return ps
 
 
@@ -78,36 +80,23 @@ def wait_for_ps(ps: subprocess.Popen, workers: list[subprocess.Popen], log: Path
     return ps.returncode
 
 
-def stop(procs) -> list[int]:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    return [proc.wait(timeout=120) for proc in procs]
-
-
 def heartbeats(root: Path) -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in (root / "workers").glob("dev*.json")}
 
 
 def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
     root = tmp_path / "run"
-    ps = start_ps(root)
-    remote_log = open(tmp_path / "remote.log", "ab")
-    remote = subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1", "--run_dir",
-                                             str(root), *FLAGS, "--poll_only"]),
-                              cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT)
-    workers = [remote]
-    try:
+    with RunProcesses(root, *FLAGS) as run, open(tmp_path / "remote.log", "ab") as remote_log:
+        ps = start_ps(run)
+        remote = run.add(subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1",
+                                                         "--run_dir", str(root), *FLAGS, "--poll_only"]),
+                                          cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT))
         held = kill_while_holding_a_job(root, remote, ps)
         # The job comes back once the lease has expired; a worker started sooner could finish the run first.
         wait_for(lambda: f"recover: requeue {held} -> " in (tmp_path / "ps.log").read_text(), "the job's recovery",
                  TIMEOUT_S, procs=(ps,))
-        local = start_process(root, tmp_path / "local.log", "worker", "--device", "1", *FLAGS)
-        workers.append(local)
-        assert wait_for_ps(ps, [local], tmp_path / "ps.log") == 0, (tmp_path / "ps.log").read_text()[-3000:]
-    finally:
-        ps.kill() if ps.poll() is None else None
-        stop(workers)
+        local = run.worker(1, log="local.log")
+        assert wait_for_ps(ps, [local], tmp_path / "ps.log") == 0, log_tail(tmp_path / "ps.log")
     ps_log = (tmp_path / "ps.log").read_text()
     # Worker 1 of each host had names of its own: two heartbeats, one per host.
     beats = heartbeats(root)
@@ -127,17 +116,18 @@ def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
 
 def test_a_second_host_whose_clock_is_behind_loses_no_job_to_recovery(tmp_path):
     root = tmp_path / "run"
-    ps = start_ps(root)
+    run = RunProcesses(root, *FLAGS)
+    ps = start_ps(run)
     skewed = {**PROCESS_ENV, "ASYNCGRPO_TEST_CLOCK_OFFSET_S": "-10",
               "PYTHONPATH": os.pathsep.join(filter(None, [str(CLOCK_SKEW_DIR), PROCESS_ENV.get("PYTHONPATH")]))}
     join = subprocess.Popen(as_other_host(["bash", str(REPO / "launch.sh"), "--join", str(root), "--workers", "1",
                                            "--device", "cpu", *FLAGS, "--poll_only"]),
                             cwd=REPO, env=skewed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
         out, _ = join.communicate(timeout=120)  # it stops its workers once the PS has finished
     finally:
-        ps.kill() if ps.poll() is None else None
+        run.stop()
         if join.poll() is None:
             join.send_signal(signal.SIGINT)
             join.wait(timeout=120)

@@ -35,9 +35,10 @@ def newest_checkpoint(run_root) -> Path:
     return folder
 
 
-def ledger(run_root) -> list[str]:
-    """The ``consumed`` list of the newest checkpoint's asyncgrpo_state.json, as saved (a list)."""
-    consumed = json.loads((newest_checkpoint(run_root) / LEDGER_FILE).read_text())["consumed"]
+def ledger(run_root, step: int | None = None) -> list[str]:
+    """The ``consumed`` list of the newest checkpoint's asyncgrpo_state.json (of checkpoint-``step``), as saved."""
+    folder = newest_checkpoint(run_root) if step is None else Path(run_root) / "checkpoints" / f"checkpoint-{step}"
+    consumed = json.loads((folder / LEDGER_FILE).read_text())["consumed"]
     assert isinstance(consumed, list), consumed
     return consumed
 

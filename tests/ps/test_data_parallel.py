@@ -18,6 +18,7 @@ from helpers import (
     TESTS,
     assert_exactly_once,
     demo_config,
+    expect_exit,
     launch_sh,
     metrics,
     start_process,
@@ -46,7 +47,7 @@ def train(tmp_path: Path, processes: int, *extra: str, steps: int = STEPS, jobs:
     worker = start_process(run, tmp_path / f"worker{processes}.log", "worker", "--device", "1",
                            "--ps_processes", str(processes), *flags)
     try:
-        assert ps.wait(timeout=400) == 0, (tmp_path / f"ps{processes}.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / f"ps{processes}.log", 400)
     finally:
         worker.terminate()
         worker.wait(timeout=60)
@@ -103,7 +104,7 @@ def test_two_ranks_resume_from_their_checkpoint(tmp_path):
     try:
         for steps in (1, 2):
             ps = start_ps_ranks(run, tmp_path / "ps.log", 2, "--max_steps", str(steps), *flags, env=env)
-            assert ps.wait(timeout=400) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+            expect_exit(ps, 0, tmp_path / "ps.log", 400)
             assert not list(marks.iterdir()), "a finished rank ran the interpreter's finalisation"
     finally:
         worker.terminate()

@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from helpers import PROCESS_ENV, REPO, run_flags, start_process
+from helpers import PROCESS_ENV, REPO, expect_exit, run_flags, start_process
 
 TIMEOUT_S = 600
 FLAGS = run_flags(2, save_steps=2)
@@ -72,7 +72,7 @@ def test_no_environment_variable_is_added_or_removed_once_the_trainer_is_built(t
     ps = start_process(run_root, tmp_path / "ps.log", "ps", *FLAGS, env=env)
     worker = start_process(run_root, tmp_path / "w1.log", "worker", "--device", "1", *FLAGS)
     try:
-        assert ps.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", TIMEOUT_S)
     finally:
         worker.terminate()
         worker.wait(timeout=120)

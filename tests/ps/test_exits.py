@@ -14,6 +14,7 @@ from helpers import (
     REPO,
     assert_exactly_once,
     demo_flags,
+    expect_exit,
     metrics,
     run_flags,
     start_faulty_ps,
@@ -125,7 +126,7 @@ def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relau
         ps = start_process(root, tmp_path / "ps.log", "ps", *flags)
         worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags)
         try:
-            assert ps.wait(timeout=600) == 1, (tmp_path / "ps.log").read_text()[-3000:]
+            expect_exit(ps, 1, tmp_path / "ps.log", 600)
             relaunch = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(root), *flags], cwd=REPO,
                                       env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
         finally:
@@ -159,12 +160,12 @@ def test_a_full_disk_at_each_small_write_stops_the_ps_with_one_line_and_a_relaun
         for life, (fault, arg, file) in enumerate(faults):
             log = tmp_path / f"ps{life}.log"
             ps = start_faulty_ps(root, log, fault, arg, *flags)
-            assert ps.wait(timeout=600) == 1, log.read_text()[-3000:]
+            expect_exit(ps, 1, log, 600)
             [error] = [line for line in log.read_text().splitlines() if line.startswith("ps: error:")]
             lines.append(error)
             assert error.startswith(f"ps: error: no space left on the disk writing {file} ("), error
         ps = start_process(root, tmp_path / "ps_last.log", "ps", *flags)
-        assert ps.wait(timeout=600) == 0, (tmp_path / "ps_last.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps_last.log", 600)
     finally:
         worker.terminate()
         worker.wait(timeout=120)

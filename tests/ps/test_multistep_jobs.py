@@ -9,12 +9,20 @@ each job is generated with the weights of the step that takes it, and sampled wi
 job's own seed.
 """
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_ENV, REPO, assert_exactly_once, run_flags, start_process
+from helpers import (
+    PROCESS_ENV,
+    REPO,
+    RunProcesses,
+    assert_exactly_once,
+    consumed_in_done,
+    ledger,
+    metrics,
+    run_flags,
+)
 from safetensors.torch import load_file
 
 from asyncgrpo.events import read_events
@@ -24,28 +32,13 @@ FLAGS = ["--num_iterations", "2", "--max_staleness", "0", "--save_total_limit", 
 KILL_AFTER_STEP = 5  # the first of job 3's two steps
 
 
-def run_ps_and_worker(run_root: Path, ps_env=None) -> int:
-    """Runs the PS to its end (or death) with one worker; returns the PS's exit status."""
-    ps = start_process(run_root, run_root.parent / "ps.log", "ps", *FLAGS, env=ps_env)
-    worker = start_process(run_root, run_root.parent / "w1.log", "worker", "--device", "1", *FLAGS)
-    try:
-        return ps.wait(timeout=TIMEOUT_S)
-    finally:
-        worker.terminate()
-        assert worker.wait(timeout=120) == 0
-
-
-def metrics(run_root: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
-
-
-def ledger(run_root: Path, step: int) -> list[str]:
-    return json.loads((run_root / "checkpoints" / f"checkpoint-{step}" / "asyncgrpo_state.json").read_text())[
-        "consumed"]
-
-
-def consumed_in_done(run_root: Path) -> list[str]:
-    return sorted(n[: -len("_consumed.pt")] for n in os.listdir(run_root / "done") if n.endswith("_consumed.pt"))
+def run_ps_and_worker(run_root: Path, ps_status: int, ps_env=None) -> None:
+    """Runs the PS to its end (or death: ``ps_status``) with one worker, which then stops cleanly."""
+    with RunProcesses(run_root, *FLAGS) as run:
+        run.ps(env=ps_env)
+        worker = run.worker(1)
+        run.expect_ps_exit(ps_status, TIMEOUT_S)
+        assert run.stop([worker]) == [0]
 
 
 def thrown(run_root: Path) -> list[str]:
@@ -59,7 +52,7 @@ def final_weights(run_root: Path) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run_root = tmp_path_factory.mktemp("uninterrupted") / "run"
-    assert run_ps_and_worker(run_root) == 0, (run_root.parent / "ps.log").read_text()[-3000:]
+    run_ps_and_worker(run_root, 0)
     return run_root
 
 
@@ -72,11 +65,11 @@ def test_each_step_is_logged_with_its_own_staleness_and_jobs_enter_the_ledger_wh
     assert [m["weights_version"] for m in lines] == [0, 0, 2, 2, 4, 4, 6, 6]
     assert all(m["reward"] is not None for m in lines)
     jobs = thrown(uninterrupted)[:4]  # a fifth may be thrown after step 8, and archived unused
-    assert consumed_in_done(uninterrupted) == sorted(jobs)
+    assert sorted(consumed_in_done(uninterrupted)) == sorted(jobs)
     # save_steps 3: the save at step 3 (inside job 2) waits for step 4; 6 falls between jobs; 8 is the end.
     folders = sorted(int(p.name.split("-")[1]) for p in (uninterrupted / "checkpoints").glob("checkpoint-*"))
     assert folders == [4, 6, 8]
-    assert ledger(uninterrupted, 4) == sorted(jobs[:2]) and ledger(uninterrupted, 8) == sorted(jobs)
+    assert ledger(uninterrupted, step=4) == sorted(jobs[:2]) and ledger(uninterrupted, step=8) == sorted(jobs)
     assert_exactly_once(uninterrupted, jobs=4)  # ledger, done/ and thrown jobs agree, no job id twice
 
 
@@ -97,14 +90,14 @@ def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp
         "trainer.AsyncGRPOTrainer.on_optimizer_step_end = on_optimizer_step_end\n")
     run_root = tmp_path / "run"
     killed_env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
-    assert run_ps_and_worker(run_root, killed_env) == -9
+    run_ps_and_worker(run_root, -9, killed_env)
     assert (run_root / "global_step.txt").read_text().strip() == str(KILL_AFTER_STEP)  # killed before its log line
     assert [m["step"] for m in metrics(run_root)] == list(range(1, KILL_AFTER_STEP))
-    assert len(consumed_in_done(run_root)) == 3 and len(ledger(run_root, 4)) == 2  # job 3: taken, not in a ledger
+    assert len(consumed_in_done(run_root)) == 3 and len(ledger(run_root, step=4)) == 2  # job 3: taken, not in a ledger
 
-    assert run_ps_and_worker(run_root) == 0, (run_root.parent / "ps.log").read_text()[-3000:]
+    run_ps_and_worker(run_root, 0)
     assert [m["step"] for m in metrics(run_root)][KILL_AFTER_STEP - 1:] == list(range(5, 9))  # resumed at 4
-    assert ledger(run_root, 8) == consumed_in_done(run_root) == consumed_in_done(uninterrupted)
+    assert ledger(run_root, step=8) == sorted(consumed_in_done(run_root)) == sorted(consumed_in_done(uninterrupted))
     assert_exactly_once(run_root, jobs=4)  # job 3, trained again after the resume, is consumed once
     expected, weights = final_weights(uninterrupted), final_weights(run_root)
     assert weights.keys() == expected.keys()

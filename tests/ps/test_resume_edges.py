@@ -15,6 +15,7 @@ from helpers import (
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
+    expect_exit,
     run_flags,
     start_faulty_ps,
     start_process,
@@ -65,11 +66,11 @@ def test_a_ps_killed_between_a_checkpoint_and_its_ledger_resumes_from_the_one_be
     killed = start_faulty_ps(root, tmp_path / "ps.log", "kill-before-ledger", 4, *flags[2:])
     worker = start_process(root, tmp_path / "worker.log", "worker", "--device", "1", *flags[2:])
     try:
-        assert killed.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(killed, -signal.SIGKILL, tmp_path / "ps.log", 600)
         checkpoints = sorted(p.name for p in (root / "checkpoints").glob("checkpoint-*"))
         assert checkpoints == ["checkpoint-2", "checkpoint-4"]  # 4 without its ledger: incomplete
         relaunched = start_process(root, tmp_path / "ps2.log", "ps", *flags[2:])
-        assert relaunched.wait(timeout=600) == 0, (tmp_path / "ps2.log").read_text()[-3000:]
+        expect_exit(relaunched, 0, tmp_path / "ps2.log", 600)
     finally:
         for proc in (killed, worker):
             if proc.poll() is None:

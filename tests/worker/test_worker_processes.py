@@ -17,6 +17,8 @@ from helpers import (
     TESTS,
     assert_exactly_once,
     backdate,
+    expect_exit,
+    log_tail,
     run_flags,
     start_script,
     wait_for,
@@ -188,7 +190,7 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
         wait_for(lambda: broken.poll() is not None or list((root / "done").glob("*_failed*")),
                  "the broken worker to exit or fail its job", 600, procs=(ps,), log=tmp_path / "ps.log")
         assert broken.poll() == 3, (f"exit status {broken.returncode} (None: still running, its job archived "
-                                    "failed)\n" + (tmp_path / "broken.log").read_text()[-3000:])
+                                    "failed)\n" + log_tail(tmp_path / "broken.log"))
         log = (tmp_path / "broken.log").read_text()
         assert log.strip().splitlines()[-1].endswith(
             "ERROR [worker] dev1 exits (status 3): its GPU failed with AcceleratorError: CUDA error: an illegal "
@@ -202,7 +204,7 @@ def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp
         wait_for(lambda: all((root / "queue" / f"{job_id}_pending_a2.pt").exists() for job_id in held),
                  "the held jobs back in pending", 600, procs=(ps,), log=tmp_path / "ps.log")
         healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
-        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", 600)
     finally:
         for proc in (ps, broken, healthy):
             if proc is not None and proc.poll() is None:
@@ -263,7 +265,7 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
             "worker: error: this worker's flags are not the parameter server's: --temperature 0.5 (the parameter "
             "server's: 1.0); start it with the parameter server's config flags")
         healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
-        assert ps.wait(timeout=600) == 0, (tmp_path / "ps.log").read_text()[-3000:]
+        expect_exit(ps, 0, tmp_path / "ps.log", 600)
     finally:
         for proc in (ps, healthy):
             if proc is not None and proc.poll() is None:
