@@ -278,10 +278,15 @@ def main() -> None:
         print(f"{r['shape']:<9} {r['decoding']:<14} {r['jobs_per_call']:>2} {r['ms_per_token']:>9.2f} "
               f"{r['ms_per_job']:>8.1f} {r['samples_per_s']:>10.1f} {r['job_speedup_vs_baseline']:>8.2f}x "
               f"{r['x_bandwidth_limit']:>8.1f} {r['warm_up_s']:>9.1f}", file=sys.stderr)
+    print_doc(doc, a.out)
+
+
+def print_doc(doc: dict, out: str | None) -> None:
+    """The figures as JSON on stdout (the table went to stderr), and into ``out`` when given."""
     text = json.dumps(doc, indent=2)
     print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
 
 
 if __name__ == "__main__":

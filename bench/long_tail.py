@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from generation_bench import SHAPES, NoEvents, build, log  # noqa: E402  (bench/ is the script's folder)
+from generation_bench import SHAPES, NoEvents, build, log, print_doc  # noqa: E402  (bench/ is the script's folder)
 
 from worker.continuous_loop import SWITCH_INTERVAL_S  # noqa: E402
 
@@ -175,10 +175,7 @@ def main() -> None:
               f"{r['utilisation_vs_baseline']:>6.2f}x "
               f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",
               file=sys.stderr)
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    print_doc(doc, a.out)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,12 @@ def test_slugs_are_githubs():
     assert slug("queue_tools ls") == "queue_tools-ls"
     assert slug("Throughput on one GPU, against TRL") == "throughput-on-one-gpu-against-trl"
     assert slug("LoRA / QLoRA") == "lora--qlora"
+
+
+def test_the_design_layout_names_every_module():
+    design = (REPO / "docs" / "design.md").read_text()
+    layout = design[design.index("\n## Layout\n"):design.index("\n## Words of the house\n")]
+    modules = [path for root in ("asyncgrpo", "ps", "worker", "queue_tools", "bench") for path in
+               sorted((REPO / root).rglob("*.py")) if path.name not in ("__init__.py", "__main__.py")]
+    unnamed = [str(path.relative_to(REPO)) for path in modules if path.name not in layout]
+    assert unnamed == [], f"docs/design.md's Layout does not name {unnamed}"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decode_step import (
-    CHI2_LIMIT,
     DRAWS,
     GREEDY,
     NO_WARPER,
     SAMPLING,
     SETTINGS,
     SHAPES,
+    assert_drawn_from,
     expected_probs,
     generated,
     llama,
@@ -120,12 +120,7 @@ def test_seeded_draws_sample_from_the_distribution_transformers_samples_from(set
     seeds = torch.arange(DRAWS, dtype=torch.long) * 7919 - 12345  # a row's seed and counter, as the engine's
     noise = seeded_exponentials(seeds, torch.full((DRAWS,), 3), logits.numel())
     tokens = sample(logits.expand(DRAWS, -1).contiguous(), s, noise)
-    counts = torch.bincount(tokens, minlength=logits.numel()).double()
-    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
-    kept = want > 0
-    expected = want[kept].double() * DRAWS
-    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
+    assert_drawn_from(tokens, want)
 
 
 def test_no_seeded_draw_is_zero_or_infinite():

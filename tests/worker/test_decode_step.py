@@ -210,13 +210,25 @@ DRAWS = 40_000
 CHI2_LIMIT = 35.0  # chi-square with at most 9 degrees of freedom: p < 1e-4 beyond this
 
 
+def assert_drawn_from(tokens: torch.Tensor, want: torch.Tensor) -> None:
+    """``tokens`` (DRAWS of them) are drawn from the distribution ``want``: none that it filters out, and the
+    counts of the others within a chi-square test's limit."""
+    counts = torch.bincount(tokens, minlength=want.numel()).double()
+    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
+    kept = want > 0
+    expected = want[kept].double() * DRAWS
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
+    assert kept.sum() >= 2  # a real distribution, not one token
+
+
 NO_WARPER = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
                  min_new_tokens=0)
 
 
 # Each setting eagerly; compiled once, with every warper (compiling costs seconds; the math is the same).
-@pytest.mark.process
-@pytest.mark.parametrize(("setting", "compiled"), [(name, False) for name in SETTINGS] + [("all", True)])
+@pytest.mark.parametrize(("setting", "compiled"), [(name, False) for name in SETTINGS] +
+                         [pytest.param("all", True, marks=pytest.mark.process)])
 def test_sampling_draws_from_the_distribution_transformers_samples_from(setting, compiled):
     s = Sampling(**{**NO_WARPER, **SETTINGS[setting]})
     logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0])
@@ -224,13 +236,7 @@ def test_sampling_draws_from_the_distribution_transformers_samples_from(setting,
     draw = torch.compile(sample, fullgraph=True, dynamic=False) if compiled else sample
     torch.manual_seed(0)
     tokens = draw(logits.expand(DRAWS, -1).contiguous(), s)
-    counts = torch.bincount(tokens, minlength=logits.numel()).double()
-    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
-    kept = want > 0
-    expected = want[kept].double() * DRAWS
-    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
-    assert kept.sum() >= 2  # a real distribution, not one token
+    assert_drawn_from(tokens, want)
 
 
 def test_the_sampling_check_catches_a_wrong_distribution():
