@@ -177,14 +177,9 @@ def failure_of(path) -> str | None:
 
 
 def last_logged_step(run: RunDir) -> dict | None:
-    """The newest line of RUN/metrics.jsonl (step, reward, staleness, ...), read from its tail."""
-    record = metrics.last_line(run.metrics_file)
-    if record is None:
-        return None
-    return {k: record.get(k) for k in ("step", "reward", "loss", "staleness_mean", "staleness_max", "trainer_wait_s",
-                                       "groups_dropped", "groups_dropped_total", "prompts_skipped",
-                                       "tool_failure_rate", "frac_reward_zero_std", "steps_without_reward",
-                                       "steps_without_spread", "time")}
+    """The newest line of RUN/metrics.jsonl, read from its tail: every field a step logs (asyncgrpo/run/metrics.py
+    StepMetrics), so a new metric reaches ``ls --json`` with nothing to add here."""
+    return metrics.last_line(run.metrics_file)
 
 
 def _health(report: dict) -> str:
