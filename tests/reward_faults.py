@@ -36,8 +36,9 @@ def hangs_where_told(prompts, completions, **kwargs):
 
 def slow_once_when_told(prompts, completions, **kwargs):
     """The demo reward, except in a process whose environment names a folder in ASYNCGRPO_TEST_SLOW: once the
-    test creates ``go`` there, the next call creates ``slow``, sleeps ASYNCGRPO_TEST_SLOW_S seconds (a reward
-    server having a bad minute) and creates ``done``; every other call is fast."""
+    test creates ``go`` there, the next call creates ``slow`` and returns only once the test creates ``release``
+    (a reward server having a bad minute; at most ASYNCGRPO_TEST_SLOW_S seconds), then creates ``done``; every
+    other call is fast."""
     import os
     import time
     from pathlib import Path
@@ -45,7 +46,9 @@ def slow_once_when_told(prompts, completions, **kwargs):
     folder = os.environ.get("ASYNCGRPO_TEST_SLOW")
     if folder and (Path(folder) / "go").exists() and not (Path(folder) / "slow").exists():
         (Path(folder) / "slow").touch()
-        time.sleep(float(os.environ["ASYNCGRPO_TEST_SLOW_S"]))
+        deadline = time.monotonic() + float(os.environ["ASYNCGRPO_TEST_SLOW_S"])
+        while not (Path(folder) / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         (Path(folder) / "done").touch()
     return [sum(c == p[0] for c in completion) / max(len(completion), 1)
             for p, completion in zip(prompts, completions, strict=True)]
