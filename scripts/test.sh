@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The install-and-test command: `bash scripts/test.sh [--fast] [pytest args]`.
 # Installs the project into .venv on first use (scripts/bootstrap.sh), then runs pytest: the whole suite, or with
-# --fast the tests that start no process and compile nothing (about 2 minutes; tests/conftest.py keeps it so).
+# --fast the tests that start no process and compile nothing (about a minute; tests/conftest.py keeps it so).
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$REPO_ROOT/scripts/bootstrap.sh" || { echo "test.sh: could not install the environment (see above)" >&2; exit 1; }
