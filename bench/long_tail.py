@@ -9,9 +9,9 @@ each decoder as a worker takes them:
 
     graph       the fixed-batch decoding step (worker/decoding/graph.py), ``--jobs`` jobs a call, each call scored by
                 TRL as generate_jobs does (the worker's loop)
-    continuous  continuous batching (worker/decoding/continuous.py) over ``--jobs`` jobs' rows of slots: a job joins
-                as soon as its rows' slots are free, and is scored on a thread of its own while the slots decode, as the
-                worker's continuous loop does
+    continuous  continuous batching (worker/decoding/continuous.py) over ``--jobs`` jobs' rows of slots: a job is
+                added as soon as a slot is free and no row waits, its rows join as slots free up, and it is scored on
+                a thread of its own while the slots decode, as the worker's continuous loop does
     compiled, eager   transformers' generate, compiled or not, ``--jobs`` jobs a call
 
 Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
@@ -20,7 +20,9 @@ mean about a quarter of the cap, about 2% of rows reaching it). The same prompts
 lengths follow the same distribution (the decoders draw their samples differently).
 
 Printed per decoder and workload, measured in this run after each decoder's warm-up: row utilisation (tokens kept
-over row-steps computed: every slot or row of every decoding step, and each prefill's rows), samples/s and
+over row-steps computed: every slot or row of every decoding step, and each prefill's rows; for ``continuous``
+also until the stream's last row joined, "(wait)": a worker in a run, whose queue does not run dry, decodes so until
+the run's end), samples/s and
 tokens/s over the stream's wall time, and job latency p50/p99 (from the start of the job's generation, its call or
 its joining the slots, to its scored result); ratios to the first setting of the same workload. One JSON document
 on stdout (and --out), a table on stderr.
@@ -62,8 +64,9 @@ def job_inputs(trainer, count: int, batch: int) -> list:
                      fields={"job_id": f"{j:06d}_000"}) for j in range(count)]
 
 
-def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str) -> tuple[list, list, int]:
-    """(outcomes, latencies, row-steps) of the stream in calls of ``jobs`` jobs, as the worker's loop runs them."""
+def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str) -> tuple[list, list, int, None]:
+    """(outcomes, latencies, row-steps, None) of the stream in calls of ``jobs`` jobs, as the worker's loop runs
+    them."""
     from worker.generate import generate_jobs
 
     outcomes, latencies, row_steps = [], [], 0
@@ -79,11 +82,13 @@ def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str)
         else:  # generate stops when every row of the call has ended
             longest = max(int(o.batch["completion_mask"].sum(dim=1).max()) for o in called)
             row_steps += len(called) * len(inputs[0].rows) * longest
-    return outcomes, latencies, row_steps
+    return outcomes, latencies, row_steps, None
 
 
-def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[list, list, int]:
-    """The same through the engine: each job joins as soon as its slots are free, scored on another thread."""
+def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[list, list, int, float]:
+    """The same through the engine: a job added as soon as a slot is free and no row waits, its rows joining as
+    slots free up, scored on another thread; and the row utilisation until the stream's last row joined (what a
+    worker in a run sees, where the queue does not run dry)."""
     from worker.generate import prompt_ids_of, score_generated
 
     waiting, joined, futures = list(enumerate(inputs)), {}, []
@@ -91,22 +96,24 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
     def score(finished):
         job = inputs[finished.key]
         outcome = score_generated(trainer, job, finished.prompt_ids, finished.completion_ids, finished.tokens,
-                                  finished.logps, NoEvents(), token_versions=finished.runs)
+                                  finished.logps, NoEvents(), token_versions=finished.token_versions)
         return finished.key, outcome, time.perf_counter() - joined[finished.key]
 
-    row_steps_before = engine.row_steps
+    row_steps_before, while_jobs_wait = engine.row_steps, None
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
     with ThreadPoolExecutor(1) as scorer, torch.no_grad(), trainer.accelerator.autocast():
         while waiting or not engine.empty():
-            while waiting and engine.free_slots() >= engine.rows_per_job:
+            while waiting and engine.wants_a_job():
                 key, job = waiting.pop(0)
                 engine.add(key, prompt_ids_of(trainer, job.rows), job.seed)
                 joined[key] = time.perf_counter()
             engine.run(engine.check_every)
+            if while_jobs_wait is None and not waiting and not engine.waiting:
+                while_jobs_wait = engine.decoded_tokens() / (engine.row_steps - row_steps_before)
             futures += [scorer.submit(score, finished) for finished in engine.collect()]
         results = sorted(f.result() for f in futures)
     return [outcome for _, outcome, _ in results], [seconds for _, _, seconds in results], \
-        engine.row_steps - row_steps_before
+        engine.row_steps - row_steps_before, while_jobs_wait
 
 
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
@@ -115,9 +122,10 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
     if decoding == "continuous":
-        outcomes, latencies, row_steps = stream_continuously(trainer, decoder, inputs, a.device)
+        outcomes, latencies, row_steps, while_jobs_wait = stream_continuously(trainer, decoder, inputs, a.device)
     else:
-        outcomes, latencies, row_steps = stream_fixed_batches(trainer, decoder, inputs, a.jobs, a.device)
+        outcomes, latencies, row_steps, while_jobs_wait = stream_fixed_batches(trainer, decoder, inputs, a.jobs,
+                                                                               a.device)
     wall_s = now(a.device) - start
     for outcome in outcomes:
         if isinstance(outcome, Exception):
@@ -128,6 +136,8 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     return {"shape": shape, "decoding": decoding, "lengths": lengths, "jobs": a.jobs, "rows": a.jobs * a.batch,
             "stream_jobs": a.stream, "wall_s": round(wall_s, 3), "samples_per_s": round(len(row_lengths) / wall_s, 1),
             "tokens_per_s": round(kept / wall_s), "row_utilisation": round(kept / row_steps, 3),
+            # every call of a fixed batch is alike: no different while jobs wait
+            "row_utilisation_while_jobs_wait": round(while_jobs_wait or kept / row_steps, 3),
             "mean_length": round(kept / len(row_lengths), 1),
             "at_cap": round(sum(n == a.completion for n in row_lengths) / len(row_lengths), 3),
             "latency_p50_s": round(statistics.median(latencies), 3),
@@ -167,10 +177,11 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
            "torch": torch.__version__, "completion": a.completion, "batch": a.batch, "results": rows}
-    print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'samples/s':>10} {'vs first':>8} "
+    print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'(wait)':>6} {'samples/s':>10} {'vs first':>8} "
           f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'mean len':>8} {'warm-up s':>9}", file=sys.stderr)
     for r in rows:
         print(f"{r['shape']:<9} {r['lengths']:<9} {r['decoding']:<11} {r['row_utilisation']:>5.2f} "
+              f"{r['row_utilisation_while_jobs_wait']:>6.2f} "
               f"{r['samples_per_s']:>10.1f} {r['samples_per_s_vs_baseline']:>7.2f}x "
               f"{r['utilisation_vs_baseline']:>6.2f}x "
               f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",

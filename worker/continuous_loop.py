@@ -1,14 +1,14 @@
 """The worker loop with continuous batching (``--worker_decoding continuous``, worker/decoding/continuous.py).
 
-The worker's main thread runs the engine: it claims a job when a job's rows of slots are free (never earlier: a
-claimed job ages), prefills its rows into them, launches decoding steps, and every few steps (CHECK_EVERY of
-worker/decoding/continuous.py) collects the jobs whose rows have all ended and syncs newer weights. A finished job
-is scored and published by the ``Scorer`` thread, while the slots keep decoding. (The engine stays on the thread
-that compiled it: CUDA graphs are recorded per thread, and in torch before 2.13 replaying them from another thread
-fails. Reward functions therefore run on the scoring thread, as in TRL's asynchronous trainer; TRL's own math
-rewards turn their signal-based timeouts off there.)
+The worker's main thread runs the engine: it claims a job when a slot is free and no row waits for one (never
+earlier: a claimed job ages), its rows joining as slots free up; it launches decoding steps, and every few steps
+(CHECK_EVERY of worker/decoding/continuous.py) collects the jobs whose rows have all ended and syncs newer weights.
+A finished job is scored and published by the ``Scorer`` thread, while the slots keep decoding. (The engine stays
+on the thread that compiled it: CUDA graphs are recorded per thread, and in torch before 2.13 replaying them from
+another thread fails. Reward functions therefore run on the scoring thread, as in TRL's asynchronous trainer;
+TRL's own math rewards turn their signal-based timeouts off there.)
 
-Weights are synced in place between decoding steps, and each job records which versions sampled its tokens (as
+Weights are synced in place between decoding steps, and each row records which versions sampled its tokens (as
 with --in_flight_updates); a result's weights_version is its oldest token's. Exactly once holds as for any job:
 each result is published through the fenced ``JobQueue.complete``; a worker that dies with jobs in its slots loses
 each to recovery. On a stop the worker claims nothing more, finishes the jobs in its slots (at most
@@ -98,13 +98,13 @@ class Scorer:
 
     def _publish(self, entry: _Held, finished: FinishedJob) -> None:
         job, trainer = entry.job, self.trainer
-        oldest = finished.runs[0][1]
+        oldest = finished.weights_version
         self.events.emit("generate_end", job_id=job.job_id, weights_version=oldest, dur_ms=finished.decode_s * 1e3)
         inputs = JobInput(job.job_data.rows, job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
                           {"job_id": job.job_id, "weights_version": oldest})
         outcome = score_generated(trainer, inputs, finished.prompt_ids, finished.completion_ids, finished.tokens,
                                   finished.logps, self.events, with_logs=self.cfg.log_completions,
-                                  token_versions=finished.runs)
+                                  token_versions=finished.token_versions)
         publish(self.cfg, self.queue, job, outcome, oldest, self.events,
                 Timing(entry.claimed, entry.started, time.time(), recompiles=self.engine.recompiles()))
         JOB_FAILURES.flush()
@@ -142,7 +142,7 @@ def _decode(cfg, run, queue, trainer, engine, subscriber, watcher, presence, sto
             held[parked.job.job_id], parked = _join(trainer, engine, parked, events, subscriber), None
         # Free slots take a job, unless finished jobs wait to be scored (a slow reward function): a worker takes no
         # more than it can score soon, and the other workers take the rest.
-        while (parked is None and not stop.is_set() and engine.free_slots() >= engine.rows_per_job
+        while (parked is None and not stop.is_set() and engine.wants_a_job()
                and len(scorer.in_hand()) < engine.slots // engine.rows_per_job):
             job = queue.claim(device)
             if job is None:

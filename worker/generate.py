@@ -182,12 +182,12 @@ class JobInput:
 class Generated:
     """One job generated and scored: its batch and metrics as generate_and_score returns them, its completions
     table (completion_logs) when asked for, and with in-flight updates the versions its tokens were sampled by
-    (runs [(first_token, version), ...], worker/in_flight.py)."""
+    (runs [(first_token, version), ...] a row, worker/in_flight.py)."""
 
     batch: dict
     metrics: dict
     logs: dict | None = None
-    token_versions: list[tuple[int, int]] | None = None
+    token_versions: list[list[tuple[int, int]]] | None = None
 
 
 def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog, decoder: Decoder | None = None,
@@ -216,7 +216,8 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog, 
         try:
             batch, metrics = generate_and_score(trainer, job.rows, events, seed=job.seed, ps_step=job.ps_step,
                                                 pregenerated=pregenerated, in_flight=in_flight, **job.fields)
-            versions = None if in_flight is None else shared_versions if pregenerated else list(in_flight.runs)
+            runs = None if in_flight is None else shared_versions if pregenerated else list(in_flight.runs)
+            versions = None if runs is None else [runs] * batch["advantages"].size(0)  # every row of the call's
             outcomes.append(Generated(batch, metrics, completion_logs(trainer) if with_logs else None, versions))
         except Exception as err:
             if is_broken_device_error(err):
@@ -227,7 +228,7 @@ def generate_jobs(trainer: GRPOTrainer, jobs: list[JobInput], events: EventLog, 
 
 def score_generated(trainer: GRPOTrainer, job: JobInput, prompt_ids: list[list[int]],
                     completion_ids: list[list[int]], tokens: torch.Tensor, logps: torch.Tensor, events: EventLog,
-                    with_logs: bool = False, token_versions: list[tuple[int, int]] | None = None
+                    with_logs: bool = False, token_versions: list[list[tuple[int, int]]] | None = None
                     ) -> Generated | Exception:
     """A job generated elsewhere (worker/decoding/continuous.py: TRL's ``_generate_single_turn`` output for its
     prompts, and the tokens and behaviour log-probs it sampled), scored by TRL's call as a shared call's share is:

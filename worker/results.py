@@ -50,7 +50,8 @@ def publish(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, outcome: Gen
     # outcome.logs: the PS prints TRL's completions table from these
     data = ResultData({k: v for k, v in batch.items() if k != REWARDS_KEY}, batch.get(REWARDS_KEY), metrics,
                       job.job_data.rows, outcome.logs, outcome.token_versions).to_dict()
-    oldest = outcome.token_versions[0][1] if outcome.token_versions else version
+    runs = outcome.token_versions  # a row's each
+    oldest = min(row[0][1] for row in runs) if runs else version
     try:
         published = queue.complete(
             job, data, weights_version=oldest, queue_time=job.claimed_at - job.payload["created_at"],
@@ -62,8 +63,8 @@ def publish(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, outcome: Gen
                 dur_ms=(time.monotonic() - timing.claimed) * 1e3, samples=int(batch["advantages"].numel()),
                 tokens=int(batch["completion_mask"].sum()), jobs_in_call=timing.jobs_in_call,
                 recompiles=timing.recompiles)
-    runs = outcome.token_versions
-    newest = f" newest_token_version={runs[-1][1]}" if runs and len(runs) > 1 else ""
+    newest = max(row[-1][1] for row in runs) if runs else version
+    newest = f" newest_token_version={newest}" if newest != oldest else ""
     log.info("[gen] dev%s job=%s weights_version=%d dur_ms=%.0f reward=%.3f published=%s%s%s", device,
              job.job_id, oldest, (timing.done - timing.started) * 1e3, metrics.get("reward", float("nan")), published,
              f" jobs_in_call={timing.jobs_in_call}" if timing.jobs_in_call > 1 else "", newest)

@@ -80,10 +80,10 @@ class ResultData:
     metrics: dict[str, float]
     rows: list[dict]
     logs: dict | None = None  # TRL's completions table rows (worker/generate.py completion_logs)
-    # With in-flight updates (worker/in_flight.py): the weights versions of the generate call, as runs
-    # [(first_token, version), ...], token t of every row sampled by the last run starting at or before t.
-    # None: every token by the result's weights_version.
-    token_versions: list[tuple[int, int]] | None = None
+    # With in-flight updates (worker/in_flight.py, worker/decoding/continuous.py): the weights versions that sampled
+    # each row's tokens, as runs [(first_token, version), ...] a row, token t of the row sampled by the last run
+    # starting at or before t. None: every token by the result's weights_version.
+    token_versions: list[list[tuple[int, int]]] | None = None
 
     @property
     def completions(self) -> int:
@@ -95,20 +95,25 @@ class ResultData:
         if self.logs is not None:
             data["logs"] = self.logs
         if self.token_versions is not None:
-            data["token_versions"] = [list(run) for run in self.token_versions]
+            data["token_versions"] = [[list(run) for run in runs] for runs in self.token_versions]
         return data
 
     def tokens_by_version(self, rows: list[int], weights_version: int) -> dict[int, int]:
         """How many completion tokens of ``rows`` each weights version sampled."""
-        runs = self.token_versions or [(0, weights_version)]
         lengths = self.batch["completion_mask"][rows].sum(dim=1).tolist()
         counts: dict[int, int] = {}
-        for i, (first, version) in enumerate(runs):
-            end = runs[i + 1][0] if i + 1 < len(runs) else None
-            n = sum(max(0, (length if end is None else min(end, length)) - first) for length in lengths)
-            if n:
-                counts[version] = counts.get(version, 0) + int(n)
+        for row, length in zip(rows, lengths, strict=True):
+            runs = self.token_versions[row] if self.token_versions else [(0, weights_version)]
+            for i, (first, version) in enumerate(runs):
+                end = runs[i + 1][0] if i + 1 < len(runs) else length
+                if (n := int(min(end, length) - first)) > 0:
+                    counts[version] = counts.get(version, 0) + n
         return counts
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of its oldest token, where ``token_versions`` says (the first run of some row)."""
+        return min(runs[0][1] for runs in self.token_versions) if self.token_versions else None
 
     @classmethod
     def from_dict(cls, data, rows_per_job: int) -> ResultData:
@@ -141,14 +146,16 @@ class ResultData:
             if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
                 raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
         _check_rows(data["rows"], "a result")
-        runs = data.get("token_versions")
-        if runs is not None:
-            runs = _checked_runs(runs)
-        return cls(batch, rewards, data.get("metrics", {}), data["rows"], data.get("logs"), runs)
+        versions = data.get("token_versions")
+        if versions is not None:
+            if not isinstance(versions, list) or len(versions) != n:
+                raise ValueError(f"a result's token_versions must hold one list of runs a row, {n} of them")
+            versions = [_checked_runs(runs) for runs in versions]
+        return cls(batch, rewards, data.get("metrics", {}), data["rows"], data.get("logs"), versions)
 
 
 def _checked_runs(runs) -> list[tuple[int, int]]:
-    """A result's token_versions: [[0, version], [first_token, version], ...], non-negative integers, first tokens
+    """A row's token versions: [[0, version], [first_token, version], ...], non-negative integers, first tokens
     increasing (ValueError otherwise)."""
     well_formed = isinstance(runs, list) and runs and all(
         isinstance(run, (list, tuple)) and len(run) == 2 and all(type(x) is int and x >= 0 for x in run)
@@ -156,7 +163,7 @@ def _checked_runs(runs) -> list[tuple[int, int]]:
     firsts = [run[0] for run in runs] if well_formed else []
     if not well_formed or firsts[0] != 0 or firsts != sorted(set(firsts)):
         raise ValueError("a result's token_versions must be runs [[0, version], [first_token, version], ...] of "
-                         "non-negative integers, first tokens increasing")
+                         "non-negative integers, first tokens increasing, one list a row")
     return [tuple(run) for run in runs]
 
 
@@ -194,9 +201,9 @@ def read_result_payload(payload: dict, rows_per_job: int) -> None:
     if type(version) is not int or version < 0:
         raise ValueError(f"weights_version {str(version)[:40]!r} is not a non-negative integer")
     data = read_result(payload["data"], rows_per_job)
-    runs = getattr(data, "token_versions", None)
-    if runs and runs[0][1] != version:  # the oldest token's version is the one the staleness bound goes by
-        raise ValueError(f"token_versions start at version {runs[0][1]}, the result's weights_version is {version}")
+    oldest = getattr(data, "oldest_version", None)
+    if oldest is not None and oldest != version:  # the oldest token's version is the one the staleness bound goes by
+        raise ValueError(f"token_versions start at version {oldest}, the result's weights_version is {version}")
     payload["data"] = data
 
 

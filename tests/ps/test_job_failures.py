@@ -240,8 +240,12 @@ def test_a_result_whose_oldest_token_is_not_its_weights_version_is_refused():
     batch = {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
              "prompt_mask": torch.ones(rows, 2, dtype=torch.long), "completion_ids": torch.ones(rows, 3),
              "completion_mask": torch.ones(rows, 3)}
-    data = ResultData(batch, None, {}, ROWS, token_versions=[(0, 5), (2, 6)]).to_dict()
+    # Rows join at different steps: the oldest token is the first of the row that started first.
+    versions = [[(0, 6)], [(0, 5), (2, 6)], [(0, 6), (1, 7)], [(0, 7)]]
+    data = ResultData(batch, None, {}, ROWS, token_versions=versions).to_dict()
     read_result_payload({"weights_version": 5, "data": data}, rows_per_job=rows)
-    with pytest.raises(ValueError, match="token_versions start at version 5, the result's weights_version is 4"):
-        read_result_payload({"weights_version": 4, "data": ResultData(batch, None, {}, ROWS,
-                                                                       token_versions=[(0, 5)]).to_dict()}, rows)
+    for version in (4, 6):
+        with pytest.raises(ValueError, match=f"token_versions start at version 5, the result's weights_version is "
+                                             f"{version}"):
+            read_result_payload({"weights_version": version, "data": ResultData(
+                batch, None, {}, ROWS, token_versions=versions).to_dict()}, rows)

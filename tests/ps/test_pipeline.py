@@ -310,12 +310,12 @@ def test_a_result_is_as_stale_as_its_oldest_token(run, start):
     job = pipeline.queue.claim(1)
     # Tokens 0-1 sampled by version 1 (2 steps stale at step 3), tokens 2- by version 3 (fresh).
     assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"],
-                                         "token_versions": [[0, 1], [2, 3]]}, weights_version=1)
+                                         "token_versions": [[[0, 1], [2, 3]]] * ROWS}, weights_version=1)
     thread, outcome = next_batch_in_thread(pipeline, step=3)
     wait_for(lambda: os.path.exists(run.done / f"{job.job_id}_stale.pt"), "the stale archive")
     rethrown = wait_for(lambda: pipeline.queue.claim(1), "the re-thrown job")
     assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"],
-                                              "token_versions": [[0, 3], [1, 4]]}, weights_version=3)
+                                              "token_versions": [[[0, 3], [1, 4]]] * ROWS}, weights_version=3)
     thread.join(WAIT_S)
     [part] = outcome["result"].in_training.parts
     # Each row's 3 completion tokens: the first by version 3, the other two by version 4.

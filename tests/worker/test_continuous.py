@@ -1,7 +1,7 @@
 """Continuous batching (worker/decoding/continuous.py), what is the engine's own beside what every decoder must do
 (tests/worker/test_decoders.py): jobs joining slots other jobs left decode as transformers' generate decodes each
 alone (greedy), a job samples what it samples whatever shares its steps, each job records the versions that sampled
-its tokens, and rows that end free their slots for the next job at once.
+its tokens (a row's each, from its own first), and rows that end free their slots for the next waiting row at once.
 
 The engine runs eagerly (``compile=False``: the same functions); compiled, it is one of test_decoders.py's.
 """
@@ -29,8 +29,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncgrpo.tasks.demo import build_tokenizer
 from asyncgrpo.tasks.long_tail import end_with_probability
-from worker.decoding.continuous import ContinuousDecoding, seeded_exponentials, unit_interval
+from worker.decoding.continuous import ContinuousDecoding
 from worker.decoding.graph import Sampling, sample
+from worker.decoding.seeded_draws import seeded_exponentials, unit_interval
 from worker.generate import score_generated
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -45,12 +46,12 @@ def job_ids(trainer, index: int) -> list[list[int]]:
 
 
 def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None) -> dict:
-    """Every job of ``jobs`` ({key: prompt ids}) through the engine, each joining as soon as its slots are free, in
-    order: {key: FinishedJob}."""
+    """Every job of ``jobs`` ({key: prompt ids}) through the engine, in order, each added as the worker's loop claims
+    one (a slot free and no row waiting): {key: FinishedJob}."""
     waiting, finished = list(jobs), {}
     with torch.no_grad(), engine.trainer.accelerator.autocast():
         while waiting or not engine.empty():
-            while waiting and engine.free_slots() >= engine.rows_per_job:
+            while waiting and engine.wants_a_job():
                 key = waiting.pop(0)
                 engine.add(key, jobs[key], job_seed=(seeds or {}).get(key, 0))
             engine.run(engine.check_every)
@@ -73,25 +74,35 @@ def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path):
     assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
 
 
-def test_each_job_records_the_versions_that_sampled_its_tokens(tmp_path):
-    """weights_changed between steps: a job's next token index starts a run; a job that joined later counts from
-    its own first token."""
-    trainer = trainer_for(tmp_path, llama(eos_bias=0.0), **GREEDY)  # rows that run to the cap: no job leaves early
-    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    engine.weights_changed(3)
+def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_first(tmp_path):
+    """A job's rows join at different steps, as the rows before them end. weights_changed between steps: each
+    decoding row's next token starts a run, counted from that row's own first token (sampled by its prefill); a row
+    still waiting for a slot starts with the version it joins under."""
+    trainer = trainer_for(tmp_path, long_tail_model(1 / 6), temperature=1.0, max_completion_length=24)
+    rows = trainer.args.generation_batch_size
+    engine = ContinuousDecoding(trainer, rows, job_ids(trainer, 0), compile=False)  # one job's rows of slots
+    engine.weights_changed(0)
+    version_of_step, finished = {}, {}  # engine step: the version its tokens (and the prefills before it) came from
     with torch.no_grad():
         engine.add("a", job_ids(trainer, 0), job_seed=0)
-        engine.run(4)
-        engine.add("b", job_ids(trainer, 1), job_seed=1)
-        engine.weights_changed(4)  # a: 1 + 4 tokens sampled by version 3; b: its first, from its prefill
-        engine.run(4)
-        engine.weights_changed(5)
-        finished = {}
-        while len(finished) < 2:
-            engine.run(engine.check_every)
+        engine.add("b", job_ids(trainer, 1), job_seed=1)  # its rows wait for a's to end
+        b = engine.residents[-1]
+        while not engine.empty():
+            if engine.steps % 3 == 2:
+                engine.weights_changed(engine.version + 1)
+            version_of_step[engine.steps] = engine.version
+            engine.run(1)
             finished.update((f.key, f) for f in engine.collect())
-    assert finished["a"].runs == [(0, 3), (5, 4), (9, 5)]
-    assert finished["b"].runs == [(0, 3), (1, 4), (5, 5)]
+    assert len(set(b.joined)) > 3  # b's rows joined at several steps
+    for key, done in finished.items():
+        joined = [0] * rows if key == "a" else b.joined
+        for row, completion in enumerate(done.completion_ids):
+            # Token 0 comes from the row's prefill, token i >= 1 from step joined + i - 1.
+            versions = [version_of_step[joined[row] + max(i - 1, 0)] for i in range(len(completion))]
+            runs = [(i, v) for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+            assert done.token_versions[row] == runs, (key, row)
+    assert any(len(runs) > 2 for runs in finished["b"].token_versions)
+    assert finished["b"].weights_version == version_of_step[min(b.joined)]  # its oldest token's: its first row's
 
 
 # ---------------------------------------------------------------- sampling: per job, whatever shares its steps

@@ -90,4 +90,4 @@ def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
     with torch.no_grad():
         _join(trainer, engine, entry, EventLog.off(), Subscriber())
     [resident] = engine.residents
-    assert engine.version == 8 and resident.runs == [(0, 8)]
+    assert engine.version == 8 and resident.runs == [[(0, 8)]] * engine.rows_per_job

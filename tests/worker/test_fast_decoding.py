@@ -217,7 +217,7 @@ def test_compiled_decoding_takes_weights_published_during_a_job_between_its_step
         outcomes = generate_jobs(trainer, two_jobs(trainer), Events(), decoding, in_flight=in_flight)
     assert decoding.recompiles() == 0 and in_flight.version == 11
     for outcome in outcomes:
-        assert outcome.token_versions == [(0, 10), (CHECK_EVERY, 11)]
+        assert outcome.token_versions == [[(0, 10), (CHECK_EVERY, 11)]] * trainer.args.generation_batch_size
         batch = outcome.batch
         captured, mask = batch["old_per_token_logps"], batch["completion_mask"].bool()
         assert mask[:, CHECK_EVERY:].any(), "no completion reached the sync"

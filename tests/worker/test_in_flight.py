@@ -65,7 +65,7 @@ def test_weights_published_during_a_job_sample_its_later_tokens_and_the_result_s
     assert in_flight.version == SECOND and torch.equal(worker.model.model.norm.weight, norm)
     for outcome in outcomes:
         assert not isinstance(outcome, Exception), outcome
-        assert outcome.token_versions == [(0, FIRST), (CHECK_EVERY, SECOND)]
+        assert outcome.token_versions == [[(0, FIRST), (CHECK_EVERY, SECOND)]] * worker.args.generation_batch_size
         batch = outcome.batch
         captured, mask = batch["old_per_token_logps"], batch["completion_mask"].bool()
         assert mask[:, CHECK_EVERY:].any(), "no completion reached the sync"
@@ -95,4 +95,4 @@ def test_without_newer_weights_a_job_has_one_version_and_nothing_is_synced(tmp_p
         in_flight.version = FIRST
         [outcome] = generate_jobs(worker, [JobInput([{"prompt": "7:"}] * worker.num_generations, seed=0)],
                                   EventLog.off(), in_flight=in_flight)
-    assert outcome.token_versions == [(0, FIRST)] and in_flight.version == FIRST
+    assert outcome.token_versions == [[(0, FIRST)]] * worker.num_generations and in_flight.version == FIRST

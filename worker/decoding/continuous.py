@@ -2,13 +2,12 @@
 busy while jobs wait.
 
 A fixed batch lasts as long as its longest row, and completion lengths have a long tail: most of its row-steps
-decode rows that already ended. Here the batch is ``--decoding_slots`` row slots. A job's G rows join together,
-each into a free slot, through a prefill; each slot decodes on its own until its row ends (EOS or the length cap),
-when its tokens are copied out and the slot is free again; the next job joins as soon as G slots are free (any G),
-and a job whose rows have all ended leaves at once, to be scored while the others decode. What a slot decodes
-while it waits for G - 1 others to free up is the waste left, about G / 2 of the slots.
+decode rows that already ended. Here the batch is ``--decoding_slots`` row slots. A job's G rows wait in line for
+slots and join one by one, each into the first free slot, through a prefill; each slot decodes on its own until its
+row ends (EOS or the length cap), when its tokens are copied out and the slot takes the next waiting row at once. A
+job whose rows have all ended leaves, to be scored while the others decode.
 
-Shapes stay fixed, so the step and the prefill compile once (CUDA graphs on a GPU), as the graph decoder's
+Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a GPU), as the graph decoder's
 (worker/decoding/graph.py, whose logits processing, sampling and behaviour log-prob this shares):
 
 - the KV cache is one ring of ``prompt part + max_completion_length`` columns for every slot (``SlotCache``).
@@ -16,15 +15,18 @@ Shapes stay fixed, so the step and the prefill compile once (CUDA graphs on a GP
   row's prompt is copied into the columns before it. A row lives for at most prompt part + max_completion_length
   columns, so it never overwrites its own; attention reads each slot's own columns through its row of a mask (a
   key's column does not matter to attention: RoPE placed it by the row's own position ids);
-- the prefill runs one job's rows (prompts padded on the left to the prompt part, as TRL pads them) over a cache
-  of their own, then writes their keys and values into their slots' ring columns and chooses their first tokens;
+- a prefill runs the joining rows (prompts padded on the left to the prompt part, as TRL pads them) over a cache
+  of their own, then writes their keys and values into their slots' ring columns and chooses their first tokens.
+  Compiled, it takes a power of two of rows up to a job's (one graph each, all compiled in the warm-up), so the
+  rows that join at once go in a few prefills (7 rows: 4, 2 and 1);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
-  counter-based hash): a job samples the same tokens whichever slots, and whichever other jobs, it decodes beside.
+  counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
+  decodes beside.
 
 Every ``check_every`` steps (CHECK_EVERY) the host reads which slots ended (one device sync), frees them, hands
-finished jobs out, and looks for newer weights: they are synced in place between steps, and each job records the
-versions that sampled its tokens (``runs``, as worker/in_flight.py defines them; a job's weights_version is its
-oldest token's).
+finished jobs out, and looks for newer weights: they are synced in place between steps, and each row records the
+versions that sampled its tokens (``runs``, as worker/in_flight.py defines them, one list a row: a job's rows
+join at different steps; a job's weights_version is its oldest token's).
 
 The worker loop around it (claims, scoring on a thread of its own while the slots decode, publishing) is
 worker/continuous_loop.py.
@@ -46,47 +48,11 @@ from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
+from worker.decoding.seeded_draws import row_seed, seeded_exponentials
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
 CHECK_EVERY = {"cuda": 8, "cpu": 1}
-
-# splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic)
-GOLDEN = 0x9E3779B97F4A7C15 - 2**64
-MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-MIX2 = 0x94D049BB133111EB - 2**64
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 (torch's is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) draws [rows, vocab] that depend only on each row's seed, its counter (the token's index) and the
-    vocabulary position: splitmix64 (Steele et al.) of ``seed + (counter * vocab + position) * golden``, its top 23
-    bits a uniform in (0, 1). Integer products wrap, as the hash wants."""
-    x = seeds[:, None] + (counters[:, None] * vocab + torch.arange(vocab, device=seeds.device)[None, :]) * GOLDEN
-    x = (x ^ _shift_right(x, 30)) * MIX1
-    x = (x ^ _shift_right(x, 27)) * MIX2
-    return -torch.log(unit_interval(x ^ _shift_right(x, 31)))
-
-
-def unit_interval(x: torch.Tensor) -> torch.Tensor:
-    """The top 23 bits of int64 ``x`` as a float32 strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32,
-    so no draw rounds to 1 (with 24 bits the largest does, and its Exp(1) draw of 0 wins every race)."""
-    return (_shift_right(x, 41).to(torch.float32) + 0.5) / 2**23
-
-
-def row_seed(job_seed: int, row: int) -> int:
-    """Row ``row`` of a job's seed for ``seeded_exponentials`` (rows must differ: a group of equal samples teaches
-    nothing), as a signed 64-bit integer."""
-    z = (job_seed * 0x9E3779B97F4A7C15 + row * 0xD1B54A32D192ED03 + 1) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    z ^= z >> 31
-    return z - 2**64 if z >= 2**63 else z
-
 
 class SlotCache:
     """Keys and values [slots, heads, columns, dim] per layer, a ring: every step writes every slot at ``column``.
@@ -106,30 +72,37 @@ class SlotCache:
 @dataclass
 class FinishedJob:
     """A job whose rows have all ended: TRL's ``_generate_single_turn`` output for its prompts (completion ids cut
-    after the first EOS), the tokens and behaviour log-probs [rows, tokens] on the CPU, and the runs of versions
-    that sampled them."""
+    after the first EOS), the tokens and behaviour log-probs [rows, tokens] on the CPU, and each row's runs of the
+    versions that sampled them."""
 
     key: object
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     tokens: torch.Tensor
     logps: torch.Tensor
-    runs: list[tuple[int, int]]
-    decode_s: float
+    token_versions: list[list[tuple[int, int]]]
+    decode_s: float  # from its ``add`` to its last row's end
+
+    @property
+    def weights_version(self) -> int:
+        """Its oldest token's version (the one the staleness bound goes by)."""
+        return min(runs[0][1] for runs in self.token_versions)
 
 
 @dataclass
 class _Resident:
-    """A job in the engine: its rows' slots (row i in ``slots[i]`` until it ends) and the rows already ended,
-    copied out: {row: (tokens, log-probs)}."""
+    """A job in the engine. Row i decodes in slot ``slots[i]`` (None while it waits for one, and once it ended)
+    from engine step ``joined[i]``, sampled by the versions of ``runs[i]``; the rows that ended are copied out:
+    {row: (tokens, log-probs)}."""
 
     key: object
     prompt_ids: list[list[int]]
-    slots: list[int]
-    joined_step: int
-    runs: list[tuple[int, int]]
+    seeds: list[int]
+    slots: list[int | None]
+    joined: list[int | None]
+    runs: list[list[tuple[int, int]]]
     ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    joined_at: float = field(default_factory=time.monotonic)
+    added_at: float = field(default_factory=time.monotonic)
 
 
 class SlotState:
@@ -157,6 +130,7 @@ class ContinuousDecoding(OwnStep):
     mode = "continuous"
 
     WARM_UP_JOBS = 3  # the first prefill allocates the caches eagerly, the second compiles, the third records
+    WARM_UP_CALLS = 2  # of each prefill size after the first (compiled: compiles, then records its CUDA graph)
 
     def __init__(self, trainer, slots: int, prompt_ids: list[list[int]], compile: bool = True,
                  compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
@@ -170,12 +144,16 @@ class ContinuousDecoding(OwnStep):
         self.residents: list[_Resident] = []
         self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
         self.free: list[int] = list(range(slots))
+        self.waiting: list[tuple[_Resident, int]] = []  # rows waiting for a slot: (job, row), in the order they came
         self.steps = 0  # decoding steps run, over every slot
         self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows
         self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
         self.version: int | None = None  # the weights the model holds
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
+        # A compiled prefill has one graph per number of rows: powers of two up to a job's rows.
+        self.prefill_compiled = self._compiled_prefill != self._prefill_step
+        self.largest_prefill = 1 << (self.rows_per_job.bit_length() - 1)
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -197,20 +175,22 @@ class ContinuousDecoding(OwnStep):
         """Caches for prompts of up to ``prompt_tokens`` tokens (the engine is empty): new shapes, new graphs."""
         assert not self.residents, "reallocating with jobs in the slots"
         self._allocate(prompt_tokens)
-        self.free = list(range(self.slots))
+        self.free, self.waiting = list(range(self.slots)), []
 
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
         self.columns = self.prompt_part + self.max_new
         self.state = SlotState(self.slots, self.columns, self.max_new, self.device)
-        self.prefill_cache = StaticCache(config=self.model.config, max_cache_len=self.prompt_part)
+        self.prefill_caches: dict[int, StaticCache] = {}  # by the number of rows a prefill takes
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
         return max(len(ids) for ids in prompt_ids) <= self.prompt_part
 
-    def free_slots(self) -> int:
-        return len(self.free)
+    def wants_a_job(self) -> bool:
+        """A slot is free and no row waits for one: a job claimed now starts decoding at once (never earlier: a
+        claimed job ages)."""
+        return bool(self.free) and not self.waiting
 
     def empty(self) -> bool:
         return not self.residents
@@ -290,49 +270,74 @@ class ContinuousDecoding(OwnStep):
     # ------------------------------------------------------------------ on the host
 
     def add(self, key, prompt_ids: list[list[int]], job_seed: int) -> None:
-        """A job's rows join: prefilled into free slots (the caller checked ``fits`` and ``free_slots``)."""
+        """A job's rows wait in line for slots; those that find one join at once (the caller checked ``fits``)."""
         rows = len(prompt_ids)
-        if rows != self.rows_per_job or rows > len(self.free):
-            raise ValueError(f"a job of {rows} rows for {len(self.free)} free slots of {self.rows_per_job}-row jobs")
+        if rows != self.rows_per_job:
+            raise ValueError(f"a job of {rows} rows for an engine of {self.rows_per_job}-row jobs")
+        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
+                        [None] * rows, [None] * rows, [[] for _ in range(rows)])
+        self.residents.append(job)
+        self.waiting += [(job, row) for row in range(rows)]
+        self._admit()
+
+    def _admit(self) -> None:
+        """Waiting rows into free slots, in as few prefills as the compiled sizes allow."""
+        while self.waiting and self.free:
+            n = min(len(self.waiting), len(self.free))
+            if self.prefill_compiled:
+                n = 1 << (min(n, self.largest_prefill).bit_length() - 1)
+            joining, self.waiting = self.waiting[:n], self.waiting[n:]
+            self._prefill(joining)
+
+    def _prefill(self, joining: list[tuple[_Resident, int]]) -> None:
+        rows = len(joining)
         slots, self.free = self.free[:rows], self.free[rows:]
-        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
+        prompts = [job.prompt_ids[row] for job, row in joining]
+        ids = pad([torch.tensor(p) for p in prompts], padding_value=self.pad, padding_side="left",
                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
+        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left",
                    pad_to_multiple_of=self.trainer.pad_to_multiple_of)
         ids = torch.nn.functional.pad(ids, (self.prompt_part - ids.size(1), 0), value=self.pad)
         mask = torch.nn.functional.pad(mask, (self.prompt_part - mask.size(1), 0), value=0)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
-        seeds = torch.tensor([row_seed(job_seed, r) for r in range(rows)], dtype=torch.long)
+        seeds = torch.tensor([job.seeds[row] for job, row in joining], dtype=torch.long)
         st = self.state
         if self.sampling.repetition_penalty is not None and st.seen is None:
             st.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
-        self.prefill_cache.reset()
         args = [t.to(self.device) for t in (ids, mask, position, torch.tensor(slots), seeds)]
-        # transformers allocates a static cache's tensors at their first write and marks their addresses static
-        # only outside a compiled region: the first prefill runs eagerly, and allocates the ring like them.
-        if self.cache is None:
-            self._prefill_step_allocating(st, *args)
+        cache = self.prefill_caches.get(rows)
+        if cache is None:
+            # transformers allocates a static cache's tensors at their first write and marks their addresses static
+            # only outside a compiled region: a size's first prefill runs eagerly (and allocates the ring too).
+            cache = self.prefill_caches[rows] = self._allocated_prefill_cache(*args[:3])
+            self._prefill_step(cache, st, *args)
         else:
-            self._compiled_prefill(self.prefill_cache, st, *args)
+            cache.reset()
+            self._compiled_prefill(cache, st, *args)
         self.row_steps += rows
-        job = _Resident(key, [list(p) for p in prompt_ids], slots, self.steps, [(0, self.version)])
-        self.residents.append(job)
-        self.owners.update((slot, (job, row)) for row, slot in enumerate(slots))
+        for (job, row), slot in zip(joining, slots, strict=True):
+            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
+            self.owners[slot] = (job, row)
 
-    def _prefill_step_allocating(self, st: SlotState, ids, mask, position, *args) -> None:
-        # A forward that allocates the prefill's cache and shows the keys' dtype and heads as the model makes them.
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=self.prefill_cache,
-                   use_cache=True, logits_to_keep=1)
-        self.prefill_cache.reset()
-        keys, values = [], []
-        for layer in self.prefill_cache.layers:
-            for kind, into in ((layer.keys, keys), (layer.values, values)):
-                into.append(static_buffer(self.slots, kind.size(1), self.columns, kind.size(3), dtype=kind.dtype,
-                                          device=self.device))
-        self.cache = SlotCache(keys, values, st.column)
-        self._prefill_step(self.prefill_cache, st, ids, mask, position, *args)
+    def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
+        """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes
+        them, for the ring)."""
+        cache = StaticCache(config=self.model.config, max_cache_len=self.prompt_part)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.reset()
+        if self.cache is None:
+            keys, values = [], []
+            for layer in cache.layers:
+                for kind, into in ((layer.keys, keys), (layer.values, values)):
+                    into.append(static_buffer(self.slots, kind.size(1), self.columns, kind.size(3),
+                                              dtype=kind.dtype, device=self.device))
+            self.cache = SlotCache(keys, values, self.state.column)
+        return cache
 
     def run(self, steps: int) -> None:
+        """``steps`` decoding steps over every slot, after the waiting rows that find a free slot join."""
+        self._admit()
         for _ in range(steps):
             self._compiled_step(self.cache, self.state)
         self.steps += steps
@@ -356,6 +361,7 @@ class ContinuousDecoding(OwnStep):
             for i, slot in enumerate(ended_slots):
                 job, row = self.owners.pop(slot)
                 job.ended[row] = (tokens[i, :counts[i]], logps[i, :counts[i]])
+                job.slots[row] = None
                 self.kept_tokens += counts[i]
         finished = []
         for job in [j for j in self.residents if len(j.ended) == len(j.slots)]:
@@ -366,15 +372,16 @@ class ContinuousDecoding(OwnStep):
             logps = torch.zeros((len(rows), width), dtype=torch.float32)
             for i, (t, lp) in enumerate(rows):
                 tokens[i, :len(t)], logps[i, :len(lp)] = t, lp
-            runs = [(first, version) for first, version in job.runs if first < max(width, 1)]
+            runs = [[(first, version) for first, version in job.runs[row] if first < max(len(t), 1)]
+                    for row, (t, _) in enumerate(rows)]
             finished.append(FinishedJob(job.key, job.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
-                                        time.monotonic() - job.joined_at))
+                                        time.monotonic() - job.added_at))
         return finished
 
     def generate(self, prompt_ids: list[list[int]], seed: int, in_flight: None = None) -> Generation:
         """The engine as one decoder call (worker/decoding's interface: tests and benchmarks): the rows as jobs of
-        ``rows_per_job`` rows, job i seeded from ``seed`` and i, each joining as soon as its slots are free, until
-        every row has ended. The worker's continuous loop drives the engine itself, and syncs newer weights between
+        ``rows_per_job`` rows, job i seeded from ``seed`` and i, their rows joining as slots free up, until every row
+        has ended. The worker's continuous loop drives the engine itself, and syncs newer weights between
         its steps itself: ``in_flight`` is not taken."""
         if in_flight is not None:
             raise ValueError("the engine syncs newer weights between its steps itself (worker/continuous_loop.py)")
@@ -384,11 +391,10 @@ class ContinuousDecoding(OwnStep):
         if not self.fits(prompt_ids):
             self.reallocate(max(len(ids) for ids in prompt_ids))
         jobs = [prompt_ids[i:i + self.rows_per_job] for i in range(0, len(prompt_ids), self.rows_per_job)]
-        waiting, finished = list(enumerate(jobs)), {}
-        while waiting or not self.empty():
-            while waiting and self.free_slots() >= self.rows_per_job:
-                key, rows = waiting.pop(0)
-                self.add(key, rows, seed if key == 0 else row_seed(seed, -key))
+        for key, rows in enumerate(jobs):
+            self.add(key, rows, seed if key == 0 else row_seed(seed, -key))
+        finished = {}
+        while not self.empty():
             self.run(self.check_every)
             finished.update((job.key, job) for job in self.collect())
         ordered = [finished[key] for key in range(len(jobs))]
@@ -401,22 +407,32 @@ class ContinuousDecoding(OwnStep):
         return Generation([ids for job in ordered for ids in job.completion_ids], behaviour)
 
     def weights_changed(self, version: int) -> None:
-        """The model now holds ``version``: each job's next token is sampled by it."""
+        """The model now holds ``version``: each decoding row's next token is sampled by it (a waiting row's first)."""
         self.version = version
         for job in self.residents:
-            first = self.steps - job.joined_step + 1  # the job's next token's index (its first came with its prefill)
-            if job.runs[-1][0] == first:
-                job.runs[-1] = (first, version)
-            else:
-                job.runs.append((first, version))
+            for row, slot in enumerate(job.slots):
+                if slot is None:
+                    continue
+                first = self.steps - job.joined[row] + 1  # the row's next token's index (its first: its prefill's)
+                runs = job.runs[row]
+                if runs[-1][0] == first:
+                    runs[-1] = (first, version)
+                else:
+                    runs.append((first, version))
+
+    def decoded_tokens(self) -> int:
+        """Tokens sampled so far, by the rows that ended and those still decoding (one device sync)."""
+        st = self.state
+        return self.kept_tokens + int(st.count.masked_fill(~st.active, 0).sum())
 
     def utilisation(self) -> float:
         """Row-steps that produced a kept token over row-steps computed (so far)."""
         return self.kept_tokens / self.row_steps if self.row_steps else 0.0
 
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
-        """Compiles the prefill and the step by generating WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after
-        the other; returns the seconds it took."""
+        """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
+        other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped.
+        Returns the seconds it took."""
         start = time.monotonic()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
@@ -424,9 +440,25 @@ class ContinuousDecoding(OwnStep):
                 self.add(("warm-up", i), rows, job_seed=i)
                 while not self.collect():
                     self.run(self.check_every)
+            size = self.largest_prefill if self.prefill_compiled else 0
+            while size:
+                for _ in range(self.WARM_UP_CALLS + (size not in self.prefill_caches)):
+                    job = _Resident(("warm-up", size), rows[:size], [0] * size, [None] * size, [None] * size,
+                                    [[] for _ in range(size)])
+                    self._prefill([(job, row) for row in range(size)])
+                    self._drop(job)
+                size //= 2
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
+
+    def _drop(self, job: _Resident) -> None:
+        """Frees a job's slots as they are (its rows' tokens are not wanted)."""
+        slots = [slot for slot in job.slots if slot is not None]
+        self.state.active.index_fill_(0, torch.tensor(slots, device=self.device), False)
+        for slot in slots:
+            del self.owners[slot]
+        self.free.extend(slots)
 
     def recompiles(self) -> int:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)

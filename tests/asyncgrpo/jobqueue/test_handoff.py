@@ -95,11 +95,11 @@ def test_a_failure_report_is_read_as_one():
 def test_the_versions_that_sampled_a_results_tokens_come_back_and_count_its_tokens(tmp_path):
     result = a_result()  # 4 rows of 3 completion tokens
     result.batch["completion_mask"] = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
-    result.token_versions = [(0, 5), (2, 6)]
+    result.token_versions = [[(0, 5), (2, 6)], [(0, 5), (1, 6)], [(0, 6)], [(0, 5), (2, 6)]]  # a row's each
     back = read_result(through_a_file(result.to_dict(), tmp_path), rows_per_job=4)
-    assert back.token_versions == [(0, 5), (2, 6)]
-    assert back.tokens_by_version([0, 1, 2, 3], weights_version=5) == {5: 7, 6: 2}
-    assert back.tokens_by_version([1, 2], weights_version=5) == {5: 3}
+    assert back.token_versions == result.token_versions and back.oldest_version == 5
+    assert back.tokens_by_version([0, 1, 2, 3], weights_version=5) == {5: 5, 6: 4}
+    assert back.tokens_by_version([1, 2], weights_version=5) == {5: 1, 6: 2}
     result.token_versions = None  # every token by the result's weights_version
     assert result.tokens_by_version([0, 1], weights_version=5) == {5: 5}
 
@@ -107,6 +107,9 @@ def test_the_versions_that_sampled_a_results_tokens_come_back_and_count_its_toke
 @pytest.mark.parametrize("runs", [[], [[1, 5]], [[0, 5], [0, 6]], [[0, 5], [3, -1]], [[0, 5, 1]], "0:5"])
 def test_token_versions_that_are_not_runs_are_refused(runs):
     data = a_result().to_dict()
-    data["token_versions"] = runs
+    data["token_versions"] = [[[0, 5]]] * 3 + [runs]
     with pytest.raises(ValueError, match="token_versions must be runs"):
+        read_result(data, rows_per_job=4)
+    data["token_versions"] = [[[0, 5]]] * 3  # a row without its runs
+    with pytest.raises(ValueError, match="one list of runs a row, 4 of them"):
         read_result(data, rows_per_job=4)
