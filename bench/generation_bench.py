@@ -21,6 +21,9 @@ per call is fixed. Settings, per shape:
     graph-nofuse    graph with q/k/v and gate/up as separate GEMMs (worker/decoding/fused_projections.py off)
     graph-nolevers  graph-nofuse, and sampling's reductions over the whole vocabulary at once (VOCAB_CHUNKS 1):
                 the step as it was before either lever, to measure them in one run
+    graph-wholecache  graph whose every step reads the whole KV cache (attention_buckets 1), where graph reads only
+                its written prefix: put it first (``--settings graph-wholecache,graph``) for the ratio at a long
+                --completion
 
 For each: ms per generated token (one decoding step over the whole call's batch: call time / completion
 length), samples/s and tokens/s, and ms per job (call time / jobs in the call). The memory-bandwidth limit
@@ -98,7 +101,7 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from asyncgrpo.tasks.long_tail import end_with_probability
     from worker.decoding.compiled import CompiledDecoding
     from worker.decoding.continuous import ContinuousDecoding
-    from worker.decoding.graph import GraphDecoding
+    from worker.decoding.graph import ATTENTION_BUCKETS, GraphDecoding
     from worker.generate import build_trainer
 
     tok = build_tokenizer()
@@ -133,7 +136,8 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
             mode = "max-autotune" if decoding == "graph-autotune" else None
             compiled = GraphDecoding(trainer, jobs, prompt_ids, compile_mode=mode,
-                                     fuse=decoding not in ("graph-nofuse", "graph-nolevers"))
+                                     fuse=decoding not in ("graph-nofuse", "graph-nolevers"),
+                                     attention_buckets=1 if decoding == "graph-wholecache" else ATTENTION_BUCKETS)
         warm_s = compiled.warm_up(prompt_ids)
     return trainer, compiled, warm_s, sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -240,7 +244,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peak-gbs", type=float, default=None)
     p.add_argument("--settings", default="eager,compiled,graph",
-                   help="any of eager, compiled, graph, graph-autotune, graph-nofuse, graph-nolevers")
+                   help="any of eager, compiled, graph, graph-autotune, graph-nofuse, graph-nolevers, "
+                        "graph-wholecache")
     p.add_argument("--profile", action="store_true", help="split one more call per setting with torch.profiler")
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -30,7 +30,15 @@ from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding.compiled import CompiledDecoding
-from worker.decoding.graph import DONE_CHECK_EVERY, PACKED_SDPA, GraphDecoding, Sampling, sample, sdpa_gqa_packed
+from worker.decoding.graph import (
+    DONE_CHECK_EVERY,
+    PACKED_SDPA,
+    GraphDecoding,
+    Sampling,
+    column_buckets,
+    sample,
+    sdpa_gqa_packed,
+)
 from worker.generate import build_trainer, generate_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -163,6 +171,41 @@ def test_the_compiled_prefill_writes_into_a_cache_allocated_outside_the_graph(gr
     ids = prompt_ids(trainer)
     assert decoded(decoding, ids) == generated(trainer, ids)
     assert len(prefills) == 1 and [layer.keys.data_ptr() for layer in layers] == addresses
+
+
+def test_the_steps_buckets_of_columns_cover_the_cache_in_equal_parts():
+    assert column_buckets(16, 24, 4) == [32, 40]  # parts of 16 columns at least
+    assert column_buckets(16, 64, 4) == [32, 48, 64, 80]
+    assert column_buckets(32, 4096, 4) == [1056, 2080, 3104, 4128]
+    assert column_buckets(32, 4096, 1) == [4128]  # the whole cache
+
+
+@pytest.mark.process
+def test_reading_only_the_written_columns_decodes_the_tokens_and_log_probs_of_reading_the_whole_cache(tmp_path,
+                                                                                                   monkeypatch):
+    """A completion that runs through every bucket of columns: the same tokens and behaviour log-probs as the step
+    that reads the whole cache at every step, and no graph compiled after the warm-up, even where the warm-up's own
+    calls ended before the later buckets."""
+    trainer = trainer_for(tmp_path, **{**SAMPLING, "max_completion_length": 64})
+    ids = prompt_ids(trainer)
+    whole = GraphDecoding(trainer, 1, ids, attention_buckets=1)
+    whole.warm_up(ids)
+    bucketed = GraphDecoding(trainer, 1, ids)
+    with monkeypatch.context() as warm_up_calls_end_at_once:
+        warm_up_calls_end_at_once.setattr(bucketed, "max_new", 2)  # (as if every row's first token were an EOS)
+        bucketed.warm_up(ids)
+    assert len(bucketed.buckets) == 4 and whole.buckets == bucketed.buckets[-1:]
+    for seed in (0, 1):
+        results = []
+        for decoding in (whole, bucketed):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                results.append(decoding.decode_batch(decoding.pad_batch(ids)))
+        (expected, tokens, logps), (completions, bucketed_tokens, bucketed_logps) = results
+        assert completions == expected
+        assert torch.equal(bucketed_tokens, tokens) and torch.equal(bucketed_logps, logps)
+        assert max(len(c) for c in completions) == 64  # a row ran through the last bucket
+    assert bucketed.recompiles() == 0
 
 
 def test_an_adapter_sync_reaches_the_step(tmp_path):

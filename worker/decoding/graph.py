@@ -8,7 +8,11 @@ On a GPU that costs more than the forward itself. Here the whole step is one fun
 
 - the forward of every row's newest token over a static KV cache (transformers' ``StaticCache``), the attention
   mask and the positions read from preallocated buffers; q/k/v and gate/up one GEMM each
-  (worker/decoding/fused_projections.py);
+  (worker/decoding/fused_projections.py). The attention reads only the cache's written prefix, rounded up to a
+  bucket of columns (``column_buckets``): the cache holds ``max_completion_length`` columns for the completion,
+  and at long completions reading the columns not yet written (masked out) was most of a step. Each bucket is a
+  graph of its own (fixed shapes, so CUDA graphs still apply), ATTENTION_BUCKETS of them, all compiled in the
+  warm-up; the host picks the step's bucket from the step's index, which it knows without a sync;
 - the logits processing TRL's generation config asks for, in transformers' order: repetition penalty,
   ``min_new_tokens``, temperature, top-k, top-p, min-p (top-p and min-p on the top-k survivors when top-k is set:
   no sort of the whole vocabulary). Tokens tied with the k-th are cut, which transformers keeps;
@@ -32,7 +36,7 @@ scoring, rewards and the PS do not change.
 
 Shapes are fixed: the rows (``jobs_per_generate`` jobs' rows; a call with fewer is filled up with copies of its
 first row) and the cache (the longest prompt seen at start-up rounded up to PROMPT_BUCKET, plus
-``max_completion_length``). A longer prompt gets a larger cache and a new graph, counted as a recompile. Weight
+``max_completion_length``). A longer prompt gets a larger cache and new graphs, counted as recompiles. Weight
 syncs copy into the parameters' storage (asyncgrpo/weights), so the graph stays valid across syncs.
 
 What the step does not implement (``GraphDecoding.unsupported``) falls back to compiled ``generate``
@@ -41,9 +45,12 @@ What the step does not implement (``GraphDecoding.unsupported``) falls back to c
 
 from __future__ import annotations
 
+import bisect
 import functools
+import inspect
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +63,7 @@ from trl.trainer.utils import pad
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled import FixedBatchDecoding, bucketed
-from worker.decoding.compiled_step import generating_model
+from worker.decoding.compiled_step import compiled_graphs, generating_model
 from worker.decoding.fused_projections import fuse_projections
 from worker.in_flight import InFlightWeights
 from worker.trl_seam import GenerationPath, generation_path
@@ -72,6 +79,11 @@ IMPLEMENTED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "e
                "disable_compile", "compile_config", "transformers_version", "_from_model_config"}
 VOCAB_CHUNKS = 64  # pieces of the vocabulary reduced side by side when sampling (see in_chunks)
 TINY = 1e-20  # floor of the race's exponential noise: Exp(1) draws 0 once in 2**24, and p / 0 is inf (or NaN)
+# Graphs of the decoding step, each reading a longer prefix of the cache: with n, a call that runs to the cap reads
+# (n + 1) / 2n of the completion's columns on average (all of them with 1). Each is compiled in the warm-up, and
+# torch.compile compiles at most 8 graphs of one function (recompile_limit; with fullgraph, a 9th fails): 4, and 4
+# more for a longer prompt's cache.
+ATTENTION_BUCKETS = 4
 
 
 @dataclass(frozen=True)
@@ -158,11 +170,16 @@ def log_prob_at(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 PACKED_SDPA = "sdpa_gqa_packed"  # the attention implementation the step sets on a model that uses "sdpa"
 
 
-def sdpa_gqa_packed(module, query, key, value, attention_mask, **kwargs):
+def sdpa_gqa_packed(module, query, key, value, attention_mask, attention_columns: int | None = None, **kwargs):
     """transformers' sdpa attention, except that a single query token's heads are packed onto their key/value heads
     (grouped-query attention) in a compiled region too. transformers packs them only outside one; compiled, it
     repeats each key/value head for its query heads: a copy of the whole cache in every layer at every step, and an
-    attention kernel that fills one query row of each tile."""
+    attention kernel that fills one query row of each tile. ``attention_columns`` (a forward's keyword): attend to
+    the cache's first columns only, those written so far (the others are masked out)."""
+    if attention_columns is not None:
+        key, value = key[:, :, :attention_columns], value[:, :, :attention_columns]
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :attention_columns]
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, _ = query.shape
     if q_len != 1 or groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
@@ -181,6 +198,13 @@ def sdpa_gqa_packed(module, query, key, value, attention_mask, **kwargs):
 # other decoders in the process are guarded on (they would compile again).
 AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+
+
+def column_buckets(prompt_part: int, max_new: int, buckets: int) -> list[int]:
+    """The prefixes of the cache (in columns) the decoding step's graphs read: the prompt part and up to ``buckets``
+    equal parts of the ``max_new`` completion columns (multiples of PROMPT_BUCKET), the last the whole cache."""
+    width = bucketed(-(-max_new // buckets))
+    return sorted({prompt_part + min(k * width, max_new) for k in range(1, buckets + 1)})
 
 
 def static_buffer(*shape: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -215,7 +239,9 @@ class OwnStep:
     ``_prefill_step``."""
 
     def _set_up_step(self, trainer, compile: bool, compile_prefill: bool | None, compile_mode: str | None,
-                     fuse: bool) -> None:
+                     fuse: bool, step_graphs_of_its_own: bool = False) -> None:
+        """``step_graphs_of_its_own``: this decoder's step graphs count against torch.compile's limit of graphs of
+        one function (recompile_limit, 8) apart from other decoders' in the process, where torch can."""
         gen = trainer.generation_config
         self.model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         self.unfused = fuse_projections(self.model) if fuse else "not asked"  # why the projections stay apart
@@ -234,10 +260,11 @@ class OwnStep:
         on_cuda = self.device.type == "cuda"
         mode = compile_mode or ("reduce-overhead" if on_cuda else None)
 
-        def compiled(fn):
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode) if compile else fn
+        def compiled(fn, **options):
+            return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, **options) if compile else fn
 
-        self._compiled_step = compiled(self._step)
+        own = step_graphs_of_its_own and "isolate_recompiles" in inspect.signature(torch.compile).parameters
+        self._compiled_step = compiled(self._step, **({"isolate_recompiles": True} if own else {}))
         self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
             or compile_prefill else self._prefill_step
 
@@ -254,21 +281,26 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
     mode = "graph"
 
     # The first call allocates the cache (an eager prefill) and compiles the step, the second compiles the prefill,
-    # the third records the prefill's CUDA graph.
+    # the third records the prefill's CUDA graph. Then each bucket's step is run BUCKET_WARM_UP_STEPS times.
     WARM_UP_CALLS = 3
+    BUCKET_WARM_UP_STEPS = 3
 
     def __init__(self, trainer, jobs_per_generate: int, prompt_ids: list[list[int]], compile: bool = True,
-                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
+                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True,
+                 attention_buckets: int = ATTENTION_BUCKETS):
         """``compile=False``: the same step run eagerly (for tests; the results are the same, slower).
         ``compile_prefill``: compile the prefill too (default: on CUDA). ``compile_mode``: torch.compile's mode
         (default: ``reduce-overhead``, CUDA graphs, on CUDA). ``fuse``: q/k/v and gate/up as one GEMM each
-        (worker/decoding/fused_projections.py)."""
+        (worker/decoding/fused_projections.py). ``attention_buckets``: the step's graphs, each reading a longer
+        prefix of the cache (1: every step reads the whole cache)."""
         super().__init__(trainer, jobs_per_generate)
         longest = max((len(ids) for ids in prompt_ids), default=1)
+        self.attention_buckets = attention_buckets
         self.cache: StaticCache | None = None
         self.state: DecodeState | None = None
+        self.buckets: list[int] = []  # the prefixes of the cache the step's graphs read, in columns
         self.steps_run = 0  # decoding steps after the prefills, over every call (the benchmarks' row utilisation)
-        self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
+        self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse, step_graphs_of_its_own=True)
         self._allocate(self.rows_per_call, longest)
 
     @staticmethod
@@ -297,17 +329,38 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         cache_len = self.prompt_part + self.max_new
         self.cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
         self.state = DecodeState(rows, cache_len, self.max_new, self.device)
+        self.buckets = column_buckets(self.prompt_part, self.max_new, self.attention_buckets)
+
+    def columns_read(self, step: int) -> int:
+        """The prefix of the cache step ``step``'s forward reads: its bucket of the columns written once it has
+        written its token's (the prompt part, then one column a step)."""
+        return self.buckets[bisect.bisect_left(self.buckets, self.prompt_part + step)]
+
+    def warm_up(self, prompt_ids: list[list[int]]) -> float:
+        """FixedBatchDecoding's warm-up, then each bucket's step compiled (and its CUDA graph recorded): a call whose
+        rows all end early never reaches the later buckets."""
+        start = time.monotonic()
+        super().warm_up(prompt_ids)
+        batch = self.pad_batch(prompt_ids[: self.rows_per_call])
+        with torch.no_grad(), self.trainer.accelerator.autocast():
+            for columns in self.buckets:
+                st = self._prefill(*self._prefill_inputs(batch))
+                for _ in range(min(self.BUCKET_WARM_UP_STEPS, self.max_new - 1)):  # (the step's column in range)
+                    self._compiled_step(self.cache, st, columns)
+        self.graphs_after_warm_up = compiled_graphs()
+        return time.monotonic() - start
 
     # ------------------------------------------------------------------ inside the graph
 
     def _prefill_step(self, cache: StaticCache, st: DecodeState, ids: torch.Tensor, position: torch.Tensor) -> None:
         out = self.model(input_ids=ids, attention_mask=st.mask, position_ids=position, cache=cache, use_cache=True,
-                         logits_to_keep=1)
+                         logits_to_keep=1, attention_columns=self.prompt_part)
         self._choose(out.logits[:, -1, :].float(), st)
 
-    def _step(self, cache: StaticCache, st: DecodeState) -> None:
+    def _step(self, cache: StaticCache, st: DecodeState, columns: int) -> None:
+        """One token per row, attending to the cache's first ``columns`` columns (a Python int: a graph each)."""
         out = self.model(input_ids=st.last[:, None], attention_mask=st.mask, position_ids=st.position[:, None],
-                         cache=cache, use_cache=True)
+                         cache=cache, use_cache=True, attention_columns=columns)
         self._choose(out.logits[:, -1, :].float(), st)
 
     def _choose(self, logits: torch.Tensor, st: DecodeState) -> None:
@@ -354,22 +407,14 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
         """TRL's ``_generate_single_turn`` for ``prompt_ids``: each row's completion ids, cut after its first EOS;
         and, on the CPU, the tokens [rows, steps] and their behaviour log-probs. ``before_token(i)`` is called on
         the host before token i (i >= 1) is sampled (in-flight weight updates, worker/in_flight.py)."""
-        # Left-padded as TRL pads them, then further to the cache's prompt part (the prefill's one shape).
-        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
-                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
-                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        if ids.size(0) != self.state.tokens.size(0) or ids.size(1) > self.prompt_part:
-            self._allocate(*ids.shape)  # new shapes: a new graph
-        ids = torch.nn.functional.pad(ids, (self.prompt_part - ids.size(1), 0), value=self.pad)
-        mask = torch.nn.functional.pad(mask, (self.prompt_part - mask.size(1), 0), value=0)
+        ids, mask = self._prefill_inputs(prompt_ids)
         with record_function("decode.prefill"):  # (the names bench/generation_bench.py --profile reports)
-            st = self._prefill(ids.to(self.device), mask.to(self.device))
+            st = self._prefill(ids, mask)
         with record_function("decode.steps"):
             for step in range(1, self.max_new):
                 if before_token is not None:
                     before_token(step)
-                self._compiled_step(self.cache, st)
+                self._compiled_step(self.cache, st, self.columns_read(step))
                 self.steps_run += 1
                 if step % DONE_CHECK_EVERY == 0 and bool(st.ended.all()):
                     break
@@ -380,6 +425,19 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
             end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
             completion_ids.append(row if end is None else row[:end + 1])
         return completion_ids, tokens, logps
+
+    def _prefill_inputs(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's ids and attention mask on the device: left-padded as TRL pads them, then further to the
+        cache's prompt part (the prefill's one shape)."""
+        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
+                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
+                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        if ids.size(0) != self.state.tokens.size(0) or ids.size(1) > self.prompt_part:
+            self._allocate(*ids.shape)  # new shapes: new graphs
+        ids = torch.nn.functional.pad(ids, (self.prompt_part - ids.size(1), 0), value=self.pad)
+        mask = torch.nn.functional.pad(mask, (self.prompt_part - mask.size(1), 0), value=0)
+        return ids.to(self.device), mask.to(self.device)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> DecodeState:
         st, (rows, width) = self.state, ids.shape
