@@ -8,9 +8,10 @@ in queue/), plus a small random delay. The schedule comes from
 random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
-It runs three times: training on whole results (with in-flight weight updates); with dynamic sampling on the
-binary task (results split across batches, checked group by group); and on the tool-calling task (6 worker kills
-in 120 steps).
+It runs three times: training on whole results (with in-flight weight updates; worker dev1 decodes with
+continuous batching, so its kills lose the several jobs in its slots, and those waiting to be scored); with dynamic
+sampling on the binary task (results split across batches, checked group by group); and on the tool-calling task
+(6 worker kills in 120 steps).
 
 At the end: training reached max_steps, every job in the final ledger was consumed exactly
 once (the ledger, done/'s consumed files and the jobs the PS threw agree, with no job id
@@ -44,6 +45,7 @@ from helpers import (
     run_flags,
     start_process,
     wait_for,
+    wait_until_stopped,
 )
 
 from asyncgrpo.jobqueue import JobQueue, JobState, parse_queue_name
@@ -67,8 +69,12 @@ _DONE_RE = re.compile(r"^(?P<job_id>\d{6}_\d{3})_(?P<reason>[a-z_]+?)(?:_a(?P<at
 class Chaos:
     """The run's processes, the kills, and a log of what the test did (printed on failure)."""
 
-    def __init__(self, tmp_path: Path, seed: int, args: list[str], schedule: Schedule):
+    def __init__(self, tmp_path: Path, seed: int, args: list[str], schedule: Schedule,
+                 worker_args: dict[int, list[str]] | None = None):
         self.tmp, self.run_root, self.args, self.schedule = tmp_path, tmp_path / "run", args, schedule
+        self.worker_args = worker_args or {}  # a device's own flags
+        # Devices that hold several jobs at once (continuous batching): one kill waits until they do.
+        self.several_jobs = [d for d, flags in self.worker_args.items() if "continuous" in flags]
         self.rng = random.Random(seed)
         self.t0 = time.monotonic()
         self.ps: subprocess.Popen | None = None
@@ -77,6 +83,7 @@ class Chaos:
         self.procs: list[subprocess.Popen] = []  # every process ever started, to wait for them all
         self.events: list[str] = []
         self.worker_kills = self.ps_kills = 0
+        self.held_at_kills: list[tuple[int, list[str]]] = []  # (device, the job files its killed process held)
         self.resumes: list[tuple[float, int]] = []  # (when the PS was killed, the checkpoint it must resume from)
         self.dies_in_save: int | None = None  # the current PS life kills itself in its save of checkpoint-N
         self.save_to_die_in = 0  # the plan's: N for the PS life after the first kill
@@ -106,7 +113,8 @@ class Chaos:
 
     def launch_worker(self, device: int) -> None:
         self.launched_at[device] = time.time()
-        self.workers[device] = self._start(f"w{device}.log", "worker", "--device", str(device))
+        self.workers[device] = self._start(f"w{device}.log", "worker", "--device", str(device),
+                                           *self.worker_args.get(device, []))
         self.note(f"launched worker dev{device} pid {self.workers[device].pid}")
 
     def _sigkill(self, proc: subprocess.Popen) -> int | None:
@@ -117,12 +125,17 @@ class Chaos:
         return proc.wait(timeout=60)
 
     def kill_worker(self, device: int, why: str) -> None:
+        """SIGSTOP first, so that what it holds is counted with nothing claimed after (a claim is one rename), then
+        SIGKILL."""
         self.check_health()
         proc = self.workers[device]
-        job = self.held_jobs().get(device)
-        self.note(f"SIGKILL worker dev{device} pid {proc.pid} ({why}; holds {job or 'no job'})")
+        proc.send_signal(signal.SIGSTOP)
+        wait_until_stopped(proc, WAIT_S, POLL_S)
+        held = self.held_jobs().get(device, [])
+        self.note(f"SIGKILL worker dev{device} pid {proc.pid} ({why}; holds {held or 'no job'})")
         assert self._sigkill(proc) == -signal.SIGKILL
         self.worker_kills += 1
+        self.held_at_kills.append((device, held))
         self.launch_worker(device)
 
     def _kill_ps(self, why: str) -> None:
@@ -172,8 +185,8 @@ class Chaos:
         return sorted((p.name + ("" if (p / LEDGER).is_file() else "(partial)")
                        for p in folder.glob("checkpoint-*")), key=lambda n: int(re.sub(r"\D", "", n)))
 
-    def held_jobs(self) -> dict[int, str]:
-        """device -> the job file its current process holds in queue/ (processing or committing)."""
+    def held_jobs(self) -> dict[int, list[str]]:
+        """device -> the job files its current process holds in queue/ (processing or committing)."""
         held = {}
         try:
             entries = list(os.scandir(self.run_root / "queue"))
@@ -186,7 +199,8 @@ class Chaos:
                 continue
             try:
                 if entry.stat(follow_symlinks=False).st_mtime >= self.launched_at[name.device] - 0.01:
-                    held[name.device] = entry.name  # not one an earlier, killed process of this device left
+                    # (not one an earlier, killed process of this device left)
+                    held.setdefault(name.device, []).append(entry.name)
             except FileNotFoundError:
                 continue
         return held
@@ -242,6 +256,7 @@ class Chaos:
         self.save_to_die_in = (in_save_after // SAVE_STEPS + 1) * SAVE_STEPS
         plan += [(self.rng.randrange(int(span * 0.15), int(span * 0.3)), "ps-any"),
                  (in_save_after, "ps-saving")]
+        plan += [(self.rng.randrange(3, int(span * 0.9)), f"several-jobs {device}") for device in self.several_jobs]
         return sorted(plan)
 
     def run_plan(self) -> None:
@@ -250,6 +265,11 @@ class Chaos:
                 return  # the PS finished
             if what == "worker":
                 self.worker_event()
+            elif what.startswith("several-jobs"):
+                device = int(what.split()[1])
+                if self.wait_until(lambda d=device: len(self.held_jobs().get(d, [])) > 1,
+                                   f"dev{device} to hold several jobs"):
+                    self.kill_worker(device, "several jobs")
             elif what == "ps-any":
                 time.sleep(self.rng.uniform(0, 0.3))
                 self.kill_ps("random moment")
@@ -328,6 +348,14 @@ def check_weights_reached_jobs_in_flight(run_root: Path) -> None:
     assert synced, "no result had a token sampled by weights newer than its first"
 
 
+def check_several_jobs_lost_at_once(chaos: Chaos, device: int) -> None:
+    """The worker decoded with continuous batching, and one of its kills cut short several jobs (each of which
+    check_exactly_once_and_archive saw consumed once, or archived)."""
+    log = chaos.tail(f"w{device}.log", 10**7)
+    assert "compiling its decoding step (continuous" in log, log[-2000:]
+    assert any(d == device and len(jobs) > 1 for d, jobs in chaos.held_at_kills), chaos.held_at_kills
+
+
 def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     """job id -> [(reason, attempt, file name)] over done/, after checking that every name parses."""
     per_job = defaultdict(list)
@@ -340,7 +368,7 @@ def done_files(run_root: Path) -> dict[str, list[tuple[str, int, str]]]:
     return per_job
 
 
-def check_exactly_once_and_archive(run_root: Path, worker_kills: int, by_group: bool, max_steps: int) -> dict:
+def check_exactly_once_and_archive(run_root: Path, held_at_kills: list, by_group: bool, max_steps: int) -> dict:
     # The final ledger holds max_steps job ids (with dynamic sampling: each group of a result trained or dropped
     # once), none twice, each archived as consumed exactly once in done/ and thrown once by the producer
     # (tests/helpers/checks.py).
@@ -372,13 +400,14 @@ def check_exactly_once_and_archive(run_root: Path, worker_kills: int, by_group: 
     # Orphaned only after max_attempts attempts.
     for job_id in reasons["orphaned"]:
         assert all(a == MAX_ATTEMPTS for r, a, _ in per_job[job_id] if r == "orphaned"), per_job[job_id]
-    # Recovery (attempt + 1) takes the job of a dead worker, or of a live one silent past its lease
-    # (the log says which); a worker holds one job at a time, so there are at most as many
-    # recoveries as worker kills plus lease expiries. More would mean a live worker's job was taken.
+    # Recovery (attempt + 1) takes the jobs of a dead worker, or of a live one silent past its lease
+    # (the log says which): at most as many recoveries as the killed workers held jobs, plus lease
+    # expiries. More would mean a live worker's job was taken.
     recoveries = sum(max(a for _, a, _ in files) - 1 for files in per_job.values())
     lease_expiries = lease_recoveries(run_root.parent)
-    assert recoveries <= worker_kills + len(lease_expiries), (
-        f"{recoveries} recoveries for {worker_kills} worker kills and lease expiries {lease_expiries}")
+    held = sum(len(jobs) for _, jobs in held_at_kills)
+    assert recoveries <= held + len(lease_expiries), (
+        f"{recoveries} recoveries for {held} jobs held by killed workers and lease expiries {lease_expiries}")
     # Job ids come from the producer, which never reuses one.
     last_job = read_json(run_root / "producer.json").get("last_job_id")
     assert all(job_id <= last_job for job_id in per_job), last_job
@@ -427,9 +456,10 @@ FULL = Schedule(max_steps=300, kill_span=200, worker_kills=11)
 # Dynamic sampling on the binary task, where most groups are dropped early: results split across batches.
 # Multi-turn: the built-in tool-calling task, every job a run of TRL's tool loop; its steps take twice as long
 # and the kills are the same kinds as above, so fewer of them.
-MODES = {"whole_results": (["--in_flight_updates"], FULL),
-         "dynamic_sampling": (["--builtin_task", "first_digit", "--dynamic_sampling"], FULL),
-         "multi_turn": (["--builtin_task", "lookup"], Schedule(max_steps=120, kill_span=80, worker_kills=6))}
+# Continuous batching on one worker: its kills lose several jobs at once (each restart compiles its engine).
+MODES = {"whole_results": (["--in_flight_updates"], FULL, {1: ["--worker_decoding", "continuous"]}),
+         "dynamic_sampling": (["--builtin_task", "first_digit", "--dynamic_sampling"], FULL, {}),
+         "multi_turn": (["--builtin_task", "lookup"], Schedule(max_steps=120, kill_span=80, worker_kills=6), {})}
 
 
 @pytest.mark.slow
@@ -438,9 +468,9 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
     seed = int(os.environ.get("ASYNCGRPO_CHAOS_SEED") or random.SystemRandom().randrange(2**32))
     print(f"chaos seed: {seed} (replay with ASYNCGRPO_CHAOS_SEED={seed})", flush=True)
     dynamic_sampling = mode == "dynamic_sampling"
-    flags, schedule = MODES[mode]
+    flags, schedule, worker_args = MODES[mode]
     args = [*run_flags(schedule.max_steps, save_steps=SAVE_STEPS, lease_s=LEASE_S), *flags]
-    chaos = Chaos(tmp_path, seed, args, schedule)
+    chaos = Chaos(tmp_path, seed, args, schedule, worker_args)
     try:
         chaos.launch_ps()
         for device in DEVICES:
@@ -460,7 +490,7 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
         chaos.note("workers stopped")
 
         check_training(chaos.run_root, chaos.resumes, schedule.max_steps)
-        summary = check_exactly_once_and_archive(chaos.run_root, chaos.worker_kills, by_group=dynamic_sampling,
+        summary = check_exactly_once_and_archive(chaos.run_root, chaos.held_at_kills, by_group=dynamic_sampling,
                                                  max_steps=schedule.max_steps)
         check_queue_drained(chaos.run_root)
         check_nothing_alive(chaos)
@@ -468,6 +498,8 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
             check_tool_calls_made(chaos.run_root)
         if "--in_flight_updates" in flags:
             check_weights_reached_jobs_in_flight(chaos.run_root)
+        for device in chaos.several_jobs:
+            check_several_jobs_lost_at_once(chaos, device)
         cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         chaos.note(f"all checks passed; done/: {summary}; CPU of the run's processes "
                    f"{cpu.ru_utime + cpu.ru_stime:.0f}s")
