@@ -145,12 +145,36 @@ def _quiet_libraries() -> None:
     logging.getLogger("asyncgrpo").setLevel(logging.ERROR)
 
 
-def _interrupt(signum, _frame):
+def _interrupt(signum, frame):
     """The first SIGINT, SIGTERM or SIGHUP unwinds training; later ones (a terminal's Ctrl-C reaches every process,
     then launch.sh sends SIGTERM) must not cut the clean-up short that frees the weight buffers."""
     for later in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(later) is not signal.SIG_IGN:  # (SIGHUP under nohup)
             signal.signal(later, _already_stopping)
+    INTERRUPTED.set()
+    _raise_interrupt(signum, frame)
+
+
+# Set by the first SIGINT, SIGTERM or SIGHUP. Its KeyboardInterrupt unwinds training at once; while training goes on
+# after it all the same (the interrupt put off, below, or swallowed: a KeyboardInterrupt raised inside a finalizer
+# is only printed), the trainer raises one at its next safe point (ps/pipeline.py): the later signals only log.
+INTERRUPTED = threading.Event()
+# Standard-library functions that take a lock for their caller, which protects it (its with-block, its try) only once
+# they return: a KeyboardInterrupt raised inside one leaves the lock held for good. threading's Condition.__enter__
+# is how Event.set takes its lock, and the trainer wakes the producer with Event.set every step; the stop wakes it
+# with the same event, and would wait for that lock forever. Inside these the interrupt is put off.
+_LOCK_TAKERS = {(threading.__file__, "__enter__"), (logging.__file__, "acquire"), (logging.__file__, "_acquireLock"),
+                ("<frozen importlib._bootstrap>", "acquire"), ("<frozen importlib._bootstrap>", "__enter__"),
+                ("<frozen importlib._bootstrap>", "_get_module_lock")}
+_put_off: int | None = None  # the signal whose KeyboardInterrupt was put off
+
+
+def _raise_interrupt(signum: int, frame) -> None:
+    global _put_off
+    if frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) in _LOCK_TAKERS:
+        _put_off = signum  # raised by a later signal, or at the trainer's next safe point
+        return
+    _put_off = None
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -167,7 +191,9 @@ def _save_and_stop(signum, _frame):
     STOP_AT_BOUNDARY.set()
 
 
-def _already_stopping(signum, _frame):
+def _already_stopping(signum, frame):
+    if _put_off is not None:  # the first signal's interrupt was put off: raise it here, unless this is no better
+        _raise_interrupt(_put_off, frame)
     log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log "
                 "where each thread is", signum)
 
@@ -198,7 +224,7 @@ def train(cfg, run: RunDir) -> int:
     resume = checkpoint_to_resume(run.checkpoints) if PartialState().is_main_process else None
     trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),
-                               stop_at_boundary=STOP_AT_BOUNDARY)
+                               stop_at_boundary=STOP_AT_BOUNDARY, interrupted=INTERRUPTED)
     try:
         first_rank = trainer.is_queue_client
         previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any

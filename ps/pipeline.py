@@ -99,11 +99,15 @@ class TrainingBatch:
 
 class JobPipeline:
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, dataset, pad_token_id: int = 0,
-                 stop_at_boundary: threading.Event | None = None):
+                 stop_at_boundary: threading.Event | None = None, interrupted: threading.Event | None = None):
         self.cfg, self.run, self.queue = cfg, run, queue
         # Set (by a signal handler) to stop at the next batch boundary: next_batch raises StopRequested there
         # instead of taking a batch, even while it waits for results (within a second: see ResultCache.take).
         self.stop_at_boundary = stop_at_boundary or threading.Event()
+        # Set by the signal that interrupts training (ps/__main__.py), which raises KeyboardInterrupt itself; should
+        # training go on all the same, the trainer raises it here: when it asks for a batch, within a second while
+        # it waits for one, and after each step.
+        self.interrupted = interrupted or threading.Event()
         self.pad_token_id = pad_token_id  # the tokenizer's: assembled batches pad their ids with it
         self.ledger = Ledger()  # groups of the batch in training enter it when its last step has trained
         self.leftover: tuple[CollectedResult, list[int]] | None = None  # a result's groups left for the next batch
@@ -163,6 +167,10 @@ class JobPipeline:
         if self.failure is not None:
             raise self.failure
 
+    def _raise_if_interrupted(self) -> None:
+        if self.interrupted.is_set():
+            raise KeyboardInterrupt("interrupted (a signal), training had gone on")
+
     # ------------------------------------------------------------------ the trainer's side
 
     def next_batch(self, step: int) -> TrainingBatch:
@@ -173,6 +181,7 @@ class JobPipeline:
         if self.in_training is not None:
             raise PipelineError(f"a batch was asked for at step {step} while the one in training has "
                                 f"{self.in_training.steps_left} step(s) left to train")
+        self._raise_if_interrupted()
         if self.stop_at_boundary.is_set():
             raise StopRequested(f"stop requested before step {step + 1}")
         groups_per_batch = self.cfg.generation_batch_size // self.cfg.num_generations
@@ -296,7 +305,9 @@ class JobPipeline:
         self.ledger.close(result.job_id, consumed=partly_done and self.queue.consume(result))
 
     def pick(self, cached: dict[str, CollectedResult]) -> str | None:
-        """Which cached result to take next (``--consume_order``), or None to wait; raises a pipeline failure."""
+        """Which cached result to take next (``--consume_order``), or None to wait; raises a pipeline failure, or
+        KeyboardInterrupt once interrupted."""
+        self._raise_if_interrupted()
         self._raise_failure()
         if not cached:
             return None
@@ -317,6 +328,7 @@ class JobPipeline:
             self.in_training = None
         self.progress.published_version = step
         self.producer.wake()
+        self._raise_if_interrupted()
 
     # ------------------------------------------------------------------ end of training
 

@@ -81,7 +81,7 @@ LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see 
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None,
                  hooks: RolloutHooks | None = None, stop_at_boundary: threading.Event | None = None,
-                 batches: BatchSource | None = None):
+                 interrupted: threading.Event | None = None, batches: BatchSource | None = None):
         # Evaluation (--eval_strategy) is TRL's own, on the PS's model (see _generate_and_score_completions).
         # With --use_peft TRL wraps the model (get_peft_model): the PS trains, checkpoints and publishes only
         # the adapter; with beta > 0 the reference is the base with the adapter disabled (no second model).
@@ -96,7 +96,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.events = EventLog(run.logs, "ps", "ps", str(self.accelerator.device))
             self.queue = JobQueue(run, events=self.events, max_payload_bytes=cfg.max_payload_bytes)
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset, pad_token_id=self._tokenizer.pad_token_id,
-                                        stop_at_boundary=stop_at_boundary)
+                                        stop_at_boundary=stop_at_boundary, interrupted=interrupted)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
         # Where the batches come from (ps/batches.py): ``batches`` stands in for the pipeline in tests.
