@@ -44,8 +44,12 @@ class WatchedThread:
         self.watcher.wake()
 
     def stop(self) -> None:
+        """Wakes the thread and joins it, the first time only: the PS stops its pipeline twice on the way out
+        (ps/trainer.py: train, close), and a thread that did not stop within the bound the first time is left to
+        die with the process, not waited for again."""
+        first = not self.stop_event.is_set()
         self.stop_event.set()
         self.watcher.wake()
-        if self.thread.is_alive():
+        if first and self.thread.is_alive():
             join_or_report(self.thread, f"[queue] the {self.name}", log)
         self.watcher.close()
