@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from asyncgrpo.messages import log_once
+from asyncgrpo.messages import join_or_report, log_once
 from asyncgrpo.run import fileops
 from asyncgrpo.run.hosts import HOST_ID, same_host
 from asyncgrpo.run.rundir import WORKER_ID, RunDir, WorkerId, parse_worker_id
@@ -274,7 +274,7 @@ class PSHeartbeat:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        join_or_report(self._thread, "[train] the PS heartbeat", log)  # (a write hung on a network filesystem)
 
 
 @dataclass
