@@ -99,9 +99,10 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
+    from worker.decoding.attention import ATTENTION_BUCKETS
     from worker.decoding.compiled import CompiledDecoding
     from worker.decoding.continuous import ContinuousDecoding
-    from worker.decoding.graph import ATTENTION_BUCKETS, GraphDecoding
+    from worker.decoding.graph import GraphDecoding
     from worker.generate import build_trainer
 
     tok = build_tokenizer()

@@ -9,10 +9,10 @@ On a GPU that costs more than the forward itself. Here the whole step is one fun
 - the forward of every row's newest token over a static KV cache (transformers' ``StaticCache``), the attention
   mask and the positions read from preallocated buffers; q/k/v and gate/up one GEMM each
   (worker/decoding/fused_projections.py). The attention reads only the cache's written prefix, rounded up to a
-  bucket of columns (``column_buckets``): the cache holds ``max_completion_length`` columns for the completion,
-  and at long completions reading the columns not yet written (masked out) was most of a step. Each bucket is a
-  graph of its own (fixed shapes, so CUDA graphs still apply), ATTENTION_BUCKETS of them, all compiled in the
-  warm-up; the host picks the step's bucket from the step's index, which it knows without a sync;
+  bucket of columns (worker/decoding/attention.py): the cache holds ``max_completion_length`` columns for the
+  completion, and at long completions reading the columns not yet written (masked out) was most of a step. Each
+  bucket is a graph of its own (fixed shapes, so CUDA graphs still apply), ATTENTION_BUCKETS of them, all compiled
+  in the warm-up; the host picks the step's bucket from the step's index, which it knows without a sync;
 - the logits processing TRL's generation config asks for, in transformers' order: repetition penalty,
   ``min_new_tokens``, temperature, top-k, top-p, min-p (top-p and min-p on the top-k survivors when top-k is set:
   no sort of the whole vocabulary). Tokens tied with the k-th are cut, which transformers keeps;
@@ -55,13 +55,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
-from transformers import AttentionInterface, GenerationConfig, StaticCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import GenerationConfig, StaticCache
 from trl.trainer.utils import pad
 
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
+from worker.decoding.attention import ATTENTION_BUCKETS, PACKED_SDPA, column_buckets
 from worker.decoding.compiled import FixedBatchDecoding, bucketed
 from worker.decoding.compiled_step import compiled_graphs, generating_model
 from worker.decoding.fused_projections import fuse_projections
@@ -79,11 +78,6 @@ IMPLEMENTED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "e
                "disable_compile", "compile_config", "transformers_version", "_from_model_config"}
 VOCAB_CHUNKS = 64  # pieces of the vocabulary reduced side by side when sampling (see in_chunks)
 TINY = 1e-20  # floor of the race's exponential noise: Exp(1) draws 0 once in 2**24, and p / 0 is inf (or NaN)
-# Graphs of the decoding step, each reading a longer prefix of the cache: with n, a call that runs to the cap reads
-# (n + 1) / 2n of the completion's columns on average (all of them with 1). Each is compiled in the warm-up, and
-# torch.compile compiles at most 8 graphs of one function (recompile_limit; with fullgraph, a 9th fails): 4, and 4
-# more for a longer prompt's cache.
-ATTENTION_BUCKETS = 4
 
 
 @dataclass(frozen=True)
@@ -165,46 +159,6 @@ def log_prob_at(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits).gather(1, token)``, its normaliser reduced in chunks of the vocabulary."""
     norm = torch.logsumexp(torch.logsumexp(in_chunks(logits, -math.inf), dim=-1), dim=-1)
     return logits.gather(1, token[:, None])[:, 0] - norm
-
-
-PACKED_SDPA = "sdpa_gqa_packed"  # the attention implementation the step sets on a model that uses "sdpa"
-
-
-def sdpa_gqa_packed(module, query, key, value, attention_mask, attention_columns: int | None = None, **kwargs):
-    """transformers' sdpa attention, except that a single query token's heads are packed onto their key/value heads
-    (grouped-query attention) in a compiled region too. transformers packs them only outside one; compiled, it
-    repeats each key/value head for its query heads: a copy of the whole cache in every layer at every step, and an
-    attention kernel that fills one query row of each tile. ``attention_columns`` (a forward's keyword): attend to
-    the cache's first columns only, those written so far (the others are masked out)."""
-    if attention_columns is not None:
-        key, value = key[:, :, :attention_columns], value[:, :, :attention_columns]
-        if attention_mask is not None:
-            attention_mask = attention_mask[..., :attention_columns]
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, _ = query.shape
-    if q_len != 1 or groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kv_heads = heads // groups
-    # Query head h attends with key/value head h // groups, as after transformers' repeat_kv.
-    if attention_mask.shape[1] != 1:
-        attention_mask = attention_mask.reshape(batch, kv_heads, groups, -1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, kv_heads, groups, -1), key, value, attn_mask=attention_mask,
-        dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
-    return out.reshape(batch, heads, 1, -1).transpose(1, 2).contiguous(), None
-
-
-# Registered once, at import: registering again later changes transformers' mappings, which the compiled steps of
-# other decoders in the process are guarded on (they would compile again).
-AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
-AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-
-
-def column_buckets(prompt_part: int, max_new: int, buckets: int) -> list[int]:
-    """The prefixes of the cache (in columns) the decoding step's graphs read: the prompt part and up to ``buckets``
-    equal parts of the ``max_new`` completion columns (multiples of PROMPT_BUCKET), the last the whole cache."""
-    width = bucketed(-(-max_new // buckets))
-    return sorted({prompt_part + min(k * width, max_new) for k in range(1, buckets + 1)})
 
 
 def static_buffer(*shape: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
