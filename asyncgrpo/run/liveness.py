@@ -192,11 +192,14 @@ class WorkerPresence:
 
     def stop(self) -> None:
         self._stop.set()
+        stuck = False
         if self._thread is not None:
-            self._thread.join()
+            join_or_report(self._thread, f"[queue] dev{self.device}'s heartbeat", log)
+            stuck = self._thread.is_alive()  # in a write that never returns (a hung network filesystem)
         if self._lock_fd is not None:
-            self.update(state="stopped", job_id=None, reading=None)
-            self.beat()
+            if not stuck:  # (the last beat would wait for that write: the heartbeat's age tells the rest)
+                self.update(state="stopped", job_id=None, reading=None)
+                self.beat()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 

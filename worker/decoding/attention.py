@@ -46,8 +46,8 @@ AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 # Graphs of GraphDecoding's step, each reading a longer prefix of the cache: with n, a call that runs to the cap reads
 # (n + 1) / 2n of the completion's columns on average (all of them with 1). Each is compiled in the warm-up, and
-# torch.compile compiles at most 8 graphs of one function (recompile_limit; with fullgraph, a 9th fails), counted
-# for each decoder apart where torch can (OwnStep's step_graphs_of_its_own): 4, and 4 more for a longer prompt's cache.
+# counted against torch.compile's limit of graphs of one function (graph.py GRAPHS_PER_FUNCTION), for each decoder
+# apart where torch can (OwnStep's step_graphs_of_its_own): 4, and 4 more for a longer prompt's cache.
 ATTENTION_BUCKETS = 4
 
 

@@ -186,6 +186,9 @@ class DecodeState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [rows, vocab + 1], the tokens seen
 
 
+GRAPHS_PER_FUNCTION = 64  # torch.compile's limit of graphs of one function, raised for the decoders' (see below)
+
+
 class OwnStep:
     """What the worker's own decoding steps share (this module's fixed batch, continuous.py's slots): the model they
     run (q/k/v and gate/up fused, a token's query heads packed onto their key/value heads), TRL's sampling
@@ -216,6 +219,13 @@ class OwnStep:
 
         def compiled(fn, **options):
             return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, **options) if compile else fn
+
+        # A decoder compiles several graphs of one function (the step's column buckets, the continuous engine's
+        # prefill sizes, all again for a longer prompt's cache), each counted in recompiles(). torch.compile's
+        # default limit, 8 graphs a function with the 9th failing under fullgraph, is there for runaway recompiles.
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (before 2.6)
+        setattr(config, limit, max(getattr(config, limit), GRAPHS_PER_FUNCTION))
 
         own = step_graphs_of_its_own and "isolate_recompiles" in inspect.signature(torch.compile).parameters
         self._compiled_step = compiled(self._step, **({"isolate_recompiles": True} if own else {}))
