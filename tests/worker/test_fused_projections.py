@@ -8,7 +8,7 @@ from contextlib import closing
 
 import pytest
 import torch
-from test_decode_step import GREEDY, decoded, prompt_ids, trainer_for
+from test_decode_step import GREEDY, SAMPLING, decoded, prompt_ids, trainer_for
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -107,6 +107,24 @@ def test_the_decoding_step_fuses_and_decodes_the_tokens_of_an_unfused_generate(t
     with torch.no_grad():
         expected = reference._generate_single_turn(ids, None, {}, reference.num_generations)[0]
     assert decoded(decoding, ids) == expected
+
+
+def test_qwen2_layers_read_only_the_written_columns_as_they_read_the_whole_cache(tmp_path):
+    """Qwen2.5's layout, fused, through the step that reads the cache's written prefix in buckets of columns: the same
+    tokens and behaviour log-probs as the step that reads the whole cache, over a completion through every bucket
+    (run eagerly here; compiled, with Llama layers: test_decode_step.py)."""
+    trainer = trainer_for(tmp_path, model_of("qwen2"), **{**SAMPLING, "max_completion_length": 64})
+    ids = prompt_ids(trainer)
+    results = []
+    for buckets in (1, 4):
+        decoding = GraphDecoding(trainer, 1, ids, compile=False, attention_buckets=buckets)
+        assert decoding.unfused is None and len(decoding.buckets) == buckets
+        torch.manual_seed(0)
+        with torch.no_grad():
+            results.append(decoding.decode_batch(decoding.pad_batch(ids)))
+    (expected, tokens, logps), (completions, bucketed_tokens, bucketed_logps) = results
+    assert completions == expected and max(len(c) for c in completions) == 64
+    assert torch.equal(bucketed_tokens, tokens) and torch.equal(bucketed_logps, logps)
 
 
 def test_layers_that_are_not_plain_linears_are_left_alone_and_the_reason_given():
