@@ -7,7 +7,8 @@
 #   1. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
 #                         (128), a stream of 16 jobs, completions capped at 512: long-tail lengths, then fixed ones
 #   2. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
-#   3. generation_05b_1024  the step with 1024-token completions, 32 rows
+#   3. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
+#                         (graph-wholecache), then over the written columns only (graph)
 #   4. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
 #                         (graph-nolevers), with chunked sampling only (graph-nofuse), and with fused projections too
 #                         (graph), with --profile
@@ -62,8 +63,8 @@ part long_tail_05b 230 "$PY" bench/long_tail.py --shapes qwen0.5b --settings gra
     --lengths long-tail,fixed --jobs 4 --stream 16 --completion 512
 part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker \
     "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
-part generation_05b_1024 90 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 1 --reps 2 \
-    --completion 1024
+part generation_05b_1024 120 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-wholecache,graph \
+    --jobs 1 --reps 2 --completion 1024
 part generation_05b 200 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-nolevers,graph-nofuse,graph \
     --jobs 1 --reps 3 --profile
 part generation_05b_128 80 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph --jobs 4 --reps 3
