@@ -8,6 +8,14 @@ from asyncgrpo.run import RunDir, fileops
 from asyncgrpo.run.liveness import PSHeartbeat, WorkerPresence
 
 
+def stops(stop) -> bool:
+    """Whether ``stop`` returns within 10 s, run on a thread of its own (a stop that hangs fails the test instead)."""
+    stopping = threading.Thread(target=stop, daemon=True)
+    stopping.start()
+    stopping.join(10)
+    return not stopping.is_alive()
+
+
 def test_a_heartbeat_stuck_in_its_write_does_not_keep_the_ps_from_stopping(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(messages, "STOP_JOIN_S", 0.3)
     writing, release = threading.Event(), threading.Event()
@@ -23,10 +31,7 @@ def test_a_heartbeat_stuck_in_its_write_does_not_keep_the_ps_from_stopping(tmp_p
         with caplog.at_level("WARNING"):
             heartbeat.__enter__()
             assert writing.wait(10)
-            stopping = threading.Thread(target=heartbeat.__exit__, args=(None, None, None), daemon=True)
-            stopping.start()  # (on a thread of its own: a stop that hangs fails the test instead)
-            stopping.join(10)
-            assert not stopping.is_alive(), "the PS heartbeat's stop waits for its stuck write"
+            assert stops(lambda: heartbeat.__exit__(None, None, None)), "the PS heartbeat's stop waits for its write"
         assert any("the PS heartbeat did not stop within 0.3 s" in r.getMessage() for r in caplog.records)
     finally:
         release.set()
@@ -48,10 +53,7 @@ def test_a_worker_heartbeat_stuck_in_its_write_does_not_keep_the_worker_from_sto
     try:
         with caplog.at_level("WARNING"):
             assert writing.wait(10)
-            stopping = threading.Thread(target=presence.stop, daemon=True)
-            stopping.start()
-            stopping.join(10)
-            assert not stopping.is_alive(), "the worker's stop waits for its heartbeat's stuck write"
+            assert stops(presence.stop), "the worker's stop waits for its heartbeat's stuck write"
         assert any("dev1's heartbeat did not stop within 0.3 s" in r.getMessage() for r in caplog.records)
     finally:
         release.set()
