@@ -256,7 +256,6 @@ class Chaos:
         self.save_to_die_in = (in_save_after // SAVE_STEPS + 1) * SAVE_STEPS
         plan += [(self.rng.randrange(int(span * 0.15), int(span * 0.3)), "ps-any"),
                  (in_save_after, "ps-saving")]
-        plan += [(self.rng.randrange(3, int(span * 0.9)), f"several-jobs {device}") for device in self.several_jobs]
         return sorted(plan)
 
     def run_plan(self) -> None:
@@ -265,17 +264,21 @@ class Chaos:
                 return  # the PS finished
             if what == "worker":
                 self.worker_event()
-            elif what.startswith("several-jobs"):
-                device = int(what.split()[1])
-                if self.wait_until(lambda d=device: len(self.held_jobs().get(d, [])) > 1,
-                                   f"dev{device} to hold several jobs"):
-                    self.kill_worker(device, "several jobs")
             elif what == "ps-any":
                 time.sleep(self.rng.uniform(0, 0.3))
                 self.kill_ps("random moment")
             elif self.dies_in_save is not None:  # check_health relaunches it once it died
                 what = f"the PS to die saving checkpoint-{self.dies_in_save}"
                 self.wait_until(lambda: self.dies_in_save is None, what)
+
+    def kill_holding_several_jobs(self) -> None:
+        """Each device of ``several_jobs``, launched before the others (which would train the PS past the schedule
+        while it compiles), killed once it holds more than one job, and launched again."""
+        for device in self.several_jobs:
+            self.launch_worker(device)
+            self.wait_until(lambda d=device: len(self.held_jobs().get(d, [])) > 1, f"dev{device} to hold several jobs",
+                            unless_finished=False)
+            self.kill_worker(device, "several jobs")
 
     def worker_event(self) -> None:
         """Kills a worker that holds a job (generating, fencing, publishing or archiving), or
@@ -473,8 +476,10 @@ def test_chaos_random_kills_of_workers_and_ps(tmp_path, mode):
     chaos = Chaos(tmp_path, seed, args, schedule, worker_args)
     try:
         chaos.launch_ps()
+        chaos.kill_holding_several_jobs()
         for device in DEVICES:
-            chaos.launch_worker(device)
+            if device not in chaos.several_jobs:
+                chaos.launch_worker(device)
         chaos.run_plan()
         assert chaos.worker_kills >= schedule.worker_kills - 1 and chaos.ps_kills == PS_KILLS, (
             f"the schedule did not complete: {chaos.worker_kills} worker kills, {chaos.ps_kills} PS kills")
