@@ -9,7 +9,7 @@ random.Random(seed): the seed is printed and attached to any failure; set
 ASYNCGRPO_CHAOS_SEED=<seed> to replay a schedule (process timing still varies).
 
 It runs three times: training on whole results (with in-flight weight updates; worker dev1 decodes with
-continuous batching, so its kills lose the several jobs in its slots, and those waiting to be scored); with dynamic
+continuous batching, and is killed once, before the other workers start, holding several jobs); with dynamic
 sampling on the binary task (results split across batches, checked group by group); and on the tool-calling task
 (6 worker kills in 120 steps).
 
