@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import ClaimedJob, JobQueue, describe_error
-from asyncgrpo.jobqueue.handoff import REWARDS_KEY, ResultData
+from asyncgrpo.jobqueue.handoff import REWARDS_KEY, ResultData, oldest_version
 from asyncgrpo.run import QueueWriteError
 from worker import tools
 from worker.generate import JOB_FAILURES, Generated, error_record
@@ -51,7 +51,7 @@ def publish(cfg: AsyncGRPOConfig, queue: JobQueue, job: ClaimedJob, outcome: Gen
     data = ResultData({k: v for k, v in batch.items() if k != REWARDS_KEY}, batch.get(REWARDS_KEY), metrics,
                       job.job_data.rows, outcome.logs, outcome.token_versions).to_dict()
     runs = outcome.token_versions  # a row's each
-    oldest = min(row[0][1] for row in runs) if runs else version
+    oldest = oldest_version(runs) if runs else version
     try:
         published = queue.complete(
             job, data, weights_version=oldest, queue_time=job.claimed_at - job.payload["created_at"],

@@ -112,8 +112,8 @@ class ResultData:
 
     @property
     def oldest_version(self) -> int | None:
-        """The version of its oldest token, where ``token_versions`` says (the first run of some row)."""
-        return min(runs[0][1] for runs in self.token_versions) if self.token_versions else None
+        """The version of its oldest token, where ``token_versions`` says."""
+        return oldest_version(self.token_versions) if self.token_versions else None
 
     @classmethod
     def from_dict(cls, data, rows_per_job: int) -> ResultData:
@@ -152,6 +152,12 @@ class ResultData:
                 raise ValueError(f"a result's token_versions must hold one list of runs a row, {n} of them")
             versions = [_checked_runs(runs) for runs in versions]
         return cls(batch, rewards, data.get("metrics", {}), data["rows"], data.get("logs"), versions)
+
+
+def oldest_version(token_versions: list[list[tuple[int, int]]]) -> int:
+    """The version that sampled the oldest of a result's tokens (the one the staleness bound goes by): the oldest of
+    its rows' first runs."""
+    return min(runs[0][1] for runs in token_versions)
 
 
 def _checked_runs(runs) -> list[tuple[int, int]]:

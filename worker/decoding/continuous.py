@@ -17,8 +17,8 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   key's column does not matter to attention: RoPE placed it by the row's own position ids);
 - a prefill runs the joining rows (prompts padded on the left to the prompt part, as TRL pads them) over a cache
   of their own, then writes their keys and values into their slots' ring columns and chooses their first tokens.
-  Compiled, it takes a power of two of rows up to a job's (one graph each, all compiled in the warm-up), so the
-  rows that join at once go in a few prefills (7 rows: 4, 2 and 1);
+  It takes a power of two of rows up to a job's (a cache each; compiled, a graph each, all compiled in the
+  warm-up), so the rows that join at once go in a few prefills (7 rows: 4, 2 and 1);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -43,6 +43,7 @@ import torch
 from transformers import StaticCache
 from trl.trainer.utils import pad
 
+from asyncgrpo.jobqueue.handoff import oldest_version
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
@@ -85,8 +86,7 @@ class FinishedJob:
 
     @property
     def weights_version(self) -> int:
-        """Its oldest token's version (the one the staleness bound goes by)."""
-        return min(runs[0][1] for runs in self.token_versions)
+        return oldest_version(self.token_versions)
 
 
 @dataclass
@@ -98,11 +98,15 @@ class _Resident:
     key: object
     prompt_ids: list[list[int]]
     seeds: list[int]
-    slots: list[int | None]
-    joined: list[int | None]
-    runs: list[list[tuple[int, int]]]
+    slots: list[int | None] = field(init=False)
+    joined: list[int | None] = field(init=False)
+    runs: list[list[tuple[int, int]]] = field(init=False)
     ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     added_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        rows = len(self.prompt_ids)
+        self.slots, self.joined, self.runs = [None] * rows, [None] * rows, [[] for _ in range(rows)]
 
 
 class SlotState:
@@ -151,9 +155,8 @@ class ContinuousDecoding(OwnStep):
         self.version: int | None = None  # the weights the model holds
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
-        # A compiled prefill has one graph per number of rows: powers of two up to a job's rows.
-        self.prefill_compiled = self._compiled_prefill != self._prefill_step
-        self.largest_prefill = 1 << (self.rows_per_job.bit_length() - 1)
+        self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
+        self.largest_prefill = 1 << (self.rows_per_job.bit_length() - 1)  # (prefills take powers of two of rows)
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -274,18 +277,16 @@ class ContinuousDecoding(OwnStep):
         rows = len(prompt_ids)
         if rows != self.rows_per_job:
             raise ValueError(f"a job of {rows} rows for an engine of {self.rows_per_job}-row jobs")
-        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
-                        [None] * rows, [None] * rows, [[] for _ in range(rows)])
+        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)])
         self.residents.append(job)
         self.waiting += [(job, row) for row in range(rows)]
         self._admit()
 
     def _admit(self) -> None:
-        """Waiting rows into free slots, in as few prefills as the compiled sizes allow."""
+        """Waiting rows into free slots, in prefills of a power of two of rows up to a job's (a cache for each size,
+        and compiled a graph for each: a few, whatever the number of rows joining)."""
         while self.waiting and self.free:
-            n = min(len(self.waiting), len(self.free))
-            if self.prefill_compiled:
-                n = 1 << (min(n, self.largest_prefill).bit_length() - 1)
+            n = 1 << (min(len(self.waiting), len(self.free), self.largest_prefill).bit_length() - 1)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
             self._prefill(joining)
 
@@ -443,8 +444,7 @@ class ContinuousDecoding(OwnStep):
             size = self.largest_prefill if self.prefill_compiled else 0
             while size:
                 for _ in range(self.WARM_UP_CALLS + (size not in self.prefill_caches)):
-                    job = _Resident(("warm-up", size), rows[:size], [0] * size, [None] * size, [None] * size,
-                                    [[] for _ in range(size)])
+                    job = _Resident(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)])
                     self._drop(job)
                 size //= 2
