@@ -183,13 +183,14 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                 log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, j.job_id, j.attempt,
                          queue_wait_ms)
             version = _newer(_sync(subscriber, trainer.model, device, events), version)
-            needed = max(j.job_data.min_weights_version for j in jobs)
+            needed = _version_floor(jobs, ps_status)
             if version < needed:
                 waited_from = time.monotonic()
                 while version < needed and not stop.is_set():
-                    waiting.waiting_for(f"weights version {needed} (synchronous mode)")
+                    waiting.waiting_for(f"weights version {needed} (the job's floor: its step less --max_staleness)")
                     time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
                     version = _newer(_sync(subscriber, trainer.model, device, events), version)
+                    needed = _version_floor(jobs, run.read_ps_status())  # (a PS relaunched meanwhile)
                 events.emit("weights_wait", job_id=job.job_id, weights_version=version,
                             dur_ms=(time.monotonic() - waited_from) * 1e3)
             if stop.is_set() and version < needed:
@@ -269,6 +270,14 @@ def _in_flight_weights(cfg: AsyncGRPOConfig, trainer, subscriber, events: EventL
         log.info("[gen] dev%s --in_flight_updates: not with %s; new weights reach a job before it starts", device, why)
         return None
     return InFlightWeights(subscriber, trainer.model, events)
+
+
+def _version_floor(jobs: list[ClaimedJob], ps_status) -> int:
+    """The oldest weights version ``jobs`` may be generated with. A job thrown by an earlier PS of the run counts
+    its floor in that PS's steps, which the running PS (relaunched without a checkpoint, or from an earlier one)
+    may reach only by training on this very job: such a job takes the newest weights there are."""
+    started = ps_status.started_at if ps_status is not None else float("-inf")
+    return max((j.job_data.min_weights_version for j in jobs if j.payload["created_at"] >= started), default=0)
 
 
 def _newer(synced: int | None, held: int) -> int:

@@ -29,9 +29,11 @@ from helpers import (
 )
 
 from asyncgrpo.events import read_events
+from asyncgrpo.jobqueue.names import JobState, parse_queue_name
 from asyncgrpo.run import fileops
 
 TIMEOUT_S = 300
+JOB_STATES = (JobState.PENDING, JobState.PROCESSING)  # a job's file, not a result's
 
 
 def buffers_of(run_root: Path) -> list[Path]:
@@ -194,8 +196,11 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
 def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_0(tmp_path):
     """A PS killed before its first checkpoint and relaunched starts again from step 0 and publishes version 0. The
     worker that stayed up syncs it, and labels its next results with the new PS's versions, not with the version it
-    held from the old PS. (The worker is paused meanwhile, and the old PS's jobs and results set aside, so that the
-    new PS waits for it at version 0 rather than training again what the old one trained.)"""
+    held from the old PS. One job of the old PS stays in the queue: its floor (its step less max_staleness) counts
+    in the old PS's steps, above any version the new PS publishes before it trains on that job; the worker
+    generates it with the newest weights rather than wait for ever. (The worker is paused meanwhile, and the old
+    PS's other jobs and results set aside, so that the new PS waits for it at version 0 rather than training again
+    what the old one trained.)"""
     run_root = tmp_path / "run"
     flags = run_flags(100000, save_steps=100000)
     first = start_process(run_root, tmp_path / "ps1.log", "ps", *flags)
@@ -203,18 +208,27 @@ def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_
     second = None
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while len(metrics(run_root)) < 5:
+        while True:  # until, with both paused, the queue holds a job whose floor the new PS does not reach
             assert first.poll() is None and worker.poll() is None, log_tail(tmp_path / "worker.log")
-            assert time.monotonic() < deadline, "no training steps"
+            assert time.monotonic() < deadline, "no job thrown at step 8 or later, or no version 4 synced"
+            if len(metrics(run_root)) >= 5:
+                worker.send_signal(signal.SIGSTOP)
+                first.send_signal(signal.SIGSTOP)
+                kept = newest_job(run_root)
+                held = max(e["weights_version"] for e in worker_events(run_root) if e["event"] == "weights_synced")
+                if kept is not None and fileops.load_payload(kept)["data"]["min_weights_version"] > 3 and held > 3:
+                    break  # (above the versions of the new PS's 3 steps)
+                first.send_signal(signal.SIGCONT)
+                worker.send_signal(signal.SIGCONT)
             time.sleep(0.1)
-        worker.send_signal(signal.SIGSTOP)
         first.kill()
         first.wait(timeout=60)
-        held = max(e["weights_version"] for e in worker_events(run_root) if e["event"] == "weights_synced")
-        assert held >= 4
         aside = tmp_path / "set_aside"
         aside.mkdir()
-        for leftover in [*(run_root / "queue").glob("*.pt"), *(run_root / "done").glob("*.pt")]:
+        leftovers = list(run_root.glob("queue/*.pt"))
+        kept_id = parse_queue_name(kept.name).job_id  # the new PS trains it: no checkpoint says it was trained
+        kept.rename(run_root / "queue" / f"{kept_id}_pending.pt")  # (one the paused worker held: given back)
+        for leftover in [*(path for path in leftovers if path != kept), *(run_root / "done").glob("*.pt")]:
             leftover.rename(aside / leftover.name)  # (the new PS would train them again: no checkpoint says not to)
         second = start_process(run_root, tmp_path / "ps2.log", "ps", *run_flags(3, save_steps=100000))
         version_file = run_root / "weights" / "published_version.json"
@@ -239,8 +253,17 @@ def test_a_worker_beside_a_ps_relaunched_without_a_checkpoint_takes_its_version_
     new_jobs = {e["job_id"] for e in ps_events(run_root, "job_created") if e["pid"] == second.pid}
     written = [e["weights_version"] for e in after
                if e["event"] == "result_written" and e["published"] and e["job_id"] in new_jobs]
-    assert synced[:1] == [0], synced
+    # (A sync of the old PS's weights under way as the worker was paused ends after it resumes.)
+    assert 0 in synced and max(synced[synced.index(0):]) <= 3, synced
     assert written and max(written) <= 3 < held, (written, held)  # the new PS's versions: it trained 3 steps
+    kept_results = [e for e in after if e["event"] == "result_written" and e["job_id"] == kept_id and e["published"]]
+    assert kept_results and kept_results[-1]["weights_version"] <= 3, kept_results
+
+
+def newest_job(run_root: Path) -> Path | None:
+    """The queue's job file (pending or held) thrown at the latest step."""
+    jobs = [path for path in run_root.glob("queue/*.pt") if parse_queue_name(path.name).state in JOB_STATES]
+    return max(jobs, key=lambda path: fileops.load_payload(path)["created_step"], default=None)
 
 
 def worker_events(run_root: Path) -> list[dict]:

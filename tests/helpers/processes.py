@@ -58,7 +58,11 @@ def log_tail(path, chars: int = 3000) -> str:
 
 def expect_exit(proc, status: int, log, timeout: float = 600) -> None:
     """Waits for ``proc`` to exit; fails unless it exits with ``status``, with the end of its ``log``."""
-    code = proc.wait(timeout=timeout)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{_process_name(proc)} still running after {timeout:g} s; {log} ends:\n"
+                             + log_tail(log)) from None
     assert code == status, f"{_process_name(proc)} exited with status {code}, not {status}; {log} ends:\n" + (
         log_tail(log))
 
