@@ -22,10 +22,10 @@ lengths follow the same distribution (the decoders draw their samples differentl
 Printed per decoder and workload, measured in this run after each decoder's warm-up: row utilisation (tokens kept
 over row-steps computed: every slot or row of every decoding step, and each prefill's rows; for ``continuous``
 also until the stream's last row joined, "(wait)": a worker in a run, whose queue does not run dry, decodes so until
-the run's end), samples/s and
-tokens/s over the stream's wall time, and job latency p50/p99 (from the start of the job's generation, its call or
-its joining the slots, to its scored result); ratios to the first setting of the same workload. One JSON document
-on stdout (and --out), a table on stderr.
+the run's end), samples/s and tokens/s over the stream's wall time, job latency p50/p99 (from the start of the
+job's generation, its call or its joining the slots, to its scored result) and the median decoding steps over that
+span (a call's; the engine's from a job's joining to its last row's end); ratios to the first setting of the same
+workload. One JSON document on stdout (and --out), a table on stderr.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def job_inputs(trainer, count: int, batch: int) -> list:
                      fields={"job_id": f"{j:06d}_000"}) for j in range(count)]
 
 
-def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str) -> tuple[list, list, int, None]:
-    """(outcomes, latencies, row-steps, None) of the stream in calls of ``jobs`` jobs, as the worker's loop runs
-    them."""
+def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str) -> tuple[list, list, list, int, None]:
+    """(outcomes, latencies, decoding steps a job, row-steps, None) of the stream in calls of ``jobs`` jobs, as the
+    worker's loop runs them."""
     from worker.generate import generate_jobs
 
-    outcomes, latencies, row_steps = [], [], 0
+    outcomes, latencies, job_steps, row_steps = [], [], [], 0
     rows_per_call = jobs * len(inputs[0].rows)
     for first in range(0, len(inputs), jobs):
         steps_before = getattr(decoder, "steps_run", 0)
@@ -78,14 +78,15 @@ def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str)
         latencies += [now(device) - start] * len(called)
         outcomes += called
         if hasattr(decoder, "steps_run"):  # the step's own count, and the prefill's token
-            row_steps += rows_per_call * (decoder.steps_run - steps_before + 1)
+            steps = decoder.steps_run - steps_before + 1
         else:  # generate stops when every row of the call has ended
-            longest = max(int(o.batch["completion_mask"].sum(dim=1).max()) for o in called)
-            row_steps += len(called) * len(inputs[0].rows) * longest
-    return outcomes, latencies, row_steps, None
+            steps = max(int(o.batch["completion_mask"].sum(dim=1).max()) for o in called)
+        row_steps += rows_per_call * steps
+        job_steps += [steps] * len(called)
+    return outcomes, latencies, job_steps, row_steps, None
 
 
-def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[list, list, int, float]:
+def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[list, list, list, int, float]:
     """The same through the engine: a job added as soon as a slot is free and no row waits, its rows joining as
     slots free up, scored on another thread; and the row utilisation until the stream's last row joined (what a
     worker in a run sees, where the queue does not run dry)."""
@@ -97,7 +98,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
         job = inputs[finished.key]
         outcome = score_generated(trainer, job, finished.prompt_ids, finished.completion_ids, finished.tokens,
                                   finished.logps, NoEvents(), token_versions=finished.token_versions)
-        return finished.key, outcome, time.perf_counter() - joined[finished.key]
+        return finished.key, outcome, time.perf_counter() - joined[finished.key], finished.steps
 
     row_steps_before, while_jobs_wait = engine.row_steps, None
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
@@ -112,8 +113,8 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
                 while_jobs_wait = engine.decoded_tokens() / (engine.row_steps - row_steps_before)
             futures += [scorer.submit(score, finished) for finished in engine.collect()]
         results = sorted(f.result() for f in futures)
-    return [outcome for _, outcome, _ in results], [seconds for _, _, seconds in results], \
-        engine.row_steps - row_steps_before, while_jobs_wait
+    return [outcome for _, outcome, _, _ in results], [seconds for _, _, seconds, _ in results], \
+        [steps for *_, steps in results], engine.row_steps - row_steps_before, while_jobs_wait
 
 
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
@@ -122,10 +123,11 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
     if decoding == "continuous":
-        outcomes, latencies, row_steps, while_jobs_wait = stream_continuously(trainer, decoder, inputs, a.device)
+        outcomes, latencies, job_steps, row_steps, while_jobs_wait = stream_continuously(trainer, decoder, inputs,
+                                                                                         a.device)
     else:
-        outcomes, latencies, row_steps, while_jobs_wait = stream_fixed_batches(trainer, decoder, inputs, a.jobs,
-                                                                               a.device)
+        outcomes, latencies, job_steps, row_steps, while_jobs_wait = stream_fixed_batches(trainer, decoder, inputs,
+                                                                                          a.jobs, a.device)
     wall_s = now(a.device) - start
     for outcome in outcomes:
         if isinstance(outcome, Exception):
@@ -142,6 +144,7 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
             "at_cap": round(sum(n == a.completion for n in row_lengths) / len(row_lengths), 3),
             "latency_p50_s": round(statistics.median(latencies), 3),
             "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
+            "job_steps_p50": statistics.median(job_steps),
             "warm_up_s": round(warm_s, 1), "recompiles": decoder.recompiles() if decoder is not None else 0}
 
 
@@ -178,13 +181,15 @@ def main() -> None:
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
            "torch": torch.__version__, "completion": a.completion, "batch": a.batch, "results": rows}
     print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'(wait)':>6} {'samples/s':>10} {'vs first':>8} "
-          f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'mean len':>8} {'warm-up s':>9}", file=sys.stderr)
+          f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'steps p50':>9} {'mean len':>8} {'warm-up s':>9}",
+          file=sys.stderr)
     for r in rows:
         print(f"{r['shape']:<9} {r['lengths']:<9} {r['decoding']:<11} {r['row_utilisation']:>5.2f} "
               f"{r['row_utilisation_while_jobs_wait']:>6.2f} "
               f"{r['samples_per_s']:>10.1f} {r['samples_per_s_vs_baseline']:>7.2f}x "
               f"{r['utilisation_vs_baseline']:>6.2f}x "
-              f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",
+              f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['job_steps_p50']:>9.0f} "
+              f"{r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",
               file=sys.stderr)
     print_doc(doc, a.out)
 

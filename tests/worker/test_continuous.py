@@ -61,17 +61,47 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
 
 # ---------------------------------------------------------------- the tokens: greedy decoding is generate's
 
-def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path):
-    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through (the engine as
-    a decoder of one call's jobs, with and without a repetition penalty: tests/worker/test_decoders.py)."""
-    trainer = trainer_for(tmp_path, llama(eos_bias=2.0), **GREEDY)
+def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypatch):
+    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through, the cache's
+    ring turning under them (the engine as a decoder of one call's jobs, with and without a repetition penalty:
+    tests/worker/test_decoders.py)."""
+    trainer = trainer_for(tmp_path, llama(), **GREEDY)  # (lengths from 1 to the cap)
     jobs = {i: job_ids(trainer, i) for i in range(5)}
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
+    reads = spy(monkeypatch, engine.columns, "read")
     finished = decode_all(engine, jobs)
     for i, ids in jobs.items():
         assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
     lengths = [len(c) for f in finished.values() for c in f.completion_ids]
     assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
+    assert len({read for _, read in reads}) > 1  # steps read the whole ring and fewer columns
+
+
+def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path, monkeypatch):
+    """Fixed lengths, one job's slots: the second job starts at the ring's front once the first has left, and its
+    steps read what the first job's read, from fewer columns than the ring's up to all of them (as the graph
+    decoder's column buckets)."""
+    trainer = trainer_for(tmp_path, llama(), max_completion_length=24,
+                          generation_kwargs={"do_sample": False, "min_new_tokens": 24})
+    engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    calls = spy(monkeypatch, engine.columns, "read")
+    decode_all(engine, {0: job_ids(trainer, 0), 1: job_ids(trainer, 1)})
+    reads = [columns for _, columns in calls]
+    half = len(reads) // 2
+    assert reads[:half] == reads[half:] and reads == sorted(reads[:half]) * 2
+    assert reads[0] < reads[-1] == engine.columns.size
+
+
+def spy(monkeypatch, obj, name: str) -> list:
+    """The calls of ``obj.name`` from here on, as (args, result)."""
+    calls, method = [], getattr(obj, name)
+
+    def recorded(*args):
+        calls.append((args, result := method(*args)))
+        return result
+
+    monkeypatch.setattr(obj, name, recorded)
+    return calls
 
 
 def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_first(tmp_path):

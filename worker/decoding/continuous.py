@@ -10,13 +10,13 @@ job whose rows have all ended leaves, to be scored while the others decode.
 Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a GPU), as the graph decoder's
 (worker/decoding/graph.py, whose logits processing, sampling and behaviour log-prob this shares):
 
-- the KV cache is one ring of ``prompt part + max_completion_length`` columns for every slot (``SlotCache``).
-  Every step writes every slot's newest key and value at the same column, the next one round the ring; a joining
-  row's prompt is copied into the columns before it. A row lives for at most prompt part + max_completion_length
-  columns, so it never overwrites its own; attention reads each slot's own columns through its row of a mask (a
-  key's column does not matter to attention: RoPE placed it by the row's own position ids);
+- the KV cache is one ring of columns for every slot (worker/decoding/slot_cache.py). Every step writes every
+  slot's newest key and value at the same column, the next one round the ring; a joining row's prompt is copied
+  into the columns before it; attention reads each slot's own columns through its row of a mask, and a step reads
+  only the ring's first columns, a bucket past the one it writes (a graph each), while no decoding row started in
+  the lap before;
 - a prefill runs the joining rows (prompts padded on the left to the prompt part, as TRL pads them) over a cache
-  of their own, then writes their keys and values into their slots' ring columns and chooses their first tokens.
+  of their own, then writes their keys and values into their slots' columns and chooses their first tokens.
   It takes a power of two of rows up to a job's (a cache each; compiled, a graph each, all compiled in the
   warm-up), so the rows that join at once go in a few prefills (7 rows: 4, 2 and 1);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
@@ -50,25 +50,11 @@ from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
+from worker.decoding.slot_cache import SlotCache, SlotColumns
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
 CHECK_EVERY = {"cuda": 8, "cpu": 1}
-
-class SlotCache:
-    """Keys and values [slots, heads, columns, dim] per layer, a ring: every step writes every slot at ``column``.
-    What transformers' attention layers ask of a cache here is ``update``."""
-
-    is_compileable = True
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor):
-        self.keys, self.values, self.column = keys, values, column
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.column, key_states)
-        self.values[layer_idx].index_copy_(2, self.column, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
-
 
 @dataclass
 class FinishedJob:
@@ -83,6 +69,7 @@ class FinishedJob:
     logps: torch.Tensor
     token_versions: list[list[tuple[int, int]]]
     decode_s: float  # from its ``add`` to its last row's end
+    steps: int  # the engine's decoding steps over the same span
 
     @property
     def weights_version(self) -> int:
@@ -103,6 +90,7 @@ class _Resident:
     runs: list[list[tuple[int, int]]] = field(init=False)
     ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     added_at: float = field(default_factory=time.monotonic)
+    added_step: int = 0
 
     def __post_init__(self):
         rows = len(self.prompt_ids)
@@ -112,11 +100,11 @@ class _Resident:
 class SlotState:
     """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
 
-    def __init__(self, slots: int, columns: int, max_new: int, device: torch.device):
+    def __init__(self, slots: int, columns: SlotColumns, max_new: int, device: torch.device):
         buffer = functools.partial(static_buffer, device=device)
 
-        self.mask = buffer(slots, columns, dtype=torch.bool)  # the ring columns each slot attends to
-        self.column = buffer(1)  # the ring column the next step writes
+        self.mask = buffer(slots, columns.size, dtype=torch.bool)  # the columns each slot attends to
+        self.column = columns.column  # the column the next step writes
         self.last = buffer(slots)  # the token each slot feeds to the next step
         self.position = buffer(slots)  # its position (RoPE)
         self.count = buffer(slots)  # tokens the slot's row has sampled (its next token's index)
@@ -182,7 +170,7 @@ class ContinuousDecoding(OwnStep):
 
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
-        self.columns = self.prompt_part + self.max_new
+        self.columns = SlotColumns(self.prompt_part, self.max_new, self.device)
         self.state = SlotState(self.slots, self.columns, self.max_new, self.device)
         self.prefill_caches: dict[int, StaticCache] = {}  # by the number of rows a prefill takes
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
@@ -203,8 +191,8 @@ class ContinuousDecoding(OwnStep):
     def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds) -> None:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                          logits_to_keep=1)
-        # The prompt goes into the ring columns just before the one the next step writes.
-        columns = (st.column + torch.arange(self.prompt_part, device=ids.device) - self.prompt_part) % self.columns
+        # The prompt goes into the columns just before the one the next step writes.
+        columns = (st.column + torch.arange(self.prompt_part, device=ids.device) - self.prompt_part) % self.columns.size
         for small, keys, values in zip(cache.layers, self.cache.keys, self.cache.values, strict=True):
             keys.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.keys.transpose(1, 2))
             values.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.values.transpose(1, 2))
@@ -224,12 +212,13 @@ class ContinuousDecoding(OwnStep):
         st.position.index_copy_(0, slots, position[:, -1] + 1)  # the first token's, fed to the next step
         self._choose(out.logits[:, -1, :].float(), st, slots)
 
-    def _step(self, cache: SlotCache, st: SlotState) -> None:
+    def _step(self, cache: SlotCache, st: SlotState, columns: int) -> None:
+        """One token per slot, attending to the cache's first ``columns`` columns (a Python int: a graph each)."""
         st.mask.index_fill_(1, st.column, True)  # every slot attends to the column this step writes
         out = self.model(input_ids=st.last[:, None], attention_mask=st.mask[:, None, None, :],
-                         position_ids=st.position[:, None], cache=cache, use_cache=True)
+                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=columns)
         self._choose(out.logits[:, -1, :].float(), st, None)
-        st.column.copy_((st.column + 1) % self.columns)
+        st.column.copy_((st.column + 1) % self.columns.size)
 
     def _choose(self, logits: torch.Tensor, st: SlotState, slots: torch.Tensor | None) -> None:
         """Processes the logits of ``slots`` (all when None), picks each row's token with its own draws, records it
@@ -277,7 +266,8 @@ class ContinuousDecoding(OwnStep):
         rows = len(prompt_ids)
         if rows != self.rows_per_job:
             raise ValueError(f"a job of {rows} rows for an engine of {self.rows_per_job}-row jobs")
-        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)])
+        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
+                        added_step=self.steps)
         self.residents.append(job)
         self.waiting += [(job, row) for row in range(rows)]
         self._admit()
@@ -285,6 +275,8 @@ class ContinuousDecoding(OwnStep):
     def _admit(self) -> None:
         """Waiting rows into free slots, in prefills of a power of two of rows up to a job's (a cache for each size,
         and compiled a graph for each: a few, whatever the number of rows joining)."""
+        if self.waiting and self.free:
+            self.columns.joining()
         while self.waiting and self.free:
             n = 1 << (min(len(self.waiting), len(self.free), self.largest_prefill).bit_length() - 1)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
@@ -316,6 +308,7 @@ class ContinuousDecoding(OwnStep):
             cache.reset()
             self._compiled_prefill(cache, st, *args)
         self.row_steps += rows
+        self.columns.joined(slots)
         for (job, row), slot in zip(joining, slots, strict=True):
             job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
             self.owners[slot] = (job, row)
@@ -331,7 +324,7 @@ class ContinuousDecoding(OwnStep):
             keys, values = [], []
             for layer in cache.layers:
                 for kind, into in ((layer.keys, keys), (layer.values, values)):
-                    into.append(static_buffer(self.slots, kind.size(1), self.columns, kind.size(3),
+                    into.append(static_buffer(self.slots, kind.size(1), self.columns.size, kind.size(3),
                                               dtype=kind.dtype, device=self.device))
             self.cache = SlotCache(keys, values, self.state.column)
         return cache
@@ -340,7 +333,8 @@ class ContinuousDecoding(OwnStep):
         """``steps`` decoding steps over every slot, after the waiting rows that find a free slot join."""
         self._admit()
         for _ in range(steps):
-            self._compiled_step(self.cache, self.state)
+            self._compiled_step(self.cache, self.state, self.columns.read())
+            self.columns.stepped()
         self.steps += steps
         self.row_steps += steps * self.slots
 
@@ -359,6 +353,7 @@ class ContinuousDecoding(OwnStep):
             st.active.index_fill_(0, index, False)
             st.position.index_fill_(0, index, 0)  # (a free slot's position would otherwise grow without end)
             self.free.extend(ended_slots)
+            self.columns.left(ended_slots)
             for i, slot in enumerate(ended_slots):
                 job, row = self.owners.pop(slot)
                 job.ended[row] = (tokens[i, :counts[i]], logps[i, :counts[i]])
@@ -376,7 +371,7 @@ class ContinuousDecoding(OwnStep):
             runs = [[(first, version) for first, version in job.runs[row] if first < max(len(t), 1)]
                     for row, (t, _) in enumerate(rows)]
             finished.append(FinishedJob(job.key, job.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
-                                        time.monotonic() - job.added_at))
+                                        time.monotonic() - job.added_at, self.steps - job.added_step))
         return finished
 
     def generate(self, prompt_ids: list[list[int]], seed: int, in_flight: None = None) -> Generation:
@@ -432,8 +427,9 @@ class ContinuousDecoding(OwnStep):
 
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
-        other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped.
-        Returns the seconds it took."""
+        other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped, and
+        WARM_UP_CALLS + 1 steps reading each number of columns (with no row in the slots). Returns the seconds it
+        took."""
         start = time.monotonic()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
@@ -448,6 +444,12 @@ class ContinuousDecoding(OwnStep):
                     self._prefill([(job, row) for row in range(size)])
                     self._drop(job)
                 size //= 2
+            steps = self.WARM_UP_CALLS + 1
+            for columns in self.columns.reads:
+                self.columns.go_to(columns - steps)  # (the steps write the columns they read)
+                for _ in range(steps):
+                    self._compiled_step(self.cache, self.state, columns)
+            self.columns.go_to(self.prompt_part)
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
@@ -459,6 +461,7 @@ class ContinuousDecoding(OwnStep):
         for slot in slots:
             del self.owners[slot]
         self.free.extend(slots)
+        self.columns.left(slots)
 
     def recompiles(self) -> int:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)
