@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
-from trl.trainer.utils import pad
 
 from asyncgrpo.jobqueue.handoff import oldest_version
 from worker.behaviour import BehaviourCapture
@@ -285,13 +284,7 @@ class ContinuousDecoding(OwnStep):
     def _prefill(self, joining: list[tuple[_Resident, int]]) -> None:
         rows = len(joining)
         slots, self.free = self.free[:rows], self.free[rows:]
-        prompts = [job.prompt_ids[row] for job, row in joining]
-        ids = pad([torch.tensor(p) for p in prompts], padding_value=self.pad, padding_side="left",
-                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left",
-                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        ids = torch.nn.functional.pad(ids, (self.prompt_part - ids.size(1), 0), value=self.pad)
-        mask = torch.nn.functional.pad(mask, (self.prompt_part - mask.size(1), 0), value=0)
+        ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in joining], self.prompt_part)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
         seeds = torch.tensor([job.seeds[row] for job, row in joining], dtype=torch.long)
         st = self.state

@@ -232,6 +232,18 @@ class OwnStep:
         self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
             or compile_prefill else self._prefill_step
 
+    def _padded_prompts(self, prompt_ids: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The prompts' ids and attention mask, left-padded as TRL pads them, then further on the left to ``width``
+        columns (the cache's prompt part: the prefill's one shape), on the CPU."""
+        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
+                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
+                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
+        if width is None:
+            return ids, mask
+        return (torch.nn.functional.pad(ids, (width - ids.size(1), 0), value=self.pad),
+                torch.nn.functional.pad(mask, (width - mask.size(1), 0), value=0))
+
     def undo(self) -> None:
         """Back to transformers' sdpa attention (compilation failed); TRL's generation settings were never
         changed."""
@@ -393,14 +405,10 @@ class GraphDecoding(FixedBatchDecoding, OwnStep):
     def _prefill_inputs(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill's ids and attention mask on the device: left-padded as TRL pads them, then further to the
         cache's prompt part (the prefill's one shape)."""
-        ids = pad([torch.tensor(p) for p in prompt_ids], padding_value=self.pad, padding_side="left",
-                  pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0, padding_side="left",
-                   pad_to_multiple_of=self.trainer.pad_to_multiple_of)
-        if ids.size(0) != self.state.tokens.size(0) or ids.size(1) > self.prompt_part:
-            self._allocate(*ids.shape)  # new shapes: new graphs
-        ids = torch.nn.functional.pad(ids, (self.prompt_part - ids.size(1), 0), value=self.pad)
-        mask = torch.nn.functional.pad(mask, (self.prompt_part - mask.size(1), 0), value=0)
+        width = self._padded_prompts(prompt_ids)[0].size(1)
+        if len(prompt_ids) != self.state.tokens.size(0) or width > self.prompt_part:
+            self._allocate(len(prompt_ids), width)  # new shapes: new graphs
+        ids, mask = self._padded_prompts(prompt_ids, self.prompt_part)
         return ids.to(self.device), mask.to(self.device)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> DecodeState:
