@@ -238,6 +238,20 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     assert alone[3].completion_ids == finished[3].completion_ids  # the same samples beside other jobs or alone
 
 
+def test_a_worker_building_the_engine_says_its_slots_and_cache(tmp_path, monkeypatch, caplog):
+    from worker.decoding.build import build_decoder
+
+    monkeypatch.setattr(ContinuousDecoding, "warm_up", lambda self, prompt_ids: 0.0)  # (not compiled here)
+    trainer = trainer_for(tmp_path, worker_decoding="continuous", max_completion_length=24)
+    with caplog.at_level("INFO"):
+        decoding = build_decoder(trainer.args, trainer, 1, Events())
+    assert isinstance(decoding, ContinuousDecoding)
+    [line] = [r.getMessage() for r in caplog.records if "compiling its decoding step" in r.getMessage()]
+    slots = decoding.slots
+    assert f"(continuous, batch {slots} rows, cache {decoding.prompt_part + 24} tokens)" in line, line
+    decoding.undo()
+
+
 @pytest.mark.process
 def test_where_the_engine_does_not_apply_the_worker_decodes_as_graph_and_says_why(tmp_path, monkeypatch, caplog):
     from worker.decoding.build import build_decoder
