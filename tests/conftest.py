@@ -87,6 +87,22 @@ def _nothing_left_behind(tmp_path_factory):
     assert not left, "left behind by the suite's processes:\n" + "\n".join(left)
 
 
+def _logging_errors(basetemp: Path) -> list[str]:
+    """The process logs under ``basetemp`` in which the logging module reported an error: a log call whose
+    arguments do not fit its format prints a traceback in place of its line, and the process goes on."""
+    return [str(path) for path in basetemp.rglob("*") if path.suffix in (".log", ".txt") and path.is_file()
+            and "--- Logging error ---" in path.read_text(errors="replace")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_logging_errors(tmp_path_factory):
+    """Fails the suite (an error at its last teardown) when a process it started logged a line that could not be
+    formatted: an operator would read a traceback where the line should be."""
+    yield
+    broken = _logging_errors(tmp_path_factory.getbasetemp().resolve())
+    assert not broken, "a logging error (a line that could not be formatted) in:\n" + "\n".join(broken)
+
+
 # The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process and not slow") runs what starts no process and
 # compiles nothing. There, a test without the `process` mark that does either, in its body or in a fixture it uses,
 # fails naming what it started, so the tier stays what it says.
