@@ -20,8 +20,7 @@ import bisect
 
 import torch
 
-from worker.decoding.attention import ATTENTION_BUCKETS
-from worker.decoding.compiled import bucketed
+from worker.decoding.attention import ATTENTION_BUCKETS, column_buckets
 from worker.decoding.graph import static_buffer
 
 
@@ -47,8 +46,7 @@ class SlotColumns:
     def __init__(self, prompt_part: int, max_new: int, device: torch.device):
         self.prompt_part = prompt_part
         self.size = prompt_part + max_new
-        width = bucketed(-(-max_new // ATTENTION_BUCKETS))
-        self.reads = sorted({min(prompt_part + k * width, self.size) for k in range(1, ATTENTION_BUCKETS + 1)})
+        self.reads = column_buckets(prompt_part, max_new, ATTENTION_BUCKETS)  # the graph decoder's
         self.column = static_buffer(1, device=device)
         self.lap = 0  # where the ring's current lap starts, counted over laps
         self.first: dict[int, int] = {}  # slot: the first column of its row's prompt, counted over laps
