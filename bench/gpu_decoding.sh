@@ -4,18 +4,20 @@
 #
 #   bash bench/gpu_decoding.sh [OUT_DIR]
 #
-#   1. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
+#   1. engine_gpu        the gpu test of continuous batching (CUDA graphs; log-probs within bf16 of TRL's)
+#   2. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
 #                         (128), a stream of 16 jobs, completions capped at 512: long-tail lengths, then fixed ones
-#   2. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
-#   3. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
+#   3. long_tail_05b_32   the same with one job's rows (32)
+#   4. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
+#   5. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
 #                         (graph-wholecache), then over the written columns only (graph)
-#   4. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
+#   6. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
 #                         (graph-nolevers), with chunked sampling only (graph-nofuse), and with fused projections too
 #                         (graph), with --profile
-#   5. generation_05b_128 the step at 128 rows (4 jobs a call)
-#   6. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
+#   7. generation_05b_128 the step at 128 rows (4 jobs a call)
+#   8. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
 #                         nvidia-cuda-mps-control is here
-#   7. generation_15b     the step at 1.5B's shape
+#   9. generation_15b     the step at 1.5B's shape
 #
 # (On the H200, 2026-11-26: a generation_bench setting took 50-100 s, compilation included; TRL's run in
 # gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left.)
@@ -52,16 +54,19 @@ if [ "${#WHEELS[@]}" -gt 0 ]; then
         "${WHEELS[@]}" > "$OUT/pip.log" 2>&1 || echo "[gpu_decoding] wheels: pip failed (see $OUT/pip.log)"
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 "$PY" -c 'import torch, transformers, trl; print(torch.cuda.get_device_name(), torch.__version__,
 transformers.__version__, trl.__version__)' | tee "$OUT/machine.txt"
 MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part long_tail_05b 230 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+part engine_gpu 80 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/worker/test_continuous.py
+part long_tail_05b 280 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
     --lengths long-tail,fixed --jobs 4 --stream 16 --completion 512
-part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker \
+part long_tail_05b_32 150 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+    --lengths long-tail,fixed --jobs 1 --stream 16 --completion 512
+part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker --ignore tests/worker/test_continuous.py \
     "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
 part generation_05b_1024 120 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-wholecache,graph \
     --jobs 1 --reps 2 --completion 1024
