@@ -153,6 +153,29 @@ def test_a_job_samples_the_same_tokens_alone_and_beside_other_jobs(tmp_path):
     assert other_seed[0].completion_ids != rows
 
 
+
+def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkeypatch):
+    """Compiled, a prefill takes 8 rows or a job's, the rows joining padded up by repeating the last (here eager,
+    with the compiled engine's sizes): every job's tokens and behaviour log-probs are those of prefills of exactly
+    the joining rows, and only the two sizes ran."""
+    trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **SAMPLING)
+    jobs = {i: job_ids(trainer, i) for i in range(4)}
+    seeds = {i: 100 + i for i in jobs}
+    slots = 2 * trainer.args.generation_batch_size
+    exact = decode_all(ContinuousDecoding(trainer, slots, jobs[0], compile=False), jobs, seeds)
+    engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+    engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
+    prefills = spy(monkeypatch, engine, "_prefill")
+    padded = decode_all(engine, jobs, seeds)
+    for i in jobs:
+        assert padded[i].completion_ids == exact[i].completion_ids, f"job {i}"
+        torch.testing.assert_close(padded[i].logps, exact[i].logps)
+    joining = [(len(rows), size) for (rows, size), _ in prefills]
+    assert {size for _, size in joining} == {8, trainer.args.generation_batch_size}
+    assert any(n < size for n, size in joining)  # some padded
+    assert sorted(engine.prefill_caches) == [8, trainer.args.generation_batch_size]
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_seeded_draws_sample_from_the_distribution_transformers_samples_from(setting):
     s = Sampling(**{**NO_WARPER, **SETTINGS[setting]})

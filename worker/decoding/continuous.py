@@ -17,8 +17,11 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   the lap before;
 - a prefill runs the joining rows (prompts padded on the left to the prompt part, as TRL pads them) over a cache
   of their own, then writes their keys and values into their slots' columns and chooses their first tokens.
-  It takes a power of two of rows up to a job's (a cache each; compiled, a graph each, all compiled in the
-  warm-up), so the rows that join at once go in a few prefills (7 rows: 4, 2 and 1);
+  Eager (the CPU default), it takes a power of two of rows up to a job's (a cache each), so the rows that join at
+  once go in a few prefills (7 rows: 4, 2 and 1). Compiled (the CUDA default), each size is a graph to compile
+  (tens of seconds at 0.5B's shape), so there are two, PREFILL_FEW_ROWS and a job's rows, the rows that join at
+  once padded up to the smaller that holds them by repeating the last (the same inputs, written to the same slot:
+  the same values);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -54,6 +57,7 @@ from worker.decoding.slot_cache import SlotCache, SlotColumns
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains); on a CPU every op is synchronous already, and a row that ended waits for no look.
 CHECK_EVERY = {"cuda": 8, "cpu": 1}
+PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as many rows as end between two looks)
 
 @dataclass
 class FinishedJob:
@@ -143,7 +147,10 @@ class ContinuousDecoding(OwnStep):
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
         self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
-        self.largest_prefill = 1 << (self.rows_per_job.bit_length() - 1)  # (prefills take powers of two of rows)
+        # The numbers of rows a prefill takes; padded up to one (compiled) or exactly one (eager) of them.
+        self.pads_prefills = self.prefill_compiled
+        self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job}) \
+            if self.pads_prefills else [1 << k for k in range(self.rows_per_job.bit_length())]
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -272,25 +279,29 @@ class ContinuousDecoding(OwnStep):
         self._admit()
 
     def _admit(self) -> None:
-        """Waiting rows into free slots, in prefills of a power of two of rows up to a job's (a cache for each size,
-        and compiled a graph for each: a few, whatever the number of rows joining)."""
+        """Waiting rows into free slots, in prefills of one of ``prefill_sizes`` (a cache for each, and compiled a
+        graph for each: a few, whatever the number of rows joining)."""
         if self.waiting and self.free:
             self.columns.joining()
         while self.waiting and self.free:
-            n = 1 << (min(len(self.waiting), len(self.free), self.largest_prefill).bit_length() - 1)
+            n = min(len(self.waiting), len(self.free), self.prefill_sizes[-1])
+            if not self.pads_prefills:
+                n = max(size for size in self.prefill_sizes if size <= n)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
-            self._prefill(joining)
+            self._prefill(joining, next(size for size in self.prefill_sizes if size >= n))
 
-    def _prefill(self, joining: list[tuple[_Resident, int]]) -> None:
-        rows = len(joining)
-        slots, self.free = self.free[:rows], self.free[rows:]
-        ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in joining], self.prompt_part)
+    def _prefill(self, joining: list[tuple[_Resident, int]], rows: int) -> None:
+        """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
+        slots, self.free = self.free[:len(joining)], self.free[len(joining):]
+        rows_in = joining + joining[-1:] * (rows - len(joining))
+        ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in rows_in], self.prompt_part)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
-        seeds = torch.tensor([job.seeds[row] for job, row in joining], dtype=torch.long)
+        seeds = torch.tensor([job.seeds[row] for job, row in rows_in], dtype=torch.long)
         st = self.state
         if self.sampling.repetition_penalty is not None and st.seen is None:
             st.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
-        args = [t.to(self.device) for t in (ids, mask, position, torch.tensor(slots), seeds)]
+        in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
+        args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
         cache = self.prefill_caches.get(rows)
         if cache is None:
             # transformers allocates a static cache's tensors at their first write and marks their addresses static
@@ -430,13 +441,11 @@ class ContinuousDecoding(OwnStep):
                 self.add(("warm-up", i), rows, job_seed=i)
                 while not self.collect():
                     self.run(self.check_every)
-            size = self.largest_prefill if self.prefill_compiled else 0
-            while size:
+            for size in self.prefill_sizes if self.prefill_compiled else []:
                 for _ in range(self.WARM_UP_CALLS + (size not in self.prefill_caches)):
                     job = _Resident(("warm-up", size), rows[:size], [0] * size)
-                    self._prefill([(job, row) for row in range(size)])
+                    self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
-                size //= 2
             steps = self.WARM_UP_CALLS + 1
             for columns in self.columns.reads:
                 self.columns.go_to(columns - steps)  # (the steps write the columns they read)
