@@ -48,6 +48,9 @@ sys.path.insert(0, str(REPO))
 from generation_bench import SHAPES, NoEvents, build, log, print_doc  # noqa: E402  (bench/ is the script's folder)
 
 from worker.continuous_loop import SWITCH_INTERVAL_S  # noqa: E402
+from worker.decoding.compiled_step import compiled_graphs  # noqa: E402
+
+PROGRESS_EVERY_S = 20
 
 
 def now(device: str) -> float:
@@ -101,6 +104,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
         return finished.key, outcome, time.perf_counter() - joined[finished.key], finished.steps
 
     row_steps_before, while_jobs_wait = engine.row_steps, None
+    said = time.perf_counter()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
     with ThreadPoolExecutor(1) as scorer, torch.no_grad(), trainer.accelerator.autocast():
         while waiting or not engine.empty():
@@ -112,6 +116,10 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
             if while_jobs_wait is None and not waiting and not engine.waiting:
                 while_jobs_wait = engine.decoded_tokens() / (engine.row_steps - row_steps_before)
             futures += [scorer.submit(score, finished) for finished in engine.collect()]
+            if time.perf_counter() - said > PROGRESS_EVERY_S:  # (where a run cut short was)
+                said = time.perf_counter()
+                log(f"{len(futures)} of {len(inputs)} jobs decoded, {engine.steps} steps, "
+                    f"{engine.recompiles()} graphs compiled since the warm-up")
         results = sorted(f.result() for f in futures)
     return [outcome for _, outcome, _, _ in results], [seconds for _, _, seconds, _ in results], \
         [steps for *_, steps in results], engine.row_steps - row_steps_before, while_jobs_wait
@@ -120,6 +128,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     end_p = 4 / a.completion if lengths == "long-tail" else None
     trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p)
+    log(f"{decoding}: warmed up in {warm_s:.1f} s, {compiled_graphs()} graphs compiled in this process")
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
     if decoding == "continuous":
