@@ -155,9 +155,10 @@ def test_a_job_samples_the_same_tokens_alone_and_beside_other_jobs(tmp_path):
 
 
 def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkeypatch):
-    """Compiled, a prefill takes 8 rows or a job's, the rows joining padded up by repeating the last (here eager,
-    with the compiled engine's sizes): every job's tokens and behaviour log-probs are those of prefills of exactly
-    the joining rows, and only the two sizes ran."""
+    """Compiled, a prefill takes 8 rows or a job's, the rows joining padded up by repeating the last and their
+    prompts to the cache's prompt part (here eager, with the compiled engine's shapes): every job's tokens and
+    behaviour log-probs are those of prefills of exactly the joining rows and their longest prompt, and only the two
+    shapes ran."""
     trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **SAMPLING)
     jobs = {i: job_ids(trainer, i) for i in range(4)}
     seeds = {i: 100 + i for i in jobs}
@@ -173,7 +174,8 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     joining = [(len(rows), size) for (rows, size), _ in prefills]
     assert {size for _, size in joining} == {8, trainer.args.generation_batch_size}
     assert any(n < size for n, size in joining)  # some padded
-    assert sorted(engine.prefill_caches) == [8, trainer.args.generation_batch_size]
+    assert sorted(engine.prefill_caches) == [(8, engine.prompt_part), (trainer.args.generation_batch_size,
+                                                                       engine.prompt_part)]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -147,7 +147,8 @@ class ContinuousDecoding(OwnStep):
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
         self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
-        # The numbers of rows a prefill takes; padded up to one (compiled) or exactly one (eager) of them.
+        # The numbers of rows a prefill takes: compiled, padded up to one of them (and its columns to the prompt part:
+        # one shape a size); eager, exactly one of them.
         self.pads_prefills = self.prefill_compiled
         self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job}) \
             if self.pads_prefills else [1 << k for k in range(self.rows_per_job.bit_length())]
@@ -178,7 +179,7 @@ class ContinuousDecoding(OwnStep):
         self.prompt_part = bucketed(prompt_tokens)
         self.columns = SlotColumns(self.prompt_part, self.max_new, self.device)
         self.state = SlotState(self.slots, self.columns, self.max_new, self.device)
-        self.prefill_caches: dict[int, StaticCache] = {}  # by the number of rows a prefill takes
+        self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
@@ -198,7 +199,8 @@ class ContinuousDecoding(OwnStep):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                          logits_to_keep=1)
         # The prompt goes into the columns just before the one the next step writes.
-        columns = (st.column + torch.arange(self.prompt_part, device=ids.device) - self.prompt_part) % self.columns.size
+        width = ids.size(1)
+        columns = (st.column + torch.arange(width, device=ids.device) - width) % self.columns.size
         for small, keys, values in zip(cache.layers, self.cache.keys, self.cache.values, strict=True):
             keys.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.keys.transpose(1, 2))
             values.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.values.transpose(1, 2))
@@ -294,7 +296,11 @@ class ContinuousDecoding(OwnStep):
         """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
         slots, self.free = self.free[:len(joining)], self.free[len(joining):]
         rows_in = joining + joining[-1:] * (rows - len(joining))
-        ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in rows_in], self.prompt_part)
+        prompts = [job.prompt_ids[row] for job, row in rows_in]
+        # Compiled, one width (the prompt part); eager, the longest prompt's (on a CPU a prompt's padding costs as
+        # much as its tokens).
+        width = self.prompt_part if self.pads_prefills else max(len(p) for p in prompts)
+        ids, mask = self._padded_prompts(prompts, width)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
         seeds = torch.tensor([job.seeds[row] for job, row in rows_in], dtype=torch.long)
         st = self.state
@@ -302,17 +308,17 @@ class ContinuousDecoding(OwnStep):
             st.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
         in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
         args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
-        cache = self.prefill_caches.get(rows)
+        cache = self.prefill_caches.get((rows, width))
         if cache is None:
             # transformers allocates a static cache's tensors at their first write and marks their addresses static
             # only outside a compiled region: a size's first prefill runs eagerly (and allocates the ring too).
-            cache = self.prefill_caches[rows] = self._allocated_prefill_cache(*args[:3])
+            cache = self.prefill_caches[rows, width] = self._allocated_prefill_cache(*args[:3])
             self._prefill_step(cache, st, *args)
         else:
             cache.reset()
             self._compiled_prefill(cache, st, *args)
         self.row_steps += rows
-        self.columns.joined(slots)
+        self.columns.joined(slots, width)
         for (job, row), slot in zip(joining, slots, strict=True):
             job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
             self.owners[slot] = (job, row)
@@ -320,7 +326,7 @@ class ContinuousDecoding(OwnStep):
     def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
         """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes
         them, for the ring)."""
-        cache = StaticCache(config=self.model.config, max_cache_len=self.prompt_part)
+        cache = StaticCache(config=self.model.config, max_cache_len=ids.size(1))
         self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                    logits_to_keep=1)
         cache.reset()
@@ -442,7 +448,7 @@ class ContinuousDecoding(OwnStep):
                 while not self.collect():
                     self.run(self.check_every)
             for size in self.prefill_sizes if self.prefill_compiled else []:
-                for _ in range(self.WARM_UP_CALLS + (size not in self.prefill_caches)):
+                for _ in range(self.WARM_UP_CALLS + ((size, self.prompt_part) not in self.prefill_caches)):
                     job = _Resident(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)

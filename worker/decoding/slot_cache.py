@@ -62,10 +62,10 @@ class SlotColumns:
         if not self.first and self.at != self.prompt_part:
             self.go_to(self.prompt_part)
 
-    def joined(self, slots: list[int]) -> None:
-        """Rows joined ``slots``: their prompts are in the columns just before ``at``."""
+    def joined(self, slots: list[int], width: int) -> None:
+        """Rows joined ``slots``: their prompts are in the ``width`` columns just before ``at``."""
         for slot in slots:
-            self.first[slot] = self.lap + self.at - self.prompt_part
+            self.first[slot] = self.lap + self.at - width
 
     def left(self, slots: list[int]) -> None:
         for slot in slots:
