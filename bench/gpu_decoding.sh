@@ -6,8 +6,9 @@
 #
 #   1. engine_gpu        the gpu test of continuous batching (CUDA graphs; log-probs within bf16 of TRL's)
 #   2. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
-#                         (128), a stream of 16 jobs, completions capped at 512: long-tail lengths, then fixed ones
-#   3. long_tail_05b_32   the same with one job's rows (32)
+#                         (128), a stream of 16 jobs, completions capped at 512, long-tail lengths
+#   3. fixed_05b          the same with fixed lengths (a process of its own: inductor's cache of the first's graphs)
+#   4. long_tail_05b_32   long-tail lengths with one job's rows (32)
 #   4. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
 #   5. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
 #                         (graph-wholecache), then over the written columns only (graph)
@@ -20,7 +21,10 @@
 #   9. generation_15b     the step at 1.5B's shape
 #
 # (On the H200, 2026-11-26: a generation_bench setting took 50-100 s, compilation included; TRL's run in
-# gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left.)
+# gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left. 2026-11-28: engine_gpu
+# 84 s; graph's warm-up at 0.5B's shape with a cap of 512, 131 s, and the engine's more than the 135 s it had left.)
+#
+# GPU_DECODING_PARTS="engine_gpu long_tail_05b" runs only the parts named (a device's time can take two calls).
 #
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
 # (default a /tmp folder) as it goes, so a part cut short still leaves the others' figures. Needs what
@@ -35,6 +39,7 @@ BUDGET_S="${GPU_DECODING_BUDGET_S:-540}"
 left() { echo $(( BUDGET_S - SECONDS )); }
 part() {  # part NAME SECONDS CMD...: runs CMD with at most SECONDS (or what is left), stdout and stderr to OUT/NAME.log
     local name="$1" want="$2" l; shift 2
+    if [ -n "${GPU_DECODING_PARTS:-}" ] && [[ " $GPU_DECODING_PARTS " != *" $name "* ]]; then return; fi
     l=$(left); [ "$l" -lt "$want" ] && want="$l"
     if [ "$want" -lt 20 ]; then echo "[gpu_decoding] $name: skipped, the budget is spent" | tee -a "$OUT/summary.txt"; return; fi
     echo "[gpu_decoding] $name (at most $want s): $*"
@@ -61,11 +66,13 @@ MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part engine_gpu 80 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/worker/test_continuous.py
-part long_tail_05b 280 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
-    --lengths long-tail,fixed --jobs 4 --stream 16 --completion 512
-part long_tail_05b_32 150 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
-    --lengths long-tail,fixed --jobs 1 --stream 16 --completion 512
+part engine_gpu 100 "$PY" -m pytest -v -rs -p no:cacheprovider -m gpu --durations=3 tests/worker/test_continuous.py
+part long_tail_05b 420 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+    --lengths long-tail --jobs 4 --stream 16 --completion 512
+part fixed_05b 300 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+    --lengths fixed --jobs 4 --stream 16 --completion 512
+part long_tail_05b_32 300 "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+    --lengths long-tail --jobs 1 --stream 16 --completion 512
 part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker --ignore tests/worker/test_continuous.py \
     "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"
 part generation_05b_1024 120 "$PY" bench/generation_bench.py --shapes qwen0.5b --settings graph-wholecache,graph \
