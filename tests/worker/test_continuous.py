@@ -163,7 +163,13 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     jobs = {i: job_ids(trainer, i) for i in range(4)}
     seeds = {i: 100 + i for i in jobs}
     slots = 2 * trainer.args.generation_batch_size
-    exact = decode_all(ContinuousDecoding(trainer, slots, jobs[0], compile=False), jobs, seeds)
+    eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+    eager_prefills = spy(monkeypatch, eager, "_prefill")
+    exact = decode_all(eager, jobs, seeds)
+    # Eager, the rows that join at once go in one prefill of their number, as wide as their longest prompt.
+    assert all(len(rows) == size for (rows, size), _ in eager_prefills)
+    assert any(len(rows) & (len(rows) - 1) for (rows, _), _ in eager_prefills)  # (not only powers of two)
+    assert any(width < eager.prompt_part for _, width in eager.prefill_caches)
     engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
     engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
     prefills = spy(monkeypatch, engine, "_prefill")
