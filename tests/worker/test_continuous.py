@@ -164,12 +164,13 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     seeds = {i: 100 + i for i in jobs}
     slots = 2 * trainer.args.generation_batch_size
     eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
-    eager_prefills = spy(monkeypatch, eager, "_prefill")
+    eager_prefills, eager_steps = spy(monkeypatch, eager, "_prefill"), spy(monkeypatch, eager, "_prefill_step")
     exact = decode_all(eager, jobs, seeds)
     # Eager, the rows that join at once go in one prefill of their number, as wide as their longest prompt.
     assert all(len(rows) == size for (rows, size), _ in eager_prefills)
     assert any(len(rows) & (len(rows) - 1) for (rows, _), _ in eager_prefills)  # (not only powers of two)
-    assert any(width < eager.prompt_part for _, width in eager.prefill_caches)
+    assert any(ids.size(1) < eager.prompt_part for (_, _, ids, *_), _ in eager_steps)
+    assert not eager.prefill_caches  # (none kept)
     engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
     engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
     prefills = spy(monkeypatch, engine, "_prefill")

@@ -18,7 +18,7 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
 - a prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
   writes their keys and values into the columns just before the next step's and chooses their first tokens.
   Eager (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest
-  (a cache for each shape; one call, not several: on the CPU machine a call costs about 6 ms of 1-4 rows, most of it
+  (a new cache each call; one call, not several: on the CPU machine a call costs about 6 ms of 1-4 rows, most of it
   Python). Compiled (the
   CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's shape), so there are two,
   PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the smaller that holds them
@@ -180,7 +180,7 @@ class ContinuousDecoding(OwnStep):
         self.prompt_part = bucketed(prompt_tokens)
         self.columns = SlotColumns(self.prompt_part, self.max_new, self.device)
         self.state = SlotState(self.slots, self.columns, self.max_new, self.device)
-        self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # by a prefill's rows and columns
+        self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
@@ -310,14 +310,20 @@ class ContinuousDecoding(OwnStep):
         in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
         args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
         cache = self.prefill_caches.get((rows, width))
-        if cache is None:
-            # transformers allocates a static cache's tensors at their first write and marks their addresses static
-            # only outside a compiled region: a size's first prefill runs eagerly (and allocates the ring too).
-            cache = self.prefill_caches[rows, width] = self._allocated_prefill_cache(*args[:3])
-            self._prefill_step(cache, st, *args)
-        else:
+        if cache is not None:
             cache.reset()
             self._compiled_prefill(cache, st, *args)
+        else:
+            # transformers allocates a static cache's tensors at their first write and marks their addresses static
+            # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
+            # for every number of rows and width would add up).
+            if self.cache is None:
+                cache = self._allocated_prefill_cache(*args[:3])  # (and the ring, shaped as the model's keys)
+            else:
+                cache = StaticCache(config=self.model.config, max_cache_len=width)
+            if self.pads_prefills:
+                self.prefill_caches[rows, width] = cache
+            self._prefill_step(cache, st, *args)
         self.row_steps += rows
         self.columns.joined(slots, width)
         for (job, row), slot in zip(joining, slots, strict=True):
