@@ -16,13 +16,12 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   only the ring's first columns, a bucket past the one it writes (a graph each), while no decoding row started in
   the lap before;
 - a prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
-  writes their keys and values into the columns just before the next step's and chooses their first tokens.
-  Eager (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest
-  (a new cache each call; one call, not several: on the CPU machine a call costs about 6 ms of 1-4 rows, most of it
-  Python). Compiled (the
-  CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's shape), so there are two,
-  PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the smaller that holds them
-  by repeating the last (the same inputs, written to the same slot: the same values);
+  writes their keys and values into the columns just before the next step's and chooses their first tokens. Eager
+  (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest (a new
+  cache each call; one call, not several: on the CPU machine a call costs about 6 ms of 1-4 rows, most of it
+  Python). Compiled (the CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's shape), so there
+  are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the smaller that
+  holds them by repeating the last (the same inputs, written to the same slot: the same values);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
