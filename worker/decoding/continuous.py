@@ -281,8 +281,8 @@ class ContinuousDecoding(OwnStep):
         self._admit()
 
     def _admit(self) -> None:
-        """Waiting rows into free slots, in prefills of one of ``prefill_sizes`` (a cache for each, and compiled a
-        graph for each: a few, whatever the number of rows joining)."""
+        """Waiting rows into free slots, in prefills of one of ``prefill_sizes`` rows (compiled, a cache and a graph
+        for each: two, whatever the number of rows joining)."""
         if self.waiting and self.free:
             self.columns.joining()
         while self.waiting and self.free:
