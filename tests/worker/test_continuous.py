@@ -253,16 +253,19 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path):
+def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path, monkeypatch):
+    """Completions of up to 64 tokens: the steps read several of the ring's column buckets (a graph each)."""
     from test_decode_step import gpu_trainer
     from test_fast_decoding import assert_captured_within_bf16_of_trls
 
-    trainer = gpu_trainer(tmp_path)
+    trainer = gpu_trainer(tmp_path, max_completion_length=64)
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))
     engine.warm_up(job_ids(trainer, 0))
     jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(4)]
+    reads = spy(monkeypatch, engine.columns, "read")
     finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(4)}, {i: i for i in range(4)})
     assert engine.recompiles() == 0
+    assert len({columns for _, columns in reads}) > 1
     outcomes = [score_generated(trainer, j, finished[i].prompt_ids, finished[i].completion_ids, finished[i].tokens,
                                 finished[i].logps, Events()) for i, j in enumerate(jobs)]
     assert_captured_within_bf16_of_trls(trainer, outcomes)

@@ -328,11 +328,11 @@ def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
 
 # ---------------------------------------------------------------- on a GPU
 
-def gpu_trainer(tmp_path):
+def gpu_trainer(tmp_path, **overrides):
     """A sampling trainer on the GPU, bf16. The demo's own model (initializer_range 0.02): bf16 rounds a logit to
     0.4% of its size, and the sharper logits of llama()'s (0.3) would move log-probs by more than the tolerance."""
     trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
-                          device_type="cuda", bf16=True, **SAMPLING)
+                          device_type="cuda", bf16=True, **{**SAMPLING, **overrides})
     trainer.model.to("cuda")
     return trainer
 
