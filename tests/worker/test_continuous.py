@@ -153,7 +153,6 @@ def test_a_job_samples_the_same_tokens_alone_and_beside_other_jobs(tmp_path):
     assert other_seed[0].completion_ids != rows
 
 
-
 def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkeypatch):
     """Compiled, a prefill takes 8 rows or a job's, the rows joining padded up by repeating the last and their
     prompts to the cache's prompt part (here eager, with the compiled engine's shapes): every job's tokens and

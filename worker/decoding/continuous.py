@@ -147,11 +147,10 @@ class ContinuousDecoding(OwnStep):
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
         self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
-        # The numbers of rows a prefill takes: compiled, padded up to one of them (and its columns to the prompt part:
-        # one shape a size); eager, exactly one of them.
+        # Compiled, a prefill's rows are padded up to one of prefill_sizes and its columns to the prompt part (a shape,
+        # a graph each); eager, it takes the joining rows as they are, as wide as their longest prompt.
         self.pads_prefills = self.prefill_compiled
-        self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job}) \
-            if self.pads_prefills else list(range(1, self.rows_per_job + 1))
+        self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job})
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -281,16 +280,14 @@ class ContinuousDecoding(OwnStep):
         self._admit()
 
     def _admit(self) -> None:
-        """Waiting rows into free slots, in prefills of one of ``prefill_sizes`` rows (compiled, a cache and a graph
-        for each: two, whatever the number of rows joining)."""
+        """Waiting rows into free slots, up to a job's rows a prefill (compiled, padded up to one of
+        ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining)."""
         if self.waiting and self.free:
             self.columns.joining()
         while self.waiting and self.free:
-            n = min(len(self.waiting), len(self.free), self.prefill_sizes[-1])
-            if not self.pads_prefills:
-                n = max(size for size in self.prefill_sizes if size <= n)
+            n = min(len(self.waiting), len(self.free), self.rows_per_job)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
-            self._prefill(joining, next(size for size in self.prefill_sizes if size >= n))
+            self._prefill(joining, next(size for size in self.prefill_sizes if size >= n) if self.pads_prefills else n)
 
     def _prefill(self, joining: list[tuple[_Resident, int]], rows: int) -> None:
         """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
