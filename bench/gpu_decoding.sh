@@ -5,7 +5,7 @@
 #   bash bench/gpu_decoding.sh [OUT_DIR]
 #
 #   1. engine_gpu        the gpu test of continuous batching (CUDA graphs; log-probs within bf16 of TRL's)
-#   2. long_tail_05b      continuous batching against the fixed-batch step at Qwen2.5-0.5B's shape, 4 jobs' rows
+#   2. long_tail_05b      continuous batching, then the fixed-batch step, at Qwen2.5-0.5B's shape, 4 jobs' rows
 #                         (128), a stream of 16 jobs, completions capped at 512, long-tail lengths
 #   3. fixed_05b          the same with fixed lengths (a process of its own: inductor's cache of the first's graphs)
 #   4. long_tail_05b_32   long-tail lengths with one job's rows (32)
@@ -24,7 +24,8 @@
 # gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left. 2026-11-28: engine_gpu
 # 84 s; graph's warm-up at 0.5B's shape with a cap of 512, 131 s, and the engine's more than the 135 s it had left.)
 #
-# The long_tail parts log torch's recompiles and why a graph was not recorded (TORCH_LOGS), if either happens.
+# The long_tail parts run the engine first (the fixed-batch step's figures are known) and log torch's recompiles,
+# each CUDA graph tree recorded, and why a graph was not recorded (TORCH_LOGS).
 # GPU_DECODING_PARTS="engine_gpu long_tail_05b" runs only the parts named (a device's time can take two calls).
 #
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
@@ -68,11 +69,11 @@ command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
 part engine_gpu 100 "$PY" -m pytest -v -rs -p no:cacheprovider -m gpu --durations=3 tests/worker/test_continuous.py
-part long_tail_05b 420 env TORCH_LOGS=recompiles,perf_hints "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+part long_tail_05b 420 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths long-tail --jobs 4 --stream 16 --completion 512
-part fixed_05b 300 env TORCH_LOGS=recompiles,perf_hints "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+part fixed_05b 300 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths fixed --jobs 4 --stream 16 --completion 512
-part long_tail_05b_32 300 env TORCH_LOGS=recompiles,perf_hints "$PY" bench/long_tail.py --shapes qwen0.5b --settings graph,continuous \
+part long_tail_05b_32 300 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths long-tail --jobs 1 --stream 16 --completion 512
 part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker --ignore tests/worker/test_continuous.py \
     "tests/asyncgrpo/weights/test_gpu_path.py::test_cuda_ipc_weights_are_exact_between_mps_clients"

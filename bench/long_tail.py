@@ -24,8 +24,8 @@ over row-steps computed: every slot or row of every decoding step, and each pref
 also until the stream's last row joined, "(wait)": a worker in a run, whose queue does not run dry, decodes so until
 the run's end), samples/s and tokens/s over the stream's wall time, job latency p50/p99 (from the start of the
 job's generation, its call or its joining the slots, to its scored result) and the median decoding steps over that
-span (a call's; the engine's from a job's joining to its last row's end); ratios to the first setting of the same
-workload. One JSON document on stdout (and --out), a table on stderr.
+span (a call's; the engine's from a job's joining to its last row's end); ratios to ``graph``'s on the same
+workload (else the first setting's), whichever ran first. One JSON document on stdout (and --out), a table on stderr.
 """
 
 from __future__ import annotations
@@ -182,14 +182,15 @@ def main() -> None:
                     rows.append(measure(shape, decoding, lengths, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
     for row in rows:
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["lengths"] == row["lengths"])
+        same = [r for r in rows if r["shape"] == row["shape"] and r["lengths"] == row["lengths"]]
+        base = next((r for r in same if r["decoding"] == "graph"), same[0])
         row["baseline"] = base["decoding"]
         row["samples_per_s_vs_baseline"] = round(row["samples_per_s"] / base["samples_per_s"], 2)
         row["utilisation_vs_baseline"] = round(row["row_utilisation"] / base["row_utilisation"], 2)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
            "torch": torch.__version__, "completion": a.completion, "batch": a.batch, "results": rows}
-    print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'(wait)':>6} {'samples/s':>10} {'vs first':>8} "
+    print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'(wait)':>6} {'samples/s':>10} {'vs base':>8} "
           f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'steps p50':>9} {'mean len':>8} {'warm-up s':>9}",
           file=sys.stderr)
     for r in rows:

@@ -163,6 +163,7 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     seeds = {i: 100 + i for i in jobs}
     slots = 2 * trainer.args.generation_batch_size
     eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+    eager.check_every = 1  # (a look after every step: a few rows join at a time)
     eager_prefills, eager_steps = spy(monkeypatch, eager, "_prefill"), spy(monkeypatch, eager, "_prefill_step")
     exact = decode_all(eager, jobs, seeds)
     # Eager, the rows that join at once go in one prefill of their number, as wide as their longest prompt.
@@ -172,6 +173,7 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     assert not eager.prefill_caches  # (none kept)
     engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
     engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
+    engine.check_every = 1
     prefills = spy(monkeypatch, engine, "_prefill")
     padded = decode_all(engine, jobs, seeds)
     for i in jobs:
