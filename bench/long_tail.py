@@ -14,6 +14,9 @@ each decoder as a worker takes them:
                 a thread of its own while the slots decode, as the worker's continuous loop does
     compiled, eager   transformers' generate, compiled or not, ``--jobs`` jobs a call
 
+``continuous/N``: the engine with the host looking at which rows ended every N steps (CHECK_EVERY of
+worker/decoding/continuous.py; a setting may be named twice, e.g. ``continuous/1,continuous/2,continuous/1``).
+
 Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
 each token ends its row with probability 4 / ``--completion`` (asyncgrpo/tasks/long_tail.py: geometric lengths,
 mean about a quarter of the cap, about 2% of rows reaching it). The same prompts and job seeds for every decoder;
@@ -127,7 +130,10 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
 
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     end_p = 4 / a.completion if lengths == "long-tail" else None
+    setting, decoding, _, every = decoding, *decoding.partition("/")
     trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p)
+    if every:
+        decoder.check_every = int(every)
     log(f"{decoding}: warmed up in {warm_s:.1f} s, {compiled_graphs()} graphs compiled in this process")
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
@@ -144,7 +150,7 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     row_lengths = [n for o in outcomes for n in o.batch["completion_mask"].sum(dim=1).tolist()]
     kept = sum(row_lengths)
     latencies = sorted(latencies)
-    return {"shape": shape, "decoding": decoding, "lengths": lengths, "jobs": a.jobs, "rows": a.jobs * a.batch,
+    return {"shape": shape, "decoding": setting, "lengths": lengths, "jobs": a.jobs, "rows": a.jobs * a.batch,
             "stream_jobs": a.stream, "wall_s": round(wall_s, 3), "samples_per_s": round(len(row_lengths) / wall_s, 1),
             "tokens_per_s": round(kept / wall_s), "row_utilisation": round(kept / row_steps, 3),
             # every call of a fixed batch is alike: no different while jobs wait

@@ -57,8 +57,8 @@ from worker.decoding.slot_cache import SlotCache, SlotColumns
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill, which costs
 # mostly per call (transformers' Python, about 4 ms at the `larger` shape against a 23 ms step): every second step
-# halves the prefills, for half a step more per ended row (on the CPU machine, 9% more samples/s, utilisation 0.78
-# against 0.80).
+# halves the prefills, for half a step more per ended row (on the CPU machine, a few % more samples/s and a few %
+# lower job latency, utilisation 0.78 against 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
 PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as many rows as end between two looks)
 
