@@ -25,7 +25,8 @@
 # 84 s; graph's warm-up at 0.5B's shape with a cap of 512, 131 s, and the engine's more than the 135 s it had left.)
 #
 # The long_tail parts run the engine first (the fixed-batch step's figures are known) and log torch's recompiles,
-# each CUDA graph tree recorded, and why a graph was not recorded (TORCH_LOGS).
+# why a graph was not recorded, and each CUDA graph recorded, recorded again, or run eagerly instead (TORCH_LOGS;
+# `grep -c "Re-recording\|Running eager" OUT/long_tail_05b.log`).
 # GPU_DECODING_PARTS="engine_gpu long_tail_05b" runs only the parts named (a device's time can take two calls).
 #
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
