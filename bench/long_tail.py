@@ -28,7 +28,8 @@ also until the stream's last row joined, "(wait)": a worker in a run, whose queu
 the run's end), samples/s and tokens/s over the stream's wall time, job latency p50/p99 (from the start of the
 job's generation, its call or its joining the slots, to its scored result) and the median decoding steps over that
 span (a call's; the engine's from a job's joining to its last row's end); ratios to ``graph``'s on the same
-workload (else the first setting's), whichever ran first. One JSON document on stdout (and --out), a table on stderr.
+workload wherever it ran in the order (without ``graph``, to the first setting's). One JSON document on stdout
+(and --out), a table on stderr.
 """
 
 from __future__ import annotations
