@@ -176,6 +176,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    for setting in a.settings.split(","):  # (before any run: a typo found after minutes of runs loses them)
+        decoding, _, every = setting.partition("/")
+        if every and (decoding != "continuous" or not every.isdigit() or int(every) < 1):
+            raise SystemExit(f"long_tail: {setting!r}: only continuous takes /N, a number of steps of at least 1")
     if a.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []

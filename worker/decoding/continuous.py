@@ -18,10 +18,10 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
 - a prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
   writes their keys and values into the columns just before the next step's and chooses their first tokens. Eager
   (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest (a new
-  cache each call; one call, not several: on the CPU machine a call costs about 6 ms of 1-4 rows, most of it
-  Python). Compiled (the CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's shape), so there
-  are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the smaller that
-  holds them by repeating the last (the same inputs, written to the same slot: the same values);
+  cache each call; one call, not several: on the CPU machine a call costs 4-6 ms whatever its rows, most of it
+  transformers' Python). Compiled (the CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's
+  shape), so there are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the
+  smaller that holds them by repeating the last (the same inputs, written to the same slot: the same values);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -56,7 +56,7 @@ from worker.decoding.slot_cache import SlotCache, SlotColumns
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill, which costs
-# mostly per call (transformers' Python, about 4 ms at the `larger` shape against a 23 ms step): every second step
+# mostly per call (see above: 4-6 ms at the `larger` shape against a 23 ms step): every second step
 # halves the prefills, for half a step more per ended row (on the CPU machine, a few % more samples/s and a few %
 # lower job latency, utilisation 0.78 against 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
