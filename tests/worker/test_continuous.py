@@ -32,6 +32,7 @@ from asyncgrpo.tasks.long_tail import end_with_probability
 from worker.decoding.continuous import ContinuousDecoding
 from worker.decoding.graph import Sampling, sample
 from worker.decoding.seeded_draws import seeded_exponentials, unit_interval
+from worker.decoding.slot_cache import SlotReads
 from worker.generate import score_generated
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -62,34 +63,60 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
 # ---------------------------------------------------------------- the tokens: greedy decoding is generate's
 
 def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypatch):
-    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through, the cache's
-    ring turning under them (the engine as a decoder of one call's jobs, with and without a repetition penalty:
-    tests/worker/test_decoders.py)."""
+    """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through, rows moving
+    to slots that read more columns as they grow (the engine as a decoder of one call's jobs, with and without a
+    repetition penalty: tests/worker/test_decoders.py)."""
     trainer = trainer_for(tmp_path, llama(), **GREEDY)  # (lengths from 1 to the cap)
     jobs = {i: job_ids(trainer, i) for i in range(5)}
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
-    reads = spy(monkeypatch, engine.columns, "read")
+    plans = spy(monkeypatch, engine.reads, "plan")
     finished = decode_all(engine, jobs)
     for i, ids in jobs.items():
         assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
     lengths = [len(c) for f in finished.values() for c in f.completion_ids]
     assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
-    assert len({read for _, read in reads}) > 1  # steps read the whole ring and fewer columns
+    used = {plan for _, (plan, _) in plans}
+    assert engine.reads.tiered in used and len(used) > 1  # ranges of slots reading their own columns, or all alike
+    assert any(moves for _, (_, moves) in plans)  # rows moved to slots that read more, and decoded on there
 
 
 def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path, monkeypatch):
-    """Fixed lengths, one job's slots: the second job starts at the ring's front once the first has left, and its
-    steps read what the first job's read, from fewer columns than the ring's up to all of them (as the graph
-    decoder's column buckets)."""
+    """Fixed lengths, one job's slots: every row is as old as the others, so no row moves, every slot reads the
+    same columns, and the second job's steps read what the first job's read, from fewer columns than the cache's up
+    to all of them (as the graph decoder's column buckets)."""
     trainer = trainer_for(tmp_path, llama(), max_completion_length=24,
                           generation_kwargs={"do_sample": False, "min_new_tokens": 24})
     engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    calls = spy(monkeypatch, engine.columns, "read")
+    calls = spy(monkeypatch, engine.reads, "plan")
     decode_all(engine, {0: job_ids(trainer, 0), 1: job_ids(trainer, 1)})
-    reads = [columns for _, columns in calls]
+    assert not any(moves for _, (_, moves) in calls)
+    reads = [plan for _, (plan, _) in calls]
     half = len(reads) // 2
     assert reads[:half] == reads[half:] and reads == sorted(reads[:half]) * 2
-    assert reads[0] < reads[-1] == engine.columns.size
+    assert reads[0] < reads[-1] == engine.reads.size
+
+
+def test_rows_outgrowing_their_slots_columns_move_to_slots_that_read_more():
+    """128 slots, prompts of up to 16 tokens, 128 new: half the slots read 48 columns, a quarter 80, and so on. A row
+    about to outgrow its slot takes a free slot that holds it, or swaps with a row young enough for its own; where
+    that cannot be done, or all rows are young, every slot reads one bucket past the oldest row's."""
+    reads = SlotReads(128, 16, 128)
+    assert reads.tiered == ((64, 48), (32, 80), (16, 112), (16, 144))
+    assert reads.plan({slot: 20 for slot in range(128)}) == (48, [])  # all young: fewer columns than the ranges'
+
+    reach = {slot: 30 for slot in range(128)} | {0: 60, 1: 50, 64: 100, 127: 140}
+    del reach[70]  # a free slot reading 80 columns
+    plan, moves = reads.plan(reach)
+    assert plan == reads.tiered
+    # The oldest first: 64's swaps with a young row of the range of 112 columns, 0's takes the free slot of 80, and
+    # 1's swaps with a young row there.
+    assert moves == [(64, 96), (96, 64), (0, 70), (1, 65), (65, 1)]
+    after = {slot: columns for slot, columns in reach.items() if slot not in dict(moves)}
+    after |= {to: reach[origin] for origin, to in moves}
+    assert len(after) == len(reach) and all(columns <= reads.columns_of_slot[s] for s, columns in after.items())
+
+    assert reads.plan({slot: 60 for slot in range(128)}) == (80, [])  # all as old: nothing to swap with
+    assert reads.plan({slot: 30 for slot in range(128)} | {slot: 120 for slot in range(17)}) == (144, [])
 
 
 def spy(monkeypatch, obj, name: str) -> list:
@@ -255,7 +282,7 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path, monkeypatch):
-    """Completions of up to 64 tokens: the steps read several of the ring's column buckets (a graph each)."""
+    """Completions of up to 64 tokens: the steps read by several plans (a graph each), rows moving between slots."""
     from test_decode_step import gpu_trainer
     from test_fast_decoding import assert_captured_within_bf16_of_trls
 
@@ -263,10 +290,10 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))
     engine.warm_up(job_ids(trainer, 0))
     jobs = [job(i, JOB_PROMPTS[i], trainer) for i in range(4)]
-    reads = spy(monkeypatch, engine.columns, "read")
+    plans = spy(monkeypatch, engine.reads, "plan")
     finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(4)}, {i: i for i in range(4)})
     assert engine.recompiles() == 0
-    assert len({columns for _, columns in reads}) > 1
+    assert len({plan for _, (plan, _) in plans}) > 1
     outcomes = [score_generated(trainer, j, finished[i].prompt_ids, finished[i].completion_ids, finished[i].tokens,
                                 finished[i].logps, Events()) for i, j in enumerate(jobs)]
     assert_captured_within_bf16_of_trls(trainer, outcomes)

@@ -14,12 +14,23 @@ from worker.decoding.compiled import bucketed
 PACKED_SDPA = "sdpa_gqa_packed"  # the attention implementation the step sets on a model that uses "sdpa"
 
 
-def sdpa_gqa_packed(module, query, key, value, attention_mask, attention_columns: int | None = None, **kwargs):
+def sdpa_gqa_packed(module, query, key, value, attention_mask,
+                    attention_columns: int | tuple[tuple[int, int], ...] | None = None, **kwargs):
     """transformers' sdpa attention, except that a single query token's heads are packed onto their key/value heads
     (grouped-query attention) in a compiled region too. transformers packs them only outside one; compiled, it
     repeats each key/value head for its query heads: a copy of the whole cache in every layer at every step, and an
     attention kernel that fills one query row of each tile. ``attention_columns`` (a forward's keyword): attend to
-    the cache's first columns only, those written so far (the others are masked out)."""
+    the cache's first columns only, those written so far (the others are masked out); or ((rows, columns), ...):
+    consecutive ranges of rows, from the first, each attending to its own number of first columns."""
+    if isinstance(attention_columns, tuple):
+        parts, start = [], 0
+        for rows, columns in attention_columns:
+            end = start + rows
+            mask = None if attention_mask is None else attention_mask[start:end]
+            parts.append(sdpa_gqa_packed(module, query[start:end], key[start:end], value[start:end], mask, columns,
+                                         **kwargs)[0])
+            start = end
+        return torch.cat(parts), None
     if attention_columns is not None:
         key, value = key[:, :, :attention_columns], value[:, :, :attention_columns]
         if attention_mask is not None:

@@ -52,7 +52,7 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: Event
         jobs = cfg.decoding_slots // trainer.args.generation_batch_size if cfg.decoding_slots else (
             4 if cfg.device_type == "cuda" else 2)
         decoding = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
-        cache_len = decoding.columns.size
+        cache_len = decoding.reads.size
         if not cfg.in_flight_updates:
             log.info("[gen] dev%s continuous batching syncs newer weights between decoding steps, as "
                      "--in_flight_updates does: a result's weights_version is its oldest token's", device)

@@ -10,13 +10,12 @@ job whose rows have all ended leaves, to be scored while the others decode.
 Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a GPU), as the graph decoder's
 (worker/decoding/graph.py, whose logits processing, sampling and behaviour log-prob this shares):
 
-- the KV cache is one ring of columns for every slot (worker/decoding/slot_cache.py). Every step writes every
-  slot's newest key and value at the same column, the next one round the ring; a joining row's prompt is copied
-  into the columns before it; attention reads each slot's own columns through its row of a mask, and a step reads
-  only the ring's first columns, a bucket past the one it writes (a graph each), while no decoding row started in
-  the lap before;
+- each slot has its own columns of the KV cache, as a fixed batch's row (worker/decoding/slot_cache.py): a row's
+  prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
+  slot's own columns through its row of a mask. Ranges of slots read their own number of columns, rows moving to
+  a range that reads more as they grow, or every slot reads the same bucket (``SlotReads``: a graph each);
 - a prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
-  writes their keys and values into the columns just before the next step's and chooses their first tokens. Eager
+  writes their keys and values into their slots' prompt columns and chooses their first tokens. Eager
   (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest (a new
   cache each call; one call, not several: on the CPU machine a call costs 4-6 ms whatever its rows, most of it
   transformers' Python). Compiled (the CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's
@@ -52,7 +51,7 @@ from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
-from worker.decoding.slot_cache import SlotCache, SlotColumns
+from worker.decoding.slot_cache import Plan, SlotCache, SlotReads
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill, which costs
@@ -106,11 +105,11 @@ class _Resident:
 class SlotState:
     """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
 
-    def __init__(self, slots: int, columns: SlotColumns, max_new: int, device: torch.device):
+    def __init__(self, slots: int, columns: int, max_new: int, device: torch.device):
         buffer = functools.partial(static_buffer, device=device)
 
-        self.mask = buffer(slots, columns.size, dtype=torch.bool)  # the columns each slot attends to
-        self.column = columns.column  # the column the next step writes
+        self.mask = buffer(slots, columns, dtype=torch.bool)  # the columns each slot attends to
+        self.column = buffer(slots)  # the column the next step writes, each slot its own
         self.last = buffer(slots)  # the token each slot feeds to the next step
         self.position = buffer(slots)  # its position (RoPE)
         self.count = buffer(slots)  # tokens the slot's row has sampled (its next token's index)
@@ -179,8 +178,8 @@ class ContinuousDecoding(OwnStep):
 
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
-        self.columns = SlotColumns(self.prompt_part, self.max_new, self.device)
-        self.state = SlotState(self.slots, self.columns, self.max_new, self.device)
+        self.reads = SlotReads(self.slots, self.prompt_part, self.max_new)
+        self.state = SlotState(self.slots, self.reads.size, self.max_new, self.device)
         self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
@@ -200,9 +199,9 @@ class ContinuousDecoding(OwnStep):
     def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds) -> None:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                          logits_to_keep=1)
-        # The prompt goes into the columns just before the one the next step writes.
+        # The prompt ends at the prompt part's end, where the row's first token goes.
         width = ids.size(1)
-        columns = (st.column + torch.arange(width, device=ids.device) - width) % self.columns.size
+        columns = torch.arange(self.prompt_part - width, self.prompt_part, device=ids.device)
         for small, keys, values in zip(cache.layers, self.cache.keys, self.cache.values, strict=True):
             keys.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.keys.transpose(1, 2))
             values.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.values.transpose(1, 2))
@@ -222,13 +221,15 @@ class ContinuousDecoding(OwnStep):
         st.position.index_copy_(0, slots, position[:, -1] + 1)  # the first token's, fed to the next step
         self._choose(out.logits[:, -1, :].float(), st, slots)
 
-    def _step(self, cache: SlotCache, st: SlotState, columns: int) -> None:
-        """One token per slot, attending to the cache's first ``columns`` columns (a Python int: a graph each)."""
-        st.mask.index_fill_(1, st.column, True)  # every slot attends to the column this step writes
+    def _step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
+        """One token per slot, each range of slots attending to the cache's first columns as ``plan`` says (Python
+        ints: a graph each)."""
+        # A row's token i - 1 (fed now, i sampled) goes into column prompt part + i - 1.
+        st.column.copy_(st.count + (self.prompt_part - 1))
+        st.mask.index_put_((cache.slots, st.column), torch.ones_like(st.active))  # (a slot attends to its token)
         out = self.model(input_ids=st.last[:, None], attention_mask=st.mask[:, None, None, :],
-                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=columns)
+                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=plan)
         self._choose(out.logits[:, -1, :].float(), st, None)
-        st.column.copy_((st.column + 1) % self.columns.size)
 
     def _choose(self, logits: torch.Tensor, st: SlotState, slots: torch.Tensor | None) -> None:
         """Processes the logits of ``slots`` (all when None), picks each row's token with its own draws, records it
@@ -285,8 +286,6 @@ class ContinuousDecoding(OwnStep):
     def _admit(self) -> None:
         """Waiting rows into free slots, up to a job's rows a prefill (compiled, padded up to one of
         ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining)."""
-        if self.waiting and self.free:
-            self.columns.joining()
         while self.waiting and self.free:
             n = min(len(self.waiting), len(self.free), self.rows_per_job)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
@@ -324,7 +323,6 @@ class ContinuousDecoding(OwnStep):
                 self.prefill_caches[rows, width] = cache
             self._prefill_step(cache, st, *args)
         self.row_steps += rows
-        self.columns.joined(slots, width)
         for (job, row), slot in zip(joining, slots, strict=True):
             job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
             self.owners[slot] = (job, row)
@@ -340,7 +338,7 @@ class ContinuousDecoding(OwnStep):
             keys, values = [], []
             for layer in cache.layers:
                 for kind, into in ((layer.keys, keys), (layer.values, values)):
-                    into.append(static_buffer(self.slots, kind.size(1), self.columns.size, kind.size(3),
+                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size, kind.size(3),
                                               dtype=kind.dtype, device=self.device))
             self.cache = SlotCache(keys, values, self.state.column)
         return cache
@@ -348,9 +346,14 @@ class ContinuousDecoding(OwnStep):
     def run(self, steps: int) -> None:
         """``steps`` decoding steps over every slot, after the waiting rows that find a free slot join."""
         self._admit()
+        # A row reads its prompt's columns and one more a step from the one it joined at (its first token's).
+        reach = {slot: min(self.reads.size, self.prompt_part + self.steps + steps - job.joined[row])
+                 for slot, (job, row) in self.owners.items()}
+        plan, moves = self.reads.plan(reach)
+        if moves:
+            self._move(moves)
         for _ in range(steps):
-            self._compiled_step(self.cache, self.state, self.columns.read())
-            self.columns.stepped()
+            self._compiled_step(self.cache, self.state, plan)
         self.steps += steps
         self.row_steps += steps * self.slots
 
@@ -368,8 +371,7 @@ class ContinuousDecoding(OwnStep):
             logps = st.logps.index_select(0, index).cpu()
             st.active.index_fill_(0, index, False)
             st.position.index_fill_(0, index, 0)  # (a free slot's position would otherwise grow without end)
-            self.free.extend(ended_slots)
-            self.columns.left(ended_slots)
+            self._freed(ended_slots)
             for i, slot in enumerate(ended_slots):
                 job, row = self.owners.pop(slot)
                 job.ended[row] = (tokens[i, :counts[i]], logps[i, :counts[i]])
@@ -444,8 +446,7 @@ class ContinuousDecoding(OwnStep):
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
         other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped, and
-        WARM_UP_CALLS + 1 steps reading each number of columns (with no row in the slots). Returns the seconds it
-        took."""
+        WARM_UP_CALLS + 1 steps reading by each plan (with no row in the slots). Returns the seconds it took."""
         start = time.monotonic()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
@@ -458,12 +459,9 @@ class ContinuousDecoding(OwnStep):
                     job = _Resident(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
-            steps = self.WARM_UP_CALLS + 1
-            for columns in self.columns.reads:
-                self.columns.go_to(columns - steps)  # (the steps write the columns they read)
-                for _ in range(steps):
-                    self._compiled_step(self.cache, self.state, columns)
-            self.columns.go_to(self.prompt_part)
+            for plan in self.reads.plans:
+                for _ in range(self.WARM_UP_CALLS + 1):
+                    self._compiled_step(self.cache, self.state, plan)
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
@@ -474,8 +472,27 @@ class ContinuousDecoding(OwnStep):
         self.state.active.index_fill_(0, torch.tensor(slots, device=self.device), False)
         for slot in slots:
             del self.owners[slot]
-        self.free.extend(slots)
-        self.columns.left(slots)
+        self._freed(slots)
+
+    def _freed(self, slots: list[int]) -> None:
+        self.free = sorted(self.free + slots)  # (joining rows take the slots that read fewest columns first)
+
+    def _move(self, moves: list[tuple[int, int]]) -> None:
+        """Rows from slot to slot, with their keys, values and state (SlotReads.plan's moves: each to a free slot, or
+        two swapping)."""
+        st = self.state
+        origins, slots = (torch.tensor(ends, device=self.device) for ends in zip(*moves, strict=True))
+        for buffer in (*self.cache.keys, *self.cache.values, st.mask, st.last, st.position, st.count, st.ended,
+                       st.active, st.seed, st.tokens, st.logps, *([] if st.seen is None else [st.seen])):
+            buffer.index_copy_(0, slots, buffer.index_select(0, origins))
+        owners = {to: self.owners.pop(origin) for origin, to in moves}
+        self.owners.update(owners)
+        for slot, (job, row) in owners.items():
+            job.slots[row] = slot
+        vacated = sorted({origin for origin, _ in moves} - owners.keys())
+        if vacated:
+            st.active.index_fill_(0, torch.tensor(vacated, device=self.device), False)
+            self.free = sorted(set(self.free) - owners.keys() | set(vacated))
 
     def recompiles(self) -> int:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)

@@ -1,84 +1,96 @@
-"""The continuous engine's KV cache (worker/decoding/continuous.py): one ring of columns shared by every slot, and
-where a step reads it.
+"""The continuous engine's KV cache (worker/decoding/continuous.py), and which of its columns each step reads.
 
-Every step writes every slot's newest key and value at the same column, ``at``, then the next one round the ring; a
-joining row's prompt goes into the prompt part of columns just before it. A row lives for at most prompt part +
-max_completion_length columns (``size``), so it never overwrites its own. A slot attends to its own columns through
-its row of a mask (a key's column does not matter to attention: RoPE placed it by the row's own position ids).
+Each slot has its own columns, as a fixed batch's row has: a row's prompt ends just before the prompt part's end
+(``prompt_part``) and its i-th completion token's key and value go into column ``prompt_part + i``, whenever the
+row joined. So a row reads a prefix of its slot's columns, as long as the row is old.
 
-A step reads the ring's first columns only, up to the first of a few ``reads`` past the column it writes (a graph
-each, as the graph decoder's column buckets, worker/decoding/attention.py), while every decoding row started in the
-ring's current lap; once one started in the lap before, the whole ring. When no row is decoding, the next rows start
-at the front again. So rows that start and end together (fixed lengths: every job's at once) read what the graph
-decoder's would, and a long tail, where some row is nearly always a lap old, reads the whole ring. (Moving the rows'
-columns down to the front, to read less, costs more copying than it saves there.)
+Long-tail lengths keep rows of every age in the slots at once: a step that read every slot's columns up to the
+oldest row's would read nearly the whole cache. Instead, ranges of slots read their own number of columns
+(``SlotReads.tiered``: half the slots the graph decoder's first column bucket, a quarter the second, and so on, the
+last range the whole cache), and a row about to outgrow its range's columns moves to a slot of a range that reads
+more: a free one, or one whose row is young enough to take its place (the two swap). Where that cannot be done
+(rows that start and end together, fixed lengths: every row is as old), or where it would read more, every slot
+reads the same prefix, a bucket past the oldest row's (``SlotReads.uniform``: what the graph decoder's step
+reads). Either way each plan is a graph, compiled once in the warm-up.
 """
 
 from __future__ import annotations
-
-import bisect
 
 import torch
 
 from worker.decoding.attention import ATTENTION_BUCKETS, column_buckets
 from worker.decoding.graph import static_buffer
 
+# A plan of reads: (slots, columns) for consecutive ranges of slots, from the first; or columns for every slot.
+Plan = tuple[tuple[int, int], ...] | int
+
 
 class SlotCache:
-    """Keys and values [slots, heads, columns, dim] per layer; every step writes every slot at ``column``. What
+    """Keys and values [slots, heads, columns, dim] per layer; a step writes each slot's at its own ``column``. What
     transformers' attention layers ask of a cache here is ``update``."""
 
     is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor):
         self.keys, self.values, self.column = keys, values, column
+        self.slots = static_buffer(column.size(0), device=column.device)
+        self.slots.copy_(torch.arange(column.size(0), device=column.device))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.column, key_states)
-        self.values[layer_idx].index_copy_(2, self.column, value_states)
+        where = (self.slots, self.column)
+        self.keys[layer_idx].transpose(1, 2).index_put_(where, key_states[:, :, 0])
+        self.values[layer_idx].transpose(1, 2).index_put_(where, value_states[:, :, 0])
         return self.keys[layer_idx], self.values[layer_idx]
 
 
-class SlotColumns:
-    """Where the steps write and read, on the host (the device's copy of ``at`` is ``column``, which the steps
-    advance), and the column each decoding row started at, counted over the ring's laps."""
+class SlotReads:
+    """The plans a step may read by (``plans``, a graph each), and the one for the next steps, with the moves of rows
+    between slots it needs."""
 
-    def __init__(self, prompt_part: int, max_new: int, device: torch.device):
-        self.prompt_part = prompt_part
+    def __init__(self, slots: int, prompt_part: int, max_new: int):
+        self.slots, self.prompt_part = slots, prompt_part
         self.size = prompt_part + max_new
-        self.reads = column_buckets(prompt_part, max_new, ATTENTION_BUCKETS)  # the graph decoder's
-        self.column = static_buffer(1, device=device)
-        self.lap = 0  # where the ring's current lap starts, counted over laps
-        self.first: dict[int, int] = {}  # slot: the first column of its row's prompt, counted over laps
-        self.go_to(prompt_part)
+        self.uniform = column_buckets(prompt_part, max_new, ATTENTION_BUCKETS)  # the graph decoder's
+        counts = [slots >> (i + 1) for i in range(len(self.uniform) - 1)]
+        counts.append(slots - sum(counts))
+        self.tiered = tuple((n, columns) for n, columns in zip(counts, self.uniform, strict=True) if n)
+        if len(self.tiered) < 2 or self.tiered[-1][1] != self.size:
+            self.tiered = None  # (too few slots or buckets to range)
+        self.columns_of_slot = [columns for n, columns in self.tiered or () for _ in range(n)]
+        # A moving row's destinations, the slots of fewest columns first.
+        self.by_columns = sorted(range(slots), key=lambda s: (self.columns_of_slot[s], s)) if self.tiered else []
 
-    def go_to(self, column: int) -> None:
-        """The next step writes ``column`` (no row is decoding)."""
-        self.at = column
-        self.column.fill_(column)
+    @property
+    def plans(self) -> list:
+        return self.uniform + ([self.tiered] if self.tiered else [])
 
-    def joining(self) -> None:
-        """Rows are about to join: with none decoding, they start at the front."""
-        if not self.first and self.at != self.prompt_part:
-            self.go_to(self.prompt_part)
+    def plan(self, reach: dict[int, int]) -> tuple[Plan, list[tuple[int, int]]]:
+        """The plan for the next steps, given the columns each occupied slot's row reads by their end ({slot:
+        columns}), and the moves (from slot, to slot) to make first: the tiered plan where rows can be moved so that
+        each range's rows fit its columns and it reads fewer columns than the uniform one, else the uniform one."""
+        widest = max(reach.values(), default=self.prompt_part)
+        uniform = next(columns for columns in self.uniform if columns >= widest)
+        if self.tiered is None or self.slots * uniform <= sum(n * columns for n, columns in self.tiered):
+            return uniform, []
+        moves = self._arranged(reach)
+        return (uniform, []) if moves is None else (self.tiered, moves)
 
-    def joined(self, slots: list[int], width: int) -> None:
-        """Rows joined ``slots``: their prompts are in the ``width`` columns just before ``at``."""
-        for slot in slots:
-            self.first[slot] = self.lap + self.at - width
-
-    def left(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.first.pop(slot, None)
-
-    def read(self) -> int:
-        """The columns the next step reads: a bucket past the one it writes, or the whole ring while a row that
-        started in the lap before decodes."""
-        if min(self.first.values(), default=self.lap) < self.lap:
-            return self.size
-        return self.reads[bisect.bisect_right(self.reads, self.at)]
-
-    def stepped(self) -> None:
-        self.at += 1
-        if self.at == self.size:
-            self.at, self.lap = 0, self.lap + self.size
+    def _arranged(self, reach: dict[int, int]) -> list[tuple[int, int]] | None:
+        """Moves that leave every row in a slot whose range reads as many columns as the row will, or None. The rows
+        that outgrow their slot, the oldest first, each take the slot of fewest columns that holds it and is free
+        (first) or holds a row that fits the moving row's slot (the two swap)."""
+        columns = self.columns_of_slot
+        outgrown = sorted((s for s, r in reach.items() if r > columns[s]), key=lambda s: -reach[s])
+        moves, settled = [], set(outgrown)  # settled: slots no other row may take
+        for slot in outgrown:
+            holding = [d for d in self.by_columns if columns[d] >= reach[slot] and d not in settled]
+            free = next((d for d in holding if d not in reach), None)
+            swap = next((d for d in holding if d in reach and reach[d] <= columns[slot]), None)
+            to = min((d for d in (free, swap) if d is not None), key=columns.__getitem__, default=None)
+            if to is None:
+                return None
+            moves.append((slot, to))
+            if to in reach:
+                moves.append((to, slot))
+            settled.add(to)
+        return moves
