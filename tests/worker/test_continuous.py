@@ -87,6 +87,7 @@ def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path,
     trainer = trainer_for(tmp_path, llama(), max_completion_length=24,
                           generation_kwargs={"do_sample": False, "min_new_tokens": 24})
     engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
+    engine.fed_prompt_tokens = 0  # (prefilled: the rows' first tokens come at once)
     calls = spy(monkeypatch, engine.reads, "plan")
     decode_all(engine, {0: job_ids(trainer, 0), 1: job_ids(trainer, 1)})
     assert not any(moves for _, (_, moves) in calls)
@@ -143,7 +144,7 @@ def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_firs
     with torch.no_grad():
         engine.add("a", job_ids(trainer, 0), job_seed=0)
         engine.add("b", job_ids(trainer, 1), job_seed=1)  # its rows wait for a's to end
-        b = engine.residents[-1]
+        a, b = engine.residents
         while not engine.empty():
             if engine.steps % 3 == 2:
                 engine.weights_changed(engine.version + 1)
@@ -151,15 +152,19 @@ def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_firs
             engine.run(1)
             finished.update((f.key, f) for f in engine.collect())
     assert len(set(b.joined)) > 3  # b's rows joined at several steps
-    for key, done in finished.items():
-        joined = [0] * rows if key == "a" else b.joined
+    for resident in (a, b):
+        done = finished[resident.key]
         for row, completion in enumerate(done.completion_ids):
-            # Token 0 comes from the row's prefill, token i >= 1 from step joined + i - 1.
-            versions = [version_of_step[joined[row] + max(i - 1, 0)] for i in range(len(completion))]
+            # Token i >= 1 comes from step joined + i - 1, token 0 from the step before (its prompt fed through the
+            # steps) or from the row's prefill, under the version of step joined.
+            fed = len(resident.prompt_ids[row]) <= engine.fed_prompt_tokens
+            versions = [version_of_step[resident.joined[row] + (i - 1 if fed else max(i - 1, 0))]
+                        for i in range(len(completion))]
             runs = [(i, v) for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
-            assert done.token_versions[row] == runs, (key, row)
+            assert done.token_versions[row] == runs, (resident.key, row)
     assert any(len(runs) > 2 for runs in finished["b"].token_versions)
-    assert finished["b"].weights_version == version_of_step[min(b.joined)]  # its oldest token's: its first row's
+    assert {len(ids) <= engine.fed_prompt_tokens for ids in b.prompt_ids} == {True, False}  # (fed and prefilled)
+    assert finished["b"].weights_version == min(runs[0][1] for runs in finished["b"].token_versions)
 
 
 # ---------------------------------------------------------------- sampling: per job, whatever shares its steps
@@ -191,6 +196,7 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     slots = 2 * trainer.args.generation_batch_size
     eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
     eager.check_every = 1  # (a look after every step: a few rows join at a time)
+    eager.fed_prompt_tokens = 0  # (every prompt prefilled)
     eager_prefills, eager_steps = spy(monkeypatch, eager, "_prefill"), spy(monkeypatch, eager, "_prefill_step")
     exact = decode_all(eager, jobs, seeds)
     # Eager, the rows that join at once go in one prefill of their number, as wide as their longest prompt.
@@ -200,7 +206,7 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     assert not eager.prefill_caches  # (none kept)
     engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
     engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
-    engine.check_every = 1
+    engine.check_every, engine.fed_prompt_tokens = 1, 0
     prefills = spy(monkeypatch, engine, "_prefill")
     padded = decode_all(engine, jobs, seeds)
     for i in jobs:
@@ -211,6 +217,31 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     assert any(n < size for n, size in joining)  # some padded
     assert sorted(engine.prefill_caches) == [(8, engine.prompt_part), (trainer.args.generation_batch_size,
                                                                        engine.prompt_part)]
+
+
+def test_short_prompts_fed_through_the_steps_sample_what_prefilled_ones_do(tmp_path, monkeypatch):
+    """Eager (a CPU's), a prompt of up to FED_PROMPT_TOKENS tokens joins without a prefill: its tokens go through
+    its slot's next steps, one a step, and its first token is sampled by the step that reads its last. Every job
+    samples the tokens, and gets the behaviour log-probs, it gets with every prompt prefilled; with a repetition
+    penalty too (the prompt's tokens count as seen, the tokens fed before its end are not sampled)."""
+    for settings in (SAMPLING, dict(SAMPLING, repetition_penalty=1.3)):
+        trainer = trainer_for(tmp_path, llama(eos_bias=1.0), **settings)
+        jobs = {i: job_ids(trainer, i) for i in range(4)}
+        seeds = {i: 100 + i for i in jobs}
+        slots = 2 * trainer.args.generation_batch_size
+        prefilled = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+        prefilled.fed_prompt_tokens = 0
+        expected = decode_all(prefilled, jobs, seeds)
+        engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+        prefills = spy(monkeypatch, engine, "_prefill")
+        fed = decode_all(engine, jobs, seeds)
+        for i in jobs:
+            assert fed[i].completion_ids == expected[i].completion_ids, (settings, i)
+            torch.testing.assert_close(fed[i].logps, expected[i].logps, atol=1e-5, rtol=1e-4)
+        lengths = [len(job.prompt_ids[row]) for (rows, _), _ in prefills for job, row in rows]
+        assert all(n > engine.fed_prompt_tokens for n in lengths)  # only the longer prompts were prefilled
+        assert min(len(ids) for job in jobs.values() for ids in job) <= engine.fed_prompt_tokens
+        assert engine.steps > prefilled.steps  # (the fed prompts' steps)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

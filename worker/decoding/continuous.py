@@ -3,7 +3,7 @@ busy while jobs wait.
 
 A fixed batch lasts as long as its longest row, and completion lengths have a long tail: most of its row-steps
 decode rows that already ended. Here the batch is ``--decoding_slots`` row slots. A job's G rows wait in line for
-slots and join one by one, each into the first free slot, through a prefill; each slot decodes on its own until its
+slots and join one by one, each into the first free slot; each slot decodes on its own until its
 row ends (EOS or the length cap), when its tokens are copied out and the slot takes the next waiting row at once. A
 job whose rows have all ended leaves, to be scored while the others decode.
 
@@ -14,13 +14,9 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
   slot's own columns through its row of a mask. Ranges of slots read their own number of columns, rows moving to
   a range that reads more as they grow, or every slot reads the same bucket (``SlotReads``: a graph each);
-- a prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
-  writes their keys and values into their slots' prompt columns and chooses their first tokens. Eager
-  (the CPU default), it takes the rows that join at once as they are, their prompts padded to the longest (a new
-  cache each call; one call, not several: on the CPU machine a call costs 4-6 ms whatever its rows, most of it
-  transformers' Python). Compiled (the CUDA default), each shape is a graph to compile (tens of seconds at 0.5B's
-  shape), so there are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the joining rows padded up to the
-  smaller that holds them by repeating the last (the same inputs, written to the same slot: the same values);
+- a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, or, with
+  the prefill eager (a CPU's), a short prompt is fed through its slot's next steps a token a step
+  (worker/decoding/joining.py);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -50,6 +46,7 @@ from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
+from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
 from worker.decoding.slot_cache import Plan, SlotCache, SlotReads
 
@@ -59,7 +56,6 @@ from worker.decoding.slot_cache import Plan, SlotCache, SlotReads
 # halves the prefills, for half a step more per ended row (on the CPU machine, a few % more samples/s and a few %
 # lower job latency, utilisation 0.78 against 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
-PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as many rows as end between two looks)
 
 @dataclass
 class FinishedJob:
@@ -105,14 +101,17 @@ class _Resident:
 class SlotState:
     """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
 
-    def __init__(self, slots: int, columns: int, max_new: int, device: torch.device):
+    def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device):
         buffer = functools.partial(static_buffer, device=device)
 
-        self.mask = buffer(slots, columns, dtype=torch.bool)  # the columns each slot attends to
+        self.mask = buffer(slots, prompt_part + max_new, dtype=torch.bool)  # the columns each slot attends to
         self.column = buffer(slots)  # the column the next step writes, each slot its own
         self.last = buffer(slots)  # the token each slot feeds to the next step
         self.position = buffer(slots)  # its position (RoPE)
-        self.count = buffer(slots)  # tokens the slot's row has sampled (its next token's index)
+        # Tokens the slot's row has sampled (its next token's index); while its prompt is fed through the steps,
+        # minus the prompt's tokens still to feed after ``last``.
+        self.count = buffer(slots)
+        self.prompt = buffer(slots, prompt_part)  # a fed prompt, ending at the prompt part's end
         self.ended = buffer(slots, dtype=torch.bool)
         self.active = buffer(slots, dtype=torch.bool)  # holds a row of a job in the engine
         self.seed = buffer(slots)
@@ -121,7 +120,7 @@ class SlotState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
 
 
-class ContinuousDecoding(OwnStep):
+class ContinuousDecoding(SlotJoining, OwnStep):
     """The engine (see the module's docstring). ``add`` a job's rows, ``run`` steps, ``collect`` finished jobs."""
 
     mode = "continuous"
@@ -152,6 +151,7 @@ class ContinuousDecoding(OwnStep):
         # Compiled, a prefill's rows are padded up to one of prefill_sizes and its columns to the prompt part (a shape,
         # a graph each); eager, it takes the joining rows as they are, as wide as their longest prompt.
         self.pads_prefills = self.prefill_compiled
+        self.fed_prompt_tokens = 0 if self.prefill_compiled else FED_PROMPT_TOKENS
         self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job})
 
     @staticmethod
@@ -179,7 +179,7 @@ class ContinuousDecoding(OwnStep):
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
         self.reads = SlotReads(self.slots, self.prompt_part, self.max_new)
-        self.state = SlotState(self.slots, self.reads.size, self.max_new, self.device)
+        self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device)
         self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
@@ -195,31 +195,6 @@ class ContinuousDecoding(OwnStep):
         return not self.residents
 
     # ------------------------------------------------------------------ inside the graphs
-
-    def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds) -> None:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        # The prompt ends at the prompt part's end, where the row's first token goes.
-        width = ids.size(1)
-        columns = torch.arange(self.prompt_part - width, self.prompt_part, device=ids.device)
-        for small, keys, values in zip(cache.layers, self.cache.keys, self.cache.values, strict=True):
-            keys.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.keys.transpose(1, 2))
-            values.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.values.transpose(1, 2))
-        st.mask.index_fill_(0, slots, False)
-        st.mask.index_put_((slots[:, None], columns[None, :]), mask.bool())
-        st.seed.index_copy_(0, slots, seeds)
-        st.count.index_fill_(0, slots, 0)
-        st.ended.index_fill_(0, slots, False)
-        st.active.index_fill_(0, slots, True)
-        st.tokens.index_fill_(0, slots, self.pad)
-        st.logps.index_fill_(0, slots, 0.0)
-        if st.seen is not None:
-            st.seen.index_fill_(0, slots, False)
-            # The prompt's tokens, not its padding (transformers' prompt_ignore_length): padding to the extra column.
-            prompt_tokens = ids.masked_fill(mask == 0, self.vocab)
-            st.seen.index_put_((slots[:, None], prompt_tokens), torch.ones_like(prompt_tokens, dtype=torch.bool))
-        st.position.index_copy_(0, slots, position[:, -1] + 1)  # the first token's, fed to the next step
-        self._choose(out.logits[:, -1, :].float(), st, slots)
 
     def _step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
         """One token per slot, each range of slots attending to the cache's first columns as ``plan`` says (Python
@@ -239,7 +214,8 @@ class ContinuousDecoding(OwnStep):
 
         s = self.sampling
         count, ended = of(st.count), of(st.ended)
-        live = of(st.active) & ~ended
+        feeding = count < 0  # its prompt's next token is fed to the next step: nothing is sampled
+        live = of(st.active) & ~ended & ~feeding
         scores = logits
         if s.repetition_penalty is not None:
             penalised = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
@@ -252,18 +228,19 @@ class ContinuousDecoding(OwnStep):
         logp = log_prob_at(logits / s.temperature, token)
         token = torch.where(live, token, self.pad)
         logp = torch.where(live, logp, 0.0)
-        count_after = count + live.long()
+        count_after = count + (live | feeding).long()
         ended_after = ended | (live & (torch.isin(token, self.eos) | (count_after >= self.max_new)))
         rows = torch.arange(logits.size(0), device=logits.device) if slots is None else slots
-        where = (rows, count.clamp(max=self.max_new))  # a row that ended writes into the spare last column
+        where = (rows, count.clamp(0, self.max_new))  # a row that ended writes into the spare last column
         st.tokens.index_put_(where, token)
         st.logps.index_put_(where, logp)
         if st.seen is not None:
-            st.seen.index_put_((rows, token), torch.ones_like(token, dtype=torch.bool))
+            st.seen.index_put_((rows, token.masked_fill(~live, self.vocab)), torch.ones_like(token, dtype=torch.bool))
         if slots is None:
+            prompt_next = st.prompt.gather(1, (count + self.prompt_part).clamp(max=self.prompt_part - 1)[:, None])
             st.count.copy_(count_after)
             st.ended.copy_(ended_after)
-            st.last.copy_(token)
+            st.last.copy_(torch.where(feeding, prompt_next[:, 0], token))
             st.position.add_(1)
         else:
             st.count.index_copy_(0, slots, count_after)
@@ -282,66 +259,6 @@ class ContinuousDecoding(OwnStep):
         self.residents.append(job)
         self.waiting += [(job, row) for row in range(rows)]
         self._admit()
-
-    def _admit(self) -> None:
-        """Waiting rows into free slots, up to a job's rows a prefill (compiled, padded up to one of
-        ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining)."""
-        while self.waiting and self.free:
-            n = min(len(self.waiting), len(self.free), self.rows_per_job)
-            joining, self.waiting = self.waiting[:n], self.waiting[n:]
-            self._prefill(joining, next(size for size in self.prefill_sizes if size >= n) if self.pads_prefills else n)
-
-    def _prefill(self, joining: list[tuple[_Resident, int]], rows: int) -> None:
-        """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
-        slots, self.free = self.free[:len(joining)], self.free[len(joining):]
-        rows_in = joining + joining[-1:] * (rows - len(joining))
-        prompts = [job.prompt_ids[row] for job, row in rows_in]
-        # Compiled, one width (the prompt part); eager, the longest prompt's (on a CPU a prompt's padding costs as
-        # much as its tokens).
-        width = self.prompt_part if self.pads_prefills else max(len(p) for p in prompts)
-        ids, mask = self._padded_prompts(prompts, width)
-        position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
-        seeds = torch.tensor([job.seeds[row] for job, row in rows_in], dtype=torch.long)
-        st = self.state
-        if self.sampling.repetition_penalty is not None and st.seen is None:
-            st.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
-        in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
-        args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
-        cache = self.prefill_caches.get((rows, width))
-        if cache is not None:
-            cache.reset()
-            self._compiled_prefill(cache, st, *args)
-        else:
-            # transformers allocates a static cache's tensors at their first write and marks their addresses static
-            # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
-            # for every number of rows and width would add up).
-            if self.cache is None:
-                cache = self._allocated_prefill_cache(*args[:3])  # (and the ring, shaped as the model's keys)
-            else:
-                cache = StaticCache(config=self.model.config, max_cache_len=width)
-            if self.pads_prefills:
-                self.prefill_caches[rows, width] = cache
-            self._prefill_step(cache, st, *args)
-        self.row_steps += rows
-        for (job, row), slot in zip(joining, slots, strict=True):
-            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
-            self.owners[slot] = (job, row)
-
-    def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
-        """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes
-        them, for the ring)."""
-        cache = StaticCache(config=self.model.config, max_cache_len=ids.size(1))
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
-                   logits_to_keep=1)
-        cache.reset()
-        if self.cache is None:
-            keys, values = [], []
-            for layer in cache.layers:
-                for kind, into in ((layer.keys, keys), (layer.values, values)):
-                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size, kind.size(3),
-                                              dtype=kind.dtype, device=self.device))
-            self.cache = SlotCache(keys, values, self.state.column)
-        return cache
 
     def run(self, steps: int) -> None:
         """``steps`` decoding steps over every slot, after the waiting rows that find a free slot join."""
@@ -427,7 +344,7 @@ class ContinuousDecoding(OwnStep):
             for row, slot in enumerate(job.slots):
                 if slot is None:
                     continue
-                first = self.steps - job.joined[row] + 1  # the row's next token's index (its first: its prefill's)
+                first = max(0, self.steps - job.joined[row] + 1)  # the row's next token's index (0: its first's)
                 runs = job.runs[row]
                 if runs[-1][0] == first:
                     runs[-1] = (first, version)
@@ -483,7 +400,7 @@ class ContinuousDecoding(OwnStep):
         st = self.state
         origins, slots = (torch.tensor(ends, device=self.device) for ends in zip(*moves, strict=True))
         for buffer in (*self.cache.keys, *self.cache.values, st.mask, st.last, st.position, st.count, st.ended,
-                       st.active, st.seed, st.tokens, st.logps, *([] if st.seen is None else [st.seen])):
+                       st.active, st.seed, st.tokens, st.logps, st.prompt, *([] if st.seen is None else [st.seen])):
             buffer.index_copy_(0, slots, buffer.index_select(0, origins))
         owners = {to: self.owners.pop(origin) for origin, to in moves}
         self.owners.update(owners)

@@ -1,0 +1,165 @@
+"""How rows join the continuous engine's free slots (worker/decoding/continuous.py, whose part this is): prefilled,
+or, with the prefill eager, a short prompt fed through the slot's next steps.
+
+- A prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
+  writes their keys and values into their slots' prompt columns (the prompt ends at the prompt part's end) and
+  chooses their first tokens. Eager (the CPU default), it takes the rows that join at once as they are, their
+  prompts padded to the longest (a new cache each call; one call, not several: on the CPU machine a call costs 4-6 ms
+  whatever its rows, most of it transformers' Python). Compiled (the CUDA default), each shape is a graph to compile
+  (tens of seconds at 0.5B's shape), so there are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the
+  joining rows padded up to the smaller that holds them by repeating the last (the same inputs, written to the same
+  slot: the same values).
+- With the prefill eager, a row whose prompt is short (FED_PROMPT_TOKENS) joins without one: its prompt's tokens go
+  through its slot's next steps, a token a step (the slot's count runs from minus the tokens still to feed), nothing
+  sampled until the step that reads its last token samples its first, with the draws and the behaviour log-prob its
+  prefill would have given it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import StaticCache
+
+from worker.decoding.graph import static_buffer
+from worker.decoding.slot_cache import SlotCache
+
+if TYPE_CHECKING:
+    from worker.decoding.continuous import SlotState, _Resident
+
+# Eager (on a CPU), a prefill call costs about a quarter of a step of 128 slots whatever its rows, mostly transformers'
+# Python, for the one to three rows that join at once: a prompt of up to this many tokens costs fewer row-steps fed
+# through the steps, a token a step, in its slot (docs/performance.md, "Continuous batching"). Compiled (CUDA), every
+# prompt is prefilled.
+FED_PROMPT_TOKENS = 8
+PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as many rows as end between two looks)
+
+
+class SlotJoining:
+    """The engine's methods that put waiting rows into free slots (ContinuousDecoding's attributes throughout)."""
+
+    def _admit(self) -> None:
+        """Waiting rows into free slots: those whose prompts are fed through the steps (up to
+        ``fed_prompt_tokens``), and the others up to a job's rows a prefill (compiled, padded up to one of
+        ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining)."""
+        while self.waiting and self.free:
+            n = min(len(self.waiting), len(self.free), self.rows_per_job)
+            joining, self.waiting = self.waiting[:n], self.waiting[n:]
+            fed = [(job, row) for job, row in joining if len(job.prompt_ids[row]) <= self.fed_prompt_tokens]
+            if fed:
+                self._feed(fed)
+            if prefilled := [(job, row) for job, row in joining if len(job.prompt_ids[row]) > self.fed_prompt_tokens]:
+                n = len(prefilled)
+                self._prefill(prefilled, next(size for size in self.prefill_sizes if size >= n)
+                              if self.pads_prefills else n)
+
+    def _feed(self, joining: list[tuple[_Resident, int]]) -> None:
+        """``joining`` into free slots, their prompts fed through the next steps a token a step (on a CPU, an eager
+        prefill costs a few steps' rows a call: see FED_PROMPT_TOKENS)."""
+        slots, self.free = self.free[:len(joining)], self.free[len(joining):]
+        ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in joining], self.prompt_part)
+        lengths = mask.sum(-1)
+        seeds = torch.tensor([job.seeds[row] for job, row in joining], dtype=torch.long)
+        first = ids.gather(1, (self.prompt_part - lengths)[:, None])[:, 0]
+        index, ids, mask, seeds = (t.to(self.device) for t in (torch.tensor(slots), ids, mask, seeds))
+        if self.cache is None:
+            self._allocated_prefill_cache(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+        st = self._state_with_seen()
+        self._reset(st, index, ids, mask, seeds)
+        st.prompt.index_copy_(0, index, ids)
+        st.last.index_copy_(0, index, first.to(self.device))
+        st.count.index_copy_(0, index, (1 - lengths).to(self.device))
+        st.position.index_fill_(0, index, 0)
+        for (job, row), slot, length in zip(joining, slots, lengths.tolist(), strict=True):
+            # Its token 0 is sampled by step steps + length - 1, token 1 by the one after (a prefilled row's: the
+            # first step after its prefill).
+            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps + length, [(0, self.version)]
+            self.owners[slot] = (job, row)
+
+    def _prefill(self, joining: list[tuple[_Resident, int]], rows: int) -> None:
+        """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
+        slots, self.free = self.free[:len(joining)], self.free[len(joining):]
+        rows_in = joining + joining[-1:] * (rows - len(joining))
+        prompts = [job.prompt_ids[row] for job, row in rows_in]
+        # Compiled, one width (the prompt part); eager, the longest prompt's (on a CPU a prompt's padding costs as
+        # much as its tokens).
+        width = self.prompt_part if self.pads_prefills else max(len(p) for p in prompts)
+        ids, mask = self._padded_prompts(prompts, width)
+        position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
+        seeds = torch.tensor([job.seeds[row] for job, row in rows_in], dtype=torch.long)
+        st = self._state_with_seen()
+        in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
+        args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
+        cache = self.prefill_caches.get((rows, width))
+        if cache is not None:
+            cache.reset()
+            self._compiled_prefill(cache, st, *args)
+        else:
+            # transformers allocates a static cache's tensors at their first write and marks their addresses static
+            # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
+            # for every number of rows and width would add up).
+            if self.cache is None:
+                cache = self._allocated_prefill_cache(*args[:3])  # (and the slots' cache, shaped as the model's keys)
+            else:
+                cache = StaticCache(config=self.model.config, max_cache_len=width)
+            if self.pads_prefills:
+                self.prefill_caches[rows, width] = cache
+            self._prefill_step(cache, st, *args)
+        self.row_steps += rows
+        for (job, row), slot in zip(joining, slots, strict=True):
+            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
+            self.owners[slot] = (job, row)
+
+    def _state_with_seen(self) -> SlotState:
+        """The state, with the tokens each slot's row has seen where a repetition penalty needs them."""
+        if self.sampling.repetition_penalty is not None and self.state.seen is None:
+            self.state.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
+        return self.state
+
+    def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
+        """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes
+        them, for the slots' cache)."""
+        cache = StaticCache(config=self.model.config, max_cache_len=ids.size(1))
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.reset()
+        if self.cache is None:
+            keys, values = [], []
+            for layer in cache.layers:
+                for kind, into in ((layer.keys, keys), (layer.values, values)):
+                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size, kind.size(3),
+                                              dtype=kind.dtype, device=self.device))
+            self.cache = SlotCache(keys, values, self.state.column)
+        return cache
+
+    # ------------------------------------------------------------------ inside the prefill's graph
+
+    def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds) -> None:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        # The prompt ends at the prompt part's end, where the row's first token goes.
+        width = ids.size(1)
+        columns = torch.arange(self.prompt_part - width, self.prompt_part, device=ids.device)
+        for small, keys, values in zip(cache.layers, self.cache.keys, self.cache.values, strict=True):
+            keys.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.keys.transpose(1, 2))
+            values.transpose(1, 2).index_put_((slots[:, None], columns[None, :]), small.values.transpose(1, 2))
+        self._reset(st, slots, ids, mask, seeds)
+        st.mask.index_put_((slots[:, None], columns[None, :]), mask.bool())
+        st.count.index_fill_(0, slots, 0)
+        st.position.index_copy_(0, slots, position[:, -1] + 1)  # the first token's, fed to the next step
+        self._choose(out.logits[:, -1, :].float(), st, slots)
+
+    def _reset(self, st: SlotState, slots, ids, mask, seeds) -> None:
+        """The state of ``slots``, which rows of prompts ``ids`` join (left-padded, ``mask``), for their first step."""
+        st.mask.index_fill_(0, slots, False)
+        st.seed.index_copy_(0, slots, seeds)
+        st.ended.index_fill_(0, slots, False)
+        st.active.index_fill_(0, slots, True)
+        st.tokens.index_fill_(0, slots, self.pad)
+        st.logps.index_fill_(0, slots, 0.0)
+        if st.seen is not None:
+            st.seen.index_fill_(0, slots, False)
+            # The prompt's tokens, not its padding (transformers' prompt_ignore_length): padding to the extra column.
+            prompt_tokens = ids.masked_fill(mask == 0, self.vocab)
+            st.seen.index_put_((slots[:, None], prompt_tokens), torch.ones_like(prompt_tokens, dtype=torch.bool))
