@@ -51,10 +51,11 @@ from worker.decoding.seeded_draws import row_seed, seeded_exponentials
 from worker.decoding.slot_cache import Plan, SlotCache, SlotReads
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
-# launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill, which costs
-# mostly per call (see above: 4-6 ms at the `larger` shape against a 23 ms step): every second step
-# halves the prefills, for half a step more per ended row (on the CPU machine, a few % more samples/s and a few %
-# lower job latency, utilisation 0.78 against 0.80: docs/performance.md, "Continuous batching").
+# launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill of the rows
+# whose prompts are not fed through the steps (worker/decoding/joining.py), which costs mostly per call (4-6 ms at
+# the `larger` shape against a 20-25 ms step): every second step halves the prefills, for half a step more per
+# ended row (on the CPU machine with every prompt prefilled, about 3% more samples/s, utilisation 0.78 against
+# 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
 
 @dataclass
