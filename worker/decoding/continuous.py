@@ -32,7 +32,6 @@ worker/continuous_loop.py.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,10 +44,10 @@ from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
-from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample, static_buffer
+from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
 from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
-from worker.decoding.slot_cache import Plan, SlotCache, SlotReads
+from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill of the rows
@@ -97,28 +96,6 @@ class _Resident:
     def __post_init__(self):
         rows = len(self.prompt_ids)
         self.slots, self.joined, self.runs = [None] * rows, [None] * rows, [[] for _ in range(rows)]
-
-
-class SlotState:
-    """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
-
-    def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device):
-        buffer = functools.partial(static_buffer, device=device)
-
-        self.mask = buffer(slots, prompt_part + max_new, dtype=torch.bool)  # the columns each slot attends to
-        self.column = buffer(slots)  # the column the next step writes, each slot its own
-        self.last = buffer(slots)  # the token each slot feeds to the next step
-        self.position = buffer(slots)  # its position (RoPE)
-        # Tokens the slot's row has sampled (its next token's index); while its prompt is fed through the steps,
-        # minus the prompt's tokens still to feed after ``last``.
-        self.count = buffer(slots)
-        self.prompt = buffer(slots, prompt_part)  # a fed prompt, ending at the prompt part's end
-        self.ended = buffer(slots, dtype=torch.bool)
-        self.active = buffer(slots, dtype=torch.bool)  # holds a row of a job in the engine
-        self.seed = buffer(slots)
-        self.tokens = buffer(slots, max_new + 1)  # the last column takes the writes of rows that ended
-        self.logps = buffer(slots, max_new + 1, dtype=torch.float32)
-        self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
 
 
 class ContinuousDecoding(SlotJoining, OwnStep):

@@ -17,16 +17,11 @@ or, with the prefill eager, a short prompt fed through the slot's next steps.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers import StaticCache
 
 from worker.decoding.graph import static_buffer
-from worker.decoding.slot_cache import SlotCache
-
-if TYPE_CHECKING:
-    from worker.decoding.continuous import SlotState, _Resident
+from worker.decoding.slot_cache import SlotCache, SlotState
 
 # Eager (on a CPU), a prefill call costs about a quarter of a step of 128 slots whatever its rows, mostly transformers'
 # Python, for the one to three rows that join at once: a prompt of up to this many tokens costs fewer row-steps fed
@@ -54,9 +49,9 @@ class SlotJoining:
                 self._prefill(prefilled, next(size for size in self.prefill_sizes if size >= n)
                               if self.pads_prefills else n)
 
-    def _feed(self, joining: list[tuple[_Resident, int]]) -> None:
-        """``joining`` into free slots, their prompts fed through the next steps a token a step (on a CPU, an eager
-        prefill costs a few steps' rows a call: see FED_PROMPT_TOKENS)."""
+    def _feed(self, joining: list[tuple]) -> None:
+        """``joining`` ((job, row) pairs) into free slots, their prompts fed through the next steps a token a step (on
+        a CPU, an eager prefill costs a few steps' rows a call: see FED_PROMPT_TOKENS)."""
         slots, self.free = self.free[:len(joining)], self.free[len(joining):]
         ids, mask = self._padded_prompts([job.prompt_ids[row] for job, row in joining], self.prompt_part)
         lengths = mask.sum(-1)
@@ -77,8 +72,9 @@ class SlotJoining:
             job.slots[row], job.joined[row], job.runs[row] = slot, self.steps + length, [(0, self.version)]
             self.owners[slot] = (job, row)
 
-    def _prefill(self, joining: list[tuple[_Resident, int]], rows: int) -> None:
-        """``joining`` into free slots, in a prefill of ``rows`` rows: the last joining row repeated to fill it."""
+    def _prefill(self, joining: list[tuple], rows: int) -> None:
+        """``joining`` ((job, row) pairs) into free slots, in a prefill of ``rows`` rows: the last joining row repeated
+        to fill it."""
         slots, self.free = self.free[:len(joining)], self.free[len(joining):]
         rows_in = joining + joining[-1:] * (rows - len(joining))
         prompts = [job.prompt_ids[row] for job, row in rows_in]

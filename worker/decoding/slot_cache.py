@@ -1,4 +1,5 @@
-"""The continuous engine's KV cache (worker/decoding/continuous.py), and which of its columns each step reads.
+"""The continuous engine's KV cache and per-slot state (worker/decoding/continuous.py), and which of the cache's
+columns each step reads.
 
 Each slot has its own columns, as a fixed batch's row has: a row's prompt ends just before the prompt part's end
 (``prompt_part``) and its i-th completion token's key and value go into column ``prompt_part + i``, whenever the
@@ -15,6 +16,8 @@ reads). Either way each plan is a graph, compiled once in the warm-up.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -94,3 +97,25 @@ class SlotReads:
                 moves.append((to, slot))
             settled.add(to)
         return moves
+
+
+class SlotState:
+    """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
+
+    def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device):
+        buffer = functools.partial(static_buffer, device=device)
+
+        self.mask = buffer(slots, prompt_part + max_new, dtype=torch.bool)  # the columns each slot attends to
+        self.column = buffer(slots)  # the column the next step writes, each slot its own
+        self.last = buffer(slots)  # the token each slot feeds to the next step
+        self.position = buffer(slots)  # its position (RoPE)
+        # Tokens the slot's row has sampled (its next token's index); while its prompt is fed through the steps,
+        # minus the prompt's tokens still to feed after ``last``.
+        self.count = buffer(slots)
+        self.prompt = buffer(slots, prompt_part)  # a fed prompt, ending at the prompt part's end
+        self.ended = buffer(slots, dtype=torch.bool)
+        self.active = buffer(slots, dtype=torch.bool)  # holds a row of a job in the engine
+        self.seed = buffer(slots)
+        self.tokens = buffer(slots, max_new + 1)  # the last column takes the writes of rows that ended
+        self.logps = buffer(slots, max_new + 1, dtype=torch.float32)
+        self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
