@@ -233,6 +233,11 @@ def test_short_prompts_fed_through_the_steps_sample_what_prefilled_ones_do(tmp_p
         prefilled.fed_prompt_tokens = 0
         expected = decode_all(prefilled, jobs, seeds)
         engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+        with torch.no_grad():
+            engine.add("joined", jobs[1], job_seed=0)
+        # Its prefilled rows have sampled their first tokens, its fed rows nothing yet.
+        assert engine.decoded_tokens() == sum(len(ids) > engine.fed_prompt_tokens for ids in jobs[1]) > 0
+        engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
         prefills = spy(monkeypatch, engine, "_prefill")
         fed = decode_all(engine, jobs, seeds)
         for i in jobs:

@@ -330,9 +330,10 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                     runs.append((first, version))
 
     def decoded_tokens(self) -> int:
-        """Tokens sampled so far, by the rows that ended and those still decoding (one device sync)."""
+        """Tokens sampled so far, by the rows that ended and those still decoding (one device sync; a row still fed
+        its prompt has sampled none)."""
         st = self.state
-        return self.kept_tokens + int(st.count.masked_fill(~st.active, 0).sum())
+        return self.kept_tokens + int(st.count.clamp(min=0).masked_fill(~st.active, 0).sum())
 
     def utilisation(self) -> float:
         """Row-steps that produced a kept token over row-steps computed (so far)."""
@@ -386,7 +387,9 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             job.slots[row] = slot
         vacated = sorted({origin for origin, _ in moves} - owners.keys())
         if vacated:
-            st.active.index_fill_(0, torch.tensor(vacated, device=self.device), False)
+            index = torch.tensor(vacated, device=self.device)
+            st.active.index_fill_(0, index, False)
+            st.position.index_fill_(0, index, 0)  # (as collect does for a freed slot)
             self.free = sorted(set(self.free) - owners.keys() | set(vacated))
 
     def recompiles(self) -> int:
