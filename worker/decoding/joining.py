@@ -41,10 +41,12 @@ class SlotJoining:
         while self.waiting and self.free:
             n = min(len(self.waiting), len(self.free), self.rows_per_job)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
-            fed = [(job, row) for job, row in joining if len(job.prompt_ids[row]) <= self.fed_prompt_tokens]
+            fed, prefilled = [], []
+            for job, row in joining:
+                (fed if len(job.prompt_ids[row]) <= self.fed_prompt_tokens else prefilled).append((job, row))
             if fed:
                 self._feed(fed)
-            if prefilled := [(job, row) for job, row in joining if len(job.prompt_ids[row]) > self.fed_prompt_tokens]:
+            if prefilled:
                 n = len(prefilled)
                 self._prefill(prefilled, next(size for size in self.prefill_sizes if size >= n)
                               if self.pads_prefills else n)
@@ -66,11 +68,8 @@ class SlotJoining:
         st.last.index_copy_(0, index, first.to(self.device))
         st.count.index_copy_(0, index, (1 - lengths).to(self.device))
         st.position.index_fill_(0, index, 0)
-        for (job, row), slot, length in zip(joining, slots, lengths.tolist(), strict=True):
-            # Its token 0 is sampled by step steps + length - 1, token 1 by the one after (a prefilled row's: the
-            # first step after its prefill).
-            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps + length, [(0, self.version)]
-            self.owners[slot] = (job, row)
+        # Its token 0 is sampled by step steps + length - 1, token 1 by the one after.
+        self._seated(joining, slots, [self.steps + length for length in lengths.tolist()])
 
     def _prefill(self, joining: list[tuple], rows: int) -> None:
         """``joining`` ((job, row) pairs) into free slots, in a prefill of ``rows`` rows: the last joining row repeated
@@ -103,8 +102,12 @@ class SlotJoining:
                 self.prefill_caches[rows, width] = cache
             self._prefill_step(cache, st, *args)
         self.row_steps += rows
-        for (job, row), slot in zip(joining, slots, strict=True):
-            job.slots[row], job.joined[row], job.runs[row] = slot, self.steps, [(0, self.version)]
+        self._seated(joining, slots, [self.steps] * len(joining))  # (token 1 by the first step after the prefill)
+
+    def _seated(self, joining: list[tuple], slots: list[int], joined: list[int]) -> None:
+        """``joining`` now decode in ``slots``, each row's token 1 sampled by the step of ``joined``."""
+        for (job, row), slot, step in zip(joining, slots, joined, strict=True):
+            job.slots[row], job.joined[row], job.runs[row] = slot, step, [(0, self.version)]
             self.owners[slot] = (job, row)
 
     def _state_with_seen(self) -> SlotState:

@@ -73,7 +73,7 @@ class SlotReads:
         each range's rows fit its columns and it reads fewer columns than the uniform one, else the uniform one."""
         widest = max(reach.values(), default=self.prompt_part)
         uniform = next(columns for columns in self.uniform if columns >= widest)
-        if self.tiered is None or self.slots * uniform <= sum(n * columns for n, columns in self.tiered):
+        if self.tiered is None or self.slots * uniform <= sum(self.columns_of_slot):
             return uniform, []
         moves = self._arranged(reach)
         return (uniform, []) if moves is None else (self.tiered, moves)
