@@ -64,8 +64,9 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
 
 def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypatch):
     """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through, rows moving
-    to slots that read more columns as they grow (the engine as a decoder of one call's jobs, with and without a
-    repetition penalty: tests/worker/test_decoders.py)."""
+    to slots that read more columns as they grow, and, at the end, the few last rows into the first slots of a
+    narrower step (the engine as a decoder of one call's jobs, with and without a repetition penalty:
+    tests/worker/test_decoders.py)."""
     trainer = trainer_for(tmp_path, llama(), **GREEDY)  # (lengths from 1 to the cap)
     jobs = {i: job_ids(trainer, i) for i in range(5)}
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
@@ -75,9 +76,13 @@ def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypat
         assert finished[i].completion_ids == generated(trainer, ids), f"job {i}"
     lengths = [len(c) for f in finished.values() for c in f.completion_ids]
     assert min(lengths) < max(lengths)  # rows of different lengths: jobs leave and join at different steps
-    used = {plan for _, (plan, _) in plans}
-    assert engine.reads.tiered in used and len(used) > 1  # ranges of slots reading their own columns, or all alike
-    assert any(moves for _, (_, moves) in plans)  # rows moved to slots that read more, and decoded on there
+    used = {(width, plan) for _, (width, plan, _) in plans}
+    slots = engine.slots
+    assert (slots, engine.reads.tiered) in used  # ranges of slots reading their own columns
+    assert any(width == slots and plan != engine.reads.tiered for width, plan in used)  # or all alike
+    assert {slots} < {width for width, _ in used} <= {slots, *engine.reads.widths}  # the stream's end: narrower
+    assert any(moves for _, (width, _, moves) in plans if width == slots)  # rows moved to slots that read more,
+    assert any(moves for _, (width, _, moves) in plans if width < slots)  # and into a narrower step's slots
 
 
 def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path, monkeypatch):
@@ -90,8 +95,9 @@ def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path,
     engine.fed_prompt_tokens = 0  # (prefilled: the rows' first tokens come at once)
     calls = spy(monkeypatch, engine.reads, "plan")
     decode_all(engine, {0: job_ids(trainer, 0), 1: job_ids(trainer, 1)})
-    assert not any(moves for _, (_, moves) in calls)
-    reads = [plan for _, (plan, _) in calls]
+    assert not any(moves for _, (_, _, moves) in calls)
+    assert {width for _, (width, _, _) in calls} == {engine.slots}  # (one job's rows: no step narrower)
+    reads = [plan for _, (_, plan, _) in calls]
     half = len(reads) // 2
     assert reads[:half] == reads[half:] and reads == sorted(reads[:half]) * 2
     assert reads[0] < reads[-1] == engine.reads.size
@@ -103,12 +109,12 @@ def test_rows_outgrowing_their_slots_columns_move_to_slots_that_read_more():
     that cannot be done, or all rows are young, every slot reads one bucket past the oldest row's."""
     reads = SlotReads(128, 16, 128)
     assert reads.tiered == ((64, 48), (32, 80), (16, 112), (16, 144))
-    assert reads.plan({slot: 20 for slot in range(128)}) == (48, [])  # all young: fewer columns than the ranges'
+    assert reads.plan({slot: 20 for slot in range(128)}) == (128, 48, [])  # all young: fewer columns than the ranges'
 
     reach = {slot: 30 for slot in range(128)} | {0: 60, 1: 50, 64: 100, 127: 140}
     del reach[70]  # a free slot reading 80 columns
-    plan, moves = reads.plan(reach)
-    assert plan == reads.tiered
+    width, plan, moves = reads.plan(reach)
+    assert (width, plan) == (128, reads.tiered)
     # The oldest first: 64's swaps with a young row of the range of 112 columns, 0's takes the free slot of 80, and
     # 1's swaps with a young row there.
     assert moves == [(64, 96), (96, 64), (0, 70), (1, 65), (65, 1)]
@@ -116,8 +122,21 @@ def test_rows_outgrowing_their_slots_columns_move_to_slots_that_read_more():
     after |= {to: reach[origin] for origin, to in moves}
     assert len(after) == len(reach) and all(columns <= reads.columns_of_slot[s] for s, columns in after.items())
 
-    assert reads.plan({slot: 60 for slot in range(128)}) == (80, [])  # all as old: nothing to swap with
-    assert reads.plan({slot: 30 for slot in range(128)} | {slot: 120 for slot in range(17)}) == (144, [])
+    assert reads.plan({slot: 60 for slot in range(128)}) == (128, 80, [])  # all as old: nothing to swap with
+    assert reads.plan({slot: 30 for slot in range(128)} | {slot: 120 for slot in range(17)}) == (128, 144, [])
+
+
+def test_few_rows_move_into_the_first_slots_of_a_narrower_step():
+    """With up to three halvings: the fewest of 64, 32 and 16 first slots that hold the rows compute the next steps,
+    reading the whole cache, the rows outside them moving into their free slots, the first first."""
+    reads = SlotReads(128, 16, 128, narrower=3)
+    assert reads.widths == [64, 32, 16]
+    assert reads.plan({slot: 30 for slot in range(65)})[:2] == (128, 48)  # (65 rows: every slot)
+    assert reads.plan({slot: 30 for slot in range(64)}) == (64, 144, [])  # in place already
+    reach = {3: 40, 20: 140, 40: 100, 127: 60}
+    assert reads.plan(reach) == (16, 144, [(20, 0), (40, 1), (127, 2)])
+    assert reads.plan({}) == (16, 144, [])
+    assert SlotReads(16, 16, 128, narrower=3).widths == [8]  # (never fewer than NARROWEST_STEP rows)
 
 
 def spy(monkeypatch, obj, name: str) -> list:

@@ -56,6 +56,11 @@ from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState
 # ended row (on the CPU machine with every prompt prefilled, about 3% more samples/s, utilisation 0.78 against
 # 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
+# Up to how many times a step may halve the rows it computes when few slots hold rows (slot_cache.py). On the CPU
+# machine a step costs about in proportion to its rows (at the `larger` shape reading the whole cache: 21.6 ms at
+# 128 rows, 9.5 at 64, 4.3 at 32, 2.6 at 16). On a GPU a step of a small model is bound by its kernels' launches,
+# hardly by its rows, and each narrower step would be one more graph to compile and record.
+NARROWER_STEPS = {"cuda": 0, "cpu": 3}
 
 @dataclass
 class FinishedJob:
@@ -156,8 +161,9 @@ class ContinuousDecoding(SlotJoining, OwnStep):
 
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
-        self.reads = SlotReads(self.slots, self.prompt_part, self.max_new)
+        self.reads = SlotReads(self.slots, self.prompt_part, self.max_new, NARROWER_STEPS.get(self.device.type, 0))
         self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device)
+        self.narrowed: dict[int, tuple[SlotCache, SlotState]] = {}  # by width: the first slots' cache and state
         self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
@@ -239,18 +245,29 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         self._admit()
 
     def run(self, steps: int) -> None:
-        """``steps`` decoding steps over every slot, after the waiting rows that find a free slot join."""
+        """``steps`` decoding steps over the slots that hold rows, after the waiting rows that find a free slot
+        join."""
         self._admit()
         # A row reads its prompt's columns and one more a step from the one it joined at (its first token's).
         reach = {slot: min(self.reads.size, self.prompt_part + self.steps + steps - job.joined[row])
                  for slot, (job, row) in self.owners.items()}
-        plan, moves = self.reads.plan(reach)
+        width, plan, moves = self.reads.plan(reach)
         if moves:
             self._move(moves)
+        cache, state = self._first_slots(width)
         for _ in range(steps):
-            self._compiled_step(self.cache, self.state, plan)
+            self._compiled_step(cache, state, plan)
         self.steps += steps
-        self.row_steps += steps * self.slots
+        self.row_steps += steps * width
+
+    def _first_slots(self, width: int) -> tuple[SlotCache, SlotState]:
+        """The cache and state a step over the first ``width`` slots reads (views, made once: a graph's inputs)."""
+        if width == self.slots:
+            return self.cache, self.state
+        if width not in self.narrowed:
+            state = self.state.narrowed(width)
+            self.narrowed[width] = (self.cache.narrowed(state.column), state)
+        return self.narrowed[width]
 
     def collect(self) -> list[FinishedJob]:
         """Frees the slots of the rows that have ended (their tokens copied out) and returns the jobs whose rows have
@@ -342,7 +359,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
         other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped, and
-        WARM_UP_CALLS + 1 steps reading by each plan (with no row in the slots). Returns the seconds it took."""
+        WARM_UP_CALLS + 1 of each step (``SlotReads.steps``, with no row in the slots). Returns the seconds it took."""
         start = time.monotonic()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
@@ -355,9 +372,9 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                     job = _Resident(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
-            for plan in self.reads.plans:
+            for width, plan in self.reads.steps:
                 for _ in range(self.WARM_UP_CALLS + 1):
-                    self._compiled_step(self.cache, self.state, plan)
+                    self._compiled_step(*self._first_slots(width), plan)
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start

@@ -114,6 +114,7 @@ class SlotJoining:
         """The state, with the tokens each slot's row has seen where a repetition penalty needs them."""
         if self.sampling.repetition_penalty is not None and self.state.seen is None:
             self.state.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
+            self.narrowed.clear()  # (views of the state without it)
         return self.state
 
     def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:

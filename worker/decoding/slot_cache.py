@@ -13,6 +13,10 @@ more: a free one, or one whose row is young enough to take its place (the two sw
 (rows that start and end together, fixed lengths: every row is as old), or where it would read more, every slot
 reads the same prefix, a bucket past the oldest row's (``SlotReads.uniform``: what the graph decoder's step
 reads). Either way each plan is a graph, compiled once in the warm-up.
+
+When few slots hold rows (the stream's end, a queue that runs dry), a step computes only the first slots
+(``SlotReads.widths``: a half, a quarter, an eighth of them, each reading the whole cache, a graph each), the rows
+in the others moving into free slots among the first: on a CPU a step costs about in proportion to its rows.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from worker.decoding.graph import static_buffer
 # A plan of reads: (slots, columns) for consecutive ranges of slots, from the first; or columns for every slot.
 Plan = tuple[tuple[int, int], ...] | int
 
+# The fewest rows a narrower step computes (below it, a step costs about as much whatever its rows).
+NARROWEST_STEP = 8
+
 
 class SlotCache:
     """Keys and values [slots, heads, columns, dim] per layer; a step writes each slot's at its own ``column``. What
@@ -39,6 +46,12 @@ class SlotCache:
         self.slots = static_buffer(column.size(0), device=column.device)
         self.slots.copy_(torch.arange(column.size(0), device=column.device))
 
+    def narrowed(self, column: torch.Tensor) -> SlotCache:
+        """This cache's first slots, as many as ``column`` (the narrowed state's) has: views, static as these are."""
+        width = column.size(0)
+        return SlotCache([static_view(k, width) for k in self.keys], [static_view(v, width) for v in self.values],
+                         column)
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         where = (self.slots, self.column)
         self.keys[layer_idx].transpose(1, 2).index_put_(where, key_states[:, :, 0])
@@ -47,12 +60,14 @@ class SlotCache:
 
 
 class SlotReads:
-    """The plans a step may read by (``plans``, a graph each), and the one for the next steps, with the moves of rows
-    between slots it needs."""
+    """The steps a worker may run (``steps``: rows computed and the plan they read by, a graph each), and the one
+    for the next steps, with the moves of rows between slots it needs. ``narrower``: up to how many times a step may
+    halve its rows."""
 
-    def __init__(self, slots: int, prompt_part: int, max_new: int):
+    def __init__(self, slots: int, prompt_part: int, max_new: int, narrower: int = 0):
         self.slots, self.prompt_part = slots, prompt_part
         self.size = prompt_part + max_new
+        self.widths = [slots >> k for k in range(1, narrower + 1) if slots >> k >= NARROWEST_STEP]
         self.uniform = column_buckets(prompt_part, max_new, ATTENTION_BUCKETS)  # the graph decoder's
         counts = [slots >> (i + 1) for i in range(len(self.uniform) - 1)]
         counts.append(slots - sum(counts))
@@ -64,19 +79,27 @@ class SlotReads:
         self.by_columns = sorted(range(slots), key=lambda s: (self.columns_of_slot[s], s)) if self.tiered else []
 
     @property
-    def plans(self) -> list:
-        return self.uniform + ([self.tiered] if self.tiered else [])
+    def steps(self) -> list[tuple[int, Plan]]:
+        return [(self.slots, plan) for plan in self.uniform + ([self.tiered] if self.tiered else [])] + \
+            [(width, self.size) for width in self.widths]
 
-    def plan(self, reach: dict[int, int]) -> tuple[Plan, list[tuple[int, int]]]:
-        """The plan for the next steps, given the columns each occupied slot's row reads by their end ({slot:
-        columns}), and the moves (from slot, to slot) to make first: the tiered plan where rows can be moved so that
-        each range's rows fit its columns and it reads fewer columns than the uniform one, else the uniform one."""
+    def plan(self, reach: dict[int, int]) -> tuple[int, Plan, list[tuple[int, int]]]:
+        """The rows the next steps compute (the first slots'), the plan they read by, and the moves (from slot, to
+        slot) to make first, given the columns each occupied slot's row reads by their end ({slot: columns}): the
+        fewest of ``widths`` that hold the rows, which move into its free slots; else every slot, by the tiered plan
+        where rows can be moved so that each range's rows fit its columns and it reads fewer columns than the uniform
+        one, else by the uniform one."""
+        width = min((w for w in self.widths if w >= len(reach)), default=self.slots)
+        if width < self.slots:
+            outside = sorted(slot for slot in reach if slot >= width)
+            free = [slot for slot in range(width) if slot not in reach]
+            return width, self.size, list(zip(outside, free[:len(outside)], strict=True))
         widest = max(reach.values(), default=self.prompt_part)
         uniform = next(columns for columns in self.uniform if columns >= widest)
         if self.tiered is None or self.slots * uniform <= sum(self.columns_of_slot):
-            return uniform, []
+            return self.slots, uniform, []
         moves = self._arranged(reach)
-        return (uniform, []) if moves is None else (self.tiered, moves)
+        return (self.slots, uniform, []) if moves is None else (self.slots, self.tiered, moves)
 
     def _arranged(self, reach: dict[int, int]) -> list[tuple[int, int]] | None:
         """Moves that leave every row in a slot whose range reads as many columns as the row will, or None. The rows
@@ -119,3 +142,16 @@ class SlotState:
         self.tokens = buffer(slots, max_new + 1)  # the last column takes the writes of rows that ended
         self.logps = buffer(slots, max_new + 1, dtype=torch.float32)
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
+
+    def narrowed(self, width: int) -> SlotState:
+        """The first ``width`` slots' state: views, static as these are (a narrower step's)."""
+        narrow = object.__new__(SlotState)
+        narrow.__dict__.update({name: None if t is None else static_view(t, width) for name, t in vars(self).items()})
+        return narrow
+
+
+def static_view(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s first rows, at its address (CUDA graphs read and write it in place)."""
+    view = t[:rows]
+    torch._dynamo.mark_static_address(view)
+    return view
