@@ -13,7 +13,9 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
 - each slot has its own columns of the KV cache, as a fixed batch's row (worker/decoding/slot_cache.py): a row's
   prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
   slot's own columns through its row of a mask. Ranges of slots read their own number of columns, rows moving to
-  a range that reads more as they grow, or every slot reads the same bucket (``SlotReads``: a graph each);
+  a range that reads more as they grow, or every slot reads the same bucket (``SlotReads``: a graph each); with few
+  rows in the slots (on a CPU), a step computes only the first half, quarter or eighth of the slots, the rows moving
+  into them (one graph more, its number of rows a variable);
 - a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, or, with
   the prefill eager (a CPU's), a short prompt is fed through its slot's next steps a token a step
   (worker/decoding/joining.py);
@@ -59,7 +61,7 @@ CHECK_EVERY = {"cuda": 8, "cpu": 2}
 # Up to how many times a step may halve the rows it computes when few slots hold rows (slot_cache.py). On the CPU
 # machine a step costs about in proportion to its rows (at the `larger` shape reading the whole cache: 21.6 ms at
 # 128 rows, 9.5 at 64, 4.3 at 32, 2.6 at 16). On a GPU a step of a small model is bound by its kernels' launches,
-# hardly by its rows, and each narrower step would be one more graph to compile and record.
+# hardly by its rows, and the narrower steps would be graphs to record (CUDA graphs take no variable shape).
 NARROWER_STEPS = {"cuda": 0, "cpu": 3}
 
 @dataclass
@@ -119,6 +121,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
         self.slots = self.rows_per_call = slots
         self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
+        self._compiled_narrower_step = self._compiled(self._narrower_step, dynamic=None)  # (rows: a variable)
         self.check_every = CHECK_EVERY.get(self.device.type, 8)
         self.residents: list[_Resident] = []
         self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
@@ -179,6 +182,10 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         return not self.residents
 
     # ------------------------------------------------------------------ inside the graphs
+
+    def _narrower_step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
+        """``_step`` over the first slots (a function of its own: torch.compile keeps its graphs apart)."""
+        self._step(cache, st, plan)
 
     def _step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
         """One token per slot, each range of slots attending to the cache's first columns as ``plan`` says (Python
@@ -254,20 +261,21 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         width, plan, moves = self.reads.plan(reach)
         if moves:
             self._move(moves)
-        cache, state = self._first_slots(width)
+        step, cache, state = self._step_over(width)
         for _ in range(steps):
-            self._compiled_step(cache, state, plan)
+            step(cache, state, plan)
         self.steps += steps
         self.row_steps += steps * width
 
-    def _first_slots(self, width: int) -> tuple[SlotCache, SlotState]:
-        """The cache and state a step over the first ``width`` slots reads (views, made once: a graph's inputs)."""
+    def _step_over(self, width: int) -> tuple[object, SlotCache, SlotState]:
+        """The compiled step over the first ``width`` slots, and the cache and state it reads (narrower: views, made
+        once, a graph's inputs)."""
         if width == self.slots:
-            return self.cache, self.state
+            return self._compiled_step, self.cache, self.state
         if width not in self.narrowed:
             state = self.state.narrowed(width)
             self.narrowed[width] = (self.cache.narrowed(state.column), state)
-        return self.narrowed[width]
+        return self._compiled_narrower_step, *self.narrowed[width]
 
     def collect(self) -> list[FinishedJob]:
         """Frees the slots of the rows that have ended (their tokens copied out) and returns the jobs whose rows have
@@ -373,41 +381,12 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
             for width, plan in self.reads.steps:
+                step, cache, state = self._step_over(width)
                 for _ in range(self.WARM_UP_CALLS + 1):
-                    self._compiled_step(*self._first_slots(width), plan)
+                    step(cache, state, plan)
         self.steps = self.row_steps = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
-
-    def _drop(self, job: _Resident) -> None:
-        """Frees a job's slots as they are (its rows' tokens are not wanted)."""
-        slots = [slot for slot in job.slots if slot is not None]
-        self.state.active.index_fill_(0, torch.tensor(slots, device=self.device), False)
-        for slot in slots:
-            del self.owners[slot]
-        self._freed(slots)
-
-    def _freed(self, slots: list[int]) -> None:
-        self.free = sorted(self.free + slots)  # (joining rows take the slots that read fewest columns first)
-
-    def _move(self, moves: list[tuple[int, int]]) -> None:
-        """Rows from slot to slot, with their keys, values and state (SlotReads.plan's moves: each to a free slot, or
-        two swapping)."""
-        st = self.state
-        origins, slots = (torch.tensor(ends, device=self.device) for ends in zip(*moves, strict=True))
-        for buffer in (*self.cache.keys, *self.cache.values, st.mask, st.last, st.position, st.count, st.ended,
-                       st.active, st.seed, st.tokens, st.logps, st.prompt, *([] if st.seen is None else [st.seen])):
-            buffer.index_copy_(0, slots, buffer.index_select(0, origins))
-        owners = {to: self.owners.pop(origin) for origin, to in moves}
-        self.owners.update(owners)
-        for slot, (job, row) in owners.items():
-            job.slots[row] = slot
-        vacated = sorted({origin for origin, _ in moves} - owners.keys())
-        if vacated:
-            index = torch.tensor(vacated, device=self.device)
-            st.active.index_fill_(0, index, False)
-            st.position.index_fill_(0, index, 0)  # (as collect does for a freed slot)
-            self.free = sorted(set(self.free) - owners.keys() | set(vacated))
 
     def recompiles(self) -> int:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)

@@ -215,10 +215,7 @@ class OwnStep:
         if self.model.config._attn_implementation == "sdpa":
             self.model.set_attn_implementation(PACKED_SDPA)
         on_cuda = self.device.type == "cuda"
-        mode = compile_mode or ("reduce-overhead" if on_cuda else None)
-
-        def compiled(fn, **options):
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, **options) if compile else fn
+        self.compiles, self.compile_mode = compile, compile_mode or ("reduce-overhead" if on_cuda else None)
 
         # A decoder compiles several graphs of one function (the step's column buckets, the continuous engine's
         # prefill sizes, all again for a longer prompt's cache), each counted in recompiles(). torch.compile's
@@ -228,9 +225,16 @@ class OwnStep:
         setattr(config, limit, max(getattr(config, limit), GRAPHS_PER_FUNCTION))
 
         own = step_graphs_of_its_own and "isolate_recompiles" in inspect.signature(torch.compile).parameters
-        self._compiled_step = compiled(self._step, **({"isolate_recompiles": True} if own else {}))
-        self._compiled_prefill = compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
+        self._compiled_step = self._compiled(self._step, **({"isolate_recompiles": True} if own else {}))
+        self._compiled_prefill = self._compiled(self._prefill_step) if (compile_prefill is None and on_cuda) \
             or compile_prefill else self._prefill_step
+
+    def _compiled(self, fn, **options):
+        """``fn`` compiled as the decoders compile (one whole graph, static shapes unless ``options`` say), or ``fn``
+        itself where they do not compile."""
+        if not self.compiles:
+            return fn
+        return torch.compile(fn, **{"fullgraph": True, "dynamic": False, "mode": self.compile_mode, **options})
 
     def _padded_prompts(self, prompt_ids: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, ...]:
         """The prompts' ids and attention mask, left-padded as TRL pads them, then further on the left to ``width``

@@ -1,5 +1,6 @@
-"""How rows join the continuous engine's free slots (worker/decoding/continuous.py, whose part this is): prefilled,
-or, with the prefill eager, a short prompt fed through the slot's next steps.
+"""How rows join the continuous engine's free slots (worker/decoding/continuous.py, whose part this is), prefilled
+or, with the prefill eager, a short prompt fed through the slot's next steps; and how slots are freed and rows
+moved between them.
 
 - A prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
   writes their keys and values into their slots' prompt columns (the prompt ends at the prompt part's end) and
@@ -32,7 +33,8 @@ PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as ma
 
 
 class SlotJoining:
-    """The engine's methods that put waiting rows into free slots (ContinuousDecoding's attributes throughout)."""
+    """The engine's methods that put waiting rows into free slots, free them and move rows (ContinuousDecoding's
+    attributes throughout)."""
 
     def _admit(self) -> None:
         """Waiting rows into free slots: those whose prompts are fed through the steps (up to
@@ -132,6 +134,37 @@ class SlotJoining:
                                               dtype=kind.dtype, device=self.device))
             self.cache = SlotCache(keys, values, self.state.column)
         return cache
+
+    # ------------------------------------------------------------------ leaving and moving
+
+    def _drop(self, job) -> None:
+        """Frees a job's slots as they are (its rows' tokens are not wanted)."""
+        slots = [slot for slot in job.slots if slot is not None]
+        self.state.active.index_fill_(0, torch.tensor(slots, device=self.device), False)
+        for slot in slots:
+            del self.owners[slot]
+        self._freed(slots)
+
+    def _freed(self, slots: list[int]) -> None:
+        self.free = sorted(self.free + slots)  # (joining rows take the slots that read fewest columns first)
+
+    def _move(self, moves: list[tuple[int, int]]) -> None:
+        """Rows from slot to slot, with their keys, values and state (SlotReads.plan's moves: each to a free slot, or
+        two swapping)."""
+        st = self.state
+        origins, slots = (torch.tensor(ends, device=self.device) for ends in zip(*moves, strict=True))
+        for buffer in (*self.cache.keys, *self.cache.values, *(t for t in vars(st).values() if t is not None)):
+            buffer.index_copy_(0, slots, buffer.index_select(0, origins))
+        owners = {to: self.owners.pop(origin) for origin, to in moves}
+        self.owners.update(owners)
+        for slot, (job, row) in owners.items():
+            job.slots[row] = slot
+        vacated = sorted({origin for origin, _ in moves} - owners.keys())
+        if vacated:
+            index = torch.tensor(vacated, device=self.device)
+            st.active.index_fill_(0, index, False)
+            st.position.index_fill_(0, index, 0)  # (as collect does for a freed slot)
+            self.free = sorted(set(self.free) - owners.keys() | set(vacated))
 
     # ------------------------------------------------------------------ inside the prefill's graph
 

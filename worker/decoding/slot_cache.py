@@ -15,8 +15,9 @@ reads the same prefix, a bucket past the oldest row's (``SlotReads.uniform``: wh
 reads). Either way each plan is a graph, compiled once in the warm-up.
 
 When few slots hold rows (the stream's end, a queue that runs dry), a step computes only the first slots
-(``SlotReads.widths``: a half, a quarter, an eighth of them, each reading the whole cache, a graph each), the rows
-in the others moving into free slots among the first: on a CPU a step costs about in proportion to its rows.
+(``SlotReads.widths``: a half, a quarter, an eighth of them, each reading the whole cache; one graph, its number
+of rows a variable), the rows in the others moving into free slots among the first: on a CPU a step costs about in
+proportion to its rows.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class SlotCache:
         self.slots.copy_(torch.arange(column.size(0), device=column.device))
 
     def narrowed(self, column: torch.Tensor) -> SlotCache:
-        """This cache's first slots, as many as ``column`` (the narrowed state's) has: views, static as these are."""
+        """This cache's first slots, as many as ``column`` (the narrowed state's) has (``first_rows``)."""
         width = column.size(0)
-        return SlotCache([static_view(k, width) for k in self.keys], [static_view(v, width) for v in self.values],
-                         column)
+        narrow = SlotCache([first_rows(k, width) for k in self.keys], [first_rows(v, width) for v in self.values],
+                           column)
+        torch._dynamo.mark_dynamic(narrow.slots, 0)
+        return narrow
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         where = (self.slots, self.column)
@@ -60,9 +63,9 @@ class SlotCache:
 
 
 class SlotReads:
-    """The steps a worker may run (``steps``: rows computed and the plan they read by, a graph each), and the one
-    for the next steps, with the moves of rows between slots it needs. ``narrower``: up to how many times a step may
-    halve its rows."""
+    """The steps a worker may run (``steps``: rows computed and the plan they read by, a graph each, the narrower
+    ones one together), and the one for the next steps, with the moves of rows between slots it needs.
+    ``narrower``: up to how many times a step may halve its rows."""
 
     def __init__(self, slots: int, prompt_part: int, max_new: int, narrower: int = 0):
         self.slots, self.prompt_part = slots, prompt_part
@@ -144,14 +147,16 @@ class SlotState:
         self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
 
     def narrowed(self, width: int) -> SlotState:
-        """The first ``width`` slots' state: views, static as these are (a narrower step's)."""
+        """The first ``width`` slots' state (``first_rows``)."""
         narrow = object.__new__(SlotState)
-        narrow.__dict__.update({name: None if t is None else static_view(t, width) for name, t in vars(self).items()})
+        narrow.__dict__.update({name: None if t is None else first_rows(t, width) for name, t in vars(self).items()})
         return narrow
 
 
-def static_view(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t``'s first rows, at its address (CUDA graphs read and write it in place)."""
+def first_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s first rows, a view a narrower step reads and writes in place: its address static as ``t``'s, its
+    number of rows a variable of the one graph that every narrower step runs."""
     view = t[:rows]
     torch._dynamo.mark_static_address(view)
+    torch._dynamo.mark_dynamic(view, 0)
     return view
