@@ -16,6 +16,7 @@ each decoder as a worker takes them:
 
 ``continuous/N``: the engine with the host looking at which rows ended every N steps (CHECK_EVERY of
 worker/decoding/continuous.py; a setting may be named twice, e.g. ``continuous/1,continuous/2,continuous/1``).
+``continuous-wide``: the engine with every step over every slot (its narrower steps, when few slots hold rows, off).
 
 Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
 each token ends its row with probability 4 / ``--completion`` (asyncgrpo/tasks/long_tail.py: geometric lengths,
@@ -132,9 +133,13 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     end_p = 4 / a.completion if lengths == "long-tail" else None
     setting, decoding, _, every = decoding, *decoding.partition("/")
+    wide = decoding == "continuous-wide"
+    decoding = "continuous" if wide else decoding
     trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p)
     if every:
         decoder.check_every = int(every)
+    if wide:
+        decoder.reads.widths.clear()
     log(f"{decoding}: warmed up in {warm_s:.1f} s, {compiled_graphs()} graphs compiled in this process")
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
