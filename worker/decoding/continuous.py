@@ -165,7 +165,8 @@ class ContinuousDecoding(SlotJoining, OwnStep):
     def _allocate(self, prompt_tokens: int) -> None:
         self.prompt_part = bucketed(prompt_tokens)
         self.reads = SlotReads(self.slots, self.prompt_part, self.max_new, NARROWER_STEPS.get(self.device.type, 0))
-        self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device)
+        self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device,
+                               self.vocab if self.sampling.repetition_penalty is not None else None)
         self.narrowed: dict[int, tuple[SlotCache, SlotState]] = {}  # by width: the first slots' cache and state
         self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in

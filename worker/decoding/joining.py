@@ -64,7 +64,7 @@ class SlotJoining:
         index, ids, mask, seeds = (t.to(self.device) for t in (torch.tensor(slots), ids, mask, seeds))
         if self.cache is None:
             self._allocated_prefill_cache(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
-        st = self._state_with_seen()
+        st = self.state
         self._reset(st, index, ids, mask, seeds)
         st.prompt.index_copy_(0, index, ids)
         st.last.index_copy_(0, index, first.to(self.device))
@@ -85,7 +85,7 @@ class SlotJoining:
         ids, mask = self._padded_prompts(prompts, width)
         position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's positions
         seeds = torch.tensor([job.seeds[row] for job, row in rows_in], dtype=torch.long)
-        st = self._state_with_seen()
+        st = self.state
         in_slots = torch.tensor(slots + slots[-1:] * (rows - len(joining)))
         args = [t.to(self.device) for t in (ids, mask, position, in_slots, seeds)]
         cache = self.prefill_caches.get((rows, width))
@@ -111,13 +111,6 @@ class SlotJoining:
         for (job, row), slot, step in zip(joining, slots, joined, strict=True):
             job.slots[row], job.joined[row], job.runs[row] = slot, step, [(0, self.version)]
             self.owners[slot] = (job, row)
-
-    def _state_with_seen(self) -> SlotState:
-        """The state, with the tokens each slot's row has seen where a repetition penalty needs them."""
-        if self.sampling.repetition_penalty is not None and self.state.seen is None:
-            self.state.seen = static_buffer(self.slots, self.vocab + 1, dtype=torch.bool, device=self.device)
-            self.narrowed.clear()  # (views of the state without it)
-        return self.state
 
     def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
         """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes

@@ -128,7 +128,7 @@ class SlotReads:
 class SlotState:
     """The engine's device buffers, allocated once (CUDA graphs read and write them in place)."""
 
-    def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device):
+    def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device, seen_vocab: int | None):
         buffer = functools.partial(static_buffer, device=device)
 
         self.mask = buffer(slots, prompt_part + max_new, dtype=torch.bool)  # the columns each slot attends to
@@ -144,7 +144,8 @@ class SlotState:
         self.seed = buffer(slots)
         self.tokens = buffer(slots, max_new + 1)  # the last column takes the writes of rows that ended
         self.logps = buffer(slots, max_new + 1, dtype=torch.float32)
-        self.seen: torch.Tensor | None = None  # with a repetition penalty: [slots, vocab + 1]
+        # The tokens each slot's row has seen, where a repetition penalty needs them: [slots, vocab + 1].
+        self.seen = None if seen_vocab is None else buffer(slots, seen_vocab + 1, dtype=torch.bool)
 
     def narrowed(self, width: int) -> SlotState:
         """The first ``width`` slots' state (``first_rows``)."""
