@@ -92,10 +92,11 @@ def peak_gbs(device: str, given: float | None) -> float:
 
 
 def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path,
-          end_p: float | None = None):
+          end_p: float | None = None, dataset=None):
     """A worker's trainer over ``shape``'s model and its decoder for ``decoding`` (None: eager), warmed up: (trainer,
     decoder, warm-up seconds, weight bytes). Completions run to ``completion`` tokens, or with ``end_p`` end with
-    that probability at every token (asyncgrpo/tasks/long_tail.py: geometric lengths, cut at ``completion``)."""
+    that probability at every token (asyncgrpo/tasks/long_tail.py: geometric lengths, cut at ``completion``).
+    ``dataset``: the prompts (default: the demo task's)."""
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
@@ -124,15 +125,16 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                              "per_device_train_batch_size": batch, "max_completion_length": completion,
                              "generation_kwargs": {} if end_p else {"min_new_tokens": completion}, "disable_tqdm": True,
                              "jobs_per_generate": jobs, "report_to": "none"})
-    trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], build_dataset(n=200))
+    trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], dataset or build_dataset(n=200))
     compiled, warm_s = None, 0.0
     if decoding != "eager":
         dataset = trainer.train_dataset
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
         if decoding == "compiled":
             compiled = CompiledDecoding(trainer, jobs, prompt_ids)
-        elif decoding == "continuous":
-            compiled = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids)
+        elif decoding in ("continuous", "continuous-unshared"):
+            compiled = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids,
+                                          share_prompts=decoding == "continuous")
         else:
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
             mode = "max-autotune" if decoding == "graph-autotune" else None

@@ -17,6 +17,11 @@ each decoder as a worker takes them:
 ``continuous/N``: the engine with the host looking at which rows ended every N steps (CHECK_EVERY of
 worker/decoding/continuous.py; a setting may be named twice, e.g. ``continuous/1,continuous/2,continuous/1``).
 ``continuous-wide``: the engine with every step over every slot (its narrower steps, when few slots hold rows, off).
+``continuous-unshared``: the engine with every row prefilling its prompt (a group's rows copying one prefill, off).
+
+Prompts (``--prompt-tokens``): the demo task's (a few tokens), or ``LOW-HIGH``, prompts of LOW to HIGH tokens (a
+real task's are 128-256), each of the demo's digits ending a random run of digits. A job's rows are 8 generations
+of each of its prompts, as TRL's groups.
 
 Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
 each token ends its row with probability 4 / ``--completion`` (asyncgrpo/tasks/long_tail.py: geometric lengths,
@@ -28,7 +33,8 @@ over row-steps computed: every slot or row of every decoding step, and each pref
 also until the stream's last row joined, "(wait)": a worker in a run, whose queue does not run dry, decodes so until
 the run's end), samples/s and tokens/s over the stream's wall time, job latency p50/p99 (from the start of the
 job's generation, its call or its joining the slots, to its scored result) and the median decoding steps over that
-span (a call's; the engine's from a job's joining to its last row's end); ratios to ``graph``'s on the same
+span (a call's; the engine's from a job's joining to its last row's end), the prompt tokens computed per sample (a
+fixed batch's prefills: its rows by the cache's prompt part); ratios to ``graph``'s on the same
 workload wherever it ran in the order (without ``graph``, to the first setting's). One JSON document on stdout
 (and --out), a table on stderr.
 """
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -64,6 +71,20 @@ def now(device: str) -> float:
     return time.perf_counter()
 
 
+def long_prompts(tokens: str, n: int = 200, seed: int = 0):
+    """A dataset of the demo task's rows whose prompts have ``LOW-HIGH`` tokens: a run of random digits, then the
+    demo's "N:"."""
+    from datasets import Dataset
+
+    low, high = (int(t) for t in tokens.split("-"))
+    rng = random.Random(seed)
+    digits = [i % 10 for i in range(n)]
+    rng.shuffle(digits)
+    prompts = [" ".join(str(rng.randrange(10)) for _ in range(rng.randint(low, high) // 2 - 1)) + f" {d}:"
+               for d in digits]
+    return Dataset.from_dict({"prompt": prompts, "digit": digits})
+
+
 def job_inputs(trainer, count: int, batch: int) -> list:
     from worker.generate import JobInput
 
@@ -79,6 +100,8 @@ def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str)
 
     outcomes, latencies, job_steps, row_steps = [], [], [], 0
     rows_per_call = jobs * len(inputs[0].rows)
+    if decoder is not None:
+        decoder.prompt_tokens = 0  # (each call's prefill: its rows by the cache's prompt part)
     for first in range(0, len(inputs), jobs):
         steps_before = getattr(decoder, "steps_run", 0)
         start = now(device)
@@ -91,6 +114,8 @@ def stream_fixed_batches(trainer, decoder, inputs: list, jobs: int, device: str)
             steps = max(int(o.batch["completion_mask"].sum(dim=1).max()) for o in called)
         row_steps += rows_per_call * steps
         job_steps += [steps] * len(called)
+        if decoder is not None:
+            decoder.prompt_tokens += rows_per_call * getattr(decoder, "prompt_part", 0)
     return outcomes, latencies, job_steps, row_steps, None
 
 
@@ -109,6 +134,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
         return finished.key, outcome, time.perf_counter() - joined[finished.key], finished.steps
 
     row_steps_before, while_jobs_wait = engine.row_steps, None
+    engine.prompt_tokens = 0
     said = time.perf_counter()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
     with ThreadPoolExecutor(1) as scorer, torch.no_grad(), trainer.accelerator.autocast():
@@ -135,7 +161,9 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     setting, decoding, _, every = decoding, *decoding.partition("/")
     wide = decoding == "continuous-wide"
     decoding = "continuous" if wide else decoding
-    trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p)
+    dataset = long_prompts(a.prompt_tokens) if a.prompt_tokens else None
+    trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p,
+                                        dataset=dataset)
     if every:
         decoder.check_every = int(every)
     if wide:
@@ -143,7 +171,7 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     log(f"{decoding}: warmed up in {warm_s:.1f} s, {compiled_graphs()} graphs compiled in this process")
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)
-    if decoding == "continuous":
+    if decoding.startswith("continuous"):
         outcomes, latencies, job_steps, row_steps, while_jobs_wait = stream_continuously(trainer, decoder, inputs,
                                                                                          a.device)
     else:
@@ -166,6 +194,7 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
             "latency_p50_s": round(statistics.median(latencies), 3),
             "latency_p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3),
             "job_steps_p50": statistics.median(job_steps),
+            "prompt_tokens_per_sample": round(decoder.prompt_tokens / len(row_lengths), 1) if decoder else None,
             "warm_up_s": round(warm_s, 1), "recompiles": decoder.recompiles() if decoder is not None else 0}
 
 
@@ -179,11 +208,12 @@ def main() -> None:
     p.add_argument("--stream", type=int, default=16, help="jobs in the stream")
     p.add_argument("--completion", type=int, default=64, help="max_completion_length")
     p.add_argument("--batch", type=int, default=32, help="rows per job (TRL's generation batch)")
+    p.add_argument("--prompt-tokens", default=None, help="LOW-HIGH: prompts of that many tokens (default: the demo's)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     for setting in a.settings.split(","):  # (before any run: a typo found after minutes of runs loses them)
         decoding, _, every = setting.partition("/")
-        if every and (decoding != "continuous" or not every.isdigit() or int(every) < 1):
+        if every and (not decoding.startswith("continuous") or not every.isdigit() or int(every) < 1):
             raise SystemExit(f"long_tail: {setting!r}: only continuous takes /N, a number of steps of at least 1")
     if a.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -205,9 +235,11 @@ def main() -> None:
         row["utilisation_vs_baseline"] = round(row["row_utilisation"] / base["row_utilisation"], 2)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
     doc = {"device": a.device, "device_name": device_name, "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "completion": a.completion, "batch": a.batch, "results": rows}
+           "torch": torch.__version__, "completion": a.completion, "batch": a.batch,
+           "prompt_tokens": a.prompt_tokens or "demo", "results": rows}
     print(f"{'shape':<9} {'lengths':<9} {'decoding':<11} {'util':>5} {'(wait)':>6} {'samples/s':>10} {'vs base':>8} "
-          f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'steps p50':>9} {'mean len':>8} {'warm-up s':>9}",
+          f"{'util vs':>7} {'p50 s':>7} {'p99 s':>7} {'steps p50':>9} {'mean len':>8} {'prompt/smp':>10} "
+          f"{'warm-up s':>9}",
           file=sys.stderr)
     for r in rows:
         print(f"{r['shape']:<9} {r['lengths']:<9} {r['decoding']:<11} {r['row_utilisation']:>5.2f} "
@@ -215,7 +247,7 @@ def main() -> None:
               f"{r['samples_per_s']:>10.1f} {r['samples_per_s_vs_baseline']:>7.2f}x "
               f"{r['utilisation_vs_baseline']:>6.2f}x "
               f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['job_steps_p50']:>9.0f} "
-              f"{r['mean_length']:>8.1f} {r['warm_up_s']:>9.1f}",
+              f"{r['mean_length']:>8.1f} {r['prompt_tokens_per_sample'] or 0:>10.1f} {r['warm_up_s']:>9.1f}",
               file=sys.stderr)
     print_doc(doc, a.out)
 

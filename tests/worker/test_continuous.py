@@ -213,7 +213,8 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     jobs = {i: job_ids(trainer, i) for i in range(4)}
     seeds = {i: 100 + i for i in jobs}
     slots = 2 * trainer.args.generation_batch_size
-    eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+    # (Every row prefilled: with its group's rows copying one prefill, a prefill has at most a job's prompts.)
+    eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False, share_prompts=False)
     eager.check_every = 1  # (a look after every step: a few rows join at a time)
     eager.fed_prompt_tokens = 0  # (every prompt prefilled)
     eager_prefills, eager_steps = spy(monkeypatch, eager, "_prefill"), spy(monkeypatch, eager, "_prefill_step")
@@ -223,7 +224,7 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     assert any(len(rows) & (len(rows) - 1) for (rows, _), _ in eager_prefills)  # (not only powers of two)
     assert any(ids.size(1) < eager.prompt_part for (_, _, ids, *_), _ in eager_steps)
     assert not eager.prefill_caches  # (none kept)
-    engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
+    engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False, share_prompts=False)
     engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
     engine.check_every, engine.fed_prompt_tokens = 1, 0
     prefills = spy(monkeypatch, engine, "_prefill")
@@ -236,6 +237,38 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     assert any(n < size for n, size in joining)  # some padded
     assert sorted(engine.prefill_caches) == [(8, engine.prompt_part), (trainer.args.generation_batch_size,
                                                                        engine.prompt_part)]
+
+
+def test_a_groups_rows_copy_one_prefill_of_its_prompt_and_sample_what_their_own_prefills_give(tmp_path,
+                                                                                               monkeypatch):
+    """A job's G rows of one prompt: one is prefilled, the others copy its keys and values (those joining with it,
+    and those joining later from a slot of the group, their first token from the group's kept logits). Greedy, every
+    job decodes generate's tokens; sampled, with and without a repetition penalty, every job samples the tokens and
+    gets the behaviour log-probs it gets with every row prefilled; and the prompt tokens computed are a G-th."""
+    for settings in (GREEDY, SAMPLING, dict(SAMPLING, repetition_penalty=1.3)):
+        trainer = trainer_for(tmp_path, llama(eos_bias=0.0 if settings is GREEDY else 1.0), **settings)
+        jobs = {i: job_ids(trainer, i) for i in range(4)}
+        seeds = {i: 100 + i for i in jobs}
+        slots = trainer.args.generation_batch_size + 4  # (half a group finds slots beside a job: the rest waits)
+        engines = {}
+        for shares in (True, False):
+            engine = engines[shares] = ContinuousDecoding(trainer, slots, jobs[0], compile=False,
+                                                          share_prompts=shares)
+            engine.check_every, engine.fed_prompt_tokens = 1, 0  # (a few rows join at a time; every prompt prefilled)
+        copies = spy(monkeypatch, engines[True], "_copy_prompts")
+        shared, own = decode_all(engines[True], jobs, seeds), decode_all(engines[False], jobs, seeds)
+        for i, ids in jobs.items():
+            assert shared[i].completion_ids == own[i].completion_ids, f"job {i}"
+            torch.testing.assert_close(shared[i].logps, own[i].logps)
+            if settings is GREEDY:
+                assert shared[i].completion_ids == generated(trainer, ids), f"job {i}"
+        copied = [(job, row) for (joining,), _ in copies for job, row in joining]
+        # Each group's first row prefilled, and the odd row whose group had left the slots when it found one.
+        rows, g = len(jobs) * trainer.args.generation_batch_size, trainer.num_generations
+        assert rows * (g - 2) / g <= len(copied) <= rows * (g - 1) / g
+        # Some rows joined after their group's prefill, from the slot of a row of it that decodes.
+        assert any(job.joined[job.group[row]] < job.joined[row] for job, row in copied)
+        assert engines[True].prompt_tokens * g / 2 <= engines[False].prompt_tokens
 
 
 def test_short_prompts_fed_through_the_steps_sample_what_prefilled_ones_do(tmp_path, monkeypatch):

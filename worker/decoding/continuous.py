@@ -99,10 +99,23 @@ class _Resident:
     ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     added_at: float = field(default_factory=time.monotonic)
     added_step: int = 0
+    # Rows of one prompt (TRL's G generations of it) are a group: row i's is ``group[i]``, its first row's index.
+    group: list[int] = field(init=False)
+    first_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by group: its prefill's last logits
 
     def __post_init__(self):
         rows = len(self.prompt_ids)
         self.slots, self.joined, self.runs = [None] * rows, [None] * rows, [[] for _ in range(rows)]
+        firsts: dict[tuple[int, ...], int] = {}
+        self.group = [firsts.setdefault(tuple(ids), row) for row, ids in enumerate(self.prompt_ids)]
+
+    def seated_sibling(self, row: int) -> int | None:
+        """The slot of a row of ``row``'s group that holds its prompt's keys and values (it is in a slot, its
+        group's first logits kept), or None."""
+        if self.group[row] not in self.first_logits:
+            return None
+        return next((slot for r, slot in enumerate(self.slots)
+                     if slot is not None and self.group[r] == self.group[row]), None)
 
 
 class ContinuousDecoding(SlotJoining, OwnStep):
@@ -114,8 +127,12 @@ class ContinuousDecoding(SlotJoining, OwnStep):
     WARM_UP_CALLS = 2  # of each prefill size after the first (compiled: compiles, then records its CUDA graph)
 
     def __init__(self, trainer, slots: int, prompt_ids: list[list[int]], compile: bool = True,
-                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True):
+                 compile_prefill: bool | None = None, compile_mode: str | None = None, fuse: bool = True,
+                 share_prompts: bool = True):
+        """``share_prompts``: a group's rows join by copying the keys and values of its prompt's one prefill (False:
+        each row prefills its prompt, for comparison)."""
         self.trainer = trainer
+        self.share_prompts = share_prompts
         self.rows_per_job = trainer.args.generation_batch_size
         if slots < self.rows_per_job:
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
@@ -128,8 +145,9 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         self.free: list[int] = list(range(slots))
         self.waiting: list[tuple[_Resident, int]] = []  # rows waiting for a slot: (job, row), in the order they came
         self.steps = 0  # decoding steps run, over every slot
-        self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows
+        self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows and each row copying one
         self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
+        self.prompt_tokens = 0  # prompt tokens computed: each prefill's rows x columns, and fed prompts' tokens
         self.version: int | None = None  # the weights the model holds
         self.graphs_after_warm_up: int | None = None
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
@@ -385,7 +403,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                 step, cache, state = self._step_over(width)
                 for _ in range(self.WARM_UP_CALLS + 1):
                     step(cache, state, plan)
-        self.steps = self.row_steps = self.kept_tokens = 0
+        self.steps = self.row_steps = self.kept_tokens = self.prompt_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start
 

@@ -38,20 +38,30 @@ class SlotJoining:
 
     def _admit(self) -> None:
         """Waiting rows into free slots: those whose prompts are fed through the steps (up to
-        ``fed_prompt_tokens``), and the others up to a job's rows a prefill (compiled, padded up to one of
-        ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining)."""
+        ``fed_prompt_tokens``); those whose group's prompt is in a slot already, by a copy of its keys and values;
+        and the others, one row of each group prefilled (up to a job's rows a prefill; compiled, padded up to one of
+        ``prefill_sizes``: a cache and a graph each, whatever the number of rows joining), its group's other
+        joining rows copying its prompt."""
         while self.waiting and self.free:
             n = min(len(self.waiting), len(self.free), self.rows_per_job)
             joining, self.waiting = self.waiting[:n], self.waiting[n:]
-            fed, prefilled = [], []
+            fed, prefilled, copied = [], [], []
             for job, row in joining:
-                (fed if len(job.prompt_ids[row]) <= self.fed_prompt_tokens else prefilled).append((job, row))
+                if len(job.prompt_ids[row]) <= self.fed_prompt_tokens:
+                    fed.append((job, row))
+                elif self.share_prompts and (job.seated_sibling(row) is not None or any(
+                        j is job and j.group[r] == job.group[row] for j, r in prefilled)):
+                    copied.append((job, row))
+                else:
+                    prefilled.append((job, row))
             if fed:
                 self._feed(fed)
             if prefilled:
                 n = len(prefilled)
                 self._prefill(prefilled, next(size for size in self.prefill_sizes if size >= n)
                               if self.pads_prefills else n)
+            if copied:
+                self._copy_prompts(copied)
 
     def _feed(self, joining: list[tuple]) -> None:
         """``joining`` ((job, row) pairs) into free slots, their prompts fed through the next steps a token a step (on
@@ -70,6 +80,7 @@ class SlotJoining:
         st.last.index_copy_(0, index, first.to(self.device))
         st.count.index_copy_(0, index, (1 - lengths).to(self.device))
         st.position.index_fill_(0, index, 0)
+        self.prompt_tokens += int(lengths.sum())
         # Its token 0 is sampled by step steps + length - 1, token 1 by the one after.
         self._seated(joining, slots, [self.steps + length for length in lengths.tolist()])
 
@@ -91,7 +102,7 @@ class SlotJoining:
         cache = self.prefill_caches.get((rows, width))
         if cache is not None:
             cache.reset()
-            self._compiled_prefill(cache, st, *args)
+            logits = self._compiled_prefill(cache, st, *args)
         else:
             # transformers allocates a static cache's tensors at their first write and marks their addresses static
             # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
@@ -102,9 +113,39 @@ class SlotJoining:
                 cache = StaticCache(config=self.model.config, max_cache_len=width)
             if self.pads_prefills:
                 self.prefill_caches[rows, width] = cache
-            self._prefill_step(cache, st, *args)
+            logits = self._prefill_step(cache, st, *args)
         self.row_steps += rows
+        self.prompt_tokens += rows * width
+        if self.share_prompts:  # (cloned: a CUDA graph's output is overwritten by its next replay)
+            for i, (job, row) in enumerate(joining):
+                job.first_logits[job.group[row]] = logits[i].clone()
         self._seated(joining, slots, [self.steps] * len(joining))  # (token 1 by the first step after the prefill)
+
+    def _copy_prompts(self, joining: list[tuple]) -> None:
+        """``joining`` ((job, row) pairs) into free slots, each a copy of a slot of its group that holds its prompt
+        (its keys, values and mask over the prompt part; the position after it), its first token chosen from its
+        group's first logits with its own draws: the tokens and log-probs of a prefill of its own."""
+        slots, self.free = self.free[:len(joining)], self.free[len(joining):]
+        origins = [job.seated_sibling(row) for job, row in joining]
+        prompts = [job.prompt_ids[row] for job, row in joining]
+        ids, mask = self._padded_prompts(prompts)
+        seeds = torch.tensor([job.seeds[row] for job, row in joining], dtype=torch.long)
+        index, origin, ids, mask, seeds = (t.to(self.device) for t in (torch.tensor(slots), torch.tensor(origins),
+                                                                        ids, mask, seeds))
+        part = self.prompt_part
+        for buffer in (*self.cache.keys, *self.cache.values):  # [slots, heads, columns, dim]
+            prompt = buffer.narrow(2, 0, part)
+            prompt.index_copy_(0, index, prompt.index_select(0, origin))
+        st = self.state
+        self._reset(st, index, ids, mask, seeds)
+        prompt_mask = st.mask.narrow(1, 0, part)
+        prompt_mask.index_copy_(0, index, prompt_mask.index_select(0, origin))
+        st.count.index_fill_(0, index, 0)
+        st.position.index_copy_(0, index, torch.tensor([len(p) for p in prompts], device=self.device))
+        logits = torch.stack([job.first_logits[job.group[row]] for job, row in joining])
+        self._choose(logits, st, index)
+        self.row_steps += len(joining)  # (a row's first token sampled, without a forward)
+        self._seated(joining, slots, [self.steps] * len(joining))
 
     def _seated(self, joining: list[tuple], slots: list[int], joined: list[int]) -> None:
         """``joining`` now decode in ``slots``, each row's token 1 sampled by the step of ``joined``."""
@@ -161,7 +202,8 @@ class SlotJoining:
 
     # ------------------------------------------------------------------ inside the prefill's graph
 
-    def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds) -> None:
+    def _prefill_step(self, cache: StaticCache, st: SlotState, ids, mask, position, slots, seeds
+                      ) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
                          logits_to_keep=1)
         # The prompt ends at the prompt part's end, where the row's first token goes.
@@ -174,7 +216,9 @@ class SlotJoining:
         st.mask.index_put_((slots[:, None], columns[None, :]), mask.bool())
         st.count.index_fill_(0, slots, 0)
         st.position.index_copy_(0, slots, position[:, -1] + 1)  # the first token's, fed to the next step
-        self._choose(out.logits[:, -1, :].float(), st, slots)
+        logits = out.logits[:, -1, :].float()
+        self._choose(logits, st, slots)
+        return logits
 
     def _reset(self, st: SlotState, slots, ids, mask, seeds) -> None:
         """The state of ``slots``, which rows of prompts ``ids`` join (left-padded, ``mask``), for their first step."""
