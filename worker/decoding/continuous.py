@@ -49,7 +49,7 @@ from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
 from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
-from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState
+from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState, first_columns
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill of the rows
@@ -138,7 +138,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
         self.slots = self.rows_per_call = slots
         self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
-        self._compiled_narrower_step = self._compiled(self._narrower_step, dynamic=None)  # (rows: a variable)
+        self._compiled_sized_step = self._compiled(self._sized_step, dynamic=None)  # (rows, columns: variables)
         self.check_every = CHECK_EVERY.get(self.device.type, 8)
         self.residents: list[_Resident] = []
         self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
@@ -186,6 +186,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device,
                                self.vocab if self.sampling.repetition_penalty is not None else None)
         self.narrowed: dict[int, tuple[SlotCache, SlotState]] = {}  # by width: the first slots' cache and state
+        self.mask_reads: dict[tuple[int, int], torch.Tensor] = {}  # by width and columns: their mask's first columns
         self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
         self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
 
@@ -202,18 +203,21 @@ class ContinuousDecoding(SlotJoining, OwnStep):
 
     # ------------------------------------------------------------------ inside the graphs
 
-    def _narrower_step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
-        """``_step`` over the first slots (a function of its own: torch.compile keeps its graphs apart)."""
-        self._step(cache, st, plan)
+    def _sized_step(self, cache: SlotCache, st: SlotState, reads: torch.Tensor) -> None:
+        """``_step`` over views of the first slots, every slot attending to the columns of ``reads`` (a function of
+        its own: torch.compile keeps its graphs apart)."""
+        self._step(cache, st, reads)
 
-    def _step(self, cache: SlotCache, st: SlotState, plan: Plan) -> None:
+    def _step(self, cache: SlotCache, st: SlotState, plan: Plan | torch.Tensor) -> None:
         """One token per slot, each range of slots attending to the cache's first columns as ``plan`` says (Python
-        ints: a graph each)."""
+        ints: a graph each); or every slot to as many as ``plan``, a view of the mask's first columns, has (its
+        width and its rows variables of one graph)."""
         # A row's token i - 1 (fed now, i sampled) goes into column prompt part + i - 1.
         st.column.copy_(st.count + (self.prompt_part - 1))
         st.mask.index_put_((cache.slots, st.column), torch.ones_like(st.active))  # (a slot attends to its token)
-        out = self.model(input_ids=st.last[:, None], attention_mask=st.mask[:, None, None, :],
-                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=plan)
+        mask, columns = (plan, plan.size(1)) if isinstance(plan, torch.Tensor) else (st.mask, plan)
+        out = self.model(input_ids=st.last[:, None], attention_mask=mask[:, None, None, :],
+                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=columns)
         self._choose(out.logits[:, -1, :].float(), st, None)
 
     def _choose(self, logits: torch.Tensor, st: SlotState, slots: torch.Tensor | None) -> None:
@@ -280,21 +284,25 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         width, plan, moves = self.reads.plan(reach)
         if moves:
             self._move(moves)
-        step, cache, state = self._step_over(width)
+        step, *inputs = self._step_over(width, plan)
         for _ in range(steps):
-            step(cache, state, plan)
+            step(*inputs)
         self.steps += steps
         self.row_steps += steps * width
 
-    def _step_over(self, width: int) -> tuple[object, SlotCache, SlotState]:
-        """The compiled step over the first ``width`` slots, and the cache and state it reads (narrower: views, made
-        once, a graph's inputs)."""
-        if width == self.slots:
-            return self._compiled_step, self.cache, self.state
+    def _step_over(self, width: int, plan: Plan) -> tuple:
+        """The compiled step over the first ``width`` slots by ``plan``, and the cache, state and plan it takes: by
+        ranges of slots, the whole cache and state; every slot reading the same columns, views of the first slots
+        and of the mask's first columns (made once: a graph's inputs), whose numbers are variables of one graph."""
+        if isinstance(plan, tuple):
+            return self._compiled_step, self.cache, self.state, plan
         if width not in self.narrowed:
             state = self.state.narrowed(width)
             self.narrowed[width] = (self.cache.narrowed(state.column), state)
-        return self._compiled_narrower_step, *self.narrowed[width]
+        cache, state = self.narrowed[width]
+        if (width, plan) not in self.mask_reads:
+            self.mask_reads[width, plan] = first_columns(state.mask, plan)
+        return self._compiled_sized_step, cache, state, self.mask_reads[width, plan]
 
     def collect(self) -> list[FinishedJob]:
         """Frees the slots of the rows that have ended (their tokens copied out) and returns the jobs whose rows have
@@ -385,24 +393,27 @@ class ContinuousDecoding(SlotJoining, OwnStep):
 
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
-        other, then, with the prefill compiled, WARM_UP_CALLS prefills of each other size, their rows dropped, and
-        WARM_UP_CALLS + 1 of each step (``SlotReads.steps``, with no row in the slots). Returns the seconds it took."""
+        other, each dropped after a look's steps (decoding them to their ends would cost a stream's tail: a tenth
+        of a warm start at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS prefills of each
+        other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``, with no row in the
+        slots). Returns the seconds it took."""
         start = time.monotonic()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
             for i in range(self.WARM_UP_JOBS):
                 self.add(("warm-up", i), rows, job_seed=i)
-                while not self.collect():
-                    self.run(self.check_every)
+                self.run(self.check_every)
+                job = self.residents.pop()
+                self._drop(job)
             for size in self.prefill_sizes if self.prefill_compiled else []:
                 for _ in range(self.WARM_UP_CALLS + ((size, self.prompt_part) not in self.prefill_caches)):
                     job = _Resident(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
             for width, plan in self.reads.steps:
-                step, cache, state = self._step_over(width)
+                step, *inputs = self._step_over(width, plan)
                 for _ in range(self.WARM_UP_CALLS + 1):
-                    step(cache, state, plan)
+                    step(*inputs)
         self.steps = self.row_steps = self.kept_tokens = self.prompt_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         return time.monotonic() - start

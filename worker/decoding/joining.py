@@ -22,7 +22,7 @@ import torch
 from transformers import StaticCache
 
 from worker.decoding.graph import static_buffer
-from worker.decoding.slot_cache import SlotCache, SlotState
+from worker.decoding.slot_cache import SPARE_COLUMNS, SlotCache, SlotState
 
 # Eager (on a CPU), a prefill call costs about a quarter of a step of 128 slots whatever its rows, mostly transformers'
 # Python, for the one to three rows that join at once: a prompt of up to this many tokens costs fewer row-steps fed
@@ -164,7 +164,7 @@ class SlotJoining:
             keys, values = [], []
             for layer in cache.layers:
                 for kind, into in ((layer.keys, keys), (layer.values, values)):
-                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size, kind.size(3),
+                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size + SPARE_COLUMNS, kind.size(3),
                                               dtype=kind.dtype, device=self.device))
             self.cache = SlotCache(keys, values, self.state.column)
         return cache

@@ -32,6 +32,10 @@ from worker.decoding.graph import static_buffer
 # A plan of reads: (slots, columns) for consecutive ranges of slots, from the first; or columns for every slot.
 Plan = tuple[tuple[int, int], ...] | int
 
+# Columns of the cache and the mask past any step's reads: a view of their first columns is then never the whole
+# buffer, a contiguous tensor, which a graph whose number of columns is a variable would specialise on.
+SPARE_COLUMNS = 1
+
 # The fewest rows a narrower step computes (below it, a step costs about as much whatever its rows).
 NARROWEST_STEP = 8
 
@@ -131,7 +135,8 @@ class SlotState:
     def __init__(self, slots: int, prompt_part: int, max_new: int, device: torch.device, seen_vocab: int | None):
         buffer = functools.partial(static_buffer, device=device)
 
-        self.mask = buffer(slots, prompt_part + max_new, dtype=torch.bool)  # the columns each slot attends to
+        # The columns each slot attends to (SPARE_COLUMNS more than any step reads).
+        self.mask = buffer(slots, prompt_part + max_new + SPARE_COLUMNS, dtype=torch.bool)
         self.column = buffer(slots)  # the column the next step writes, each slot its own
         self.last = buffer(slots)  # the token each slot feeds to the next step
         self.position = buffer(slots)  # its position (RoPE)
@@ -152,6 +157,16 @@ class SlotState:
         narrow = object.__new__(SlotState)
         narrow.__dict__.update({name: None if t is None else first_rows(t, width) for name, t in vars(self).items()})
         return narrow
+
+
+def first_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """``t``'s first columns (dimension 1), a view whose numbers of rows and columns are variables of the graph that
+    reads it (one graph for every number of columns: the steps whose slots all read the same columns)."""
+    view = t[:, :columns]
+    torch._dynamo.mark_static_address(view)
+    torch._dynamo.mark_dynamic(view, 0)
+    torch._dynamo.mark_dynamic(view, 1)
+    return view
 
 
 def first_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
