@@ -6,10 +6,16 @@
 #
 #   1. engine_gpu        the gpu test of continuous batching (CUDA graphs; log-probs within bf16 of TRL's)
 #   2. long_tail_05b      continuous batching, then the fixed-batch step, at Qwen2.5-0.5B's shape, 4 jobs' rows
-#                         (128), a stream of 16 jobs, completions capped at 512, long-tail lengths
+#                         (128), a stream of 16 jobs, completions capped at 512, long-tail lengths; then the
+#                         decision for --worker_decoding auto on this GPU (auto_decision.txt: continuous where its
+#                         samples/s are at least graph's and its job latency p50 no worse)
 #   3. fixed_05b          the same with fixed lengths (a process of its own: inductor's cache of the first's graphs)
-#   4. long_tail_05b_32   long-tail lengths with one job's rows (32)
-#   4. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
+#   4. warm_up_05b        the engine's warm-up at 0.5B's shape, cap 512, in a fresh process, cold then warm
+#                         (bench/warm_up.py)
+#   5. long_prompts_05b   long-tail lengths with prompts of 128-256 tokens: a group's rows copying one prefill
+#                         against every row prefilled (continuous-unshared)
+#   6. long_tail_05b_32   long-tail lengths with one job's rows (32)
+#   7. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
 #   5. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
 #                         (graph-wholecache), then over the written columns only (graph)
 #   6. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
@@ -29,6 +35,8 @@
 # `grep -c "Re-recording\|Running eager" OUT/long_tail_05b.log`).
 # GPU_DECODING_PARTS="engine_gpu long_tail_05b" runs only the parts named (a device's time can take two calls).
 #
+# Parts 1 and 2 (the engine's tests, its long-tail figures against the fixed batch, and the decision for auto) fit
+# in 8 minutes with the installs and warm-ups, if graph's warm-up is still the 131 s of 2026-11-28.
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
 # (default a /tmp folder) as it goes, so a part cut short still leaves the others' figures. Needs what
 # scripts/gpu_check.sh needs (the wheels of .whl/ are installed the same way, into /tmp/site).
@@ -70,10 +78,24 @@ command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
 part engine_gpu 100 "$PY" -m pytest -v -rs -p no:cacheprovider -m gpu --durations=3 tests/worker/test_continuous.py
-part long_tail_05b 420 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
-    --lengths long-tail --jobs 4 --stream 16 --completion 512
+part long_tail_05b 330 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
+    --lengths long-tail --jobs 4 --stream 16 --completion 512 --out "$OUT/long_tail_05b.json"
+if [ -s "$OUT/long_tail_05b.json" ]; then
+    "$PY" - "$OUT/long_tail_05b.json" <<'EOF' | tee "$OUT/auto_decision.txt"
+import json, sys
+rows = {r["decoding"]: r for r in json.load(open(sys.argv[1]))["results"]}
+engine, graph = rows["continuous"], rows["graph"]
+wins = engine["samples_per_s"] >= graph["samples_per_s"] and engine["latency_p50_s"] <= graph["latency_p50_s"]
+print(f"[gpu_decoding] auto on this GPU: {'continuous' if wins else 'graph'} (long tail at 0.5B: continuous "
+      f"{engine['samples_per_s']} samples/s, p50 {engine['latency_p50_s']} s, warm-up {engine['warm_up_s']} s; "
+      f"graph {graph['samples_per_s']}, p50 {graph['latency_p50_s']} s, warm-up {graph['warm_up_s']} s)")
+EOF
+fi
 part fixed_05b 300 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths fixed --jobs 4 --stream 16 --completion 512
+part warm_up_05b 240 "$PY" bench/warm_up.py --shape qwen0.5b --completion 512 --device cuda
+part long_prompts_05b 300 "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,continuous-unshared \
+    --lengths long-tail --jobs 4 --stream 16 --completion 512 --prompt-tokens 128-256
 part long_tail_05b_32 300 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths long-tail --jobs 1 --stream 16 --completion 512
 part pytest 100 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu --durations=5 tests/worker --ignore tests/worker/test_continuous.py \

@@ -32,7 +32,8 @@ from asyncgrpo.jobqueue import ClaimedJob, JobQueue, QueueWatcher
 from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.run import RunDir, WorkerPresence
 from worker.deadline import ACTIVITY
-from worker.decoding.continuous import ContinuousDecoding, FinishedJob
+from worker.decoding.continuous import ContinuousDecoding
+from worker.decoding.sequence import FinishedJob
 from worker.generate import JOB_FAILURES, JobInput, job_seed, prompt_ids_of, score_generated
 from worker.results import Timing, fail, publish
 

@@ -31,6 +31,7 @@ from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, re
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding.attention import PACKED_SDPA, column_buckets, sdpa_gqa_packed
 from worker.decoding.compiled import CompiledDecoding
+from worker.decoding.eager import EagerDecoding
 from worker.decoding.graph import DONE_CHECK_EVERY, GraphDecoding, Sampling, sample
 from worker.generate import build_trainer, generate_jobs
 
@@ -319,11 +320,19 @@ def test_supported_settings_get_the_step(tmp_path, monkeypatch):
     assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), GraphDecoding)
 
 
-def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu():
-    from worker.decoding.build import resolve_mode
+def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu(tmp_path, caplog):
+    """And a worker says in one line why it does not decode with continuous batching."""
+    from worker.decoding.build import AUTO_NOT_CONTINUOUS, build_decoder, resolve_mode
 
     assert resolve_mode("auto", "cuda") == "graph"
     assert resolve_mode("auto", "cpu") == "eager"
+    trainer = trainer_for(tmp_path)
+    assert trainer.args.worker_decoding == "auto"
+    with caplog.at_level("INFO", logger="asyncgrpo.worker"):
+        assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), EagerDecoding)
+    said = [r.getMessage() for r in caplog.records if "not continuous batching" in r.getMessage()]
+    assert said == [f"[gen] dev1 decodes with TRL's generate (--worker_decoding auto), not continuous batching "
+                    f"(--worker_decoding continuous): {AUTO_NOT_CONTINUOUS['cpu']}"]
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -89,6 +89,17 @@ def test_each_jobs_greedy_tokens_are_those_generate_gives_it_alone(greedy):
     assert min(lengths) < max(lengths) == trainer.max_completion_length  # an EOS in the middle, and rows at the cap
 
 
+@pytest.mark.parametrize("greedy", [pytest.param("continuous", marks=pytest.mark.process)], indirect=True)
+def test_the_engines_steps_are_two_graphs_whatever_columns_and_rows_they_compute(greedy):
+    """On a CPU (eager prefills): one graph for the ranges of slots reading their own columns, one for every step
+    whose slots all read the same columns, whatever their number (each bucket) and rows (each narrower width)."""
+    _, _, decoder, _ = greedy
+    steps = decoder.reads.steps
+    assert len({plan for _, plan in steps if not isinstance(plan, tuple)}) > 1  # buckets of columns,
+    assert len({width for width, _ in steps}) > 1 and any(isinstance(plan, tuple) for _, plan in steps)  # widths
+    assert decoder.warm_up_graphs == 2
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph", "continuous"])
 def test_a_repetition_penalty_and_min_new_tokens_are_applied_as_generate_applies_them(tmp_path, mode):
     # (The own step run eagerly: the math is that of its compiled function. Compiled generate is transformers'.)

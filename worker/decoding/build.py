@@ -21,9 +21,18 @@ from worker.trl_seam import TOKENIZE_PROMPTS, GenerationPath, generation_path
 log = logging.getLogger("asyncgrpo.worker")
 
 
+# Why ``auto`` does not pick continuous batching yet, by device type (said once at a worker's start).
+AUTO_NOT_CONTINUOUS = {
+    "cpu": "on a CPU its compilation at a worker's first start (about 50 s at a 4-layer model's shape, cold, "
+           "several workers compiling at once) costs more than a short run's decoding saves: the demo's trainer "
+           "sets its pace",
+    "cuda": "its figures on a GPU are not measured yet",
+}
+
+
 def resolve_mode(mode: str, device_type: str) -> str:
-    """``auto``: graph on CUDA, eager on CPU. On the 2-core CPU machine (docs/performance.md) compiling costs 10-35 s
-    per batch shape at every worker start, more than a short run's decoding saves."""
+    """``auto``: graph on CUDA, eager on CPU. On the 2-core CPU machine (docs/performance.md) compiling costs tens of
+    seconds at a worker's first start, more than a short run's decoding saves."""
     if mode == "auto":
         return "graph" if device_type == "cuda" else "eager"
     return mode
@@ -34,6 +43,10 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: Event
     claim. Where a mode does not apply it falls back, saying why in one line: continuous to graph, graph to
     compiled, any to eager (turns, TRL's engine, a compilation that fails)."""
     mode = resolve_mode(cfg.worker_decoding, cfg.device_type)
+    if cfg.worker_decoding == "auto":
+        log.info("[gen] dev%s decodes with %s (--worker_decoding auto), not continuous batching (--worker_decoding "
+                 "continuous): %s", device, "TRL's generate" if mode == "eager" else f"its {mode} decoder",
+                 AUTO_NOT_CONTINUOUS.get(cfg.device_type, AUTO_NOT_CONTINUOUS["cuda"]))
     if mode == "eager":
         return EagerDecoding(trainer)
     if (path := generation_path(trainer)) is not GenerationPath.OWN:  # turns of varying batch and length

@@ -13,12 +13,12 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
 - each slot has its own columns of the KV cache, as a fixed batch's row (worker/decoding/slot_cache.py): a row's
   prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
   slot's own columns through its row of a mask. Ranges of slots read their own number of columns, rows moving to
-  a range that reads more as they grow, or every slot reads the same bucket (``SlotReads``: a graph each); with few
-  rows in the slots (on a CPU), a step computes only the first half, quarter or eighth of the slots, the rows moving
-  into them (one graph more, its number of rows a variable);
-- a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, or, with
-  the prefill eager (a CPU's), a short prompt is fed through its slot's next steps a token a step
-  (worker/decoding/joining.py);
+  a range that reads more as they grow (one graph), or every slot reads the same bucket (``SlotReads``; one graph,
+  its number of columns a variable); with few rows in the slots (on a CPU), a step computes only the first half,
+  quarter or eighth of the slots, the rows moving into them (the buckets' graph, its number of rows a variable);
+- a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, once for
+  the rows of its group (the others copy its columns), or, with the prefill eager (a CPU's), a short prompt is fed
+  through its slot's next steps a token a step (worker/decoding/joining.py);
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import StaticCache
 
-from asyncgrpo.jobqueue.handoff import oldest_version
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled import bucketed
@@ -49,6 +47,7 @@ from worker.decoding.compiled_step import compiled_graphs
 from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
 from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
+from worker.decoding.sequence import FinishedJob, Sequence
 from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState, first_columns
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
@@ -63,60 +62,6 @@ CHECK_EVERY = {"cuda": 8, "cpu": 2}
 # 128 rows, 9.5 at 64, 4.3 at 32, 2.6 at 16). On a GPU a step of a small model is bound by its kernels' launches,
 # hardly by its rows, and the narrower steps would be graphs to record (CUDA graphs take no variable shape).
 NARROWER_STEPS = {"cuda": 0, "cpu": 3}
-
-@dataclass
-class FinishedJob:
-    """A job whose rows have all ended: TRL's ``_generate_single_turn`` output for its prompts (completion ids cut
-    after the first EOS), the tokens and behaviour log-probs [rows, tokens] on the CPU, and each row's runs of the
-    versions that sampled them."""
-
-    key: object
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    tokens: torch.Tensor
-    logps: torch.Tensor
-    token_versions: list[list[tuple[int, int]]]
-    decode_s: float  # from its ``add`` to its last row's end
-    steps: int  # the engine's decoding steps over the same span
-
-    @property
-    def weights_version(self) -> int:
-        return oldest_version(self.token_versions)
-
-
-@dataclass
-class _Resident:
-    """A job in the engine. Row i decodes in slot ``slots[i]`` (None while it waits for one, and once it ended)
-    from engine step ``joined[i]``, sampled by the versions of ``runs[i]``; the rows that ended are copied out:
-    {row: (tokens, log-probs)}."""
-
-    key: object
-    prompt_ids: list[list[int]]
-    seeds: list[int]
-    slots: list[int | None] = field(init=False)
-    joined: list[int | None] = field(init=False)
-    runs: list[list[tuple[int, int]]] = field(init=False)
-    ended: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    added_at: float = field(default_factory=time.monotonic)
-    added_step: int = 0
-    # Rows of one prompt (TRL's G generations of it) are a group: row i's is ``group[i]``, its first row's index.
-    group: list[int] = field(init=False)
-    first_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by group: its prefill's last logits
-
-    def __post_init__(self):
-        rows = len(self.prompt_ids)
-        self.slots, self.joined, self.runs = [None] * rows, [None] * rows, [[] for _ in range(rows)]
-        firsts: dict[tuple[int, ...], int] = {}
-        self.group = [firsts.setdefault(tuple(ids), row) for row, ids in enumerate(self.prompt_ids)]
-
-    def seated_sibling(self, row: int) -> int | None:
-        """The slot of a row of ``row``'s group that holds its prompt's keys and values (it is in a slot, its
-        group's first logits kept), or None."""
-        if self.group[row] not in self.first_logits:
-            return None
-        return next((slot for r, slot in enumerate(self.slots)
-                     if slot is not None and self.group[r] == self.group[row]), None)
-
 
 class ContinuousDecoding(SlotJoining, OwnStep):
     """The engine (see the module's docstring). ``add`` a job's rows, ``run`` steps, ``collect`` finished jobs."""
@@ -140,16 +85,17 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
         self._compiled_sized_step = self._compiled(self._sized_step, dynamic=None)  # (rows, columns: variables)
         self.check_every = CHECK_EVERY.get(self.device.type, 8)
-        self.residents: list[_Resident] = []
-        self.owners: dict[int, tuple[_Resident, int]] = {}  # slot: the job and row it decodes
+        self.residents: list[Sequence] = []
+        self.owners: dict[int, tuple[Sequence, int]] = {}  # slot: the job and row it decodes
         self.free: list[int] = list(range(slots))
-        self.waiting: list[tuple[_Resident, int]] = []  # rows waiting for a slot: (job, row), in the order they came
+        self.waiting: list[tuple[Sequence, int]] = []  # rows waiting for a slot: (job, row), in the order they came
         self.steps = 0  # decoding steps run, over every slot
         self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows and each row copying one
         self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
         self.prompt_tokens = 0  # prompt tokens computed: each prefill's rows x columns, and fed prompts' tokens
         self.version: int | None = None  # the weights the model holds
         self.graphs_after_warm_up: int | None = None
+        self.warm_up_graphs = 0  # graphs its warm-up compiled
         self._allocate(max((len(ids) for ids in prompt_ids), default=1))
         self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
         # Compiled, a prefill's rows are padded up to one of prefill_sizes and its columns to the prompt part (a shape,
@@ -268,7 +214,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         rows = len(prompt_ids)
         if rows != self.rows_per_job:
             raise ValueError(f"a job of {rows} rows for an engine of {self.rows_per_job}-row jobs")
-        job = _Resident(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
+        job = Sequence(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
                         added_step=self.steps)
         self.residents.append(job)
         self.waiting += [(job, row) for row in range(rows)]
@@ -397,7 +343,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         of a warm start at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS prefills of each
         other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``, with no row in the
         slots). Returns the seconds it took."""
-        start = time.monotonic()
+        start, graphs_before = time.monotonic(), compiled_graphs()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
             for i in range(self.WARM_UP_JOBS):
@@ -407,7 +353,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                 self._drop(job)
             for size in self.prefill_sizes if self.prefill_compiled else []:
                 for _ in range(self.WARM_UP_CALLS + ((size, self.prompt_part) not in self.prefill_caches)):
-                    job = _Resident(("warm-up", size), rows[:size], [0] * size)
+                    job = Sequence(("warm-up", size), rows[:size], [0] * size)
                     self._prefill([(job, row) for row in range(size)], size)
                     self._drop(job)
             for width, plan in self.reads.steps:
@@ -416,6 +362,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
                     step(*inputs)
         self.steps = self.row_steps = self.kept_tokens = self.prompt_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
+        self.warm_up_graphs = self.graphs_after_warm_up - graphs_before  # (its own: other decoders' are compiled)
         return time.monotonic() - start
 
     def recompiles(self) -> int:

@@ -1,6 +1,6 @@
-"""How rows join the continuous engine's free slots (worker/decoding/continuous.py, whose part this is), prefilled
-or, with the prefill eager, a short prompt fed through the slot's next steps; and how slots are freed and rows
-moved between them.
+"""How rows join the continuous engine's free slots (worker/decoding/continuous.py, whose part this is): prefilled, a
+copy of a prefill of their prompt, or, with the prefill eager, a short prompt fed through the slot's next steps; and
+how slots are freed and rows moved between them.
 
 - A prefill runs the joining rows (prompts padded on the left, as TRL pads them) over a cache of their own, then
   writes their keys and values into their slots' prompt columns (the prompt ends at the prompt part's end) and
@@ -10,6 +10,10 @@ moved between them.
   (tens of seconds at 0.5B's shape), so there are two, PREFILL_FEW_ROWS and a job's rows by the prompt part, the
   joining rows padded up to the smaller that holds them by repeating the last (the same inputs, written to the same
   slot: the same values).
+- A job's rows of one prompt (a group: TRL's G generations of it) share one prefill: the first of them to join is
+  prefilled, and the others copy its slot's prompt columns (keys, values, mask) into theirs, their first tokens
+  sampled from its prefill's last logits (kept while the job is in the engine) with their own draws. A row whose
+  group has no row left in a slot is prefilled again.
 - With the prefill eager, a row whose prompt is short (FED_PROMPT_TOKENS) joins without one: its prompt's tokens go
   through its slot's next steps, a token a step (the slot's count runs from minus the tokens still to feed), nothing
   sampled until the step that reads its last token samples its first, with the draws and the behaviour log-prob its
