@@ -100,10 +100,10 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
-    from worker.decoding.attention import ATTENTION_BUCKETS
     from worker.decoding.compiled import CompiledDecoding
     from worker.decoding.continuous import ContinuousDecoding
     from worker.decoding.graph import GraphDecoding
+    from worker.decoding.shapes import ATTENTION_BUCKETS
     from worker.generate import build_trainer
 
     tok = build_tokenizer()
@@ -256,9 +256,9 @@ def main() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     shapes = (a.shapes or ("demo,larger" if a.device == "cpu" else ",".join(SHAPES))).split(",")
     a.peak_gbs = peak_gbs(a.device, a.peak_gbs)
-    from worker.decoding import graph
+    from worker.decoding import step
 
-    vocab_chunks = graph.VOCAB_CHUNKS
+    vocab_chunks = step.VOCAB_CHUNKS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
@@ -266,7 +266,7 @@ def main() -> None:
                 for jobs in (int(k) for k in a.jobs.split(",")):
                     log(f"{shape} {decoding} jobs_per_call={jobs}")
                     # (a module constant the step reads while compiling, and is guarded on after)
-                    graph.VOCAB_CHUNKS = 1 if decoding == "graph-nolevers" else vocab_chunks
+                    step.VOCAB_CHUNKS = 1 if decoding == "graph-nolevers" else vocab_chunks
                     rows.append(measure(shape, a.device, jobs, decoding, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
     for row in rows:  # ratios to the first setting of the shape with one job a call (eager by default), else its first

@@ -115,3 +115,25 @@ def test_each_layer_imports_only_the_layers_below(graph, layer, forbidden):
     crossing = sorted(f"{m} imports {dep}" for m, deps in graph.items() if under(m, layer)
                       for dep in deps if any(under(dep, f) for f in forbidden))
     assert not crossing, crossing
+
+
+# The worker's decoding: the loop around it (claims, scoring, publishing) is a layer above, never imported by it.
+DECODING_LOOP = ("worker.loop", "worker.continuous_loop", "worker.generate", "worker.results", "worker.deadline")
+DECODING_DEPTH = 5  # the longest chain of imports inside worker/decoding, in modules
+
+
+def decoding_chain(graph: dict[str, set[str]], module: str) -> list[str]:
+    """The longest chain of imports from ``module`` through worker/decoding's modules (its package's __init__, the
+    interface they all import, aside)."""
+    inside = sorted(m for m in graph[module] if under(m, "worker.decoding") and m != "worker.decoding")
+    return [module, *max((decoding_chain(graph, m) for m in inside), key=len, default=[])]
+
+
+def test_decoding_imports_are_shallow_and_never_reach_up_to_the_loop(graph):
+    decoding = [m for m in graph if under(m, "worker.decoding")]
+    longest = max((decoding_chain(graph, m) for m in decoding), key=len)
+    assert len(longest) <= DECODING_DEPTH, " -> ".join(longest)
+    upward = sorted(f"{m} imports {dep}" for m in decoding for dep in graph[m] if dep in DECODING_LOOP)
+    assert not upward, upward
+    # (the chain is seen: build imports the decoders, the engine its parts)
+    assert len(decoding_chain(graph, "worker.decoding.build")) >= 3

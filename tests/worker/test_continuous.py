@@ -30,9 +30,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from asyncgrpo.tasks.demo import build_tokenizer
 from asyncgrpo.tasks.long_tail import end_with_probability
 from worker.decoding.continuous import ContinuousDecoding
-from worker.decoding.graph import Sampling, sample
 from worker.decoding.seeded_draws import seeded_exponentials, unit_interval
 from worker.decoding.slot_cache import SlotReads
+from worker.decoding.step import Sampling, sample
 from worker.generate import score_generated
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -29,10 +29,12 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
-from worker.decoding.attention import PACKED_SDPA, column_buckets, sdpa_gqa_packed
+from worker.decoding.attention import PACKED_SDPA, sdpa_gqa_packed
 from worker.decoding.compiled import CompiledDecoding
 from worker.decoding.eager import EagerDecoding
-from worker.decoding.graph import DONE_CHECK_EVERY, GraphDecoding, Sampling, sample
+from worker.decoding.graph import DONE_CHECK_EVERY, GraphDecoding
+from worker.decoding.shapes import column_buckets
+from worker.decoding.step import Sampling, sample
 from worker.generate import build_trainer, generate_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore")

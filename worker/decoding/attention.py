@@ -1,6 +1,6 @@
 """The attention of the worker's own decoding steps (worker/decoding/graph.py, continuous.py): transformers' sdpa
 attention with a token's query heads packed onto their key/value heads, and, where a forward asks, over only the
-first columns of a static KV cache (those written so far, ``column_buckets``)."""
+first columns of a static KV cache (those written so far, worker/decoding/shapes.py ``column_buckets``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from worker.decoding.compiled import bucketed
 
 PACKED_SDPA = "sdpa_gqa_packed"  # the attention implementation the step sets on a model that uses "sdpa"
 
@@ -53,17 +51,3 @@ def sdpa_gqa_packed(module, query, key, value, attention_mask,
 # other decoders in the process are guarded on (they would compile again).
 AttentionInterface.register(PACKED_SDPA, sdpa_gqa_packed)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-
-
-# Graphs of GraphDecoding's step, each reading a longer prefix of the cache: with n, a call that runs to the cap reads
-# (n + 1) / 2n of the completion's columns on average (all of them with 1). Each is compiled in the warm-up, and
-# counted against torch.compile's limit of graphs of one function (graph.py GRAPHS_PER_FUNCTION), for each decoder
-# apart where torch can (OwnStep's step_graphs_of_its_own): 4, and 4 more for a longer prompt's cache.
-ATTENTION_BUCKETS = 4
-
-
-def column_buckets(prompt_part: int, max_new: int, buckets: int) -> list[int]:
-    """The prefixes of the cache (in columns) the decoding step's graphs read: the prompt part and up to ``buckets``
-    equal parts of the ``max_new`` completion columns (multiples of PROMPT_BUCKET), the last the whole cache."""
-    width = bucketed(-(-max_new // buckets))
-    return sorted({prompt_part + min(k * width, max_new) for k in range(1, buckets + 1)})

@@ -39,17 +39,10 @@ from worker.decoding.compiled_step import (
     generating_model,
 )
 from worker.decoding.eager import EagerDecoding
+from worker.decoding.shapes import bucketed
 from worker.in_flight import InFlightWeights
 
 log = logging.getLogger("asyncgrpo.worker")
-
-PROMPT_BUCKET = 16  # the static cache's prompt part is a multiple of this many tokens
-
-
-def bucketed(prompt_tokens: int) -> int:
-    """The static cache's prompt part for prompts of up to ``prompt_tokens`` tokens: a multiple of PROMPT_BUCKET."""
-    return -(-prompt_tokens // PROMPT_BUCKET) * PROMPT_BUCKET
-
 
 class FixedBatchDecoding:
     """What compiled and graph decoding share: a fixed batch of ``jobs_per_generate`` jobs' rows (a call with fewer

@@ -8,7 +8,7 @@ row ends (EOS or the length cap), when its tokens are copied out and the slot ta
 job whose rows have all ended leaves, to be scored while the others decode.
 
 Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a GPU), as the graph decoder's
-(worker/decoding/graph.py, whose logits processing, sampling and behaviour log-prob this shares):
+(worker/decoding/graph.py; the logits processing, sampling and behaviour log-prob of worker/decoding/step.py):
 
 - each slot has its own columns of the KV cache, as a fixed batch's row (worker/decoding/slot_cache.py): a row's
   prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
@@ -34,7 +34,6 @@ worker/continuous_loop.py.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -42,13 +41,13 @@ from transformers import StaticCache
 
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
-from worker.decoding.compiled import bucketed
 from worker.decoding.compiled_step import compiled_graphs
-from worker.decoding.graph import GraphDecoding, OwnStep, log_prob_at, sample
 from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
 from worker.decoding.seeded_draws import row_seed, seeded_exponentials
 from worker.decoding.sequence import FinishedJob, Sequence
+from worker.decoding.shapes import bucketed
 from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState, first_columns
+from worker.decoding.step import OwnStep, next_token
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill of the rows
@@ -107,7 +106,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
     @staticmethod
     def unsupported(trainer) -> str | None:
         """Why the engine cannot generate for this trainer (the worker then decodes as ``graph`` would), or None."""
-        why = GraphDecoding.unsupported(trainer)
+        why = OwnStep.unsupported(trainer)
         if why is not None:
             return why
         if getattr(trainer.args, "max_staleness", None) == 0:
@@ -172,20 +171,12 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         def of(t):
             return t if slots is None else t.index_select(0, slots)
 
-        s = self.sampling
         count, ended = of(st.count), of(st.ended)
         feeding = count < 0  # its prompt's next token is fed to the next step: nothing is sampled
         live = of(st.active) & ~ended & ~feeding
-        scores = logits
-        if s.repetition_penalty is not None:
-            penalised = torch.where(scores < 0, scores * s.repetition_penalty, scores / s.repetition_penalty)
-            scores = torch.where(of(st.seen)[:, :scores.size(-1)], penalised, scores)
-        if s.min_new_tokens:
-            is_eos = torch.isin(torch.arange(scores.size(-1), device=scores.device), self.eos)
-            scores = torch.where(is_eos & (count < s.min_new_tokens)[:, None], -math.inf, scores)
-        noise = seeded_exponentials(of(st.seed), count, scores.size(-1)) if s.do_sample else None
-        token = sample(scores, s, noise)
-        logp = log_prob_at(logits / s.temperature, token)
+        noise = seeded_exponentials(of(st.seed), count, logits.size(-1)) if self.sampling.do_sample else None
+        token, logp = next_token(logits, self.sampling, self.eos, None if st.seen is None else of(st.seen), count,
+                                 noise)
         token = torch.where(live, token, self.pad)
         logp = torch.where(live, logp, 0.0)
         count_after = count + (live | feeding).long()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from worker.decoding.graph import static_buffer
+from worker.decoding.shapes import static_buffer
 from worker.decoding.slot_cache import SPARE_COLUMNS, SlotCache, SlotState
 
 # Eager (on a CPU), a prefill call costs about a quarter of a step of 128 slots whatever its rows, mostly transformers'

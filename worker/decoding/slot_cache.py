@@ -26,8 +26,7 @@ import functools
 
 import torch
 
-from worker.decoding.attention import ATTENTION_BUCKETS, column_buckets
-from worker.decoding.graph import static_buffer
+from worker.decoding.shapes import ATTENTION_BUCKETS, column_buckets, static_buffer
 
 # A plan of reads: (slots, columns) for consecutive ranges of slots, from the first; or columns for every slot.
 Plan = tuple[tuple[int, int], ...] | int
