@@ -67,7 +67,7 @@ def _check_tool_calling(cfg: AsyncGRPOConfig, tokenizer, model: str) -> None:
                           "--model_name_or_path whose template can, or use --builtin_task lookup's model")
 
 
-def _check_model(cfg: AsyncGRPOConfig, dataset) -> str | None:
+def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list) -> str | None:
     """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -95,7 +95,7 @@ def _check_model(cfg: AsyncGRPOConfig, dataset) -> str | None:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
     _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
-    lengths_note = _check_lengths(cfg, config, tokenizer, dataset)
+    lengths_note = _check_lengths(cfg, config, tokenizer, dataset, tools)
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
     return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], lengths_note) if note) or None
 
@@ -103,23 +103,25 @@ def _check_model(cfg: AsyncGRPOConfig, dataset) -> str | None:
 PROMPTS_MEASURED = 1024  # the dataset's first rows whose prompts are measured against the model's positions
 
 
-def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset) -> str | None:
+def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list) -> str | None:
     """A prompt of the dataset's first rows plus ``max_completion_length`` tokens beyond the model's positions
     (``max_position_embeddings``): refused for a model with learned positions (it cannot encode them), a note for
-    one with rotary positions (it decodes positions it was not trained on)."""
+    one with rotary positions (it decodes positions it was not trained on). Conversations need a chat template."""
     import itertools
 
+    rows = list(itertools.islice(dataset, PROMPTS_MEASURED))
+    if any(isinstance(row.get("prompt"), list) for row in rows if isinstance(row, dict)) \
+            and not getattr(tokenizer, "chat_template", None):
+        source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
+        raise ConfigError(f"{source}: its prompts are conversations (lists of role/content messages), and the "
+                          f"tokenizer of {cfg.model_name_or_path} has no chat template to turn them into tokens: give "
+                          "a --model_name_or_path whose tokenizer has one (a chat or instruct model), or plain-text "
+                          "prompts")
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not positions:
         return
-    longest = 0
-    for row in itertools.islice(dataset, PROMPTS_MEASURED):
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        if isinstance(prompt, str):
-            longest = max(longest, len(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
-        elif isinstance(prompt, list) and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            longest = max(longest, len(ids["input_ids"] if isinstance(ids, dict) else ids))
+    longest = max((prompt_tokens(cfg, tokenizer, row.get("prompt"), tools) for row in rows
+                   if isinstance(row, dict)), default=0)
     if longest + cfg.max_completion_length <= positions:
         return None
     beyond = (f"--max_completion_length {cfg.max_completion_length}: prompts of up to {longest} tokens plus "
@@ -129,6 +131,19 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset) -> str | No
     if not rotary:
         raise ConfigError(f"{beyond}: shorten the prompts or --max_completion_length")
     return f"{beyond}: its rotary positions go on beyond them, untrained"
+
+
+def prompt_tokens(cfg: AsyncGRPOConfig, tokenizer, prompt, tools: list) -> int:
+    """The tokens a worker feeds the model for ``prompt``, tokenised as TRL's ``_tokenize_prompts`` does: plain
+    text as the tokenizer encodes it, a conversation through its chat template with the run's tools and
+    ``--chat_template_kwargs`` (whatever mapping the tokenizer returns: a ``BatchEncoding`` is no ``dict``)."""
+    if isinstance(prompt, str):
+        return len(tokenizer(text=prompt)["input_ids"])
+    if not isinstance(prompt, list):
+        return 0
+    encoded = tokenizer.apply_chat_template(conversation=[prompt], tools=tools or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=True, **(cfg.chat_template_kwargs or {}))
+    return len(encoded["input_ids"][0])
 
 
 # ---------------------------------------------------------------------- all of it, before anything starts
@@ -164,7 +179,7 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
                           "--reward_funcs: nothing would score the rollouts")
     dataset = load_train_dataset(cfg)
     if cfg.model_name_or_path is not None:
-        notes.append(_check_model(cfg, dataset))
+        notes.append(_check_model(cfg, dataset, hooks.tools))
     else:
         from asyncgrpo.tasks import demo, lookup
 

@@ -303,3 +303,70 @@ def test_launch_refuses_a_flag_that_is_not_one_before_it_looks_for_a_gpu(user_fo
     assert result.returncode == 2
     assert result.stderr.strip() == "ps: error: --nosuch_flag: not a flag (--help lists them)"
     assert not (user_folder / "runs").exists()
+
+
+def lookup_tool(key: int) -> str:
+    """Look up the secret digit stored under a key.
+
+    Args:
+        key: The key to look up, a digit.
+
+    Returns:
+        The secret digit, or "no such key".
+    """
+    return str(key)
+
+
+CONVERSATION = [{"role": "user", "content": "key 7? " + " ".join("3" * 40)}]
+
+
+@pytest.mark.parametrize("returns", ["BatchEncoding", "dict"])
+@pytest.mark.parametrize("prompt, tools", [("key 7? " + " ".join("3" * 40), []), (CONVERSATION, []),
+                                           (CONVERSATION, [lookup_tool])], ids=["plain", "conversational", "tools"])
+def test_a_prompt_is_measured_as_the_workers_tokenise_it(tmp_path, monkeypatch, prompt, tools, returns):
+    """What TRL's _tokenize_prompts gives a worker's model, whatever mapping the tokenizer returns (transformers 5's
+    apply_chat_template returns a BatchEncoding, which is no dict: a conversation once counted as its 2 keys)."""
+    from helpers import demo_config
+
+    from asyncgrpo.checks import prompt_tokens
+    from asyncgrpo.tasks import lookup
+    from asyncgrpo.user_code import RolloutHooks
+    from worker.generate import build_trainer
+
+    tok = lookup.build_tokenizer()
+    # (its template leaves tools out: here they are rendered first, as real templates do)
+    tok.chat_template = "{% for tool in tools or [] %}{{ tool.function.description }}{% endfor %}" + tok.chat_template
+    cfg = demo_config(tmp_path, max_completion_length=8)
+    trainer = build_trainer(cfg, lookup.build_model(tokenizer=tok), tok, [lambda completions, **kw: [0.0]],
+                            lookup.build_dataset(n=4), hooks=RolloutHooks(tools=tools))
+    fed = len(trainer._tokenize_prompts([prompt])[0][0])
+    if returns == "dict":
+        template = type(tok).apply_chat_template
+        monkeypatch.setattr(type(tok), "apply_chat_template", lambda self, *a, **kw: dict(template(self, *a, **kw)))
+    assert prompt_tokens(cfg, tok, prompt, tools) == fed > 40
+    if tools:
+        assert fed > prompt_tokens(cfg, tok, prompt, [])  # (the tool's schema is in the prompt)
+
+
+def test_conversations_beyond_a_models_learned_positions_are_refused_and_without_a_chat_template_too(user_folder):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from asyncgrpo.tasks import lookup
+
+    tok = lookup.build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=len(tok),
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained("gpt2chat")
+    tok.save_pretrained("gpt2chat")
+    (user_folder / "chat.jsonl").write_text(json.dumps({"prompt": CONVERSATION}) + "\n")
+    flags = ["--device_type", "cpu", *USER_FLAGS, "--dataset_name", "chat.jsonl", "--max_completion_length", "8"]
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(parse_config([*flags, "--model_name_or_path", "gpt2chat"]), user_folder / "run")
+    words = len(CONVERSATION[0]["content"])  # (a character tokenizer) and the template's role tokens
+    assert str(refused.value).startswith(f"--max_completion_length 8: prompts of up to ")
+    assert int(str(refused.value).split("up to ")[1].split()[0]) > words
+    with pytest.raises(ConfigError) as refused:  # the demo's tokenizer has no chat template
+        check_inputs(parse_config(flags), user_folder / "run")
+    assert str(refused.value) == (
+        "--dataset_name chat.jsonl: its prompts are conversations (lists of role/content messages), and the tokenizer "
+        "of mymodel has no chat template to turn them into tokens: give a --model_name_or_path whose tokenizer has "
+        "one (a chat or instruct model), or plain-text prompts")
