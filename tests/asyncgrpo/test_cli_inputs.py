@@ -354,15 +354,16 @@ def test_conversations_beyond_a_models_learned_positions_are_refused_and_without
     from asyncgrpo.tasks import lookup
 
     tok = lookup.build_tokenizer()
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=len(tok),
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained("gpt2chat")
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=len(tok),
+                                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    model.save_pretrained("gpt2chat")
     tok.save_pretrained("gpt2chat")
     (user_folder / "chat.jsonl").write_text(json.dumps({"prompt": CONVERSATION}) + "\n")
     flags = ["--device_type", "cpu", *USER_FLAGS, "--dataset_name", "chat.jsonl", "--max_completion_length", "8"]
     with pytest.raises(ConfigError) as refused:
         check_inputs(parse_config([*flags, "--model_name_or_path", "gpt2chat"]), user_folder / "run")
     words = len(CONVERSATION[0]["content"])  # (a character tokenizer) and the template's role tokens
-    assert str(refused.value).startswith(f"--max_completion_length 8: prompts of up to ")
+    assert str(refused.value).startswith("--max_completion_length 8: prompts of up to ")
     assert int(str(refused.value).split("up to ")[1].split()[0]) > words
     with pytest.raises(ConfigError) as refused:  # the demo's tokenizer has no chat template
         check_inputs(parse_config(flags), user_folder / "run")
