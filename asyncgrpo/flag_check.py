@@ -47,6 +47,14 @@ def record(known: set[str]) -> None:
         pass
 
 
+# Flags of earlier TRL releases that users still type, and what this one does instead.
+REMOVED = {
+    "max_prompt_length": "this TRL has no such flag and does not cut prompts; a prompt that with "
+                         "--max_completion_length would not fit the model's positions is refused before the run "
+                         "starts (docs/options.md)",
+}
+
+
 def unknown_flag(argv: list[str], known: set[str]) -> str | None:
     """The full parse's line for the first flag of ``argv`` not among ``known``; None when all are."""
     spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
@@ -58,7 +66,10 @@ def unknown_flag(argv: list[str], known: set[str]) -> str | None:
 
 
 def could_mean(typed: str, among: list[str]) -> str:
-    """What ``typed`` could be a typo or an abbreviation of, as the end of a refusal's line."""
+    """What ``typed`` could be a typo or an abbreviation of, as the end of a refusal's line (for a flag TRL
+    removed, what it does instead)."""
+    if (instead := REMOVED.get(typed.removeprefix("--"))) is not None:
+        return f": {instead}"
     candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3, cutoff=0.75)
     return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
 
