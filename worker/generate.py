@@ -39,6 +39,9 @@ import copy
 import functools
 import inspect
 import logging
+import math
+import numbers
+import reprlib
 import statistics
 import threading
 import time
@@ -125,7 +128,7 @@ def reporting_slow_rewards(reward_funcs: list, after_s: float | None = None) -> 
     or a sandbox that never answers) would otherwise stall the run with no word of where. The call is not cut:
     sync reward functions run on the worker's main thread as in TRL, where some rely on being (signal-based
     timeouts, as math_verify's). TRL names a reward by its callable's name and runs async ones together: both
-    are kept."""
+    are kept. What the function returns is checked (``scored``)."""
     after_s = SLOW_REWARD_S if after_s is None else after_s
     return [function if isinstance(function, (str, torch.nn.Module)) or not callable(function)
             else _watched(function, after_s) for function in reward_funcs]
@@ -141,14 +144,34 @@ def _watched(function, after_s: float):
     if is_async_callable(function):
         async def watched(*args, **kwargs):
             with _reported_after(after_s, report), ACTIVITY.doing("reward function", name):
-                return await function(*args, **kwargs)
+                return scored(name, await function(*args, **kwargs))
     else:
         def watched(*args, **kwargs):
             with _reported_after(after_s, report), ACTIVITY.doing("reward function", name):
-                return function(*args, **kwargs)
+                return scored(name, function(*args, **kwargs))
     watched = functools.update_wrapper(watched, function, assigned=("__module__", "__doc__"), updated=())
     watched.__name__ = watched.__qualname__ = name
     return watched
+
+
+def scored(name: str, rewards):
+    """``rewards`` as TRL reads them (a number, or None for a completion the function does not score), each value
+    that is neither a finite number nor None (nor NaN, which TRL reads as None) replaced by None and named in a
+    [jobs] line: inf, or a string, would otherwise reach the advantages and the loss, or fail the job in TRL's
+    conversion. The other completions are scored as they were."""
+    if not isinstance(rewards, list):
+        return rewards  # (TRL's own error names what it got)
+    checked = []
+    for value in rewards:
+        one_element = isinstance(value, torch.Tensor | np.ndarray) and np.prod(value.shape) == 1
+        number = value.item() if one_element else value
+        if number is None or (isinstance(number, numbers.Real) and (math.isfinite(number) or math.isnan(number))):
+            checked.append(value)
+            continue
+        JOB_FAILURES.failed(f"reward function {name!r} returned {reprlib.repr(value)}, not a finite number: that "
+                            "completion counts as not scored by it, as with None")
+        checked.append(None)
+    return checked
 
 
 @contextlib.contextmanager

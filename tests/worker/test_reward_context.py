@@ -63,3 +63,45 @@ def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_job
                      "and the trainer for the job (the first such failure; repeats are counted and logged every 60 s)"
                      for name in ("slow_async_reward", "slow_reward")]
     assert batch["rewards"].tolist() == [1.0] * cfg.generation_batch_size  # 0 + 0 + 1: each reward's own output
+
+
+def test_a_reward_that_is_not_a_finite_number_is_named_and_counts_as_not_scored(tmp_path, monkeypatch, caplog):
+    """inf, a string, a list: each named once in a [jobs] line (the function and the value) and read as None
+    (that completion not scored by it), never reaching the advantages; numbers, None and NaN (TRL's None) as
+    they were, and the other rows scored as they would be."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from worker import generate
+
+    odd = [math.inf, "0.5", [1.0], -math.inf]
+
+    def odd_reward(prompts, **kwargs):
+        return [odd[i] if i < len(odd) else 1.0 for i in range(len(prompts))]
+
+    def fine_reward(prompts, **kwargs):
+        return [0.5] * len(prompts)
+
+    monkeypatch.setattr(generate, "JOB_FAILURES", RepeatedFailureLog(generate.log, "jobs"))
+    numbers = [1, True, None, math.nan, np.float32(2), torch.tensor(3.0), np.array([4.0])]
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        checked = generate.scored("r", numbers)
+    assert all(a is b for a, b in zip(checked, numbers, strict=True))  # as they were
+    assert not caplog.records  # (numbers, None and NaN are no news)
+    cfg = demo_config(tmp_path)
+    tokenizer = build_tokenizer()
+    dataset = build_dataset(n=40)
+    trainer = build_trainer(cfg, build_model(seed=0, tokenizer=tokenizer), tokenizer, [odd_reward, fine_reward],
+                            dataset)
+    rows = [dataset[i // cfg.num_generations] for i in range(cfg.generation_batch_size)]
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        batch, _ = generate_and_score(trainer, rows, EventLog.off(), seed=0)
+    lines = sorted(r.getMessage().split(" (the first")[0] for r in caplog.records if "[jobs]" in r.getMessage())
+    assert lines == sorted(f"[jobs] reward function 'odd_reward' returned {value}, not a finite number: that "
+                           "completion counts as not scored by it, as with None"
+                           for value in ("inf", "'0.5'", "[1.0]", "-inf"))
+    rewards = batch["rewards"]
+    assert rewards.tolist() == [0.5] * len(odd) + [1.5] * (cfg.generation_batch_size - len(odd))
+    assert torch.isfinite(batch["advantages"]).all()
