@@ -59,6 +59,13 @@ def set_tensorboard_dir(final_dir: str) -> None:
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", os.path.join(final_dir, default_logdir()))
 
 
+def lora_words(cfg) -> str:
+    """What the run's first line says of --use_peft: that only a LoRA adapter trains, and its shape."""
+    if not cfg.use_peft:
+        return ""
+    return f", a LoRA adapter (r={cfg.lora_r}, alpha={cfg.lora_alpha}) trained on the frozen model"
+
+
 def main(argv: list[str] | None = None) -> int:
     # accelerate's is_cuda_available() (Trainer.train calls it first thing) sets this variable and removes it
     # again, while TRL's telemetry thread resolves a host name, which reads the environment in C (getenv). Adding
@@ -238,8 +245,8 @@ def train(cfg, run: RunDir) -> int:
             # Workers match its generation; recovery and ls go by its deadline.
             status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None)
             run.write_ps_status(status)
-        log.info("[train] run %s: model %s, %s, max_steps=%d%s", run.root, path, cfg.device_type, cfg.max_steps,
-                 f", resuming from {resume}" if resume else "")
+        log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
+                 lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:
             if resume and read_ledger(resume).global_step >= cfg.max_steps:
                 # transformers checks max_steps only after a step: resuming there would train one more
@@ -263,7 +270,11 @@ def train(cfg, run: RunDir) -> int:
         trainer.finish()
         trainer.save_model(final_dir)  # model, tokenizer (save_pretrained), training_args.bin: as trl grpo saves
         if first_rank:
-            log.info("[train] final model saved to %s", final_dir)
+            if cfg.use_peft:
+                log.info("[train] final LoRA adapter saved to %s (the adapter only: load it onto %s with peft's "
+                         "PeftModel.from_pretrained)", final_dir, path)
+            else:
+                log.info("[train] final model saved to %s", final_dir)
             run.write_ps_status(status.finished(trainer.state.global_step, final_dir))
     finally:
         trainer.close()  # however the PS ends (an error, a signal), its weight buffers go

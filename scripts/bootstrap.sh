@@ -21,7 +21,9 @@ _bootstrap() {
     fi
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "[bootstrap] installing $torch_spec and asyncgrpo[dev] into $venv (first run takes a minute or two)" >&2
-        _pip_install --upgrade pip && _pip_install "$torch_spec" && _pip_install -e "$repo_root[dev]" || return 1
+        # (setuptools' build of an editable install warns, in ten lines, of folders named as the package: ours is it)
+        _pip_install --upgrade pip && _pip_install "$torch_spec" \
+            && PYTHONWARNINGS="ignore:Editable installation" _pip_install -e "$repo_root[dev]" || return 1
         # The environment's flags, recorded once (asyncgrpo/flag_check.py): from the first launch on, a flag that is
         # not one is refused before the heavy imports.
         PYTHONPATH="$repo_root" "$VENV_PY" -c 'from asyncgrpo.config_parser import parse_config; parse_config([])' \

@@ -364,6 +364,15 @@ def test_a_lora_run_learns_trains_each_job_once_and_shares_only_the_adapter(lora
         assert not names & {"model.safetensors", "pytorch_model.bin"}, names
 
 
+def test_a_lora_run_says_at_its_start_that_an_adapter_trains_and_at_its_end_that_it_saved_the_adapter(lora_run):
+    lines = (lora_run.parent / "ps.log").read_text().splitlines()
+    [start] = [line for line in lines if "[train] run " in line]
+    assert start.endswith(", a LoRA adapter (r=16, alpha=32) trained on the frozen model"), start
+    [end] = [line for line in lines if "[train] final" in line]
+    assert end.endswith(f"[train] final LoRA adapter saved to {lora_run / 'final_model'} (the adapter only: load it "
+                        f"onto {lora_run / 'demo_model'} with peft's PeftModel.from_pretrained)"), end
+
+
 def test_the_saved_adapter_merges_into_its_base(lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
