@@ -242,8 +242,9 @@ def train(cfg, run: RunDir) -> int:
         if resume:  # (every rank: a refusal stops them all)
             say_or_refuse_changes(read_ledger(resume).pipeline_state.get("flags"), cfg, resume, say=first_rank)
         if first_rank:
-            # Workers match its generation; recovery and ls go by its deadline.
-            status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None)
+            # Workers match its generation; recovery and ls go by its deadline, lease and attempts.
+            status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None,
+                                       lease_s=cfg.lease_s, max_attempts=cfg.max_attempts)
             run.write_ps_status(status)
         log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")

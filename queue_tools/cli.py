@@ -1,7 +1,7 @@
 """queue_tools: look inside a run's job queue and recover stale jobs.
 
     queue_tools ls      [RUN_DIR] [--json] [--watch] [--lease S]
-    queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--keep-files K] [--keep-mb M]
+    queue_tools cleanup [RUN_DIR] [--stale-after S] [--max-attempts K] [--keep-files K] [--keep-mb M] [--force]
                         [--dry-run] [--json]
     queue_tools report  [RUN_DIR] [--json]
 
@@ -27,7 +27,7 @@ from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describ
 from asyncgrpo.jobqueue.names import ArchiveReason, depth_line, done_reason
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers, metrics
-from asyncgrpo.run.liveness import fs_now, pid_alive
+from asyncgrpo.run.liveness import HEARTBEAT_INTERVAL_S, fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
 WATCH_INTERVAL_S = 1.0
@@ -72,15 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
     ls.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ls.add_argument("--watch", action="store_true", help="refresh in place every second until Ctrl-C")
-    ls.add_argument("--lease", type=_nonnegative, default=DEFAULT_LEASE_S,
-                    help=f"seconds of silence after which a worker's job counts as stale (default {DEFAULT_LEASE_S:g})")
+    ls.add_argument("--lease", type=_nonnegative, default=None,
+                    help="seconds of silence after which a worker's job counts as stale (default: the run's "
+                         f"--lease_s, {DEFAULT_LEASE_S:g} where its PS did not record one)")
     cleanup = sub.add_parser("cleanup", help="recover stale jobs, reap old temp files, archive junk, "
                                              "free a dead PS's weight buffers")
     cleanup.add_argument("run_dir", nargs="?", help="run directory (default: the most recent run)")
-    cleanup.add_argument("--stale-after", type=_nonnegative, default=DEFAULT_LEASE_S, metavar="SECONDS",
-                         help=f"lease: silence after which a job is recovered (default {DEFAULT_LEASE_S:g})")
-    cleanup.add_argument("--max-attempts", type=_positive_int, default=DEFAULT_MAX_ATTEMPTS, metavar="K",
-                         help=f"archive a job as orphaned after K attempts (default {DEFAULT_MAX_ATTEMPTS})")
+    cleanup.add_argument("--stale-after", type=_nonnegative, default=None, metavar="SECONDS",
+                         help="lease: silence after which a job is recovered (default: the run's --lease_s, "
+                              f"{DEFAULT_LEASE_S:g} where its PS did not record one)")
+    cleanup.add_argument("--max-attempts", type=_positive_int, default=None, metavar="K",
+                         help="archive a job as orphaned after K attempts (default: the run's --max_attempts, "
+                              f"{DEFAULT_MAX_ATTEMPTS} where its PS did not record one)")
+    cleanup.add_argument("--force", action="store_true",
+                         help="with --stale-after under the workers' heartbeat interval: recover the jobs of live "
+                              "workers too")
     cleanup.add_argument("--keep-files", type=_nonnegative_int, default=0, metavar="K",
                          help="archive retention: empty done/ files beyond the newest K, names kept (default 0: all)")
     cleanup.add_argument("--keep-mb", type=_nonnegative, default=0.0, metavar="M",
@@ -220,7 +226,10 @@ def _health(report: dict) -> str:
         problems.append(f"{report['done']['orphaned']} job(s) orphaned (their workers died on every attempt) and "
                         "not trained on")
     if problems:
-        hint = "; run `queue_tools cleanup`" if report["stale"] or report["junk"] else ""
+        ps = report["ps"]
+        recovering = ps is not None and ps["state"] == "training" and ps["alive"]
+        hint = "" if not (report["stale"] or report["junk"]) else (
+            "; the running parameter server recovers them itself" if recovering else "; run `queue_tools cleanup`")
         return "WARN: " + ", ".join(problems) + hint
     return f"OK: {len(alive)} worker(s) alive, no stale jobs"
 
@@ -303,7 +312,17 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def run_settings(run: RunDir, lease_s: float | None, max_attempts: int | None = None) -> tuple[float, int]:
+    """The lease and attempts ls and cleanup go by: those given, else the run's (its PS's --lease_s and
+    --max_attempts, in ps.json), else the defaults."""
+    ps = run.read_ps_status()
+    lease = lease_s if lease_s is not None else (ps and ps.lease_s) or DEFAULT_LEASE_S
+    attempts = max_attempts if max_attempts is not None else (ps and ps.max_attempts) or DEFAULT_MAX_ATTEMPTS
+    return lease, attempts
+
+
 def cmd_ls(run: RunDir, args) -> int:
+    args.lease = run_settings(run, args.lease)[0]
     if not args.watch:
         report = inspect_run(run, args.lease)
         print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -327,12 +346,18 @@ def training_is_over(run: RunDir) -> bool:
 
 
 def cmd_cleanup(run: RunDir, args) -> int:
+    if args.stale_after is not None and args.stale_after < HEARTBEAT_INTERVAL_S and not args.force:
+        print(f"queue_tools: error: --stale-after {args.stale_after:g} is under the workers' heartbeat interval "
+              f"({HEARTBEAT_INTERVAL_S:g} s): every job a worker on another host holds would count as stale, a live "
+              "worker's too; pass --force to recover them anyway", file=sys.stderr)
+        return 2
+    lease_s, max_attempts = run_settings(run, args.stale_after, args.max_attempts)
     # A finished run's leftovers (a worker stopped or killed with a job in hand, a job given back) are archived
     # unused: re-queued, they would wait for a worker and a PS that will not come.
     over = training_is_over(run)
     queue = JobQueue(run)
     ps = run.read_ps_status()
-    actions = queue.recover(lease_s=args.stale_after, max_attempts=args.max_attempts, dry_run=args.dry_run,
+    actions = queue.recover(lease_s=lease_s, max_attempts=max_attempts, dry_run=args.dry_run,
                             requeue=not over, job_timeout_s=ps and ps.job_timeout_s)
     if over:
         actions += queue.archive_leftovers(dry_run=args.dry_run)

@@ -72,14 +72,17 @@ class PSStatus:
     # the PS was not started by launch.sh.
     mps: str | None = None
     job_timeout_s: float | None = None  # its --job_timeout_s (None: no deadline): what recovery and ls go by
+    lease_s: float | None = None  # its --lease_s and --max_attempts: what queue_tools ls and cleanup go by
+    max_attempts: int | None = None
 
     @classmethod
-    def starting(cls, model: str, resumed_from: str | None, generation: dict,
-                 job_timeout_s: float | None = None) -> PSStatus:
+    def starting(cls, model: str, resumed_from: str | None, generation: dict, job_timeout_s: float | None = None,
+                 lease_s: float | None = None, max_attempts: int | None = None) -> PSStatus:
         """This process's status as it starts training."""
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
                    started_at=time.time(), resumed_from=resumed_from, generation=generation,
-                   mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s)
+                   mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s, lease_s=lease_s,
+                   max_attempts=max_attempts)
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

@@ -409,3 +409,55 @@ def test_ls_warns_about_steps_that_teach_nothing(run, capsys, line, warning):
     _, out, _ = run_cli(capsys, "ls", run.root, "--json")
     health = json.loads(out)["health"]
     assert (warning in health) if warning else health.startswith("OK"), health
+
+
+def remote_worker_holding(run, queue, device: int, silent_s: float) -> str:
+    """A job held by worker ``device`` on another host whose heartbeat is ``silent_s`` old; its job id."""
+    held = queue.claim(device)
+    beat = {"pid": 4242, "host": "elsewhere", "host_id": "another-host", "state": "busy", "job_id": held.job_id,
+            "job_ids": [held.job_id]}
+    run.heartbeat_file(device).write_text(json.dumps(beat))
+    backdate(run.heartbeat_file(device), silent_s)
+    return held.job_id
+
+
+def test_ls_and_cleanup_go_by_the_runs_own_lease_and_attempts(run, queue, capsys):
+    """A job held by a worker on another host silent for 36 s: within the run's --lease_s 120 it is not stale (ls
+    sees it alive and advises nothing, cleanup takes nothing); a lease given on the command line wins; the run's
+    --max_attempts decides what is re-thrown and what orphaned."""
+    queue.put_job(make_job_id(1, 0), {}, created_step=1)
+    job_id = remote_worker_holding(run, queue, 3, 36)
+    run.write_ps_status(dataclasses.replace(PSStatus.starting("model", None, {}, lease_s=120.0, max_attempts=1),
+                                            pid=999_999))  # (a PS that is gone: ls would advise cleanup)
+    report = json.loads(run_cli(capsys, "ls", run.root, "--json")[1])
+    assert report["stale"] == [] and report["workers"][0]["alive"]
+    assert "cleanup" not in report["health"]
+    assert json.loads(run_cli(capsys, "cleanup", run.root, "--dry-run", "--json")[1])["actions"] == []
+    report = json.loads(run_cli(capsys, "ls", run.root, "--json", "--lease", "30")[1])
+    assert report["stale"] == [job_id] and report["health"].endswith("; run `queue_tools cleanup`")
+    # Past the lease given: at attempt 1 of the run's 1, orphaned, not re-thrown.
+    actions = json.loads(run_cli(capsys, "cleanup", run.root, "--stale-after", "30", "--dry-run", "--json")[1])
+    assert [(a["what"], a["job_id"], "orphaned" in a["dst"]) for a in actions["actions"]] == [
+        ("archive", job_id, True)]
+
+
+def test_cleanup_refuses_a_lease_under_the_heartbeat_interval_unless_forced(run, queue, capsys):
+    queue.put_job(make_job_id(1, 0), {}, created_step=1)
+    job_id = remote_worker_holding(run, queue, 3, 0.5)  # (a healthy worker: it beat half a second ago)
+    code, out, err = run_cli(capsys, "cleanup", run.root, "--stale-after", "0.2")
+    assert (code, out) == (2, "")
+    assert err == ("queue_tools: error: --stale-after 0.2 is under the workers' heartbeat interval (1 s): every job a "
+                   "worker on another host holds would count as stale, a live worker's too; pass --force to "
+                   "recover them anyway\n")
+    assert (run.queue / f"{job_id}_processing_by_dev3.pt").exists()
+    code, out, _ = run_cli(capsys, "cleanup", run.root, "--stale-after", "0.2", "--force")
+    assert code == 0 and f"requeue {job_id}_processing_by_dev3.pt" in out
+
+
+def test_ls_leaves_stale_jobs_to_a_running_parameter_server(run, queue, capsys):
+    queue.put_job(make_job_id(1, 0), {}, created_step=1)
+    remote_worker_holding(run, queue, 3, 60)
+    run.write_ps_status(PSStatus.starting("model", None, {}))  # this process: alive, training
+    health = json.loads(run_cli(capsys, "ls", run.root, "--json")[1])["health"]
+    assert health.startswith("WARN: 1 stale job(s)") and health.endswith(
+        "; the running parameter server recovers them itself"), health
