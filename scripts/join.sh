@@ -37,7 +37,24 @@ done
 [[ "$WORKERS" =~ ^[1-9][0-9]{0,2}$ ]] || die "--workers needs an integer from 1 to 999, got '$WORKERS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
 [ -n "$RUN" ] || die "no run directory: bash launch.sh --join RUN [--workers N] [flags...] (--help says more)"
-[ -d "$RUN/queue" ] && [ -d "$RUN/done" ] || die "$RUN is not an asyncgrpo run directory (no queue/ and done/ inside)"
+# A run whose launch.sh is still starting its PS (the PS makes queue/ and done/ once it has imported its libraries:
+# 10-20 s) is waited for; a folder that is no run, or whose launch stopped before its PS made them, is refused.
+LAUNCH_STARTING_WAIT_S=600
+is_run() { [ -d "$RUN/queue" ] && [ -d "$RUN/done" ]; }
+launch_running() { [ -f "$RUN/launch.lock" ] && command -v flock > /dev/null && ! flock -n "$RUN/launch.lock" true; }
+if ! is_run && launch_running; then
+    echo "[launch --join] $RUN is not a run yet: its launch.sh ($(cat "$RUN/launch.lock" 2>/dev/null)) is starting" \
+         "its parameter server; waiting for it to make RUN/queue and RUN/done (at most $LAUNCH_STARTING_WAIT_S s)"
+    STARTING_SINCE=$SECONDS
+    while ! is_run && launch_running && [ $(( SECONDS - STARTING_SINCE )) -lt "$LAUNCH_STARTING_WAIT_S" ]; do
+        sleep 0.5
+    done
+fi
+if ! is_run; then
+    [ -f "$RUN/launch.lock" ] && die "$RUN is not an asyncgrpo run directory (no queue/ and done/ inside): a" \
+        "launch.sh started there ($(cat "$RUN/launch.lock" 2>/dev/null)) but its parameter server never made them"
+    die "$RUN is not an asyncgrpo run directory (no queue/ and done/ inside)"
+fi
 RUN="$(cd "$RUN" && pwd)"
 
 # ---- 2. environment and input checks, before any process starts -------------------------------
