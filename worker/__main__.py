@@ -26,7 +26,7 @@ from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
 from asyncgrpo.run.fileops import set_file_modes
 from asyncgrpo.run.hosts import HOST_ID
 from asyncgrpo.run.rundir import parse_worker_id, worker_id
-from asyncgrpo.weights.layout import WeightsMismatch
+from asyncgrpo.weights.layout import WeightsMismatch, WeightsOutOfReach
 from worker.loop import WorkerSetupError, run_worker
 
 DESCRIPTION = ("An asyncgrpo worker: claims generation jobs from RUN/queue, generates and scores them with TRL's "
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         else:
             run = RunDir.create(cfg.run_dir, cfg.share_with_group)
         return run_worker(cfg, run, device)
-    except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WorkerSetupError) as err:
+    except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WeightsOutOfReach,
+            WorkerSetupError) as err:
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 

@@ -235,6 +235,10 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     while not run.ps_status_file.exists() and not stop.is_set():
         waiting.waiting_for("the parameter server to start (RUN/ps.json)")
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
+    # A training PS's flags, checked before anything loads (the claim checks them again: a PS may be relaunched).
+    ps = run.read_ps_status()
+    if ps is not None and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)):
+        raise ConfigError(mismatch)
     model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 _LAZY = {"VERSION_FILE": "asyncgrpo.weights.base", "Layout": "asyncgrpo.weights.base",
          "TransportUnavailable": "asyncgrpo.weights.base", "read_version_file": "asyncgrpo.weights.base",
          "WeightsMismatch": "asyncgrpo.weights.layout",
+         "WeightsOutOfReach": "asyncgrpo.weights.layout",
          "Subscriber": "asyncgrpo.weights.subscriber"}
 
 
@@ -110,4 +111,4 @@ def make_subscriber(run: RunDir, on_read=None) -> WeightSubscriber:
 
 
 __all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher", "WeightsMismatch",
-           "WeightSubscriber", "make_publisher", "make_subscriber", "read_version_file"]
+           "WeightsOutOfReach", "WeightSubscriber", "make_publisher", "make_subscriber", "read_version_file"]

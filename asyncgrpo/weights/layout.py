@@ -42,6 +42,11 @@ class WeightsMismatch(ValueError):
     adapter on one side only); the message is one line for the operator."""
 
 
+class WeightsOutOfReach(RuntimeError):
+    """The PS publishes through a transport this host cannot read (another host's shared memory or GPU): the worker
+    would wait for weights for the whole run; the message is one line for the operator."""
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str

@@ -40,6 +40,7 @@ from asyncgrpo.weights.base import (
     open_lock,
     read_version_file,
 )
+from asyncgrpo.weights.layout import WeightsOutOfReach
 
 MAX_ATTEMPTS = 8  # re-reads when the PS moves on between our read and our lock; each costs microseconds
 RETRY_S = 5.0
@@ -120,11 +121,11 @@ class Subscriber:
         if self._failed is not None and self._failed[0] == pid and time.monotonic() < self._failed[1]:
             return None
         self._drop_reader()
-        if info["transport"] != "safetensors" and not same_host(info):
-            self._give_up(info, f"the PS on host {info.get('host')} publishes through {info['transport']}, which "
-                                "only its own host can read: workers on other hosts need the PS started with "
-                                "--weight_transport safetensors")
-            return None
+        names_a_host = "host_id" in info or "host" in info  # (a file without either is checked by its reader)
+        if info["transport"] != "safetensors" and names_a_host and not same_host(info):
+            raise WeightsOutOfReach(f"the parameter server on host {info.get('host')} publishes its weights through "
+                                    f"{info['transport']}, which only its own host can read: workers on other hosts "
+                                    "need the PS started with --weight_transport safetensors")
         module, _, cls = _READERS[info["transport"]].partition(":")
         try:
             layout = Layout.load(self.run, pid)

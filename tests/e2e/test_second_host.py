@@ -138,3 +138,39 @@ def test_a_second_host_whose_clock_is_behind_loses_no_job_to_recovery(tmp_path):
     assert [line for line in (tmp_path / "ps.log").read_text().splitlines() if "recover:" in line] == []
     assert [n for n in os.listdir(root / "done") if "_a2" in n] == []  # every job had one attempt
     assert_exactly_once(root, jobs=STEPS)
+
+
+def test_a_second_hosts_join_against_a_ps_on_mmap_says_why_and_exits_2(tmp_path):
+    """A PS whose weights only its own host can read (the default mmap): the joined worker claims nothing, exits 2
+    with one line, and launch.sh --join prints it and exits 2, not waiting out the run in silence."""
+    root = tmp_path / "run"
+    run = RunProcesses(root, *run_flags(STEPS, lease_s=5))  # (mmap: the default on a CPU)
+    ps = start_ps(run)
+    wait_for(lambda: (root / "weights" / "published_version.json").exists(), "the PS's first weights", TIMEOUT_S,
+             procs=(ps,), log=run.ps_log)
+    join = subprocess.Popen(as_other_host(["bash", str(REPO / "launch.sh"), "--join", str(root), "--workers", "1",
+                                           "--device", "cpu", *run_flags(STEPS, lease_s=5)]),
+                            cwd=REPO, env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other_flags = subprocess.Popen(as_other_host(["bash", str(REPO / "launch.sh"), "--join", str(root), "--workers",
+                                                  "1", "--device", "cpu", *run_flags(STEPS, lease_s=5),
+                                                  "--temperature", "0.7"]),
+                                   cwd=REPO, env={**PROCESS_ENV, "ASYNCGRPO_HOST_ID": "0badf1a9"},  # (a third host)
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = join.communicate(timeout=TIMEOUT_S)
+        flags_out, _ = other_flags.communicate(timeout=TIMEOUT_S)
+    finally:
+        run.stop()
+        for proc in (join, other_flags):
+            if proc.poll() is None:
+                proc.kill()
+    # A flag that differs from the PS's is said first, whatever else stops the worker.
+    assert other_flags.returncode == 2, flags_out
+    assert ("worker: error: this worker's flags are not the parameter server's: --temperature 0.7 (the parameter "
+            "server's: 1.0)") in flags_out, flags_out
+    assert join.returncode == 2, out
+    line = ("worker: error: the parameter server on host {} publishes its weights through mmap, which only its own "
+            "host can read: workers on other hosts need the PS started with --weight_transport safetensors")
+    assert line.format(os.uname().nodename) in out, out
+    assert "exited with status 2, bad input: not restarted" in out
+    assert not [n for n in os.listdir(root / "queue") if "_by_dev1." in n]  # it claimed nothing
