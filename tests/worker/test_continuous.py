@@ -389,6 +389,7 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     assert alone[3].completion_ids == finished[3].completion_ids  # the same samples beside other jobs or alone
 
 
+@pytest.mark.process  # (the engine wraps its steps in torch.compile, which compiles at their first call)
 def test_a_worker_building_the_engine_says_its_slots_and_cache(tmp_path, monkeypatch, caplog):
     from worker.decoding.build import build_decoder
 
