@@ -145,6 +145,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         ps_beat_age = None
     report = {
         "run_dir": str(run.root),
+        "lease_s": lease_s,
         **counts,
         "oldest_pending_age_s": None if oldest_pending is None else round(oldest_pending, 3),
         "workers": workers,
@@ -207,6 +208,10 @@ def _health(report: dict) -> str:
         if w["held"] and (w["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
             problems.append(f"dev{w['device']} silent for {w['heartbeat_age_s']:.0f}s holding {len(w['held'])} "
                             f"job(s) (stopped or swapped out? its jobs come back after the lease)")
+        elif w.get("remote") and (w["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
+            # (another host's: no lock or pid to go by, only its heartbeat's age)
+            problems.append(f"dev{w['device']} on host {w['host']} silent for {w['heartbeat_age_s']:.0f}s (killed, "
+                            f"or cut off?): counted dead once its heartbeat is {report['lease_s']:g}s old (the lease)")
     if dead:
         problems.append(f"{len(dead)} dead worker(s)")
     if report["junk"]:
@@ -296,6 +301,7 @@ def format_report(r: dict) -> str:
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
                      f"{(w['state'] or '-'):<8} heartbeat {_age(w['heartbeat_age_s'])} ago"
+                     + (f" (on host {w['host']}: dead past the {r['lease_s']:g}s lease)" if w.get("remote") else "")
                      + (f"  holds {', '.join(f'{job} (for {_age(age)})' for job, age in w['held'])}" if w["held"]
                         else "  holds nothing")
                      + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else "")

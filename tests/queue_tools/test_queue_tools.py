@@ -461,3 +461,17 @@ def test_ls_leaves_stale_jobs_to_a_running_parameter_server(run, queue, capsys):
     health = json.loads(run_cli(capsys, "ls", run.root, "--json")[1])["health"]
     assert health.startswith("WARN: 1 stale job(s)") and health.endswith(
         "; the running parameter server recovers them itself"), health
+
+
+def test_ls_says_a_silent_worker_of_another_host_is_counted_dead_only_past_the_lease(run, queue, capsys):
+    """A worker on another host killed with -9: no lock or pid to go by, its heartbeat's age alone. ls says how old
+    it is against the lease, and health warns while it is silent."""
+    WorkerPresence(run, 1).start().stop()  # (a worker of this host, stopped: no news)
+    beat = {"pid": 4242, "host": "elsewhere", "host_id": "another-host", "state": "idle", "job_ids": []}
+    run.heartbeat_file(3).write_text(json.dumps(beat))
+    backdate(run.heartbeat_file(3), 12)
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    [line] = [line for line in out.splitlines() if line.strip().startswith("dev3")]
+    assert "heartbeat 12.0s ago (on host elsewhere: dead past the 30s lease)" in line, line
+    assert ("dev3 on host elsewhere silent for 12s (killed, or cut off?): counted dead once its heartbeat is 30s old "
+            "(the lease)") in out.splitlines()[-1]
