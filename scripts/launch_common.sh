@@ -75,12 +75,17 @@ for dead in remove_dead_folders(run, (SHM_ROOT, run.weights)):
 ' "$1" || true
 }
 
+STOP_SAY_AFTER=20  # tenths of a second: a worker still running this long after SIGTERM is said to be waited for
 stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGKILL after 30 s
-    local pids=("${WORKER_PID[@]}")
+    local pids=("${WORKER_PID[@]}") tick running
     [ "${#pids[@]}" -gt 0 ] || return 0
     kill -TERM "${pids[@]}" 2>/dev/null
-    for _ in $(seq 1 300); do
-        kill -0 "${pids[@]}" 2>/dev/null || break
+    for tick in $(seq 1 300); do
+        running=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=$(( running + 1 )); done
+        [ "$running" -gt 0 ] || break
+        [ "$tick" -eq "$STOP_SAY_AFTER" ] && say "waiting for $running worker(s) to finish or give back the job" \
+            "in hand (a generation or reward in progress; at most $(( (300 - tick) / 10 )) s more, then they are killed)"
         sleep 0.1
     done
     kill -KILL "${pids[@]}" 2>/dev/null

@@ -1,0 +1,40 @@
+"""launch.sh's stop of its workers at the end of a run (scripts/launch_common.sh stop_workers): SIGTERM, then a
+line saying what it waits for while a worker is still finishing its job in hand, then SIGKILL after 30 s."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from helpers import REPO
+
+pytestmark = pytest.mark.process
+
+SCRIPT = """
+say() { echo "[launch] $*"; }
+source "$REPO/scripts/launch_common.sh"
+bash -c "$FINISHING" "$DONE" & finishing=$!
+sleep 600 & quick=$!
+declare -A WORKER_PID=([1]=$finishing [2]=$quick)
+sleep 0.5  # (their traps set)
+stop_workers
+echo "stopped"
+"""
+# A worker that, told to stop, finishes its job in hand: here, until the test says the job is done.
+FINISHING = 'trap "while [ ! -e \\"$0\\" ]; do sleep 0.05; done; exit 0" TERM; while true; do sleep 0.05; done'
+
+
+def test_a_worker_still_finishing_its_job_after_the_stop_is_said_to_be_waited_for(tmp_path):
+    done = tmp_path / "job-done"
+    stop = subprocess.Popen(["bash", "-c", SCRIPT], env={"REPO": str(REPO), "FINISHING": FINISHING, "DONE": str(done),
+                                                         "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
+    try:
+        line = stop.stdout.readline()
+        assert line == ("[launch] waiting for 1 worker(s) to finish or give back the job in hand (a generation or "
+                        "reward in progress; at most 28 s more, then they are killed)\n"), line
+        done.touch()  # its job is done: it exits
+        assert stop.stdout.readline() == "stopped\n"
+        assert stop.wait(timeout=30) == 0
+    finally:
+        if stop.poll() is None:
+            stop.kill()
