@@ -35,12 +35,20 @@ class FailedJobs:
     def __init__(self, cfg: AsyncGRPOConfig, queue: JobQueue, stop: Callable[[str], None]):
         self.cfg, self.queue, self.stop = cfg, queue, stop
         self.prompts_per_job = cfg.generation_batch_size // cfg.num_generations
-        self.jobs = 0  # jobs dropped by this PS: failed or orphaned
+        self.jobs = 0  # jobs dropped over the run's life (the checkpoint it resumed from counts those before)
         self.prompts = 0  # their prompts
         self.since_result = 0  # failure reports since the last good result arrived
         self.last_error: str | None = None  # describe_error of the newest failure report
         self.outcomes: list[tuple[str, bool]] = []  # (job id, produced a result), in job order; the newest kept
         self.stopped = False
+
+    def resume(self, dropped: dict) -> None:
+        """The jobs and prompts the run had dropped by the checkpoint it resumes from (a relaunch after a reward
+        function was fixed still counts them: they were never trained on)."""
+        self.jobs, self.prompts = int(dropped.get("jobs", 0)), int(dropped.get("prompts", 0))
+        if self.prompts:
+            log.info("[queue] this run dropped %d job(s), %d prompt(s), before the checkpoint it resumes from (jobs "
+                     "that failed on every attempt): counted on", self.jobs, self.prompts)
 
     def result_arrived(self, job_id: str) -> None:
         """A good result was collected."""

@@ -141,11 +141,13 @@ class JobPipeline:
         if final:
             cut_short = {part.job_id for part in self.in_training.parts} if self.in_training else set()
             cut_short |= {self.leftover[0].job_id} if self.leftover else set()
-        return {**self.ledger.state_dict(cut_short), "producer": self.producer.state_dict()}
+        return {**self.ledger.state_dict(cut_short), "producer": self.producer.state_dict(),
+                "dropped": {"jobs": self.failed.jobs, "prompts": self.failed.prompts}}
 
     def load_state_dict(self, state: dict) -> None:
         self.ledger.load_state_dict(state)
         self.producer.load_state(state.get("producer"))
+        self.failed.resume(state.get("dropped") or {})
 
     def stop(self) -> None:
         for part in (self.producer, self.collector):

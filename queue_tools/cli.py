@@ -122,6 +122,8 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
     done = {r.value: 0 for r in ArchiveReason}
     done_other = 0
     newest_failed = (0.0, None)  # (ctime, path) of the newest job archived failed
+    ps = run.read_ps_status()
+    failed_since_ps_start = 0  # (those before: a relaunch's history, a reward function fixed since, say)
     for entry in fileops.scan(run.done):
         reason = done_reason(entry.name)
         if reason is None:
@@ -130,10 +132,11 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
             done[reason.value] += 1
         if reason is ArchiveReason.FAILED:
             try:
-                newest_failed = max(newest_failed, (entry.stat(follow_symlinks=False).st_ctime, entry.path))
+                archived_at = entry.stat(follow_symlinks=False).st_ctime  # (the archiving rename's)
             except FileNotFoundError:
-                pass
-    ps = run.read_ps_status()
+                continue
+            newest_failed = max(newest_failed, (archived_at, entry.path))
+            failed_since_ps_start += ps is None or archived_at >= ps.started_at
     job_timeout_s = ps and ps.job_timeout_s
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True, job_timeout_s=job_timeout_s)
              if a.job_id is not None]
@@ -155,6 +158,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "done": done,
         "done_other": done_other,
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
+        "failed_since_ps_start": failed_since_ps_start,
         "global_step": global_step,
         "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
                                        "job_timeout_s": ps.job_timeout_s, "started_at": ps.started_at,
@@ -224,8 +228,8 @@ def _health(report: dict) -> str:
                         "workers' logs name the errors: their [tools] lines)")
     if report["pending"] and not alive:
         problems.append("jobs are pending but no worker is alive")
-    if report["done"]["failed"]:
-        problems.append(f"{report['done']['failed']} job(s) failed on every attempt and were not trained on "
+    if report["failed_since_ps_start"]:
+        problems.append(f"{report['failed_since_ps_start']} job(s) failed on every attempt and were not trained on "
                         f"(last error: {report['last_failure'] or 'not kept'})")
     if report["done"]["orphaned"]:
         problems.append(f"{report['done']['orphaned']} job(s) orphaned (their workers died on every attempt) and "
@@ -314,6 +318,9 @@ def format_report(r: dict) -> str:
     if r["done_other"]:
         archived.append(f"other {r['done_other']}")
     lines.append("done (files, by reason): " + (" | ".join(archived) if archived else "empty"))
+    if earlier := r["done"]["failed"] - r["failed_since_ps_start"]:
+        lines.append(f"history: {earlier} job(s) failed on every attempt before this parameter server started (their "
+                     "errors are in done/; a relaunch after a fix no longer meets them)")
     lines.append(f"health: {r['health']}")
     return "\n".join(lines)
 

@@ -526,3 +526,19 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert ps.returncode == 1, ps.stderr[-3000:]
     assert "\nps: error: the job producer stopped: QueueWriteError: [Errno 28] No space left on device\n" in ps.stderr
+
+
+def test_the_prompts_a_run_dropped_are_counted_over_its_life_across_a_relaunch(run, start, caplog):
+    """A relaunch (a reward function fixed) resumes the count from its checkpoint: the prompts dropped before were
+    never trained on, and the terminal's dropped_prompts says the run's, not the launch's."""
+    first = start(until_pending=2, max_attempts=2, max_pending=2)
+    failing = fail_one(first.queue)  # attempt 1: thrown again
+    assert fail_one(first.queue).job_id == failing.job_id  # attempt 2: reported, dropped
+    wait_for(lambda: first.failed.prompts == 2, "the failed job dropped")
+    state = first.state_dict()
+    first.stop()
+    with caplog.at_level("INFO", logger="asyncgrpo.ps"):
+        relaunched = start(state=state, max_attempts=2, max_pending=2)
+    assert (relaunched.failed.jobs, relaunched.failed.prompts) == (1, 2)
+    assert ("[queue] this run dropped 1 job(s), 2 prompt(s), before the checkpoint it resumes from (jobs that failed "
+            "on every attempt): counted on") in caplog.messages

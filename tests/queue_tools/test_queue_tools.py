@@ -107,6 +107,21 @@ def test_ls_warns_about_failed_jobs_with_their_count_and_the_newest_error(run, q
     assert out.strip().splitlines()[-1].endswith("(last error: not kept)")
 
 
+def test_jobs_that_failed_before_the_running_ps_started_are_history_not_health(run, queue, capsys):
+    """A relaunch after a reward function was fixed: the failures of the launch before stay counted in done/ and
+    said as history, and health goes by the failures since this PS started."""
+    archive_failed(queue, "000001_000", "the bug fixed since")
+    run.write_ps_status(dataclasses.replace(PSStatus.starting("model", None, {}), started_at=time.time() + 1))
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    lines = out.strip().splitlines()
+    assert lines[-1] == "health: OK: 0 worker(s) alive, no stale jobs", out
+    assert lines[-2] == ("history: 1 job(s) failed on every attempt before this parameter server started (their "
+                         "errors are in done/; a relaunch after a fix no longer meets them)")
+    run.write_ps_status(dataclasses.replace(PSStatus.starting("model", None, {}), started_at=time.time() - 60))
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert out.strip().splitlines()[-1].startswith("health: WARN: 1 job(s) failed on every attempt")
+
+
 def test_ls_warns_about_orphaned_jobs(run, queue, capsys):
     queue.put_job("000001_000", {}, created_step=1)
     queue.claim(1)
