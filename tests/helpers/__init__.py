@@ -8,7 +8,8 @@ They live in submodules by subject: ``configs`` (the demo task's config and a ru
 ``processes`` (the repository's paths and the processes' environment, starting, stopping and waiting for processes:
 RunProcesses, a run's PS and workers stopped however the test ends; expect_exit, a status checked with the log's end),
 ``files`` (back-dated mtimes, file modes, small readers of a run's files), ``checks`` (the exactly-once check,
-the ledger, the PS's events, a model's values) and ``faults`` (a full disk, a second host, a skewed clock).
+the ledger, the PS's events, a model's values), ``models`` (a real small chat model, made once into a cache
+folder) and ``faults`` (a full disk, a second host, a skewed clock).
 Every public name is re-exported here: tests write ``from helpers import X`` or ``helpers.X``.
 """
 
@@ -29,6 +30,7 @@ from .checks import (
 from .configs import DEMO_RUN_FLAGS, REWARDS_PY, demo_config, demo_flags, run_flags, write_user_folder
 from .faults import CLOCK_SKEW_DIR, as_other_host, inject_disk_full, other_host_unavailable, tmpfs
 from .files import NOBODY, backdate, entries, metrics, modes_beyond, open_as_nobody, read_json, result_payload
+from .models import smollm2_instruct
 from .processes import (
     PROCESS_ENV,
     REPO,
@@ -99,5 +101,6 @@ __all__ = [
     "tmpfs",
     "wait_for",
     "wait_until_stopped",
+    "smollm2_instruct",
     "write_user_folder",
 ]

@@ -206,10 +206,11 @@ def start_script(script, *args: str, env: dict | None = None, **popen) -> subpro
     return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env, **popen)
 
 
-def launch_sh(cwd, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``bash launch.sh args...`` run from ``cwd`` (as a user runs it from their folder), to its end."""
-    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], cwd=cwd, env=PROCESS_ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def launch_sh(cwd, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``bash launch.sh args...`` run from ``cwd`` (as a user runs it from their folder), to its end; PROCESS_ENV
+    plus ``env``."""
+    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], cwd=cwd, env={**PROCESS_ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def pid_alive(pid: int) -> bool:
