@@ -455,6 +455,10 @@ class _PipelineCallback(TrainerCallback):
         self.trainer.on_optimizer_step_begin()
 
     def on_step_end(self, args, state, control, **kwargs):
+        # Every run's terminal shows its first and last steps and metrics.jsonl has them, whatever --logging_steps
+        # (TRL's default 10 would leave a short run without one line).
+        if args.logging_strategy != "no" and (state.global_step == 1 or state.global_step >= state.max_steps):
+            control.should_log = True
         self.trainer.on_optimizer_step_end()
         self.trainer.hold_save_until_batch_ends(control)  # after DefaultFlowCallback decided should_save
 

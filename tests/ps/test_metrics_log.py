@@ -77,3 +77,33 @@ def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog)
     shown = [int(r.getMessage().split()[1][5:]) for r in caplog.records if r.levelno == logging.INFO]
     assert shown == [1, *range(25, 1001, 25)]
     assert len([r for r in caplog.records if r.getMessage().startswith("[train] step=")]) == 1000
+
+
+@pytest.mark.parametrize("logging_steps", [1, 10, 500])
+def test_the_first_and_last_steps_are_logged_whatever_logging_steps(logging_steps):
+    """TRL logs every --logging_steps (its default 10): a 3-step run logged nothing, so its terminal showed no
+    [train] line and metrics.jsonl stayed empty. Steps 1 and max_steps are logged too; the others as TRL says."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    from ps.trainer import _PipelineCallback
+
+    args = TrainingArguments(output_dir="unused", logging_steps=logging_steps, report_to="none", max_steps=25)
+    state = TrainerState(max_steps=25, logging_steps=logging_steps)
+    trainer = SimpleNamespace(on_optimizer_step_end=lambda: None, hold_save_until_batch_ends=lambda control: None)
+    callbacks = [DefaultFlowCallback(), _PipelineCallback(trainer)]  # in the order the trainer calls them
+    logged = []
+    for step in range(1, 26):
+        state.global_step, control = step, TrainerControl()
+        for callback in callbacks:
+            callback.on_step_end(args, state, control)
+        if control.should_log:
+            logged.append(step)
+    assert logged == sorted({1, 25, *range(logging_steps, 26, logging_steps)})
+    no_logs = TrainingArguments(output_dir="unused", logging_strategy="no", report_to="none", max_steps=25)
+    state.global_step, control = 1, TrainerControl()
+    for callback in callbacks:
+        callback.on_step_end(no_logs, state, control)
+    assert not control.should_log
