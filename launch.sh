@@ -110,6 +110,32 @@ start_worker() {
     CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 9>&- &
     WORKER_PID[$1]=$!
 }
+# Ctrl-C from here on stops what started; a second one kills it. (Set before the PS starts: an interrupt in its
+# first seconds leaves no folder behind that only looks like a run.)
+PS_PID="" TAIL_PID=""
+on_interrupt() {
+    trap on_second_interrupt INT TERM HUP
+    say "interrupted: stopping the parameter server and the workers (Ctrl-C again: kill them now)"
+    [ -n "$PS_PID" ] && { kill -TERM "$PS_PID"; wait "$PS_PID"; } 2>/dev/null
+    stop_workers; [ -n "$TAIL_PID" ] && wait "$TAIL_PID" 2>/dev/null
+    after_interrupt
+}
+on_second_interrupt() {
+    kill_now $PS_PID "${WORKER_PID[@]}" $TAIL_PID  # (unquoted: not started yet, nothing)
+    after_interrupt
+}
+after_interrupt() {
+    rm -f "$PS_STATUS_FILE"
+    if [ -d "$RUN_DIR/queue" ]; then
+        free_dead_weight_buffers "$RUN_DIR"
+    elif [ -n "$NEW_LOCK" ]; then  # stopped before its PS made the run: no folder is left that only looks like one
+        rm -rf "$LOGS"; unclaim
+        if [ -e "$RUN_DIR" ]; then say "the run had not started: its logs and launch.lock removed from $RUN_DIR"
+        else say "the run had not started: $RUN_DIR removed"; fi
+    fi
+    exit 130
+}
+trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
 # (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp)
@@ -125,20 +151,10 @@ for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # error ("ps: error: ..."; the same reason logged at ERROR level is not shown twice), a worker compiling its
 # decoding step (a minute on a CPU, while the PS waits), and the workers' failed tool
 # calls and jobs ([tools] and [jobs] lines, rate-limited by the workers; a job past its deadline, once). tail ends
-# when the PS does.
-{ tail --pid="$PS_PID" -q -n0 -F "$LOGS/log_parameter_server.txt" "${WORKER_LOG[@]}" 2>/dev/null |
+# when the PS does; Ctrl-C does not stop it, so that the PS's last lines (its "interrupted" line) still show.
+{ trap '' INT; tail --pid="$PS_PID" -q -n0 -F "$LOGS/log_parameter_server.txt" "${WORKER_LOG[@]}" 2>/dev/null |
     grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: | (WARNING|ERROR) \[(tools|jobs)\] | INFO \[gen\] dev\S+ compiling '; } 9>&- &
 TAIL_PID=$!
-
-on_interrupt() {
-    say "interrupted: stopping the parameter server and the workers"
-    kill -TERM "$PS_PID" 2>/dev/null; wait "$PS_PID" 2>/dev/null
-    stop_workers; wait "$TAIL_PID" 2>/dev/null
-    free_dead_weight_buffers "$RUN_DIR"
-    rm -f "$PS_STATUS_FILE"
-    exit 130
-}
-trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
 
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------
 # The loop's stderr is /dev/null: bash prints its own "line N: PID Killed ..." there when a process dies of a

@@ -306,7 +306,11 @@ def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
     TRL's reference model (``--beta`` > 0) is loaded the same way, on one device.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    # The processes' logs are files: a loading bar's carriage returns would glue it to the next line of the log (and
+    # of the terminal, which shows some of those lines).
+    transformers_logging.disable_progress_bar()
     kwargs = model_load_kwargs(cfg)
     try:
         dtype = kwargs.get("dtype")

@@ -201,7 +201,7 @@ def _save_and_stop(signum, _frame):
 def _already_stopping(signum, frame):
     if _put_off is not None:  # the first signal's interrupt was put off: raise it here, unless this is no better
         _raise_interrupt(_put_off, frame)
-    log.warning("[train] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log "
+    log.warning("[ps] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log "
                 "where each thread is", signum)
 
 

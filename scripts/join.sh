@@ -106,7 +106,8 @@ for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 JOINED_AT=$SECONDS NEXT_SAY=0
 
 on_interrupt() {
-    say "interrupted: stopping the workers"
+    trap 'kill_now "${WORKER_PID[@]}"; exit 130' INT TERM HUP
+    say "interrupted: stopping the workers (Ctrl-C again: kill them now)"
     stop_workers
     exit 130
 }

@@ -92,6 +92,14 @@ stop_workers() {  # SIGTERM: each finishes, or gives back, the job in hand; SIGK
     wait "${pids[@]}" 2>/dev/null
 }
 
+# A second Ctrl-C while the first one's stop still waits: SIGKILL now. Nothing is lost: a job in hand is recovered
+# at the next start, and a checkpoint cut short is ignored (its ledger is written last).
+kill_now() {  # kill_now PID...
+    say "interrupted again: killing them now (a job in hand goes back to the queue at the next launch)"
+    kill -KILL "$@" 2>/dev/null
+    wait "$@" 2>/dev/null
+}
+
 # One pass: a worker that exited is started again (its job returns through recovery), unless it exited 2:
 # bad input (a flag, a reward module it cannot import, a model that is not the PS's) that a restart would
 # only repeat. It is then dropped from WORKER_PID, and WORKER_ERROR keeps its one-line reason.

@@ -89,17 +89,26 @@ class WorkerSetupError(RuntimeError):
     """Loading the model, the reward functions or TRL's trainer failed: the worker cannot start."""
 
 
+class _StoppedWhileSettingUp(BaseException):  # (not an Exception: no fallback of the set-up may catch it)
+    """A stop signal while the worker loads its model or compiles its decoding step: it holds no job yet, so it
+    stops at once rather than after a compilation of up to minutes."""
+
+
 def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     stop = threading.Event()
+    setting_up = threading.Event()  # set while a stop signal interrupts at once
     presence = WorkerPresence(run, device, lease_s=cfg.lease_s).start()
     watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
 
     def request_stop(signum, _frame):
-        log.info("[worker] dev%s got signal %d: finishing the job in hand (giving it back if a tool call is "
-                 "running: tool calls are cut now), then exiting", device, signum)
         stop.set()
         tools.STOPPING.set()
         watcher.wake()
+        if setting_up.is_set():
+            setting_up.clear()  # (a second signal, during the clean-up, only sets stop)
+            raise _StoppedWhileSettingUp
+        log.info("[worker] dev%s got signal %d: finishing the job in hand (giving it back if a tool call is "
+                 "running: tool calls are cut now), then exiting", device, signum)
 
     tools.STOPPING.clear()  # (a worker run in a process that ran one before: tests)
     signal.signal(signal.SIGTERM, request_stop)
@@ -118,16 +127,23 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
     try:
+        setting_up.set()
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
         if resolve_mode(cfg.worker_decoding, cfg.device_type) != "eager":
             presence.update(state="compiling")  # (the PS's waiting line says so: it may take a minute on a CPU)
         decoding = build_decoder(cfg, trainer, device, events)
+        setting_up.clear()
         presence.update(state="idle")
-    except Exception as err:
+    except (Exception, _StoppedWhileSettingUp) as err:
+        setting_up.clear()
         watcher.close()
         deadline.stop()
         presence.stop()
         events.close()
+        if isinstance(err, _StoppedWhileSettingUp):
+            log.info("[worker] dev%s stopped by a signal while loading its model or compiling its decoding step "
+                     "(it held no job)", device)
+            return 0
         if isinstance(err, ConfigError) or is_broken_device_error(err):
             raise
         # Deterministic for this config and model (a library refusing a flag, a model that does not fit): a

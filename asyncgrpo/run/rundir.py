@@ -236,7 +236,11 @@ class RunDir:
             raise RunDirError(f"{path} is not a directory")
         run = cls(path.resolve())
         if not run.queue.is_dir() or not run.done.is_dir():
-            raise RunDirError(f"{path} is not an asyncgrpo run directory (no queue/ and done/ inside)")
+            started = ""
+            if (path / "launch.lock").exists():
+                started = (f": a launch.sh started there and its parameter server has not made them (it is starting, "
+                           f"was interrupted, or failed at start: see {path / 'logs'})")
+            raise RunDirError(f"{path} is not an asyncgrpo run directory (no queue/ and done/ inside){started}")
         return run
 
 

@@ -8,7 +8,6 @@ test_second_host.py on another host; tests/worker/test_worker_processes.py at ea
 the protocol.)
 """
 
-import contextlib
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from helpers import (
     expect_exit,
     heartbeat_pid,
     kill_run,
+    launch_in_group,
     metrics,
     modes_beyond,
     pid_alive,
@@ -33,6 +33,7 @@ from helpers import (
     run_flags,
     start_faulty_ps,
     start_process,
+    stopped_status,
     wait_for,
 )
 
@@ -166,32 +167,9 @@ def test_demo_task_learns_with_two_workers(tmp_path):
     assert best >= 0.8, f"the best 20-step mean reward is {best:.2f}"
 
 
-def launch(run_root, *args, nohup: bool = False):
-    """launch.sh as the leader of its own process group, as a terminal runs a command: SIGHUP not ignored (also
-    when the suite runs under nohup), or ignored as ``nohup`` runs it."""
-    sighup = signal.SIG_IGN if nohup else signal.SIG_DFL
-    return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO,
-                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
-
-
-def stopped_status(proc, run_root, timeout: float = 120) -> int:
-    """launch.sh's exit status once a signal stopped the run. Past ``timeout`` the test fails with the PS's log
-    end, where SIGUSR1 has it print each thread's stack (faulthandler): where its stop hangs."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log = run_root / "logs" / "log_parameter_server.txt"
-        with contextlib.suppress(OSError, ValueError, KeyError, AssertionError):  # (the stacks are a bonus)
-            os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGUSR1)
-            wait_for(lambda: "most recent call first" in log.read_text(), "the PS stacks", timeout=10)
-        pytest.fail(f"launch.sh still runs {timeout} s after the signal; the PS's log ends:\n"
-                    f"{log.read_text()[-8000:]}")
-
-
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     run_root = tmp_path / "run"
-    proc = launch(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
+    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
     try:
         first = heartbeat_pid(run_root, 1, TIMEOUT_S, procs=(proc,))
         wait_for_steps(run_root, 3, proc)
@@ -221,7 +199,7 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
     """SIGHUP to the process group (the terminal closed, an ssh session dropped): every process stops as on
     Ctrl-C, instead of dying where it stands: the PS frees its weight buffers, no worker dies holding a job."""
     run_root = tmp_path / "run"
-    proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
+    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000")
     try:
         workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)
@@ -244,7 +222,7 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
 def test_under_nohup_a_closed_terminal_changes_nothing(tmp_path):
     """nohup bash launch.sh ...: SIGHUP stays ignored in every process, and the run trains to its end."""
     run_root = tmp_path / "run"
-    proc = launch(run_root, "--workers", "2", "--max-steps", "40", nohup=True)
+    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "40", nohup=True)
     try:
         wait_for_steps(run_root, 3, proc)
         os.killpg(proc.pid, signal.SIGHUP)
@@ -256,7 +234,7 @@ def test_under_nohup_a_closed_terminal_changes_nothing(tmp_path):
 
 def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
     run_root = tmp_path / "run"
-    proc = launch(run_root, "--workers", "2", "--max-steps", "100000")
+    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000")
     try:
         workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)

@@ -1,14 +1,17 @@
 """The tests' processes: the repository's paths (REPO, TESTS) and the environment every process gets
 (PROCESS_ENV: one thread each); starting the PS and workers as real processes (start_process, forked from the
 zygote, tests/zygote.py, when it can; start_faulty_ps and faulty_ps_env for tests/faulty_ps.py; start_ps_ranks
-under torchrun; start_script; launch_sh from a user's folder); waiting for a condition (wait_for: bounded, and
-failing early when a process it depends on exits) or for a process to stop; a run's PS and workers stopped
-however the test ends (RunProcesses) and a process's exit status checked with its log's end (expect_exit,
-log_tail); and a process's state, liveness, heartbeat pid, and the cleanup of a launch.sh run (kill_run).
+under torchrun; start_script; launch_sh from a user's folder; launch_in_group as a terminal runs it); waiting for
+a condition (wait_for: bounded, and failing early when a process it depends on exits) or for a process to stop;
+a run's PS and workers stopped however the test ends (RunProcesses) and a process's exit status checked with its
+log's end (expect_exit, log_tail); and a process's state, liveness, heartbeat pid, a signalled launch.sh's status
+(stopped_status) and the cleanup of a launch.sh run (kill_run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from zygote import FORK, ForkedProcess
 
 from .files import read_json
@@ -211,6 +215,29 @@ def launch_sh(cwd, *args: str, timeout: float = 600, env: dict | None = None) ->
     plus ``env``."""
     return subprocess.run(["bash", str(REPO / "launch.sh"), *args], cwd=cwd, env={**PROCESS_ENV, **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
+
+
+def launch_in_group(run_root, *args, nohup: bool = False, cwd=REPO):
+    """launch.sh as the leader of its own process group, as a terminal runs a command from ``cwd``: SIGHUP not
+    ignored (also when the suite runs under nohup), or ignored as ``nohup`` runs it."""
+    sighup = signal.SIG_IGN if nohup else signal.SIG_DFL
+    return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=cwd,
+                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
+
+
+def stopped_status(proc, run_root, timeout: float = 120) -> int:
+    """launch.sh's exit status once a signal stopped the run. Past ``timeout`` the test fails with the PS's log
+    end, where SIGUSR1 has it print each thread's stack (faulthandler): where its stop hangs."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log = run_root / "logs" / "log_parameter_server.txt"
+        with contextlib.suppress(OSError, ValueError, KeyError, AssertionError):  # (the stacks are a bonus)
+            os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGUSR1)
+            wait_for(lambda: "most recent call first" in log.read_text(), "the PS stacks", timeout=10)
+        pytest.fail(f"launch.sh still runs {timeout} s after the signal; the PS's log ends:\n"
+                    f"{log.read_text()[-8000:]}")
 
 
 def pid_alive(pid: int) -> bool:
