@@ -59,8 +59,8 @@ sys.path.insert(0, str(REPO))
 
 from generation_bench import SHAPES, NoEvents, build, log, print_doc  # noqa: E402  (bench/ is the script's folder)
 
-from worker.continuous_loop import SWITCH_INTERVAL_S  # noqa: E402
 from worker.decoding.compiled_step import compiled_graphs  # noqa: E402
+from worker.generation import SWITCH_INTERVAL_S  # noqa: E402
 
 PROGRESS_EVERY_S = 20
 

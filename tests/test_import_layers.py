@@ -118,7 +118,7 @@ def test_each_layer_imports_only_the_layers_below(graph, layer, forbidden):
 
 
 # The worker's decoding: the loop around it (claims, scoring, publishing) is a layer above, never imported by it.
-DECODING_LOOP = ("worker.loop", "worker.continuous_loop", "worker.generate", "worker.results", "worker.deadline")
+DECODING_LOOP = ("worker.loop", "worker.generation", "worker.generate", "worker.results", "worker.deadline")
 DECODING_DEPTH = 5  # the longest chain of imports inside worker/decoding, in modules
 
 

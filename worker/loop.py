@@ -1,11 +1,14 @@
-"""The worker loop: claim a job, sync weights, generate and score, write the result.
+"""The worker loop: claim jobs, hand them to the generation, write the results.
 
     python -m worker --device N --run_dir RUN [any config flag the PS got]
 
 A worker holds its liveness lock and heartbeat for its whole life, recovers jobs an
-earlier process left under its device number, waits for the PS's first weights, then
-loops. SIGTERM or Ctrl-C: it finishes the job in hand (or releases it if it cannot: a job whose
-tool calls the stop cut short, worker/tools.py, is given back) and exits 0. When the PS goes
+earlier process left under its device number, builds its model and decoder, waits for the PS's
+first weights, then loops: it claims while its generation (worker/generation.py: the jobs of
+one decoder call, or continuous batching's slots) takes jobs, checks each one, and lets it
+generate. SIGTERM or Ctrl-C: it claims nothing more, finishes the jobs in hand (or gives them
+back if it cannot: a job not started yet, or whose tool calls the stop cut short,
+worker/tools.py) and exits 0; during its set-up, when it holds no job, at once. When the PS goes
 away it keeps its weights and waits for a new one.
 
 A job whose generation or scoring raises goes back to the queue as its next attempt, the
@@ -45,15 +48,15 @@ from asyncgrpo.user_code import load_rollout_hooks
 from asyncgrpo.weights import make_subscriber
 from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
-from worker.continuous_loop import serve_continuously
 from worker.deadline import JobDeadline
 from worker.decoding import Decoder
 from worker.decoding.build import build_decoder, resolve_mode
 from worker.decoding.continuous import ContinuousDecoding
-from worker.generate import JOB_FAILURES, JobInput, build_trainer, generate_jobs, job_seed
+from worker.generate import JOB_FAILURES, build_trainer
+from worker.generation import BatchGeneration, EngineGeneration, sync_weights, version_floor
 from worker.in_flight import InFlightWeights
 from worker.in_flight import unsupported as in_flight_unsupported
-from worker.results import Timing, fail, publish
+from worker.results import fail
 from worker.trl_seam import GenerationPath, generation_path
 
 log = logging.getLogger("asyncgrpo.worker")
@@ -151,81 +154,11 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         log.exception("[worker] dev%s could not build its model and trainer", device)
         raise WorkerSetupError(f"could not build its model and trainer: {first_line(err)} "
                                "(traceback in the worker's log)") from None
-    # Multi-turn jobs (tools, a rollout function) are generated one by one: a second job claimed with the first
-    # would only wait for it.
-    jobs_per_call = 1 if generation_path(trainer) is GenerationPath.TURNS else cfg.jobs_per_generate
     subscriber = make_subscriber(run, on_read=presence.announce_read)
-    in_flight = _in_flight_weights(cfg, trainer, subscriber, events, device)
-    version = None
     status = 0
-    failures_in_a_row = 0
-    waiting = Waiting(device)
     try:
-        while not stop.is_set():
-            if version is None:  # never claim a job before holding the PS's weights
-                version = _sync(subscriber, trainer.model, device, events)
-                if version is None:
-                    waiting.waiting_for("the parameter server's first weights")
-                    watcher.wait(IDLE_WAIT_S)
-                continue
-            if isinstance(decoding, ContinuousDecoding):  # a loop of its own (worker/continuous_loop.py)
-                serve_continuously(cfg, run, queue, trainer, decoding, subscriber, version, watcher, presence, stop,
-                                   events, waiting)
-                break
-            job = queue.claim(device)
-            if job is None:
-                JOB_FAILURES.flush()  # (an idle worker's repeats too)
-                presence.update(state="idle", job_id=None, job_ids=[])
-                waiting.waiting_for("a job from the parameter server")
-                watcher.wait()
-                continue
-            waiting.over()
-            # The running PS's flags (a PS relaunched with other flags also trains the jobs it left in the queue).
-            ps_flags = ps_status.generation if (ps_status := run.read_ps_status()) else None
-            if mismatch := cfg.generation_mismatch(ps_flags):
-                queue.release(job)  # for a worker started with the PS's flags
-                raise ConfigError(mismatch)
-            jobs = [job]
-            while len(jobs) < jobs_per_call and (more := queue.claim(device)) is not None:
-                jobs.append(more)  # only jobs already pending: a job in hand never waits for another
-            jobs = _readable(cfg, queue, jobs, version, events)
-            if not jobs:
-                continue
-            claimed = time.monotonic()
-            presence.update(state="busy", job_id=job.job_id, job_ids=[j.job_id for j in jobs])
-            for j in jobs:
-                queue_wait_ms = (j.claimed_at - j.payload["created_at"]) * 1e3
-                events.emit("job_claimed", job_id=j.job_id, attempt=j.attempt, queue_wait_ms=queue_wait_ms)
-                log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, j.job_id, j.attempt,
-                         queue_wait_ms)
-            version = _newer(_sync(subscriber, trainer.model, device, events), version)
-            needed = _version_floor(jobs, ps_status)
-            if version < needed:
-                waited_from = time.monotonic()
-                while version < needed and not stop.is_set():
-                    waiting.waiting_for(f"weights version {needed} (the job's floor: its step less --max_staleness)")
-                    time.sleep(0.005)  # synchronous mode: only the newest weights may generate this job
-                    version = _newer(_sync(subscriber, trainer.model, device, events), version)
-                    needed = _version_floor(jobs, run.read_ps_status())  # (a PS relaunched meanwhile)
-                events.emit("weights_wait", job_id=job.job_id, weights_version=version,
-                            dur_ms=(time.monotonic() - waited_from) * 1e3)
-            if stop.is_set() and version < needed:
-                for j in jobs:
-                    queue.release(j)
-                    events.emit("job_released", job_id=j.job_id)
-                break
-            presence.update(weights_version=version)
-            ok = _process(cfg, queue, jobs, trainer, version, events, claimed, decoding, in_flight)
-            if in_flight is not None:  # the weights it synced between decoding steps are the model's now
-                version = in_flight.version
-            JOB_FAILURES.flush()  # repeats counted in the last minute, logged even once the failures stop
-            if ok:
-                failures_in_a_row = 0
-            else:
-                failures_in_a_row += 1
-                presence.update(state="backoff", job_id=None, job_ids=[])
-                stop.wait(min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (failures_in_a_row - 1)))
-            presence.update(recompiles=decoding.recompiles())
+        generation = _generation(cfg, run, queue, trainer, decoding, subscriber, events, presence, stop)
+        _serve(cfg, run, queue, generation, watcher, presence, stop, events)
     except Exception as err:
         if not is_broken_device_error(err):
             raise
@@ -244,6 +177,92 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     if status == 0:
         log.info("[worker] dev%s stopped", device)
     return status
+
+
+def _serve(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, generation: BatchGeneration | EngineGeneration,
+           watcher: QueueWatcher, presence: WorkerPresence, stop: threading.Event, events: EventLog) -> None:
+    """The loop: claim while the generation takes jobs, hand them over, let it generate; after a failed job, wait
+    before the next claim (longer after each in a row). Returns after a stop, the jobs in hand done or given
+    back."""
+    device, waiting = presence.device, generation.waiting
+    while generation.version is None:  # never claim a job before holding the PS's weights
+        if stop.is_set():
+            return
+        generation.version = sync_weights(generation.subscriber, generation.trainer.model, device, events)
+        if generation.version is None:
+            waiting.waiting_for("the parameter server's first weights")
+            watcher.wait(IDLE_WAIT_S)
+    failures_in_a_row, claim_after = 0, 0.0
+    with generation:
+        while True:
+            generation.check()
+            for written in generation.published():
+                failures_in_a_row = 0 if written else failures_in_a_row + 1
+                if not written:
+                    claim_after = time.monotonic() + min(FAILURE_BACKOFF_MAX_S,
+                                                         FAILURE_BACKOFF_S * 2 ** (failures_in_a_row - 1))
+            JOB_FAILURES.flush()  # repeats counted in the last minute, logged even once the failures stop
+            backing_off = time.monotonic() < claim_after
+            while not stop.is_set() and not backing_off and generation.wants_a_job():
+                job = queue.claim(device)  # only jobs already pending: a job in hand never waits for another
+                if job is None:
+                    break
+                if (claimed := _read_claimed(cfg, run, queue, job, generation.version, events)) is not None:
+                    generation.submit(*claimed)
+            if stop.is_set():
+                generation.give_back()  # the jobs not started yet, for a worker that goes on
+            job_ids = generation.job_ids()
+            presence.update(state="busy" if job_ids else "backoff" if backing_off else "idle", job_ids=job_ids,
+                            job_id=job_ids[0] if job_ids else None, weights_version=generation.version,
+                            recompiles=generation.decoding.recompiles())
+            if generation.empty():
+                generation.sync()  # the next job starts with the newest weights
+                if stop.is_set():
+                    return
+                if backing_off:
+                    stop.wait(claim_after - time.monotonic())
+                else:
+                    waiting.waiting_for("a job from the parameter server")
+                    watcher.wait(IDLE_WAIT_S)
+                continue
+            waiting.over()
+            generation.step()
+
+
+def _generation(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, trainer, decoding: Decoder, subscriber,
+                events: EventLog, presence: WorkerPresence, stop: threading.Event):
+    device = presence.device
+    if isinstance(decoding, ContinuousDecoding):
+        return EngineGeneration(cfg, queue, trainer, decoding, subscriber, events, presence, stop, Waiting(device))
+    # Multi-turn jobs (tools, a rollout function) are generated one by one: a second job claimed with the first
+    # would only wait for it.
+    jobs_per_call = 1 if generation_path(trainer) is GenerationPath.TURNS else cfg.jobs_per_generate
+    in_flight = _in_flight_weights(cfg, trainer, subscriber, events, device)
+    return BatchGeneration(cfg, run, queue, trainer, decoding, subscriber, events, presence, stop, Waiting(device),
+                           in_flight, jobs_per_call)
+
+
+def _read_claimed(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, job: ClaimedJob, version: int,
+                  events: EventLog) -> tuple[ClaimedJob, int] | None:
+    """A claimed job, said and checked: the running PS's flags must be this worker's (ConfigError, the job given
+    back: a PS relaunched with other flags also trains the jobs it left in the queue), and its data readable
+    (asyncgrpo/jobqueue/handoff.py; else it fails as a job whose generation raised would). The job, with its
+    ``job_data``, and its weights floor; None when it failed."""
+    device = job.name.device
+    queue_wait_ms = (job.claimed_at - job.payload["created_at"]) * 1e3
+    events.emit("job_claimed", job_id=job.job_id, attempt=job.attempt, queue_wait_ms=queue_wait_ms)
+    log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
+             queue_wait_ms)
+    ps_status = run.read_ps_status()
+    if mismatch := cfg.generation_mismatch(ps_status.generation if ps_status else None):
+        queue.release(job)  # for a worker started with the PS's flags
+        raise ConfigError(mismatch)
+    try:
+        job.job_data = JobData.from_dict(job.data)
+    except ValueError as err:
+        fail(cfg, queue, job, err, version, events)
+        return None
+    return job, version_floor([job], ps_status)
 
 
 def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
@@ -267,21 +286,6 @@ def _device_label(cfg: AsyncGRPOConfig) -> str:
     return f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}"  # the physical GPU launch.sh chose
 
 
-def _readable(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list[ClaimedJob], version: int,
-              events: EventLog) -> list[ClaimedJob]:
-    """The jobs whose data a worker can read (asyncgrpo/jobqueue/handoff.py), each with its ``job_data``; any
-    other fails as a job whose generation raised would (thrown again, then reported to the PS)."""
-    readable = []
-    for job in jobs:
-        try:
-            job.job_data = JobData.from_dict(job.data)
-        except ValueError as err:
-            fail(cfg, queue, job, err, version, events)
-            continue
-        readable.append(job)
-    return readable
-
-
 def _in_flight_weights(cfg: AsyncGRPOConfig, trainer, subscriber, events: EventLog,
                        device: WorkerId) -> InFlightWeights | None:
     if not cfg.in_flight_updates:
@@ -290,46 +294,3 @@ def _in_flight_weights(cfg: AsyncGRPOConfig, trainer, subscriber, events: EventL
         log.info("[gen] dev%s --in_flight_updates: not with %s; new weights reach a job before it starts", device, why)
         return None
     return InFlightWeights(subscriber, trainer.model, events)
-
-
-def _version_floor(jobs: list[ClaimedJob], ps_status) -> int:
-    """The oldest weights version ``jobs`` may be generated with. A job thrown by an earlier PS of the run counts
-    its floor in that PS's steps, which the running PS (relaunched without a checkpoint, or from an earlier one)
-    may reach only by training on this very job: such a job takes the newest weights there are."""
-    started = ps_status.started_at if ps_status is not None else float("-inf")
-    return max((j.job_data.min_weights_version for j in jobs if j.payload["created_at"] >= started), default=0)
-
-
-def _newer(synced: int | None, held: int) -> int:
-    """The version the model holds after a sync that returned ``synced`` (None: nothing newer was published). A
-    PS relaunched without a checkpoint publishes version 0 again: 0 is a version, not nothing."""
-    return held if synced is None else synced
-
-
-def _sync(subscriber, model, device: WorkerId, events: EventLog) -> int | None:
-    start = time.monotonic()
-    version = subscriber.sync(model)
-    if version is not None:
-        sync_ms = (time.monotonic() - start) * 1e3
-        events.emit("weights_synced", weights_version=version, dur_ms=sync_ms, bytes=subscriber.synced_bytes)
-        log.info("[weights] dev%s synced version=%d sync_ms=%.1f", device, version, sync_ms)
-    return version
-
-
-def _process(cfg: AsyncGRPOConfig, queue: JobQueue, jobs: list, trainer, version: int, events: EventLog,
-             claimed: float, decoding: Decoder,
-             in_flight: InFlightWeights | None = None) -> bool:
-    """Generates and scores the jobs (in one generate call where that applies) and publishes each result; False if
-    any of them raised (it is thrown again or reported failed). With ``in_flight``, newer weights are synced
-    between decoding steps: each result's weights_version is its oldest token's."""
-    started = time.time()
-    inputs = [JobInput(job.job_data.rows, job_seed(trainer.args.seed, job.job_id), job.payload["created_step"],
-                       {"job_id": job.job_id, "weights_version": version}) for job in jobs]
-    # A bad prompt or reward function fails its job, not the worker (an error of a broken device is raised).
-    if in_flight is not None:
-        in_flight.version = version
-    outcomes = generate_jobs(trainer, inputs, events, decoding, with_logs=cfg.log_completions, in_flight=in_flight)
-    timing = Timing(claimed, started, time.time(), len(jobs), decoding.recompiles())
-    published = [publish(cfg, queue, job, outcome, version, events, timing)
-                 for job, outcome in zip(jobs, outcomes, strict=True)]
-    return all(published)

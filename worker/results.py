@@ -1,6 +1,6 @@
 """What a worker does with a job once it is generated and scored: publishes its result, throws it again or reports
-it failed, or gives it back. The worker loop (worker/loop.py) and the continuous-batching loop
-(worker/continuous_loop.py) both end a job here.
+it failed, or gives it back. Both ways a worker generates (worker/generation.py: a
+batch of one call, continuous batching's scoring thread) end a job here.
 """
 
 from __future__ import annotations

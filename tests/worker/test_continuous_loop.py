@@ -1,13 +1,14 @@
-"""The continuous-batching worker loop's scoring thread (worker/continuous_loop.py Scorer): what it holds is named in
-the heartbeat, and a job handed over again (its next attempt, the same job id) while the thread still ends the
-first attempt keeps it working."""
+"""Continuous batching in the worker's loop (worker/generation.py EngineGeneration): its scoring thread (Scorer) names
+what it holds in the heartbeat, keeps working when a job is handed over again (its next attempt, the same job id)
+while it still ends the first attempt, and says what each job came to; a joining job is sampled by the newest
+weights."""
 
 from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
 
-from worker.continuous_loop import Scorer, _Held
+from worker.generation import EngineGeneration, Scorer, _Held
 
 WAIT_S = 30
 
@@ -16,14 +17,15 @@ class RecordingScorer(Scorer):
     """A Scorer whose publishing only records, and waits for ``release`` on the first job it is handed."""
 
     def __init__(self):
-        self.published, self.release, self.started = [], threading.Event(), threading.Event()
+        self.seen, self.release, self.started = [], threading.Event(), threading.Event()
         super().__init__(cfg=None, queue=None, trainer=None, engine=None, events=None)
 
     def _publish(self, entry, finished):
-        if not self.published:
+        if not self.seen:
             self.started.set()
             assert self.release.wait(WAIT_S)
-        self.published.append((entry.job.job_id, entry.job.attempt))
+        self.seen.append((entry.job.job_id, entry.job.attempt))
+        return entry.job.attempt == 2  # what publish says: written, or not (failed, given back)
 
 
 def held(job_id: str, attempt: int) -> _Held:
@@ -42,8 +44,9 @@ def test_a_jobs_next_attempt_handed_over_while_its_first_is_ended_keeps_the_thre
     finally:
         scorer.close(WAIT_S)
     scorer.check()
-    assert scorer.published == [("000000_003", 1), ("000000_003", 2), ("000001_000", 1)]
+    assert scorer.seen == [("000000_003", 1), ("000000_003", 2), ("000001_000", 1)]
     assert scorer.in_hand() == []
+    assert scorer.published() == [False, True, False] and scorer.published() == []  # (the back-off)
 
 
 def test_a_job_whose_publishing_raises_stays_named_and_the_error_reaches_the_main_thread():
@@ -64,14 +67,13 @@ def test_a_job_whose_publishing_raises_stays_named_and_the_error_reaches_the_mai
 
 
 def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
-    """The loop syncs before a job joins the slots, as the other loop syncs before each job: a version published since
+    """The engine syncs before a job joins the slots, as a batch syncs before it starts: a version published since
     the engine's last look samples the joining job's first token (the job's oldest version is the newest one)."""
     import torch
     from test_continuous import job_ids
     from test_decode_step import GREEDY, llama, trainer_for
 
     from asyncgrpo.events import EventLog
-    from worker.continuous_loop import _join
     from worker.decoding.continuous import ContinuousDecoding
 
     class Subscriber:  # a PS published version 8 since the engine's last look
@@ -85,9 +87,11 @@ def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
 
     trainer = trainer_for(tmp_path, llama(), **GREEDY)
     engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    engine.version = 7
+    generation = EngineGeneration(trainer.args, None, trainer, engine, Subscriber(), EventLog.off(),
+                                  SimpleNamespace(device=1), threading.Event(), None)
+    generation.version = 7
     entry = _Held(SimpleNamespace(job_id="000008_000", attempt=1), prompt_ids=job_ids(trainer, 0), claimed=0.0)
     with torch.no_grad():
-        _join(trainer, engine, entry, EventLog.off(), Subscriber())
+        generation._join(entry)
     [resident] = engine.residents
-    assert engine.version == 8 and resident.runs == [[(0, 8)]] * engine.rows_per_job
+    assert generation.version == 8 and resident.runs == [[(0, 8)]] * engine.rows_per_job

@@ -14,8 +14,8 @@ TRL's scoring as a replay, whichever decoder made it. The decoders:
 - graph (graph.py): the worker's own decoding step, forward, sampling and bookkeeping of a token in one compiled
   function, over a fixed batch of ``--jobs_per_generate`` jobs' rows;
 - continuous (continuous.py): that step over ``--decoding_slots`` row slots, a job's rows joining as slots free up
-  (an engine the worker's continuous loop drives, worker/continuous_loop.py; ``generate`` runs one call's jobs
-  through it).
+  (an engine the worker's loop drives through worker/generation.py's EngineGeneration; ``generate`` runs one
+  call's jobs through it).
 
 build.py decides which one a worker builds, and falls back where one does not apply. Jobs whose generation is
 TRL's own (turns with tools, an environment or a rollout function; TRL's engine: worker/trl_seam.py

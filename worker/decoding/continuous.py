@@ -28,8 +28,8 @@ finished jobs out, and looks for newer weights: they are synced in place between
 versions that sampled its tokens (``runs``, as worker/in_flight.py defines them, one list a row: a job's rows
 join at different steps; a job's weights_version is its oldest token's).
 
-The worker loop around it (claims, scoring on a thread of its own while the slots decode, publishing) is
-worker/continuous_loop.py.
+The worker's loop drives it through worker/generation.py's EngineGeneration (jobs joining, scoring on a thread of
+its own while the slots decode, publishing).
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         has ended. The worker's continuous loop drives the engine itself, and syncs newer weights between
         its steps itself: ``in_flight`` is not taken."""
         if in_flight is not None:
-            raise ValueError("the engine syncs newer weights between its steps itself (worker/continuous_loop.py)")
+            raise ValueError("the engine syncs newer weights between its steps itself (worker/generation.py)")
         if len(prompt_ids) % self.rows_per_job or not self.empty():
             raise ValueError(f"{len(prompt_ids)} rows for an engine of {self.rows_per_job}-row jobs, "
                              f"{len(self.residents)} jobs in it")

@@ -1,0 +1,100 @@
+"""The worker's one loop (worker/loop.py ``_serve``) over any generation (worker/generation.py): what it claims and
+when, the back-off after failed jobs, a stop; and synchronous mode (``--max_staleness 0``) through a real PS and
+worker with each decoder: every job generated with the newest weights, continuous batching's too."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from helpers import RunProcesses, metrics, run_flags
+
+from asyncgrpo.events import EventLog
+from asyncgrpo.jobqueue.names import done_reason
+from worker import loop
+from worker.loop import FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S, Waiting, _serve
+
+TIMEOUT_S = 600
+
+
+class FailingGeneration:
+    """A generation of one job a call whose every job fails; the stop comes with the ``calls``-th."""
+
+    def __init__(self, stop: threading.Event, calls: int):
+        self.stop, self.calls = stop, calls
+        self.version, self.waiting, self.decoding = 3, Waiting(1), SimpleNamespace(recompiles=lambda: 0)
+        self.jobs, self.outcomes, self.submitted, self.failed = [], [], [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def wants_a_job(self):
+        return not self.jobs
+
+    def submit(self, job, floor):
+        self.jobs.append(job)
+        self.submitted.append(time.monotonic())
+
+    def empty(self):
+        return not self.jobs
+
+    def job_ids(self):
+        return [j.job_id for j in self.jobs]
+
+    def sync(self):
+        pass
+
+    def give_back(self):
+        self.jobs = []
+
+    def published(self):
+        done, self.outcomes = self.outcomes, []
+        return done
+
+    def check(self):
+        pass
+
+    def step(self):
+        self.jobs = []
+        self.outcomes.append(False)
+        self.failed.append(time.monotonic())
+        if len(self.failed) == self.calls:
+            self.stop.set()
+
+
+def test_after_each_failed_job_the_next_claim_waits_longer_whatever_the_generation(monkeypatch):
+    """One loop for every decoder: the back-off is the loop's, so continuous batching has it too (its loop of its own
+    claimed again at once)."""
+    stop = threading.Event()
+    generation = FailingGeneration(stop, calls=5)
+    queue = SimpleNamespace(claim=lambda device: SimpleNamespace(job_id=f"{len(generation.submitted):06d}_000"))
+    monkeypatch.setattr(loop, "_read_claimed", lambda cfg, run, queue, job, version, events: (job, 0))
+    presence = SimpleNamespace(device=1, update=lambda **fields: None)
+    watcher = SimpleNamespace(wait=lambda timeout=None: None)
+    _serve(None, None, queue, generation, watcher, presence, stop, EventLog.off())
+    assert len(generation.submitted) == 5
+    pairs = zip(generation.failed[:-1], generation.submitted[1:], strict=True)  # a failure, the claim after it
+    for k, (failed, next_claim) in enumerate(pairs, start=1):
+        assert next_claim - failed >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3, k
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("decoding", ["eager", "continuous"])
+def test_synchronous_mode_generates_every_job_with_the_newest_weights_whatever_the_decoder(tmp_path, decoding):
+    """--max_staleness 0: each job is generated with the weights of the step that takes it (a job whose floor is
+    above the weights held waits for them: a batch before it starts, continuous batching's job outside the slots),
+    and no result is thrown away as stale."""
+    run_root = tmp_path / "run"
+    with RunProcesses(run_root, "--max_staleness", "0", "--worker_decoding", decoding, *run_flags(6)) as run:
+        run.ps()
+        worker = run.worker(1)
+        run.expect_ps_exit(0, TIMEOUT_S)
+        assert run.stop([worker]) == [0]
+    assert [(m["step"], m["staleness_max"]) for m in metrics(run_root)] == [(step, 0) for step in range(1, 7)]
+    reasons = {done_reason(p.name).value for p in (run_root / "done").iterdir()}
+    assert "stale" not in reasons, reasons
