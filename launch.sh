@@ -65,7 +65,7 @@ done
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, gpu_env, claim_run, stop_workers, restart_dead_workers
+source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, gpu_env, claim_run, stop_workers, restart_dead_workers
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 set_file_modes "${PASS[@]}"
 # The run folder is claimed first, before the checks' imports (seconds): a second launch.sh on it is refused at
@@ -83,12 +83,12 @@ claim_run "$RUN_DIR"
 trap unclaim EXIT
 # A flag that is not one, refused at once where an earlier launch recorded the flags (asyncgrpo/flag_check.py).
 "$VENV_PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
-resolve_device
-[ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
-RUN_DIR=$("$VENV_PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
+CHECKED=$("$VENV_PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
+checked_inputs "$CHECKED"
+[ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 trap - EXIT
-ARGS[1]="$RUN_DIR"
+ARGS[1]="$RUN_DIR" ARGS[3]="$DEVICE"
 LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"
 

@@ -1,7 +1,7 @@
 """Run the parameter server:
 
     python -m ps --run_dir RUN [--max_steps N] [--config run.yaml] [any GRPOConfig / asyncgrpo flag]
-    python -m ps --check_only ...     # validate the inputs, print the run directory, start nothing
+    python -m ps --check_only ...     # validate the inputs, print the run directory and device, start nothing
     python -m ps --help               # every flag
 
 launch.sh starts it together with the workers. With the same --run_dir it resumes from
@@ -47,8 +47,8 @@ from ps.exits import check_disk_for_checkpoints, checkpoint_misfit, first_cause
 
 log = logging.getLogger("asyncgrpo.ps")
 DESCRIPTION = ("The asyncgrpo parameter server: trains with TRL's GRPOTrainer on results that workers generate. "
-               "--check_only: check the inputs, print the run directory, start nothing. Every other flag below; "
-               "--config FILE.yaml sets any of them.")
+               "--check_only: check the inputs, print the run directory and (a second line) the device and the GPUs "
+               "torch sees, start nothing. Every other flag below; --config FILE.yaml sets any of them.")
 
 
 def set_tensorboard_dir(final_dir: str) -> None:
@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             for note in notes:
                 print(f"ps: note: {note}", file=sys.stderr)
             print(os.path.abspath(os.path.expanduser(run_root)))
+            # The device --device_type auto resolved to, and the GPUs torch sees: launch.sh asks no other interpreter.
+            import torch
+
+            print(cfg.device_type, torch.cuda.device_count() if cfg.device_type == "cuda" else 0)
             return 0
         if cfg.ps_processes != cfg.world_size:
             raise ConfigError(f"--ps_processes {cfg.ps_processes}, but the PS was started as {cfg.world_size} "
@@ -239,8 +243,9 @@ def train(cfg, run: RunDir) -> int:
             check_disk_for_checkpoints(run, trainer.model, cfg.save_strategy != "no")
         if trainer.accelerator.num_processes > 1:
             resume = broadcast_object_list([resume], from_process=0)[0]
-        if resume:  # (every rank: a refusal stops them all)
-            say_or_refuse_changes(read_ledger(resume).pipeline_state.get("flags"), cfg, resume, say=first_rank)
+        saved = read_ledger(resume) if resume else None
+        if saved is not None:  # (every rank: a refusal stops them all)
+            say_or_refuse_changes(saved.pipeline_state.get("flags"), cfg, resume, say=first_rank)
         if first_rank:
             # Workers match its generation; recovery and ls go by its deadline, lease and attempts.
             status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None,
@@ -249,10 +254,10 @@ def train(cfg, run: RunDir) -> int:
         log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:
-            if resume and read_ledger(resume).global_step >= cfg.max_steps:
+            if saved is not None and saved.global_step >= cfg.max_steps:
                 # transformers checks max_steps only after a step: resuming there would train one more
                 log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
-                trainer.state.global_step = read_ledger(resume).global_step
+                trainer.state.global_step = saved.global_step
                 trainer._load_from_checkpoint(resume)  # the final save saves the checkpoint's weights (or adapter)
             else:
                 trainer.train(resume_from_checkpoint=resume)

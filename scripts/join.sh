@@ -61,10 +61,11 @@ RUN="$(cd "$RUN" && pwd)"
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 # As launch.sh: the processes run in this folder (relative paths, reward modules), the repository first on the path.
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-source "$REPO_ROOT/scripts/launch_common.sh"  # resolve_device, stop_workers, restart_dead_workers
-resolve_device
+source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, stop_workers, restart_dead_workers
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
-"$VENV_PY" -m ps --check_only --joining "${ARGS[@]}" > /dev/null || exit 2  # it printed the one-line reason
+CHECKED=$("$VENV_PY" -m ps --check_only --joining "${ARGS[@]}") || exit 2  # it printed the one-line reason
+checked_inputs "$CHECKED"
+ARGS[3]="$DEVICE"  # (auto resolved)
 HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
 LOGS="$RUN/logs"
 set_file_modes "${PASS[@]}"

@@ -2,15 +2,14 @@
 # Expects VENV_PY and die; the supervision also WORKER_PID and WORKER_LOG (associative arrays: worker
 # number -> pid, log file), start_worker N and say.
 
-# resolve_device sets DEVICE (auto -> cuda or cpu), NGPU (GPUs torch sees on cuda, else 0) and GPU_IDS (their
-# CUDA_VISIBLE_DEVICES names: those of a CUDA_VISIBLE_DEVICES set before the launch, as a scheduler sets it for
-# the GPUs it gave the job, else 0..NGPU-1). The processes' own CUDA_VISIBLE_DEVICES are picked from GPU_IDS.
-resolve_device() {
-    if [ "$DEVICE" = auto ]; then
-        DEVICE=$("$VENV_PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")' 9>&-)
-    fi
-    NGPU=0 GPU_IDS=()
-    [ "$DEVICE" = cuda ] && NGPU=$("$VENV_PY" -c 'import torch; print(torch.cuda.device_count())' 9>&-)
+# checked_inputs CHECK_OUTPUT: what `python -m ps --check_only` printed, the one interpreter a launch runs before
+# its processes: sets RUN_DIR, DEVICE (auto resolved: cuda or cpu), NGPU (GPUs torch sees on cuda, else 0) and
+# GPU_IDS (their CUDA_VISIBLE_DEVICES names: those of a CUDA_VISIBLE_DEVICES set before the launch, as a scheduler
+# sets it for the GPUs it gave the job, else 0..NGPU-1). The processes' own CUDA_VISIBLE_DEVICES are picked from
+# GPU_IDS.
+checked_inputs() {
+    { read -r RUN_DIR; read -r DEVICE NGPU; } <<< "$1"
+    GPU_IDS=()
     [ "$DEVICE" = cuda ] && [ "$NGPU" -eq 0 ] && die "--device cuda, but torch sees no GPU"
     if [ "$NGPU" -gt 0 ]; then
         if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -r -a GPU_IDS <<< "$CUDA_VISIBLE_DEVICES"

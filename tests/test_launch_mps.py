@@ -95,11 +95,11 @@ def test_where_mps_is_not_started(tmp_path, settings, why, said):
     assert ("NVIDIA MPS off" in out.stdout) is said
 
 
-# launch.sh's placement (gpu_env), with a stand-in python that says torch sees GPU_COUNT GPUs.
+# launch.sh's placement (gpu_env), as `ps --check_only` said: cuda, 4 GPUs.
 PLACEMENT = """
 die() { echo "die: $*"; exit 2; }
 source "$REPO/scripts/launch_common.sh"
-DEVICE=auto; resolve_device
+checked_inputs "$(printf '/runs/x\ncuda 4\n')"
 for i in 0 1 2 3 4; do echo "$i=$(gpu_env $i)"; done
 """
 
@@ -110,10 +110,7 @@ for i in 0 1 2 3 4; do echo "$i=$(gpu_env $i)"; done
     ("GPU-a,GPU-b,GPU-c,GPU-d", 2, ["GPU-a,GPU-b", "GPU-c,GPU-a", "GPU-d,GPU-a", "GPU-c,GPU-a", "GPU-d,GPU-a"]),
 ])
 def test_processes_are_placed_on_the_gpus_launch_sh_was_given(tmp_path, visible, ps_procs, expected):
-    python = tmp_path / "python"
-    python.write_text('#!/bin/sh\ncase "$2" in *device_count*) echo 4 ;; *) echo cuda ;; esac\n')
-    os.chmod(python, 0o755)
-    env = {"PATH": "/usr/bin:/bin", "REPO": str(REPO), "VENV_PY": str(python), "PS_PROCS": str(ps_procs),
+    env = {"PATH": "/usr/bin:/bin", "REPO": str(REPO), "PS_PROCS": str(ps_procs),
            **({"CUDA_VISIBLE_DEVICES": visible} if visible else {})}
     out = subprocess.run(["bash", "-c", PLACEMENT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

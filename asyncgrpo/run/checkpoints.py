@@ -27,8 +27,9 @@ class LedgerError(ValueError):
 
 
 @dataclass(frozen=True)
-class Ledger:
-    """A checkpoint's ledger. On disk one JSON object: ``{"global_step": N, **pipeline_state}``.
+class SavedLedger:
+    """A checkpoint's ledger, as saved (ps/ledger.py's Ledger is the running PS's). On disk one JSON object:
+    ``{"global_step": N, **pipeline_state}``.
 
     ``pipeline_state`` is the PS pipeline's state at the save (ps/pipeline.py JobPipeline.state_dict), which the
     resumed PS starts its pipeline from: ``consumed``, the ids of the jobs trained into the checkpoint's
@@ -51,7 +52,7 @@ def write_ledger(folder: str | os.PathLike, global_step: int, pipeline_state: di
     fileops.write_json(Path(folder) / LEDGER_FILE, {"global_step": global_step, **pipeline_state}, fsync=True)
 
 
-def read_ledger(folder: str | os.PathLike) -> Ledger:
+def read_ledger(folder: str | os.PathLike) -> SavedLedger:
     """``folder``'s ledger. FileNotFoundError: the checkpoint is incomplete (or was deleted since it was found);
     LedgerError: the file holds no ledger; any other OSError: it cannot be read."""
     path = Path(folder) / LEDGER_FILE
@@ -66,7 +67,7 @@ def read_ledger(folder: str | os.PathLike) -> Ledger:
     if not isinstance(obj.get("consumed"), list):
         raise LedgerError(f"{path} holds no consumed list")
     global_step = obj.pop("global_step")
-    return Ledger(global_step=global_step, pipeline_state=obj, written_at_ns=written_at_ns)
+    return SavedLedger(global_step=global_step, pipeline_state=obj, written_at_ns=written_at_ns)
 
 
 def is_complete(folder: str | os.PathLike) -> bool:

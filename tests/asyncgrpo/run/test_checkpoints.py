@@ -7,7 +7,7 @@ import os
 import pytest
 
 from asyncgrpo.run import checkpoints
-from asyncgrpo.run.checkpoints import LEDGER_FILE, Ledger, LedgerError
+from asyncgrpo.run.checkpoints import LEDGER_FILE, LedgerError, SavedLedger
 
 PIPELINE_STATE = {"consumed": ["000001_000", "000001_001"], "groups_done": {"000001_002": [0, 1]},
                   "producer": {"next_index": 3}}
@@ -28,7 +28,7 @@ def test_a_ledger_reads_back_as_written(run):
     folder.mkdir()
     checkpoints.write_ledger(folder, 8, PIPELINE_STATE)
     ledger = checkpoints.read_ledger(folder)
-    assert ledger == Ledger(global_step=8, pipeline_state=PIPELINE_STATE,
+    assert ledger == SavedLedger(global_step=8, pipeline_state=PIPELINE_STATE,
                             written_at_ns=(folder / LEDGER_FILE).stat().st_mtime_ns)
     assert ledger.consumed == {"000001_000", "000001_001"}
     # On disk one flat object, the step beside the pipeline's state (what checkpoints of earlier versions hold).
