@@ -10,14 +10,15 @@ completions, silently: so ``num_generations``, ``per_device_train_batch_size``, 
 already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
 step on.
 
-(``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, said by
-ps/trainer.py.)
+(``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, which
+``say_if_the_schedule_changed`` says.)
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 
 from asyncgrpo.config import GENERATION_FLAGS, AsyncGRPOConfig, ConfigError
 
@@ -58,3 +59,27 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
                       "rewards")
         log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,
                  saved[name], after)
+
+
+def say_if_the_schedule_changed(checkpoint: str, state, lr_scheduler, lr_scheduler_type) -> None:
+    """A run resumed with another --max_steps than it was trained towards: transformers rebuilds the learning-rate
+    schedule over the new length, so the learning rate jumps (a finished run's schedule had decayed to 0). Said in
+    one line, with the rates before and after. ``state``: the resumed trainer's (TrainerState)."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return
+    old_steps = saved.get("max_steps")
+    if not old_steps or old_steps == state.max_steps:
+        return
+    old_lr = next((entry["learning_rate"] for entry in reversed(saved.get("log_history", []))
+                   if "learning_rate" in entry), None)
+    new_lr = None
+    if getattr(lr_scheduler, "lr_lambdas", None):  # transformers' schedules (get_last_lr is the saved, old rate)
+        new_lr = lr_scheduler.base_lrs[0] * lr_scheduler.lr_lambdas[0](state.global_step)
+    log.info("[train] resumed at step %d of a run trained towards max_steps=%d, now max_steps=%d: the "
+             "learning-rate schedule (%s) is recomputed over %d steps: the learning rate goes from %s "
+             "(its last step's) to %s",
+             state.global_step, old_steps, state.max_steps, getattr(lr_scheduler_type, "value", lr_scheduler_type),
+             state.max_steps, *("-" if lr is None else f"{lr:.3g}" for lr in (old_lr, new_lr)))

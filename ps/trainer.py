@@ -35,7 +35,6 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -62,7 +61,7 @@ from asyncgrpo.user_code import RolloutHooks
 from asyncgrpo.weights import make_publisher
 from asyncgrpo.weights.adapter import gather_full_tensors
 from ps.batches import BatchSource, BroadcastBatches, PipelineBatches
-from ps.flag_changes import recorded_flags
+from ps.flag_changes import recorded_flags, say_if_the_schedule_changed
 from ps.learning_signal import LearningSignal, finite
 from ps.offpolicy import TokenWeighting
 from ps.pipeline import BatchInTraining, JobPipeline, PipelineError
@@ -130,37 +129,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return
         state = read_ledger(self._resume_checkpoint).pipeline_state if self._resume_checkpoint else None
         if self._resume_checkpoint:
-            self._say_if_the_schedule_changed(self._resume_checkpoint)
+            say_if_the_schedule_changed(self._resume_checkpoint, self.state, self.lr_scheduler,
+                                        self.args.lr_scheduler_type)
         self._groups_dropped_total = self._forget_metrics_after(self.state.global_step)
         last = metrics.last_line(self.run.metrics_file)
         self.signal = LearningSignal.resumed(self.state.global_step,
                                              last if last and last.get("step") == self.state.global_step else None)
         self.pipeline.start(state, published_version=self.state.global_step)
-
-    def _say_if_the_schedule_changed(self, checkpoint: str) -> None:
-        """A run resumed with another --max_steps than it was trained towards: transformers rebuilds the
-        learning-rate schedule over the new length, so the learning rate jumps (a finished run's schedule had
-        decayed to 0). Said in one line, with the rates before and after."""
-        try:
-            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            return
-        old_steps = saved.get("max_steps")
-        if not old_steps or old_steps == self.state.max_steps:
-            return
-        old_lr = next((entry["learning_rate"] for entry in reversed(saved.get("log_history", []))
-                       if "learning_rate" in entry), None)
-        new_lr = None
-        scheduler = self.lr_scheduler
-        if getattr(scheduler, "lr_lambdas", None):  # transformers' schedules (get_last_lr is the saved, old rate)
-            new_lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](self.state.global_step)
-        log.info("[train] resumed at step %d of a run trained towards max_steps=%d, now max_steps=%d: the "
-                 "learning-rate schedule (%s) is recomputed over %d steps: the learning rate goes from %s "
-                 "(its last step's) to %s",
-                 self.state.global_step, old_steps, self.state.max_steps,
-                 getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type), self.state.max_steps,
-                 *("-" if lr is None else f"{lr:.3g}" for lr in (old_lr, new_lr)))
 
     def _forget_metrics_after(self, step: int) -> int:
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe
