@@ -58,12 +58,10 @@ class PipelineBatches:
     def _emit_taken(self, taken: TrainingBatch, step: int, started: float) -> None:
         self.events.emit("wait_result", step=step, dur_ms=(time.monotonic() - started) * 1e3)
         for part in taken.in_training.parts:  # one event per result the batch takes groups from
-            by_version = part.tokens_by_version or {part.weights_version: part.tokens}
             self.events.emit("result_consumed", job_id=part.job_id, weights_version=part.weights_version, step=step,
-                             staleness=step - 1 - part.weights_version, samples=part.samples, tokens=part.tokens,
+                             staleness=part.staleness(step), samples=part.samples, tokens=part.tokens,
                              groups=part.groups, of_groups=part.of_groups,
-                             # completion tokens by their own staleness (in-flight updates: newer than the result's)
-                             token_staleness={str(step - 1 - v): n for v, n in sorted(by_version.items())})
+                             token_staleness={str(s): n for s, n in part.tokens_by_staleness(step).items()})
 
     def step_trained(self, step: int) -> None:
         self.pipeline.on_step_end(step)

@@ -34,6 +34,17 @@ class GroupsTaken:
     tokens: int  # completion tokens taken
     tokens_by_version: dict[int, int] | None = None  # of those tokens, how many each weights version sampled
 
+    def staleness(self, step: int) -> int:
+        """Its staleness in optimizer step ``step``: the weights that step starts from (``step - 1``) less the
+        result's (the behaviour's). The one place it is computed: the metrics line, the events and ``ls`` read it."""
+        return step - 1 - self.weights_version
+
+    def tokens_by_staleness(self, step: int) -> dict[int, int]:
+        """Its completion tokens by their own staleness in step ``step`` (with in-flight updates a result's later
+        tokens were sampled by newer weights than its weights_version)."""
+        by_version = self.tokens_by_version or {self.weights_version: self.tokens}
+        return {step - 1 - version: tokens for version, tokens in sorted(by_version.items())}
+
 
 class Ledger:
     def __init__(self):

@@ -275,12 +275,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        # Each group's staleness: the weights this step started from, minus its result's (the behaviour's).
         parts = self.batch_in_training.parts
         for part in parts:
-            self._step_record.trained(step, part.weights_version, len(part.groups),
-                                      part.tokens_by_version or {part.weights_version: part.tokens})
-        staleness = max(step - 1 - part.weights_version for part in parts)
+            self._step_record.trained(step, part)
+        staleness = max(part.staleness(step) for part in parts)
         if self.is_queue_client:
             self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
                              wait_ms=self._step_wait_s * 1e3, staleness=staleness)

@@ -89,13 +89,12 @@ class StepRecord:
     trainer_wait_s: float = 0.0  # the steps' waits for results
     groups_dropped: int = 0  # by dynamic sampling
 
-    def trained(self, step: int, weights_version: int, groups: int, tokens_by_version: dict[int, int]) -> None:
-        """Step ``step`` trained ``groups`` groups of a result generated with ``weights_version``, whose completion
-        tokens each version sampled as ``tokens_by_version`` says."""
-        self.staleness += [step - 1 - weights_version] * groups
-        self.weights_versions.append(weights_version)
-        for version, tokens in tokens_by_version.items():
-            self.token_staleness += (step - 1 - version) * tokens
+    def trained(self, step: int, part) -> None:
+        """Step ``step`` trained ``part``, a result's groups (ps/ledger.py GroupsTaken, which says their staleness)."""
+        self.staleness += [part.staleness(step)] * len(part.groups)
+        self.weights_versions.append(part.weights_version)
+        for staleness, tokens in part.tokens_by_staleness(step).items():
+            self.token_staleness += staleness * tokens
             self.tokens += tokens
 
     def trl_logs(self) -> dict:
