@@ -35,6 +35,7 @@ Only TRL internals are overridden here; the queue side is ps/pipeline.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -372,14 +373,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         every = max(1, round(max_steps / TERMINAL_STEP_LINES))
         shown = line.step % every == 0 or line.step == 1 or line.step >= max_steps
         # (reward None: every reward function returned None for every row of the step, which TRL allows)
-        log.log(logging.INFO if shown else STEP,
-                "[train] step=%d reward=%s staleness=%.1f wait_ms=%.0f loss=%s queue=%s%s",
-                line.step, _fmt(line.reward), line.staleness_mean, line.trainer_wait_s * 1e3,
-                f"{line.loss:.4f}" if line.loss is not None else "-", depth_line(line.queue_depth),
-                (f" dropped_prompts={dropped}" if dropped else "")
-                + (f" groups_dropped={line.groups_dropped}" if self.cfg.dynamic_sampling else "")
-                + (f" prompts_skipped={line.prompts_skipped}" if self.cfg.difficulty_filter else "")
-                + (f" tool_failures={line.tool_failure_rate:.0%}" if line.tool_failure_rate is not None else ""))
+        log.log(logging.INFO if shown else STEP, "[train] %s",
+                metrics.step_words(dataclasses.asdict(line), depth_line(line.queue_depth), dropped))
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
                 callback.training_bar.set_postfix(reward=_fmt(line.reward),

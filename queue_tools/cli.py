@@ -272,10 +272,6 @@ def _stuck(report: dict) -> list[str]:
     return problems
 
 
-def _num(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _age(seconds) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -285,14 +281,7 @@ def format_report(r: dict) -> str:
     lines.append(f"queue: {depth_line(r, every_state=True)} (oldest pending {_age(r['oldest_pending_age_s'])})")
     last = r["last_step"]
     if last is not None:
-        lines.append(f"training: step {last['step']} reward {_num(last['reward'], '.3f')} staleness "
-                     f"{_num(last['staleness_mean'], '.1f')} (max {last['staleness_max']} in that step) "
-                     f"trainer wait {_num(last['trainer_wait_s'] and last['trainer_wait_s'] * 1e3, '.0f')} ms"
-                     + (f" groups dropped {last['groups_dropped']} ({last['groups_dropped_total']} groups in all)"
-                        if last.get("groups_dropped_total") else "")
-                     + (f" prompts skipped {last['prompts_skipped']}" if last.get("prompts_skipped") else "")
-                     + (f" tool calls failed {last['tool_failure_rate']:.0%}"
-                        if last.get("tool_failure_rate") is not None else ""))
+        lines.append(f"training: {metrics.step_words(last)}")
     ps = r["ps"]
     if ps is None:
         lines.append("parameter server: none yet (no ps.json)")

@@ -34,6 +34,27 @@ NO_REWARD_STOP_STEPS = 20
 NO_SPREAD_WARN_STEPS = 20
 
 
+def step_words(line: dict, queue: str | None = None, dropped_prompts: int = 0) -> str:
+    """A step's line as the terminal's ``[train]`` line and ``queue_tools ls``'s ``training:`` line show it (one
+    format): its step, reward (``-``: no reward function scored a row), staleness, the trainer's wait for results
+    and loss; then the queue's depth (``queue``, where the caller has it), and what the run has counted: prompts
+    dropped by failed jobs, groups dropped by dynamic sampling, prompts skipped as settled, the tool calls that
+    failed."""
+    def number(key: str, spec: str) -> str:
+        return "-" if line.get(key) is None else format(line[key], spec)
+
+    wait = line.get("trainer_wait_s")
+    return (f"step={line['step']} reward={number('reward', '.3f')} staleness={number('staleness_mean', '.1f')} "
+            f"wait_ms={'-' if wait is None else format(wait * 1e3, '.0f')} loss={number('loss', '.4f')}"
+            + (f" queue={queue}" if queue else "")
+            + (f" dropped_prompts={dropped_prompts}" if dropped_prompts else "")
+            + (f" groups_dropped={line['groups_dropped']} groups_dropped_total={line['groups_dropped_total']}"
+               if line.get("groups_dropped_total") else "")
+            + (f" prompts_skipped={line['prompts_skipped']}" if line.get("prompts_skipped") else "")
+            + (f" tool_failures={line['tool_failure_rate']:.0%}" if line.get("tool_failure_rate") is not None
+               else ""))
+
+
 def learning_note(line: dict | None) -> str | None:
     """What a metrics line says of steps that teach nothing, in one phrase; None when they do not last."""
     if not line:

@@ -66,7 +66,8 @@ def test_a_result_split_across_a_kill_trains_each_group_once_and_no_zero_varianc
     lines = metrics(run_root)
     assert lines[-1]["groups_dropped_total"] == sum(m["groups_dropped"] for m in lines) > 0
     ls = format_report(inspect_run(RunDir.open(run_root), 4))
-    assert f"groups dropped {lines[-1]['groups_dropped']} ({lines[-1]['groups_dropped_total']} groups in all)" in ls
+    last = lines[-1]
+    assert f"groups_dropped={last['groups_dropped']} groups_dropped_total={last['groups_dropped_total']}" in ls
     assert "done (files, by reason): " in ls  # files, not groups
     assert "filtered" in ls.splitlines()[-2]  # done: ... | filtered N
     report = make_report(RunDir.open(run_root))

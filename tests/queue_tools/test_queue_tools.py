@@ -313,8 +313,9 @@ def test_ls_watch_refreshes_until_ctrl_c_with_the_last_step(busy_run):
                         f.write(metrics_line(17, 0.75, 2.0))
                 if "step 17" in shown[-1] or frames == 5:
                     break
-        assert shown[0] == "training: step 16 reward 0.500 staleness 1.0 (max 1.0 in that step) trainer wait 12 ms"
-        assert shown[-1] == "training: step 17 reward 0.750 staleness 2.0 (max 2.0 in that step) trainer wait 12 ms"
+        # The terminal's step line, from metrics.jsonl (asyncgrpo/run/metrics.py step_words): one format for both.
+        assert shown[0] == "training: step=16 reward=0.500 staleness=1.0 wait_ms=12 loss=0.1000"
+        assert shown[-1] == "training: step=17 reward=0.750 staleness=2.0 wait_ms=12 loss=0.1000"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -344,7 +345,7 @@ def test_ls_shows_the_tool_failure_rate_and_warns_from_half_the_calls_failing(ru
     (run.root / "metrics.jsonl").write_text(json.dumps({**line, "tool_failure_rate": rate}) + "\n")
     _, out, _ = run_cli(capsys, "ls", run.root)
     [training] = [x for x in out.splitlines() if x.startswith("training:")]
-    assert training.endswith(f" tool calls failed {rate:.0%}" if rate is not None else " trainer wait 12 ms")
+    assert training.endswith(f" tool_failures={rate:.0%}" if rate is not None else " wait_ms=12 loss=0.1000")
     health = out.strip().splitlines()[-1]
     warning = (f"health: WARN: {rate:.0%} of the tool calls failed at step 40 (the workers' logs name the errors: "
                "their [tools] lines)") if warned else None
