@@ -203,6 +203,10 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
     try:
         workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)
+        for device in (1, 2):  # past its set-up (a worker still loading stops at once, with another line)
+            log = run_root / "logs" / f"log_worker_{device}.txt"
+            wait_for(lambda log=log: "claimed job=" in log.read_text(), f"worker {device} to claim a job", TIMEOUT_S,
+                     procs=(proc,), poll_s=0.1)
         os.killpg(proc.pid, signal.SIGHUP)
         assert stopped_status(proc, run_root) == 130
     finally:
