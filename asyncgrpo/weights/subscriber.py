@@ -87,11 +87,11 @@ class Subscriber:
                                                f"the parameter server to finish writing weights slot {info['buffer']}"):
                             if key(read_version_file(self.run)) != key(info):
                                 continue  # the PS moved on (or closed): read the file again
-                            reader.copy_out(info, dsts, idx)
+                            reached = reader.copy_out(info, dsts, idx)
                     else:
-                        self._on_read((info["publisher_id"], info["version"]))
+                        self._on_read((info["publisher_id"], reader.first_version(info)))
                         try:
-                            reader.copy_out(info, dsts, idx)
+                            reached = reader.copy_out(info, dsts, idx)  # files: maybe short of info's version
                         finally:
                             self._on_read(None)
             except FileNotFoundError:
@@ -99,11 +99,14 @@ class Subscriber:
             except TransportUnavailable as err:
                 self._give_up(info, f"cannot read v{info['version']}: {err}")
                 return None
-            self._synced = (info["publisher_id"], info["version"])
+            synced = (info["publisher_id"], info["version"] if reached is None else reached)
+            if synced == self._synced:
+                return None  # the files did not take it further (a bad delta: the reader said so)
+            self._synced = synced
             self.synced_bytes = reader.layout.total_bytes
-            log.debug("[weights] synced v%d %s sync_ms=%.2f", info["version"], info["transport"],
+            log.debug("[weights] synced v%d %s sync_ms=%.2f", synced[1], info["transport"],
                       (time.perf_counter() - t0) * 1e3)
-            return info["version"]
+            return synced[1]
         return None
 
     def _is_new(self, info: dict) -> bool:

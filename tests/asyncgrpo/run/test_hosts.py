@@ -318,7 +318,8 @@ def snapshots(run) -> list[str]:
 
 
 @pytest.mark.process
-def test_a_snapshot_a_live_worker_reads_is_kept(run):
+def test_a_snapshot_a_live_worker_reads_is_kept(run, monkeypatch):
+    monkeypatch.setattr(snapshot, "ANCHOR_EVERY", 1)  # every version an anchor, the start of a chain
     publisher = make_publisher(run, tiny_model(1), "safetensors")
     presence = WorkerPresence(run, 1, interval_s=3600).start()
     try:

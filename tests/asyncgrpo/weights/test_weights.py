@@ -286,13 +286,6 @@ def test_buffers_fall_back_to_the_run_dir_without_dev_shm(run, monkeypatch, tmp_
     assert not publisher.dir.exists()
 
 
-def test_snapshots_keep_the_newest_two(run):
-    with closing(make_publisher(run, tiny_mlp(0), "safetensors")) as publisher:
-        for v in range(1, 6):
-            publisher.publish(v, v)
-        assert sorted(os.listdir(run.weights / "snapshots")) == ["v00000004.safetensors", "v00000005.safetensors"]
-
-
 # ---------------------------------------------------------------- torn reads between processes
 
 def _race(run, sync_dir: Path, transport: str, ps_device: str, reader_device: str, readers: int = 2,

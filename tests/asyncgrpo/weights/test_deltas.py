@@ -1,0 +1,373 @@
+"""Weights to other hosts as deltas (asyncgrpo/weights/deltas.py, snapshot.py): a version costs what changed,
+a reader applies it in place and checks it before it writes, and falls back on an anchor.
+
+This file is also the script its subprocesses run:
+    python tests/asyncgrpo/weights/test_deltas.py publish RUN VERSIONS SYNC_DIR [KILL_AT]
+    python tests/asyncgrpo/weights/test_deltas.py read RUN DEVICE SYNC_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import start_script, wait_for
+
+from asyncgrpo.run import RunDir, WorkerPresence, fileops
+from asyncgrpo.weights import deltas, make_subscriber, snapshot
+from asyncgrpo.weights.snapshot import ANCHOR_EVERY, SnapshotPublisher, snapshot_dir, snapshot_path
+
+HERE = Path(__file__).resolve()
+PROC_TIMEOUT_S = 120
+
+
+def small_model(seed: int, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(512, 64)
+    m.proj = torch.nn.Linear(64, 128)
+    m.norm = torch.nn.LayerNorm(128)
+    return m.to(dtype)
+
+
+def train_step(model: torch.nn.Module, step: int, lr: float = 1e-5) -> None:
+    """A small update to every element, as an optimizer step makes: most keep their bf16 bits."""
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * lr)
+
+
+def published(model: torch.nn.Module, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+
+
+def bits_equal(a: torch.nn.Module, b: dict[str, torch.Tensor]) -> bool:
+    sa = a.state_dict()
+    return sa.keys() == b.keys() and all(torch.equal(deltas.flat_bits(sa[k]), deltas.flat_bits(b[k])) for k in sa)
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return (deltas.flat_bits(old) != deltas.flat_bits(new)).nonzero().reshape(-1)
+
+
+def files(run) -> list[str]:
+    return sorted(n for n in os.listdir(snapshot_dir(run)) if not n.startswith("."))
+
+
+# ---------------------------------------------------------------- the checksum
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8])
+def test_a_checksum_updated_from_the_changed_elements_is_the_whole_tensors(dtype):
+    torch.manual_seed(0)
+    old = (torch.randn(3, 1000) * 50).to(dtype)
+    new = old.clone()
+    flat = new.view(-1)
+    positions = torch.randperm(flat.numel())[:40]
+    flat[positions] = flat[positions] + 1
+    changed = changed_positions(old, new)
+    assert sorted(changed.tolist()) == sorted(positions.tolist())
+    updated = deltas.updated_checksum(deltas.checksum(old), changed, deltas.flat_bits(old)[changed],
+                                      deltas.flat_bits(new)[changed])
+    assert updated == deltas.checksum(new) != deltas.checksum(old)
+    swapped = new.clone()
+    swapped.view(-1)[[0, 1]] = new.view(-1)[[1, 0]]
+    assert new.view(-1)[0] != new.view(-1)[1] and deltas.checksum(swapped) != deltas.checksum(new)
+
+
+def test_the_checksum_of_a_tensor_longer_than_one_pass_covers_every_element(monkeypatch):
+    monkeypatch.setattr(deltas, "_CHUNK", 64)
+    torch.manual_seed(1)
+    t = torch.randn(1000).to(torch.bfloat16)
+    whole = deltas.checksum(t)
+    for i in (0, 63, 64, 999):
+        u = t.clone()
+        u[i] += 1
+        assert deltas.checksum(u) != whole
+        assert deltas.updated_checksum(whole, torch.tensor([i]), deltas.flat_bits(t)[[i]],
+                                       deltas.flat_bits(u)[[i]]) == deltas.checksum(u)
+
+
+# ---------------------------------------------------------------- publisher and reader
+
+def test_versions_after_the_first_are_deltas_a_reader_applies_to_bit_identical_weights(run):
+    """An fp32 PS publishing bf16 (the workers' dtype): the first version and every ANCHOR_EVERY-th are anchors,
+    the others deltas a small part of an anchor's size; a bf16 worker that syncs every few versions holds the
+    published bits exactly."""
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    sizes = {}
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in range(1, 2 * ANCHOR_EVERY + 3):
+            train_step(ps, version)
+            publisher.publish(version, version)
+            sizes[version] = publisher.published_bytes
+            if version % 3 == 0 or version == 2 * ANCHOR_EVERY + 2:
+                assert subscriber.sync(worker) == version
+                assert bits_equal(worker, published(ps))
+    anchors = [1, ANCHOR_EVERY + 1, 2 * ANCHOR_EVERY + 1]
+    assert [v for v in sizes if os.path.exists(snapshot_path(run, v))] == [anchors[-1]]
+    assert max(sizes[v] for v in sizes if v not in anchors) < 0.25 * min(sizes[v] for v in anchors)
+    info = json.loads((run.weights / "published_version.json").read_text())
+    assert info["chain"] == [anchors[-1], anchors[-1] + 1] and info["file_bytes"] == sizes[anchors[-1] + 1]
+    subscriber.close()
+
+
+def test_a_delta_no_smaller_than_an_anchor_is_written_as_one(run):
+    ps = small_model(0)
+    with closing(SnapshotPublisher(run, ps)) as publisher:
+        publisher.publish(1, 1)
+        train_step(ps, 2, lr=1e-5)  # fp32: nearly every element changes its bits
+        publisher.publish(2, 2)
+        train_step(ps, 3, lr=0.0)  # nothing changes
+        publisher.publish(3, 3)
+    assert files(run) == ["d00000003.safetensors", "v00000002.safetensors"]  # v1: before the newest anchor
+
+
+def test_old_files_go_once_a_newer_anchor_is_published_but_those_a_live_worker_reads(run, monkeypatch):
+    monkeypatch.setattr(snapshot, "ANCHOR_EVERY", 3)
+    ps = small_model(0)
+    presence = WorkerPresence(run, 1, interval_s=3600).start()
+    try:
+        with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+            for version in range(1, 6):
+                train_step(ps, version)
+                publisher.publish(version, version)
+            assert files(run) == ["d00000005.safetensors", "v00000004.safetensors"]
+            presence.announce_read((publisher.publisher_id, 4))  # a worker reads the chain from v4 on
+            for version in range(6, 9):
+                train_step(ps, version)
+                publisher.publish(version, version)
+            assert files(run) == ["d00000005.safetensors", "d00000006.safetensors", "d00000008.safetensors",
+                                  "v00000004.safetensors", "v00000007.safetensors"]
+            presence.announce_read(None)
+            presence.beat()
+            train_step(ps, 9)
+            publisher.publish(9, 9)
+            assert files(run) == ["d00000008.safetensors", "d00000009.safetensors", "v00000007.safetensors"]
+    finally:
+        presence.stop()
+
+
+def test_a_worker_joining_after_the_early_deltas_are_gone_reads_the_anchor_and_the_deltas_after_it(run):
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    announced = []
+    subscriber = make_subscriber(run, on_read=announced.append)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in range(1, ANCHOR_EVERY + 6):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        assert not snapshot_path(run, 2, anchor=False).exists()
+        assert subscriber.sync(worker) == ANCHOR_EVERY + 5 and bits_equal(worker, published(ps))
+    assert announced == [(publisher.publisher_id, ANCHOR_EVERY + 1), None]
+    subscriber.close()
+
+
+def corrupt(path: Path) -> None:
+    """Flips bits in the last bytes of a safetensors file: its values, the header intact."""
+    data = bytearray(path.read_bytes())
+    for i in range(1, 9):
+        data[-i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_the_worker_back(run, caplog):
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in (1, 2):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        assert subscriber.sync(worker) == 2
+        at_2 = published(ps)
+        for version in (3, 4):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        corrupt(snapshot_path(run, 3, anchor=False))
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
+            assert subscriber.sync(worker) is None  # nothing newer it can trust
+            assert subscriber.sync(worker) is None  # said once, not read again
+        assert bits_equal(worker, at_2)  # not one element of the bad file written
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert line.startswith("[weights] v3's delta of ") and line.endswith(
+            "does not check out against v2, also after reading the anchor v1: keeping v2 until the parameter "
+            "server publishes a newer anchor"), line
+        for version in range(5, ANCHOR_EVERY + 2):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        assert subscriber.sync(worker) == ANCHOR_EVERY + 1 and bits_equal(worker, published(ps))
+    subscriber.close()
+
+
+def test_weights_changed_under_the_reader_are_caught_and_rebuilt_from_the_anchor(run, caplog):
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        train_step(ps, 1)
+        publisher.publish(1, 1)
+        assert subscriber.sync(worker) == 1
+        for version in (2, 3):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        changed = changed_positions(published(ps)["proj.weight"], worker.proj.weight.detach())
+        assert changed.numel()  # where v2 or v3 changes proj.weight: the worker's element there is not v1's now
+        with torch.no_grad():
+            worker.proj.weight.view(-1)[changed[0]] += 1
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
+            assert subscriber.sync(worker) == 3 and bits_equal(worker, published(ps))
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert re.fullmatch(r"\[weights\] v(2|3)'s delta of proj.weight does not check out against v(1|2): read the "
+                            r"anchor v1 and the deltas after it instead \(now v3\)", line), line
+    subscriber.close()
+
+
+def test_a_worker_in_another_dtype_gets_the_published_values_converted(run, caplog):
+    ps, worker = small_model(0), small_model(1)  # the worker holds float32, the files bfloat16
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in (1, 2, 3):
+            train_step(ps, version)
+            publisher.publish(version, version)
+            with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
+                assert subscriber.sync(worker) == version
+            want = {k: v.float() for k, v in published(ps).items()}
+            assert bits_equal(worker, want)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "[weights] the worker holds emb.weight in torch.float32, the files torch.bfloat16: deltas applied unchecked"]
+    subscriber.close()
+
+
+def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_goes_on(run, monkeypatch):
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in (1, 2, 3, 4):
+            train_step(ps, version)
+            publisher.publish(version, version)
+            if version == 1:
+                assert subscriber.sync(worker) == 1
+        real_open = open
+
+        def delete_v3_first(path, *args, **kwargs):
+            if str(path).endswith("d00000003.safetensors"):
+                monkeypatch.undo()
+                os.rename(path, f"{path}.away")
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(snapshot, "open", delete_v3_first, raising=False)
+        assert subscriber.sync(worker) == 2  # d2 applied, d3 gone: it holds v2
+        os.rename(f"{snapshot_path(run, 3, anchor=False)}.away", snapshot_path(run, 3, anchor=False))
+        assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
+    subscriber.close()
+
+
+# ---------------------------------------------------------------- real processes
+
+def _race(run, tmp_path, kill_at: int | None = None, readers: int = 2):
+    """A PS process publishing sparse versions flat out with short chains (its old files deleted as it goes)
+    and readers as workers on other hosts, each with a host id and heartbeat of its own."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    procs = [start_script(HERE, "read", str(run.root), str(i + 1), str(sync),
+                          env={"ASYNCGRPO_HOST_ID": f"0000000{i + 1}"}) for i in range(readers)]
+    ps = start_script(HERE, "publish", str(run.root), "60", str(sync), *([str(kill_at)] if kill_at else []))
+    return ps, procs, sync
+
+
+def _finish(ps, procs):
+    ps_out, _ = ps.communicate(timeout=PROC_TIMEOUT_S)
+    outs = [p.communicate(timeout=PROC_TIMEOUT_S)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return ps_out, [json.loads(o) for o in outs]
+
+
+@pytest.mark.process
+def test_workers_of_two_hosts_read_deltas_while_the_ps_deletes_old_files(run, tmp_path):
+    ps, procs, _ = _race(run, tmp_path)
+    ps_out, reports = _finish(ps, procs)
+    assert ps.returncode == 0, ps_out
+    for r in reports:
+        assert r["bad"] == [], r["bad"][:5]  # every version synced holds exactly the PS's bits of it
+        assert r["last"] == 60 and len(r["versions"]) >= 5, r
+    assert len(files(run)) < 20  # old chains were deleted while they read
+
+
+@pytest.mark.process
+def test_a_ps_killed_writing_a_delta_leaves_nothing_torn_and_its_relaunch_is_read(run, tmp_path):
+    ps, procs, sync = _race(run, tmp_path, kill_at=17)
+    ps.wait(timeout=PROC_TIMEOUT_S)
+    assert ps.returncode == -signal.SIGKILL
+    assert [n for n in os.listdir(snapshot_dir(run)) if n.endswith(".tmp")]  # it died mid-write
+    assert json.loads((run.weights / "published_version.json").read_text())["version"] == 16
+    (sync / "publisher.json").unlink()
+    relaunched = start_script(HERE, "publish", str(run.root), "60", str(sync))
+    ps_out, reports = _finish(relaunched, procs)
+    assert relaunched.returncode == 0, ps_out
+    assert not [n for n in os.listdir(snapshot_dir(run)) if n.endswith(".tmp")]  # the relaunch removed it
+    for r in reports:
+        assert r["bad"] == [] and r["last"] == 60, r
+
+
+def _publish_main(root, versions, sync_dir, kill_at=None) -> None:
+    run, sync = RunDir.open(root), Path(sync_dir)
+    snapshot.ANCHOR_EVERY = 5
+    if kill_at is not None:
+        real_save_file = snapshot.save_file
+
+        def save_then_die(tensors, filename, metadata):  # the process dies with half of version kill_at's file
+            if metadata["version"] == kill_at:
+                data = snapshot.save(tensors, metadata=metadata)
+                Path(filename).write_bytes(data[:len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save_file(tensors, filename, metadata)
+
+        snapshot.save_file = save_then_die
+    model = small_model(0)
+    publisher = SnapshotPublisher(run, model, dtype=torch.bfloat16)
+    fileops.write_json(sync / "publisher.json", {"id": publisher.publisher_id})
+    for version in range(1, int(versions) + 1):
+        train_step(model, version)
+        torch.save(published(model), sync / f"expected-{publisher.publisher_id[:8]}-{version}.pt")
+        publisher.publish(version, version)
+        time.sleep(0.02)
+    wait_for(lambda: len(list(sync.glob("finished-*"))) >= 2, "every reader to finish", 90, poll_s=0.05)
+    print(json.dumps({"versions": int(versions)}))
+
+
+def _read_main(root, device, sync_dir) -> None:
+    run, sync = RunDir.open(root), Path(sync_dir)
+    presence = WorkerPresence(run, int(device), interval_s=0.2).start()
+    model = small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run, on_read=presence.announce_read)
+    versions, bad, last, deadline = [], [], None, time.monotonic() + 90
+    while time.monotonic() < deadline:
+        info = fileops.read_json(sync / "publisher.json")
+        got = subscriber.sync(model)
+        if got is not None and info is not None:
+            expected = torch.load(sync / f"expected-{info['id'][:8]}-{got}.pt")
+            if not bits_equal(model, expected):
+                bad.append(got)
+            versions.append(got)
+        if versions and versions[-1] == 60 and info is not None and subscriber._synced[0] == info["id"]:
+            last = 60
+            break
+        time.sleep(0.01 * int(device))
+    (sync / f"finished-{device}").touch()
+    subscriber.close()
+    presence.stop()
+    print(json.dumps({"versions": versions, "bad": bad, "last": last}))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    role, args = sys.argv[1], sys.argv[2:]
+    {"publish": _publish_main, "read": _read_main}[role](*args)
