@@ -37,7 +37,7 @@ GENERATION_FLAGS = ("per_device_train_batch_size", "steps_per_generation", "ps_p
                     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "generation_kwargs", "beta", "reward_weights", "scale_rewards", "mask_truncated_completions",
                     "use_peft", "builtin_task", "tools", "environment_factory", "rollout_func",
-                    "max_tool_calling_iterations", "tool_timeout_s", "job_timeout_s")
+                    "max_tool_calling_iterations", "tool_timeout_s", "job_timeout_s", "worker_dtype")
 BUILTIN_TASKS = ("repeat", "first_digit", "lookup")  # asyncgrpo/tasks/demo.py, asyncgrpo/tasks/lookup.py
 
 
@@ -249,6 +249,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
                 "from the batch shape: 64 MB plus 64 bytes per token of every row at max_completion_length plus 4096 "
                 "prompt tokens)."})
     # Transport and events.
+    worker_dtype: str | None = field(default=None, metadata={
+        "help": "The dtype the workers load the model in and generate with (default: --dtype's). 'bfloat16' on a "
+                "float32 PS: workers generate in bfloat16, and workers on other hosts read weights the PS converted "
+                "once per version (half the bytes).",
+        "choices": [d for d in DTYPES if d != "auto"]})
     weight_transport: str = field(default="auto", metadata={
         "help": "'auto' (cuda_ipc on GPU, mmap on CPU), 'cuda_ipc', 'mmap', or 'safetensors' "
                 "(workers on other hosts)."})
@@ -324,6 +329,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             # not from the weights it synced: results would claim weights they were not generated with.
             raise ConfigError("--use_vllm: asyncgrpo's workers generate with their own decoding engine "
                               "(--worker_decoding: graph, or continuous batching), not vLLM")
+        if self.worker_dtype is not None and self.use_peft and self.worker_dtype != self.dtype:
+            raise ConfigError(f"--worker_dtype {self.worker_dtype} with --use_peft: the workers' base model is the "
+                              "parameter server's, loaded in --dtype; give --dtype instead")
         mixed_precision = bool(self.fp16) or self.bf16 is not False  # GRPOConfig: bf16 unless fp16 or set off
         if problem := self.peft_args_problem(self.device_type, mixed_precision):
             raise ConfigError(problem)

@@ -27,7 +27,7 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      train_step_start   step
     ps      train_step_end     step, dur_ms, wait_ms, staleness (the step's stalest result) (reward and loss per
                                step: RUN/metrics.jsonl)
-    ps      weights_published  weights_version, dur_ms, bytes
+    ps      weights_published  weights_version, dur_ms, bytes (written: safetensors' anchor or delta)
     ps      eval_start/_end    step; dur_ms: TRL's evaluation (--eval_strategy), on the PS's model
     ps      job_dropped        job_id, attempt, prompts, error: a job given up after its last attempt (archived
                                failed; error None when it was orphaned), its prompts never trained on

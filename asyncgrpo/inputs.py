@@ -299,8 +299,9 @@ class _ModelInitKwargsApplied(logging.Filter):
 _MODEL_INIT_KWARGS_APPLIED = _ModelInitKwargsApplied()
 
 
-def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
-    """The model as ``trl grpo`` loads it (model_load_kwargs), and its tokenizer. Logs what it loaded.
+def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None, dtype: str | None = None):
+    """The model as ``trl grpo`` loads it (model_load_kwargs), or in ``dtype`` (a worker's --worker_dtype), and its
+    tokenizer. Logs what it loaded.
 
     ``cfg.model_init_kwargs`` then says how the model was loaded (as trl grpo sets it), so that
     TRL's reference model (``--beta`` > 0) is loaded the same way, on one device.
@@ -312,6 +313,8 @@ def load_model_and_tokenizer(path: str, cfg: AsyncGRPOConfig | None = None):
     # of the terminal, which shows some of those lines).
     transformers_logging.disable_progress_bar()
     kwargs = model_load_kwargs(cfg)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     try:
         dtype = kwargs.get("dtype")
         if dtype == "auto":  # as saved: the config's dtype, else transformers reads it off the weights

@@ -98,7 +98,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.pipeline = JobPipeline(cfg, run, self.queue, dataset, pad_token_id=self._tokenizer.pad_token_id,
                                         stop_at_boundary=stop_at_boundary, interrupted=interrupted)
             # The model's device may not be its training device yet (FSDP moves it when training starts).
-            self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device)
+            self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device,
+                                            dtype=cfg.worker_dtype)
         # Where the batches come from (ps/batches.py): ``batches`` stands in for the pipeline in tests.
         self.batches: BatchSource = batches or (
             PipelineBatches(self.pipeline, self.events, broadcast=self.accelerator.num_processes > 1)
@@ -320,7 +321,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.publisher.publish(version=step, step=step, tensors=whole)
         publish_ms = (time.monotonic() - started) * 1e3
         self.events.emit("weights_published", weights_version=step, dur_ms=publish_ms,
-                         bytes=self.publisher.layout.total_bytes)
+                         bytes=self.publisher.published_bytes)
         log.debug("[weights] published version=%d publish_ms=%.1f", step, publish_ms)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:

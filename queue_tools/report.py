@@ -50,6 +50,7 @@ STATS = [
     ("turn_tools_ms", "turn: tool calls (ms)", "tools_end", "dur_ms"),
     ("weight_sync_ms", "weight sync (ms)", "weights_synced", "dur_ms"),
     ("weight_publish_ms", "weight publish (ms)", "weights_published", "dur_ms"),
+    ("weight_publish_kb", "weight publish (KB)", "weights_published", "bytes"),
     ("collect_latency_ms", "collect latency (ms)", "result_collected", "latency_ms"),
     ("trainer_wait_ms", "trainer wait (ms)", "train_step_end", "wait_ms"),
     ("train_step_ms", "train step (ms)", "train_step_end", "dur_ms"),
@@ -310,6 +311,8 @@ def analyse(tracks: list[Track]) -> dict:
         values = [(v, e["mono"]) for e in every if e["event"] == event and (v := num(e, fld)) is not None]
         if key == "collect_latency_ms":  # a result written before a PS died waits for the next: not latency
             values = [(without_downtime(v, mono, gaps), mono) for v, mono in values]
+        if key == "weight_publish_kb":
+            values = [(v / 1e3, mono) for v, mono in values]
         stats[key] = summarize([v for v, _ in values])
     training = training_numbers(lives)
     workers = [utilisation(t, [(g["start"], g["end"]) for g in gaps]) for t in tracks if t.role == "worker"]

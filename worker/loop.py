@@ -274,7 +274,7 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     ps = run.read_ps_status()
     if ps is not None and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)):
         raise ConfigError(mismatch)
-    model, tokenizer = load_model_and_tokenizer(path, cfg)  # --dtype, --model_init_kwargs, ... as the PS
+    model, tokenizer = load_model_and_tokenizer(path, cfg, cfg.worker_dtype)  # as the PS, unless --worker_dtype
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
     return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                          hooks=load_rollout_hooks(cfg))

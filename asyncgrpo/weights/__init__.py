@@ -55,6 +55,7 @@ def __getattr__(name: str):
 class WeightPublisher(Protocol):
     publisher_id: str
     transport: str
+    published_bytes: int  # what the last publish wrote (safetensors: an anchor, or a delta)
 
     def publish(self, version: int, step: int, tensors: dict[str, torch.Tensor] | None = None) -> bool:
         """Copies the model's current parameters (or ``tensors``: a sharded model's, gathered whole)
@@ -76,9 +77,10 @@ class WeightSubscriber(Protocol):
 
 
 def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto",
-                   device: torch.device | None = None) -> WeightPublisher:
+                   device: torch.device | None = None, dtype: str | None = None) -> WeightPublisher:
     """``device``: where the model trains, when it is not there yet (a model FSDP shards is moved to its GPU
-    only when training starts); the model's own device otherwise."""
+    only when training starts); the model's own device otherwise. ``dtype``: the workers' (--worker_dtype), when
+    it is not the model's: safetensors files are written in it (the other transports' copies convert)."""
     import torch
 
     from asyncgrpo.weights.cuda_ipc import model_device
@@ -97,7 +99,7 @@ def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto",
     if transport == "safetensors":
         from asyncgrpo.weights.snapshot import SnapshotPublisher
 
-        return SnapshotPublisher(run, model)
+        return SnapshotPublisher(run, model, getattr(torch, dtype) if dtype else None)
     raise ValueError(f"unknown weights transport {transport!r} (auto, mmap, cuda_ipc, safetensors)")
 
 

@@ -183,6 +183,7 @@ class SlotPublisher:
         self.run, self.model = run, model
         self.publisher_id = uuid.uuid4().hex
         self.layout = layout_of(model)  # the whole model, or a PEFT model's adapter only (adapter.py)
+        self.published_bytes = self.layout.total_bytes  # what each publish copies
         self.slot_wait_s = SLOT_WAIT_S
         self.slots: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []

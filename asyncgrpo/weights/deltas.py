@@ -3,8 +3,13 @@ each tensor that a reader can check before it writes anything.
 
 Between two consecutive optimizer steps nearly every element of a bf16 tensor keeps its bits (an update of
 a learning rate's size is smaller than a bf16 rounding step for most weights), so a version is written as,
-per tensor, the flat positions whose bits changed and their new values; a tensor of which most elements
-changed is written whole instead.
+per tensor, the flat positions whose bits changed and their new bits; a tensor of which most elements
+changed is written whole instead. Each part in the smaller of two forms:
+
+* positions as gaps from the one before, one byte each (a longer gap gets a position in between whose bits
+  did not change: writing it is a no-op), or as int32 (int64 past 2**31 elements) where that is smaller;
+* new bits as one-byte differences from the old ones (a change of a few rounding steps, the usual one), where
+  every difference fits, or whole.
 
 The checksum of a tensor is a sum over its elements of a mix of (position, bits), modulo 2**32. A sum lets
 both sides update it from the changed elements alone: new = old - mix(changed, old bits) + mix(changed, new
@@ -31,14 +36,12 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
-def _words(bits: torch.Tensor, positions: torch.Tensor | None = None):
-    """What the checksum sums: 32-bit words (an 8-byte element is two, at positions 2p and 2p + 1)."""
+def _words(bits: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the checksum sums for the elements at ``positions``: 32-bit words (an 8-byte element is two, at
+    positions 2p and 2p + 1), and their positions."""
     if bits.element_size() == 8:
-        words = bits.view(torch.int32)
-        if positions is None:
-            return words, None
         pairs = positions.to(torch.int64) * 2
-        return words.reshape(-1, 2), torch.stack([pairs, pairs + 1], dim=1).reshape(-1)
+        return bits.reshape(-1).view(torch.int32), torch.stack([pairs, pairs + 1], dim=1).reshape(-1)
     return bits.to(torch.int32), positions
 
 
@@ -46,11 +49,10 @@ def _weighted_sum(words: torch.Tensor, weights: torch.Tensor) -> int:
     return int((words * weights).sum(dtype=torch.int32).item())
 
 
-def _mixed_sum(positions: torch.Tensor, bits: torch.Tensor) -> int:
-    """sum(bits * (2 * position + 1) * K) modulo 2**32 over the given elements."""
+def _mixed_sum(positions: torch.Tensor, words: torch.Tensor) -> int:
+    """sum(words * (2 * position + 1) * K) modulo 2**32 over the given words."""
     if positions.numel() == 0:
         return 0
-    words, positions = _words(bits, positions)
     weights = (positions.to(torch.int32) * 2 + 1) * _K
     return _weighted_sum(words.reshape(-1), weights) & MASK32
 
@@ -58,28 +60,85 @@ def _mixed_sum(positions: torch.Tensor, bits: torch.Tensor) -> int:
 def checksum(t: torch.Tensor) -> int:
     """The checksum of a whole tensor (module docstring). Chunk by chunk against one table of weights:
     the weight of word s + i is the table's i-th plus 2 * s * K."""
-    words, _ = _words(flat_bits(t))
-    words = words.reshape(-1)
+    bits = flat_bits(t)
+    words = bits.view(torch.int32) if bits.element_size() == 8 else bits
     if t.device not in _WEIGHTS:
         _WEIGHTS[t.device] = (torch.arange(_CHUNK, dtype=torch.int32, device=t.device) * 2 + 1) * _K
     table = _WEIGHTS[t.device]
     total = 0
     for start in range(0, words.numel(), _CHUNK):
-        part = words[start:start + _CHUNK]
+        part = words[start:start + _CHUNK].to(torch.int32)
         offset_sum = int(part.sum(dtype=torch.int32).item()) * 2 * start * _K
         total += _weighted_sum(part, table[:part.numel()]) + offset_sum
     return total & MASK32
 
 
 def updated_checksum(old: int, positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
-    """The checksum after the elements at ``positions`` changed from ``old_bits`` to ``new_bits``."""
-    return (old - _mixed_sum(positions, old_bits) + _mixed_sum(positions, new_bits)) & MASK32
+    """The checksum after the elements at ``positions`` changed from ``old_bits`` to ``new_bits``: a sum, so
+    the old one plus the weighted differences of their words."""
+    old_words, word_positions = _words(old_bits, positions)
+    new_words, _ = _words(new_bits, positions)
+    return (old + _mixed_sum(word_positions, new_words.reshape(-1) - old_words.reshape(-1))) & MASK32
 
 
 def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def worth_a_delta(numel: int, changed: int, element_size: int) -> bool:
-    """Positions and values take fewer bytes than the whole tensor."""
-    return changed * (index_dtype(numel).itemsize + element_size) < numel * element_size
+MAX_GAP = 255  # what one byte of a gap holds
+
+
+def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
+    """``positions`` (sorted int64) and one more every MAX_GAP where a gap is longer."""
+    gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
+    counts = (gaps - 1) // MAX_GAP
+    total = int(counts.sum())
+    if total == 0:
+        return positions
+    starts = (positions - gaps).repeat_interleave(counts)
+    ends_before = torch.cumsum(counts, 0) - counts
+    steps = torch.arange(total, device=positions.device) - ends_before.repeat_interleave(counts) + 1
+    return torch.cat([positions, starts + steps * MAX_GAP]).sort().values
+
+
+def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``), and the positions it
+    writes and the bits it writes there (no-op positions included)."""
+    parts = {}
+    filled = _with_fillers(positions)
+    if filled.numel() < positions.numel() * index_dtype(new_bits.numel()).itemsize:
+        positions = filled
+        parts["gap"] = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.uint8)
+    else:
+        parts["idx"] = positions.to(index_dtype(new_bits.numel()))
+    values = new_bits[positions]
+    difference = values.to(torch.int64) - previous_bits[positions].to(torch.int64)
+    if new_bits.element_size() < 8 and int(difference.abs().max()) < 128:
+        parts["dif"] = difference.to(torch.int8)
+    else:
+        parts["val"] = values
+    return parts, positions, values
+
+
+def positions_of(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions a delta's parts write (int64)."""
+    if "gap" in parts:
+        return torch.cumsum(parts["gap"].to(torch.int64), 0) - 1
+    return parts["idx"].to(torch.int64)
+
+
+def new_bits_of(parts: dict[str, torch.Tensor], old_bits: torch.Tensor) -> torch.Tensor:
+    """The bits a delta's parts write, given the bits held at its positions."""
+    if "dif" in parts:
+        return (old_bits.to(torch.int64) + parts["dif"].to(torch.int64)).to(old_bits.dtype)
+    return parts["val"]
+
+
+def mostly_changed(numel: int, changed: int) -> bool:
+    """More than half of the tensor changed: it goes whole, without a look at what its delta would weigh."""
+    return changed * 2 > numel
+
+
+def nbytes(parts: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts.values())

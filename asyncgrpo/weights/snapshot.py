@@ -60,6 +60,7 @@ from asyncgrpo.weights.base import (
     remove_other_layouts,
     version_path,
 )
+from asyncgrpo.weights.layout import WeightsMismatch
 
 ANCHOR_EVERY = 20  # versions per chain: a reader that fell behind reads an anchor and at most this many deltas
 KEEP = 2  # the newest files are kept whatever else: a reader that read the version file just before a publish
@@ -126,24 +127,22 @@ class SnapshotPublisher:
         t0 = time.perf_counter()
         with torch.no_grad():
             sources = self.layout.sources(shared_tensors(self.model) if tensors is None else tensors)
-            new = [t.detach().to(self.dtype or t.dtype).contiguous() for t in sources]
+            new = [t.detach().to(self.dtype if self.dtype and t.is_floating_point() else t.dtype).contiguous()
+                   for t in sources]
             first = self._previous is None
             changes = [(None, None, deltas.checksum(t)) for t in new] if first else [
                 self._change(i, t) for i, t in enumerate(new)]
-            parts, size = {}, 0
-            for e, t, (positions, values, _) in zip(self.layout.entries, new, changes, strict=True):
-                if positions is None:
+            parts = {}
+            for e, t, (delta, _, _) in zip(self.layout.entries, new, changes, strict=True):
+                if delta is None:
                     parts[f"all:{e.name}"] = t.cpu()
-                    size += e.nbytes
-                elif positions.numel():
-                    parts[f"idx:{e.name}"], parts[f"val:{e.name}"] = positions.cpu(), values.view(t.dtype).cpu()
-                    size += positions.numel() * (positions.element_size() + t.element_size())
-            anchor = first or len(self._chain) >= ANCHOR_EVERY or size >= sum(e.nbytes for e in self.layout.entries)
+                else:
+                    parts.update({f"{kind}:{e.name}": part.cpu() for kind, part in delta.items()})
+            anchor = first or len(self._chain) >= ANCHOR_EVERY or deltas.nbytes(parts) >= self.layout.total_bytes
             if anchor:
                 parts = {f"all:{e.name}": t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}
-            checksums = [checksum for _, _, checksum in changes]
-            touched = {e.name: f"{checksum:08x}" for e, (positions, _, checksum) in zip(
-                self.layout.entries, changes, strict=True) if anchor or positions is None or positions.numel()}
+            touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
+                self.layout.entries, changes, strict=True) if anchor or delta is None or delta}
             path = snapshot_path(self.run, version, anchor)
             metadata = {"publisher_id": self.publisher_id, "version": str(version),
                         "base": "" if anchor else str(self._version), "checksums": json.dumps(touched)}
@@ -151,13 +150,14 @@ class SnapshotPublisher:
             # Published: what the next delta is against.
             if first:
                 self._previous = [t.clone() for t in new]
-            for previous, t, (positions, values, _) in zip(self._previous, new, changes, strict=True):
-                if positions is None:
-                    previous.copy_(t)
-                elif positions.numel():
-                    deltas.flat_bits(previous)[positions.long()] = values
+            else:
+                for previous, t, (delta, written, _) in zip(self._previous, new, changes, strict=True):
+                    if delta is None:
+                        previous.copy_(t)
+                    elif written is not None:
+                        deltas.flat_bits(previous)[written[0]] = written[1]
+            self._checksums = [checksum for _, _, checksum in changes]
             self._chain = [version] if anchor else [*self._chain, version]
-            self._checksums = checksums
         fileops.write_json(version_path(self.run), {
             "version": version, "step": step, "transport": self.transport, "publisher_id": self.publisher_id,
             "pid": os.getpid(), "host": self.host, "host_id": HOST_ID, "written_at": time.time(), "buffer": None,
@@ -171,17 +171,21 @@ class SnapshotPublisher:
                   "anchor" if anchor else "delta", self.published_bytes, (time.perf_counter() - t0) * 1e3)
         return True
 
-    def _change(self, i: int, t: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        """Tensor ``i`` against the last version: the positions whose bits changed (empty: none did; None: most
-        did, it goes whole), their new bits, and the new checksum."""
-        previous = deltas.flat_bits(self._previous[i])
-        differs = previous != deltas.flat_bits(t)
-        if not deltas.worth_a_delta(t.numel(), int(differs.sum()), t.element_size()):
+    def _change(self, i: int, t: torch.Tensor) -> tuple[dict | None, tuple | None, int]:
+        """Tensor ``i`` against the last version: its delta's parts (empty: unchanged; None: it goes whole), the
+        positions and bits they write, and the new checksum."""
+        previous, bits = deltas.flat_bits(self._previous[i]), deltas.flat_bits(t)
+        differs = previous != bits
+        changed = int(torch.count_nonzero(differs))
+        if changed == 0:
+            return {}, None, self._checksums[i]
+        if deltas.mostly_changed(t.numel(), changed):
             return None, None, deltas.checksum(t)
-        positions = differs.nonzero().reshape(-1).to(deltas.index_dtype(t.numel()))
-        values = deltas.flat_bits(t)[positions.long()]
-        return positions, values, deltas.updated_checksum(self._checksums[i], positions, previous[positions.long()],
-                                                          values)
+        parts, positions, values = deltas.encode(previous, bits, differs.nonzero().reshape(-1))
+        if deltas.nbytes(parts) >= t.numel() * t.element_size():
+            return None, None, deltas.checksum(t)
+        checksum = deltas.updated_checksum(self._checksums[i], positions, previous[positions], values)
+        return parts, (positions, values), checksum
 
     def _write(self, path, parts: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
@@ -236,8 +240,8 @@ class SnapshotReader:
         self._held: int | None = None  # the version in the destination tensors, applied by this reader
         self._held_in: tuple | None = None  # which destination tensors
         self._checksums: dict[str, int] = {}  # of the version held, by entry name
+        self._dtypes: dict[str, torch.dtype] = {}  # the files' dtype of each entry (the anchor's)
         self._bad: int | None = None  # a delta that did not check out against a fresh anchor
-        self._unchecked_said = False
 
     def usable(self, info: dict) -> bool:
         return True
@@ -309,7 +313,7 @@ class SnapshotReader:
         by_entry: dict[int, list[torch.Tensor]] = {}
         for dst, i in zip(dsts, idx, strict=True):
             by_entry.setdefault(i, []).append(dst)
-        writes, sums = [], {}
+        writes, sums, dtypes = [], {}, {}
         try:
             for i, targets in by_entry.items():
                 name = self.layout.entries[i].name
@@ -323,22 +327,13 @@ class SnapshotReader:
                     if tuple(whole.shape) != self.layout.entries[i].shape or deltas.checksum(whole) != expected:
                         raise BadDelta(version, f"v{version}'s {name} does not match its checksum")
                     writes.append((targets, None, whole))
+                    dtypes[name] = whole.dtype
                 else:
-                    positions, values = tensors[f"idx:{name}"], tensors[f"val:{name}"]
-                    first = targets[0]
-                    if first.dtype == values.dtype:
-                        old = deltas.flat_bits(first)[positions.to(first.device, torch.long)]
-                        got = deltas.updated_checksum(self._checksums.get(name, -1), positions,
-                                                      old.cpu(), deltas.flat_bits(values))
-                        if got != expected:
-                            raise BadDelta(version, f"v{version}'s delta of {name} does not check out "
-                                                    f"against v{self._held}")
-                    elif not self._unchecked_said:
-                        self._unchecked_said = True
-                        log.warning("[weights] the worker holds %s in %s, the files %s: deltas applied unchecked",
-                                    name, first.dtype, values.dtype)
+                    positions, values = self._decoded(version, name, tensors, targets[0], expected)
                     writes.append((targets, positions, values))
                 sums[name] = expected
+        except WeightsMismatch:
+            raise
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise BadDelta(version, f"v{version}'s file lacks or garbles a tensor ({err})") from err
         for targets, positions, values in writes:
@@ -346,9 +341,28 @@ class SnapshotReader:
                 if positions is None:
                     dst.copy_(values)
                 else:
-                    dst.view(-1)[positions.to(dst.device, torch.long)] = values.to(dst.device, dst.dtype)
+                    dst.view(-1)[positions.to(dst.device)] = values.to(dst.device, dst.dtype)
         self._checksums = sums if anchor else {**self._checksums, **sums}
+        self._dtypes = dtypes if anchor else {**self._dtypes, **dtypes}
         self._held, self._held_in = version, _identity(dsts)
+
+    def _decoded(self, version: int, name: str, tensors: dict, held: torch.Tensor, expected: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A delta's positions and new values for ``name``, checked against its checksum and the bits held. A
+        worker holding a wider dtype than the files' (their values, widened exactly) is read back in the files'."""
+        dtype = self._dtypes[name]
+        if torch.promote_types(held.dtype, dtype) != held.dtype:
+            raise WeightsMismatch(f"the worker holds {name} in {held.dtype}, narrower than the published "
+                                  f"{dtype}: start the workers with the parameter server's --dtype")
+        parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val")
+                 if f"{kind}:{name}" in tensors}
+        positions = deltas.positions_of(parts)
+        old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
+        new_bits = deltas.new_bits_of(parts, old_bits)
+        got = deltas.updated_checksum(self._checksums[name], positions, old_bits, new_bits)
+        if got != expected:
+            raise BadDelta(version, f"v{version}'s delta of {name} does not check out against v{self._held}")
+        return positions, new_bits.view(dtype)
 
     def close(self) -> None:
         pass

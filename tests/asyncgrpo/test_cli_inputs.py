@@ -67,6 +67,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
     (["--use_vllm", "true"], "--use_vllm: asyncgrpo's workers generate with their own decoding engine"),
+    (["--use_peft", "--worker_dtype", "bfloat16"], "--worker_dtype bfloat16 with --use_peft: the workers' base model "
+     "is the parameter server's, loaded in --dtype; give --dtype instead"),
     (["--worker_decoding", "paged"],
      "--worker_decoding 'paged': must be one of auto, eager, compiled, graph, continuous"),
     (["--decoding_slots", "7"], "--decoding_slots 7: must be 0 (automatic) or at least one job's rows"),

@@ -32,6 +32,8 @@ from helpers import (
     wait_until_stopped,
 )
 
+from asyncgrpo.events import read_events
+
 STEPS = 12
 FLAGS = [*run_flags(STEPS, save_steps=4, lease_s=5), "--weight_transport", "safetensors"]
 TIMEOUT_S = 300
@@ -112,6 +114,35 @@ def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
     # It read safetensors snapshots (a mapping of the PS's /dev/shm is impossible from its host).
     assert "opened safetensors weights" in (tmp_path / "remote.log").read_text()
     assert_exactly_once(root, jobs=STEPS)
+
+
+def test_a_second_hosts_bfloat16_worker_reads_each_version_as_a_delta_of_what_changed(tmp_path):
+    """--worker_dtype bfloat16 on a float32 PS: the joined worker loads bfloat16, the PS writes bfloat16 files, a
+    full anchor first and each later version as what changed; every job is trained once and `queue_tools report`
+    shows the bytes written per version."""
+    root = tmp_path / "run"
+    flags = [*FLAGS, "--worker_dtype", "bfloat16", "--learning_rate", "1e-5"]  # a step of a large model's size
+    with RunProcesses(root, *flags) as run, open(tmp_path / "remote.log", "ab") as remote_log:
+        ps = start_ps(run)
+        remote = run.add(subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1",
+                                                         "--run_dir", str(root), *flags, "--poll_only"]),
+                                          cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT))
+        assert wait_for_ps(ps, [remote], tmp_path / "ps.log") == 0, log_tail(tmp_path / "ps.log")
+    remote_text = (tmp_path / "remote.log").read_text()
+    assert re.search(r"\[model\] loaded \S+: dtype=bfloat16", remote_text), remote_text[-2000:]
+    assert re.search(r"\[model\] loaded \S+: dtype=float32", (tmp_path / "ps.log").read_text())
+    published = [e for e in read_events(root) if e["event"] == "weights_published"]
+    assert [e["weights_version"] for e in published] == list(range(STEPS + 1))  # the first weights: version 0
+    anchor = published[0]["bytes"]  # the whole model in bfloat16, about half of its float32 bytes
+    layout = json.loads(next((root / "weights").glob("layout-*.json")).read_text())
+    assert 0.45 * layout["total_bytes"] < anchor < 0.55 * layout["total_bytes"] + 4096
+    assert all(e["bytes"] < 0.5 * anchor for e in published[1:]), [e["bytes"] for e in published]
+    snapshots = sorted(os.listdir(root / "weights" / "snapshots"))
+    assert snapshots[0] == "d00000001.safetensors" and snapshots[-1] == "v00000000.safetensors", snapshots
+    assert_exactly_once(root, jobs=STEPS)
+    report = subprocess.run([sys.executable, "-m", "queue_tools", "report", str(root)], cwd=REPO, env=PROCESS_ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert re.search(r"weight publish \(KB\)\s+13\s", report.stdout), report.stdout
 
 
 def test_a_second_host_whose_clock_is_behind_loses_no_job_to_recovery(tmp_path):

@@ -137,8 +137,10 @@ def synthetic_run(root: Path, n_jobs=40, seed=0) -> dict:
         if i == 1:
             first_end = end
         publish = rng.uniform(0.001, 0.003)
-        ps.emit(end + publish, "weights_published", weights_version=i, dur_ms=publish * 1e3, bytes=1000)
+        published = 150_000 if i % 20 == 1 else rng.randint(2_000, 9_000)  # an anchor, or a delta
+        ps.emit(end + publish, "weights_published", weights_version=i, dur_ms=publish * 1e3, bytes=published)
         want["weight_publish_ms"].append(publish * 1e3)
+        want["weight_publish_kb"].append(published / 1e3)
         t = end + publish
     corrupt = ["not json\n", '{"event": "job_claimed", "t": 1.0, "mo\n', "[1, 2]\n", '{"event": "x", "mono": "soon"}\n']
     ps.flush(corrupt[:1])
@@ -514,6 +516,8 @@ def test_report_on_a_real_run(finished_demo_run, capsys):
         if key == "token_staleness":  # counts by staleness: one value per completion token
             values = [int(staleness) for counts in values for staleness, n in counts.items() for _ in range(n)]
             assert len(values) == sum(e["tokens"] for e in events if e["event"] == "result_consumed")
+        if key == "weight_publish_kb":
+            values = [v / 1e3 for v in values]
         if key.startswith("turn_"):  # the demo calls no tools: no turns, and no rows for them in the text
             assert not values and r["stats"][key]["count"] == 0, key
             continue

@@ -23,7 +23,7 @@ import torch
 from helpers import start_script, wait_for
 
 from asyncgrpo.run import RunDir, WorkerPresence, fileops
-from asyncgrpo.weights import deltas, make_subscriber, snapshot
+from asyncgrpo.weights import WeightsMismatch, deltas, make_subscriber, snapshot
 from asyncgrpo.weights.snapshot import ANCHOR_EVERY, SnapshotPublisher, snapshot_dir, snapshot_path
 
 HERE = Path(__file__).resolve()
@@ -172,12 +172,17 @@ def test_a_worker_joining_after_the_early_deltas_are_gone_reads_the_anchor_and_t
     subscriber.close()
 
 
-def corrupt(path: Path) -> None:
-    """Flips bits in the last bytes of a safetensors file: its values, the header intact."""
+def corrupt(path: Path) -> str:
+    """Flips bits in the new values of one tensor of a delta file (the header and positions intact); its name."""
     data = bytearray(path.read_bytes())
-    for i in range(1, 9):
-        data[-i] ^= 0x5A
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    name = next(n for n in sorted(header) if n.startswith(("dif:", "val:")))
+    start, end = header[name]["data_offsets"]
+    for i in range(8 + length + start, 8 + length + end, 7):
+        data[i] ^= 0x21
     path.write_bytes(bytes(data))
+    return name.split(":", 1)[1]
 
 
 def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_the_worker_back(run, caplog):
@@ -192,15 +197,14 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
         for version in (3, 4):
             train_step(ps, version)
             publisher.publish(version, version)
-        corrupt(snapshot_path(run, 3, anchor=False))
+        name = corrupt(snapshot_path(run, 3, anchor=False))
         with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
             assert subscriber.sync(worker) is None  # nothing newer it can trust
             assert subscriber.sync(worker) is None  # said once, not read again
         assert bits_equal(worker, at_2)  # not one element of the bad file written
         [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert line.startswith("[weights] v3's delta of ") and line.endswith(
-            "does not check out against v2, also after reading the anchor v1: keeping v2 until the parameter "
-            "server publishes a newer anchor"), line
+        assert line == (f"[weights] v3's delta of {name} does not check out against v2, also after reading the "
+                        "anchor v1: keeping v2 until the parameter server publishes a newer anchor"), line
         for version in range(5, ANCHOR_EVERY + 2):
             train_step(ps, version)
             publisher.publish(version, version)
@@ -230,19 +234,31 @@ def test_weights_changed_under_the_reader_are_caught_and_rebuilt_from_the_anchor
     subscriber.close()
 
 
-def test_a_worker_in_another_dtype_gets_the_published_values_converted(run, caplog):
-    ps, worker = small_model(0), small_model(1)  # the worker holds float32, the files bfloat16
+def test_a_worker_in_a_wider_dtype_gets_the_published_values_checked_and_a_narrower_one_is_refused(run, caplog):
+    ps, wider = small_model(0), small_model(1)  # the worker holds float32, the files bfloat16
     subscriber = make_subscriber(run)
     with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
         for version in (1, 2, 3):
             train_step(ps, version)
             publisher.publish(version, version)
             with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
-                assert subscriber.sync(worker) == version
-            want = {k: v.float() for k, v in published(ps).items()}
-            assert bits_equal(worker, want)
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
-        "[weights] the worker holds emb.weight in torch.float32, the files torch.bfloat16: deltas applied unchecked"]
+                assert subscriber.sync(wider) == version
+            assert bits_equal(wider, {k: v.float() for k, v in published(ps).items()})
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    subscriber.close()
+
+    narrower, subscriber = small_model(1, torch.bfloat16), make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps)) as publisher:  # float32 files
+        publisher.publish(4, 4)
+        assert subscriber.sync(narrower) == 4  # an anchor: copied, rounded, as every transport does
+        with torch.no_grad():
+            ps.proj.weight[0, 0] += 1
+        publisher.publish(5, 5)
+        assert snapshot_path(run, 5, anchor=False).exists()
+        with pytest.raises(WeightsMismatch, match=r"^the worker holds proj.weight in torch.bfloat16, narrower than "
+                                                  r"the published torch.float32: start the workers with the "
+                                                  r"parameter server's --dtype$"):
+            subscriber.sync(narrower)
     subscriber.close()
 
 

@@ -1,0 +1,178 @@
+"""Weights to other hosts as deltas against today's full snapshots, side by side in one invocation.
+
+A Qwen2.5-0.5B-shaped model (random initialisation, float32, tied embeddings) trains real steps: AdamW on a
+GRPO-like loss (advantage-weighted log-probabilities of random completions). After each step the same
+weights are published twice, in bfloat16 (the workers' dtype):
+
+* deltas: ``SnapshotPublisher`` (asyncgrpo/weights/snapshot.py), an anchor every ANCHOR_EVERY versions and the
+  changed elements between them; a reader (``Subscriber``) applies each version in place onto a bfloat16 model;
+* full: a whole bfloat16 safetensors file per version, written to a temp name and renamed, and read back the
+  way a reader on another host reads one (plain reads, parsed, copied into a bfloat16 model).
+
+Per version it prints the bytes each writes, the PS's publish time and the reader's read-and-apply time, and
+at the end the medians and ratios per learning rate, and whether the delta reader's weights are bit-identical
+to the PS's published ones after the last version. Both readers read files the PS just wrote, so from the
+page cache: a shared filesystem's reads cost more per byte, which favours the deltas further.
+
+Run:  .venv/bin/python bench/weight_deltas.py [--shape 0.5b|tiny] [--lrs 1e-6,1e-5] [--versions 100,30]
+(temp run dirs under /tmp, removed at the end)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, save_file
+
+from asyncgrpo.run import RunDir
+from asyncgrpo.weights import deltas, make_subscriber
+from asyncgrpo.weights.adapter import shared_tensors
+from asyncgrpo.weights.snapshot import ANCHOR_EVERY, SnapshotPublisher
+
+SHAPES = {  # Qwen2.5-0.5B, and a small model of its widths for a quick try
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=8192),
+}
+
+
+def build(shape: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], tie_word_embeddings=True)).to(dtype)
+
+
+def grpo_like_step(model, optimizer, step: int, batch: int, tokens: int) -> float:
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen)
+    advantages = torch.randn(batch, 1, generator=gen)
+    logits = model(ids).logits[:, :-1].float()
+    logps = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(advantages * logps).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+class FullSnapshots:
+    """Today's way: the whole model in the published dtype, one file per version."""
+
+    def __init__(self, folder: Path, model: torch.nn.Module, dtype: torch.dtype):
+        self.folder, self.model, self.dtype = folder, model, dtype
+        folder.mkdir()
+        tensors = shared_tensors(model)
+        self.names = list({t.data_ptr(): name for name, t in tensors.items()}.values())  # tied: once
+
+    def publish(self, version: int) -> tuple[Path, int]:
+        tensors = shared_tensors(self.model)
+        path = self.folder / f"v{version:08d}.safetensors"
+        tmp = self.folder / f".{path.name}.tmp"
+        save_file({n: tensors[n].detach().to(self.dtype).contiguous() for n in self.names}, str(tmp),
+                  metadata={"version": str(version)})
+        os.replace(tmp, path)
+        for old in self.folder.glob("v*.safetensors"):
+            if old != path:
+                old.unlink()
+        return path, path.stat().st_size
+
+    @staticmethod
+    def read(path: Path, worker: torch.nn.Module) -> None:
+        with open(path, "rb") as f:
+            data = f.read()
+        tensors = load(data)
+        held = shared_tensors(worker)
+        with torch.no_grad():
+            for name, t in tensors.items():
+                held[name].copy_(t)
+
+
+def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path) -> dict:
+    model, dtype = build(shape, torch.float32), torch.bfloat16
+    worker_deltas, worker_full = build(shape, dtype), build(shape, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    run = RunDir.create(root / f"deltas-{lr:g}")
+    publisher = SnapshotPublisher(run, model, dtype=dtype)
+    subscriber = make_subscriber(run)
+    full = FullSnapshots(root / f"full-{lr:g}", model, dtype)
+    rows = []
+    print(f"\nlr {lr:g}: version kind delta_MB full_MB ratio | publish_ms delta full | read_ms delta full")
+    for version in range(1, versions + 1):
+        grpo_like_step(model, optimizer, version, batch, tokens)
+        t0 = time.perf_counter()
+        publisher.publish(version, version)
+        publish_delta = time.perf_counter() - t0
+        anchor = publisher._chain == [version]
+        t0 = time.perf_counter()
+        assert subscriber.sync(worker_deltas) == version
+        read_delta = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        path, full_bytes = full.publish(version)
+        publish_full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        full.read(path, worker_full)
+        read_full = time.perf_counter() - t0
+        row = dict(version=version, anchor=anchor, bytes=publisher.published_bytes, full_bytes=full_bytes,
+                   publish_ms=publish_delta * 1e3, full_publish_ms=publish_full * 1e3, read_ms=read_delta * 1e3,
+                   full_read_ms=read_full * 1e3)
+        rows.append(row)
+        print(f"v{version:<4d} {'anchor' if anchor else 'delta ':6s} {row['bytes'] / 1e6:8.2f} {full_bytes / 1e6:8.2f} "
+              f"{row['bytes'] / full_bytes:6.3f} | {row['publish_ms']:8.1f} {row['full_publish_ms']:8.1f} | "
+              f"{row['read_ms']:8.1f} {row['full_read_ms']:8.1f}", flush=True)
+    published = {name: t.detach().to(dtype) for name, t in shared_tensors(model).items()}
+    held = shared_tensors(worker_deltas)
+    identical = all(torch.equal(deltas.flat_bits(held[n]), deltas.flat_bits(published[n])) for n in published)
+    subscriber.close()
+    publisher.close()
+    between = [r for r in rows if not r["anchor"]] or rows
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in between)
+
+    return dict(lr=lr, versions=versions, anchors=sum(r["anchor"] for r in rows),
+                delta_bytes_ratio_median=median("bytes") / median("full_bytes"),
+                delta_bytes_ratio_max=max(r["bytes"] / r["full_bytes"] for r in between),
+                publish_ms_median=median("publish_ms"), full_publish_ms_median=median("full_publish_ms"),
+                read_ms_median=median("read_ms"), full_read_ms_median=median("full_read_ms"),
+                read_ratio=median("read_ms") / median("full_read_ms"), bit_identical=identical)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--lrs", default="1e-6,1e-5")
+    parser.add_argument("--versions", default="100,30", help="per learning rate, in the order of --lrs")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args()
+    lrs = [float(x) for x in args.lrs.split(",")]
+    counts = [int(x) for x in args.versions.split(",")]
+    print(f"{args.shape} shape, float32 PS, bfloat16 files, anchor every {ANCHOR_EVERY} versions; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    root = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
+    try:
+        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root) for lr, n in zip(lrs, counts, strict=True)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\nbetween anchors (medians): lr, versions, bytes delta/full (median, max), publish ms delta vs full, "
+          "read-and-apply ms delta vs full (ratio), bit-identical after the last version")
+    for r in results:
+        print(f"lr {r['lr']:g}: {r['versions']} versions ({r['anchors']} anchors), "
+              f"bytes {r['delta_bytes_ratio_median']:.3f} (max {r['delta_bytes_ratio_max']:.3f}), "
+              f"publish {r['publish_ms_median']:.0f} vs {r['full_publish_ms_median']:.0f} ms, "
+              f"read {r['read_ms_median']:.0f} vs {r['full_read_ms_median']:.0f} ms ({r['read_ratio']:.3f}), "
+              f"bit-identical {r['bit_identical']}")
+
+if __name__ == "__main__":
+    main()
