@@ -37,7 +37,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import socket
 import time
 import uuid
@@ -77,11 +76,6 @@ def snapshot_path(run: RunDir, version: int, anchor: bool = True):
     return snapshot_dir(run) / f"{'v' if anchor else 'd'}{version:08d}.safetensors"
 
 
-def _file_version(name: str) -> int | None:
-    found = re.fullmatch(r"[vd](\d{8})\.safetensors", name)
-    return int(found.group(1)) if found else None
-
-
 def versions_being_read(run: RunDir, publisher_id: str) -> set[int]:
     """The anchors of the chains of ``publisher_id`` that live workers' heartbeats say they are reading."""
     return {w.reading[1] for w in list_workers(run, fs_now(run), READER_LEASE_S)
@@ -92,10 +86,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[st
     """Writes a safetensors file; its size in bytes."""
     data = save(tensors, metadata=metadata)
     with open(filename, "wb") as f:
-        try:
-            f.write(data)
-        except OSError as err:  # the message as safetensors' own writer words it, for one handler below
-            raise SafetensorError(f"Error while serializing: I/O error: {err.strerror} (os error {err.errno})") from err
+        f.write(data)
     return len(data)
 
 
@@ -138,7 +129,8 @@ class SnapshotPublisher:
                     parts[f"all:{e.name}"] = t.cpu()
                 else:
                     parts.update({f"{kind}:{e.name}": part.cpu() for kind, part in delta.items()})
-            anchor = first or len(self._chain) >= ANCHOR_EVERY or deltas.nbytes(parts) >= self.layout.total_bytes
+            anchor = (first or len(self._chain) >= ANCHOR_EVERY
+                      or deltas.nbytes(parts) >= sum(t.numel() * t.element_size() for t in new))
             if anchor:
                 parts = {f"all:{e.name}": t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}
             touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
@@ -192,11 +184,9 @@ class SnapshotPublisher:
         try:
             try:
                 size = save_file(parts, str(tmp), metadata=metadata)
-            except SafetensorError as err:  # "I/O error: No space left on device (os error 28)": say so, and where
-                found = re.search(r"\(os error (\d+)\)", str(err))
-                if found is None:
-                    raise
-                raise OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) from err
+            except OSError as err:  # a full disk, say: named by the file it was writing, not its temp name
+                err.filename = str(path)
+                raise
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
