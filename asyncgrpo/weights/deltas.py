@@ -89,16 +89,23 @@ MAX_GAP = 255  # what one byte of a gap holds
 
 
 def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
-    """``positions`` (sorted int64) and one more every MAX_GAP where a gap is longer."""
+    """``positions`` (sorted int64) and one more every MAX_GAP where a gap is longer, in order (no sort: each
+    position moves up by the fillers before it, and the fillers take the slots left)."""
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
     counts = (gaps - 1) // MAX_GAP
     total = int(counts.sum())
     if total == 0:
         return positions
+    before = torch.cumsum(counts, 0)
+    slots = torch.arange(positions.numel(), device=positions.device) + before
+    merged = positions.new_empty(positions.numel() + total)
+    merged[slots] = positions
+    is_filler = torch.ones(merged.numel(), dtype=torch.bool, device=positions.device)
+    is_filler[slots] = False
     starts = (positions - gaps).repeat_interleave(counts)
-    ends_before = torch.cumsum(counts, 0) - counts
-    steps = torch.arange(total, device=positions.device) - ends_before.repeat_interleave(counts) + 1
-    return torch.cat([positions, starts + steps * MAX_GAP]).sort().values
+    steps = torch.arange(total, device=positions.device) - (before - counts).repeat_interleave(counts) + 1
+    merged[is_filler] = starts + steps * MAX_GAP
+    return merged
 
 
 def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor

@@ -97,6 +97,31 @@ def test_the_checksum_of_a_tensor_longer_than_one_pass_covers_every_element(monk
                                        deltas.flat_bits(u)[[i]]) == deltas.checksum(u)
 
 
+@pytest.mark.parametrize("changes, step, kinds", [
+    (40_000, 1, {"gap", "dif"}),  # dense, a rounding step each: one byte a position, one a difference
+    (4_000, 1, {"gap", "dif"}),  # some gaps past 255: no-op positions between
+    (3, 1, {"idx", "dif"}),  # so sparse that int32 positions are smaller than the no-op ones
+    (40_000, 300, {"gap", "val"}),  # differences past a byte: the new bits whole
+])
+def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
+    torch.manual_seed(0)
+    old = torch.randn(1_000_000).to(torch.bfloat16)
+    positions = torch.randperm(old.numel())[:changes].sort().values
+    old_bits = deltas.flat_bits(old)
+    new_bits = old_bits.clone()
+    new_bits[positions] += step
+    parts, written, values = deltas.encode(old_bits, new_bits, positions)
+    assert set(parts) == kinds
+    assert deltas.nbytes(parts) < old.numel() * old.element_size()
+    decoded = deltas.positions_of(parts)
+    assert torch.equal(decoded, written) and set(positions.tolist()) <= set(decoded.tolist())
+    assert torch.equal(deltas.new_bits_of(parts, old_bits[decoded]), new_bits[decoded]) and torch.equal(
+        values, new_bits[decoded])
+    applied = old_bits.clone()
+    applied[decoded] = deltas.new_bits_of(parts, old_bits[decoded])
+    assert torch.equal(applied, new_bits)
+
+
 # ---------------------------------------------------------------- publisher and reader
 
 def test_versions_after_the_first_are_deltas_a_reader_applies_to_bit_identical_weights(run):
