@@ -313,14 +313,17 @@ def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_go
 
 # ---------------------------------------------------------------- real processes
 
-def _race(run, tmp_path, kill_at: int | None = None, readers: int = 2):
-    """A PS process publishing sparse versions flat out with short chains (its old files deleted as it goes)
-    and readers as workers on other hosts, each with a host id and heartbeat of its own."""
+def _race(run, tmp_path, fault: str = "none", late_reader_at: int | None = None):
+    """A PS process publishing sparse versions flat out with short chains (its old files deleted as it goes), and
+    readers as workers on other hosts, each with a host id, heartbeat and log of its own; one joining late."""
     sync = tmp_path / "sync"
     sync.mkdir()
-    procs = [start_script(HERE, "read", str(run.root), str(i + 1), str(sync),
-                          env={"ASYNCGRPO_HOST_ID": f"0000000{i + 1}"}) for i in range(readers)]
-    ps = start_script(HERE, "publish", str(run.root), "60", str(sync), *([str(kill_at)] if kill_at else []))
+    starts = [0, 0] + ([late_reader_at] if late_reader_at else [])
+    procs = [start_script(HERE, "read", str(run.root), str(i + 1), str(sync), str(start),
+                          env={"ASYNCGRPO_HOST_ID": f"0000000{i + 1}"},
+                          stderr=open(tmp_path / f"reader{i + 1}.log", "w"))  # noqa: SIM115 (the process holds it)
+             for i, start in enumerate(starts)]
+    ps = start_script(HERE, "publish", str(run.root), "60", str(sync), str(len(procs)), fault)
     return ps, procs, sync
 
 
@@ -332,25 +335,27 @@ def _finish(ps, procs):
 
 
 @pytest.mark.process
-def test_workers_of_two_hosts_read_deltas_while_the_ps_deletes_old_files(run, tmp_path):
-    ps, procs, _ = _race(run, tmp_path)
+def test_workers_of_two_hosts_and_one_joining_late_read_deltas_while_the_ps_deletes_old_files(run, tmp_path):
+    ps, procs, _ = _race(run, tmp_path, late_reader_at=30)
     ps_out, reports = _finish(ps, procs)
     assert ps.returncode == 0, ps_out
     for r in reports:
         assert r["bad"] == [], r["bad"][:5]  # every version synced holds exactly the PS's bits of it
         assert r["last"] == 60 and len(r["versions"]) >= 5, r
+    # The late one joined after the first chains were deleted: it read a newer anchor and the deltas after it.
+    assert reports[2]["first_chain"] >= 26 and reports[2]["versions"][0] >= 30, reports[2]
     assert len(files(run)) < 20  # old chains were deleted while they read
 
 
 @pytest.mark.process
 def test_a_ps_killed_writing_a_delta_leaves_nothing_torn_and_its_relaunch_is_read(run, tmp_path):
-    ps, procs, sync = _race(run, tmp_path, kill_at=17)
+    ps, procs, sync = _race(run, tmp_path, fault="kill@17")
     ps.wait(timeout=PROC_TIMEOUT_S)
     assert ps.returncode == -signal.SIGKILL
     assert [n for n in os.listdir(snapshot_dir(run)) if n.endswith(".tmp")]  # it died mid-write
     assert json.loads((run.weights / "published_version.json").read_text())["version"] == 16
     (sync / "publisher.json").unlink()
-    relaunched = start_script(HERE, "publish", str(run.root), "60", str(sync))
+    relaunched = start_script(HERE, "publish", str(run.root), "60", str(sync), "2", "none")
     ps_out, reports = _finish(relaunched, procs)
     assert relaunched.returncode == 0, ps_out
     assert not [n for n in os.listdir(snapshot_dir(run)) if n.endswith(".tmp")]  # the relaunch removed it
@@ -358,20 +363,40 @@ def test_a_ps_killed_writing_a_delta_leaves_nothing_torn_and_its_relaunch_is_rea
         assert r["bad"] == [] and r["last"] == 60, r
 
 
-def _publish_main(root, versions, sync_dir, kill_at=None) -> None:
+@pytest.mark.process
+def test_a_delta_corrupted_on_disk_is_caught_by_the_readers_that_need_it_and_they_catch_up(run, tmp_path):
+    ps, procs, _ = _race(run, tmp_path, fault="corrupt@7")
+    ps_out, reports = _finish(ps, procs)
+    assert ps.returncode == 0, ps_out
+    for r in reports:
+        assert r["bad"] == [] and r["last"] == 60 and 7 not in r["versions"], r  # never held, nor claimed
+    said = [(tmp_path / f"reader{i}.log").read_text() for i in (1, 2)]
+    lines = [line for text in said for line in text.splitlines() if "v7's delta of " in line]
+    assert lines and all(re.search(r"does not check out against v6(, also after reading the anchor v6)?: keeping "
+                                   r"v6 until the parameter server publishes a newer anchor$", line) for line in lines)
+    assert all(text.count("v7's delta of ") <= 1 for text in said)  # said once by each
+
+
+def _publish_main(root, versions, sync_dir, readers, fault) -> None:
+    """``fault``: none, kill@V (SIGKILL half-way through writing version V's file) or corrupt@V (V's file
+    written with bits flipped in its values, as a disk might return it)."""
     run, sync = RunDir.open(root), Path(sync_dir)
     snapshot.ANCHOR_EVERY = 5
-    if kill_at is not None:
-        real_save_file = snapshot.save_file
+    kind, _, at = fault.partition("@")
+    real_save_file = snapshot.save_file
 
-        def save_then_die(tensors, filename, metadata):  # the process dies with half of version kill_at's file
-            if metadata["version"] == kill_at:
-                data = snapshot.save(tensors, metadata=metadata)
-                Path(filename).write_bytes(data[:len(data) // 2])
-                os.kill(os.getpid(), signal.SIGKILL)
+    def save_with_fault(tensors, filename, metadata):
+        if metadata["version"] != at:
             return real_save_file(tensors, filename, metadata)
+        if kind == "kill":
+            data = snapshot.save(tensors, metadata=metadata)
+            Path(filename).write_bytes(data[:len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        size = real_save_file(tensors, filename, metadata)
+        corrupt(Path(filename))
+        return size
 
-        snapshot.save_file = save_then_die
+    snapshot.save_file = save_with_fault
     model = small_model(0)
     publisher = SnapshotPublisher(run, model, dtype=torch.bfloat16)
     fileops.write_json(sync / "publisher.json", {"id": publisher.publisher_id})
@@ -380,15 +405,18 @@ def _publish_main(root, versions, sync_dir, kill_at=None) -> None:
         torch.save(published(model), sync / f"expected-{publisher.publisher_id[:8]}-{version}.pt")
         publisher.publish(version, version)
         time.sleep(0.02)
-    wait_for(lambda: len(list(sync.glob("finished-*"))) >= 2, "every reader to finish", 90, poll_s=0.05)
+    wait_for(lambda: len(list(sync.glob("finished-*"))) >= int(readers), "every reader to finish", 90, poll_s=0.05)
     print(json.dumps({"versions": int(versions)}))
 
 
-def _read_main(root, device, sync_dir) -> None:
+def _read_main(root, device, sync_dir, start_at) -> None:
     run, sync = RunDir.open(root), Path(sync_dir)
+    wait_for(lambda: (fileops.read_json(run.weights / "published_version.json") or {}).get("version", -1)
+             >= int(start_at), f"version {start_at}", 90, poll_s=0.01)
     presence = WorkerPresence(run, int(device), interval_s=0.2).start()
     model = small_model(1, torch.bfloat16)
-    subscriber = make_subscriber(run, on_read=presence.announce_read)
+    chains = []
+    subscriber = make_subscriber(run, on_read=lambda chain: (chains.append(chain), presence.announce_read(chain)))
     versions, bad, last, deadline = [], [], None, time.monotonic() + 90
     while time.monotonic() < deadline:
         info = fileops.read_json(sync / "publisher.json")
@@ -405,7 +433,8 @@ def _read_main(root, device, sync_dir) -> None:
     (sync / f"finished-{device}").touch()
     subscriber.close()
     presence.stop()
-    print(json.dumps({"versions": versions, "bad": bad, "last": last}))
+    first_chain = next((c[1] for c in chains if c is not None), None)
+    print(json.dumps({"versions": versions, "bad": bad, "last": last, "first_chain": first_chain}))
 
 
 if __name__ == "__main__":
