@@ -9,6 +9,9 @@ weights are published twice, in bfloat16 (the workers' dtype):
 * full: a whole bfloat16 safetensors file per version, written to a temp name and renamed, and read back the
   way a reader on another host reads one (plain reads, parsed, copied into a bfloat16 model).
 
+One version (``--xor-at``) is also written the other way a delta can be: the XOR of each tensor's bits with the
+version before, compressed with zlib; its bytes and time are printed beside the positions-and-values delta's.
+
 Per version it prints the bytes each writes, the PS's publish time and the reader's read-and-apply time, and
 at the end the medians and ratios per learning rate, and whether the delta reader's weights are bit-identical
 to the PS's published ones after the last version. Both readers read files the PS just wrote, so from the
@@ -27,6 +30,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -97,7 +101,19 @@ class FullSnapshots:
                 held[name].copy_(t)
 
 
-def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path) -> dict:
+def published_bits(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {n: deltas.flat_bits(t.detach().to(dtype)).clone() for n, t in shared_tensors(model).items()}
+
+
+def xor_compressed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
+    """The other way to write a version: the XOR of each tensor's bits with the version before, compressed
+    (zlib, fastest level): its bytes and the time to make it."""
+    t0 = time.perf_counter()
+    size = sum(len(zlib.compress((after[n] ^ before[n]).numpy().tobytes(), 1)) for n in after)
+    return {"bytes": size, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path, xor_at: int) -> dict:
     model, dtype = build(shape, torch.float32), torch.bfloat16
     worker_deltas, worker_full = build(shape, dtype), build(shape, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -105,10 +121,13 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
     publisher = SnapshotPublisher(run, model, dtype=dtype)
     subscriber = make_subscriber(run)
     full = FullSnapshots(root / f"full-{lr:g}", model, dtype)
-    rows = []
+    rows, xor = [], None
     print(f"\nlr {lr:g}: version kind delta_MB full_MB ratio | publish_ms delta full | read_ms delta full")
     for version in range(1, versions + 1):
+        before = published_bits(model, dtype) if version == xor_at else None
         grpo_like_step(model, optimizer, version, batch, tokens)
+        if before is not None:
+            xor = xor_compressed(before, published_bits(model, dtype))
         t0 = time.perf_counter()
         publisher.publish(version, version)
         publish_delta = time.perf_counter() - t0
@@ -139,6 +158,12 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in between)
 
+    if xor is not None:
+        row = rows[xor_at - 1]
+        print(f"v{xor_at} as the XOR of its bits with v{xor_at - 1}'s, zlib level 1: {xor['bytes'] / 1e6:.2f} MB "
+              f"({xor['bytes'] / row['full_bytes']:.3f} of full) in {xor['ms']:.0f} ms; as positions and values: "
+              f"{row['bytes'] / 1e6:.2f} MB ({row['bytes'] / row['full_bytes']:.3f}) in {row['publish_ms']:.0f} ms, "
+              "writing included")
     return dict(lr=lr, versions=versions, anchors=sum(r["anchor"] for r in rows),
                 delta_bytes_ratio_median=median("bytes") / median("full_bytes"),
                 delta_bytes_ratio_max=max(r["bytes"] / r["full_bytes"] for r in between),
@@ -154,6 +179,7 @@ def main() -> None:
     parser.add_argument("--versions", default="100,30", help="per learning rate, in the order of --lrs")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--xor-at", type=int, default=3, help="the version also written the other way, XOR and zlib")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     counts = [int(x) for x in args.versions.split(",")]
@@ -162,7 +188,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     root = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
     try:
-        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root) for lr, n in zip(lrs, counts, strict=True)]
+        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root, args.xor_at)
+                   for lr, n in zip(lrs, counts, strict=True)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("\nbetween anchors (medians): lr, versions, bytes delta/full (median, max), publish ms delta vs full, "
