@@ -178,6 +178,7 @@ class CudaIpcReader:
 
     def __init__(self, run: RunDir, info: dict, layout: Layout):
         self.layout = layout
+        self.read_bytes = layout.total_bytes  # every sync copies the whole slot
         if not same_host(info):
             raise TransportUnavailable(f"the PS runs on {info.get('host')}: CUDA IPC works within one host "
                                        "(publish with transport='safetensors' for other hosts)")

@@ -106,6 +106,7 @@ class MmapReader:
 
     def __init__(self, run: RunDir, info: dict, layout: Layout):
         self.layout = layout
+        self.read_bytes = layout.total_bytes  # every sync copies the whole slot
         paths = info.get("paths")
         if not isinstance(paths, list) or len(paths) != NUM_SLOTS:
             raise ValueError("no buffer paths in the version file")

@@ -232,6 +232,7 @@ class SnapshotReader:
         self._checksums: dict[str, int] = {}  # of the version held, by entry name
         self._dtypes: dict[str, torch.dtype] = {}  # the files' dtype of each entry (the anchor's)
         self._bad: int | None = None  # a delta that did not check out against a fresh anchor
+        self.read_bytes = 0  # the files the last copy_out read
 
     def usable(self, info: dict) -> bool:
         return True
@@ -243,7 +244,7 @@ class SnapshotReader:
     def copy_out(self, info: dict, dsts: list[torch.Tensor], idx: list[int]) -> int:
         """Brings the destination tensors to ``info``'s version, or as near as the files allow; the version they
         hold. FileNotFoundError: a file was deleted before anything was applied (a newer chain is named now)."""
-        chain = _chain(info)
+        chain, self.read_bytes = _chain(info), 0
         if self._bad is not None and self._bad in chain and self._held is not None:
             return self._held  # waiting for an anchor past the bad delta
         failed = None
@@ -285,6 +286,7 @@ class SnapshotReader:
         try:
             with open(path, "rb") as f:  # plain reads, never a mapping (module docstring)
                 data = f.read()
+            self.read_bytes += len(data)
         except OSError as err:
             if err.errno in (errno.ENOENT, errno.ESTALE):
                 raise FileNotFoundError(f"{path} was deleted (a newer snapshot is named now)") from err

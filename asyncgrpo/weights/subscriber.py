@@ -57,7 +57,7 @@ class Subscriber:
         self._reader = None
         self._reader_id: str | None = None
         self._synced: tuple[str, int] | None = None  # (publisher_id, version) now in the model
-        self.synced_bytes = 0  # size of the last sync
+        self.synced_bytes = 0  # what the last sync read: the weights' size (safetensors: the files it read)
         self._failed: tuple[str, float] | None = None  # (publisher_id, retry after)
         self._checked: tuple[str, int] | None = None  # (publisher_id, id(model)) whose base check passed
 
@@ -103,7 +103,7 @@ class Subscriber:
             if synced == self._synced:
                 return None  # the files did not take it further (a bad delta: the reader said so)
             self._synced = synced
-            self.synced_bytes = reader.layout.total_bytes
+            self.synced_bytes = reader.read_bytes
             log.debug("[weights] synced v%d %s sync_ms=%.2f", synced[1], info["transport"],
                       (time.perf_counter() - t0) * 1e3)
             return synced[1]

@@ -139,6 +139,10 @@ def test_versions_after_the_first_are_deltas_a_reader_applies_to_bit_identical_w
             if version % 3 == 0 or version == 2 * ANCHOR_EVERY + 2:
                 assert subscriber.sync(worker) == version
                 assert bits_equal(worker, published(ps))
+            if version == 3:  # it read the anchor and two deltas
+                assert subscriber.synced_bytes == sizes[1] + sizes[2] + sizes[3]
+            if version == 6:
+                assert subscriber.synced_bytes == sizes[4] + sizes[5] + sizes[6]
     anchors = [1, ANCHOR_EVERY + 1, 2 * ANCHOR_EVERY + 1]
     assert [v for v in sizes if os.path.exists(snapshot_path(run, v))] == [anchors[-1]]
     assert max(sizes[v] for v in sizes if v not in anchors) < 0.25 * min(sizes[v] for v in anchors)
