@@ -271,17 +271,18 @@ class SnapshotReader:
         for position in range(start, len(chain)):
             version = chain[position]
             try:
-                tensors, meta = self._read(version, anchor=position == 0)
+                tensors, meta, checksums = self._read(version, anchor=position == 0)
             except FileNotFoundError:
                 if position == start:
                     raise
                 return self._held  # what it applied stays: the next sync goes on from there
             if meta.get("base", "") != ("" if position == 0 else str(chain[position - 1])):
                 raise TransportUnavailable(f"v{version}'s file follows v{meta.get('base')}, not the chain's")
-            self._apply(version, tensors, json.loads(meta.get("checksums", "{}")), dsts, idx, anchor=position == 0)
+            self._apply(version, tensors, checksums, dsts, idx, anchor=position == 0)
         return self._held
 
-    def _read(self, version: int, anchor: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    def _read(self, version: int, anchor: bool) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """A file's tensors, metadata and checksums."""
         path = snapshot_path(self.run, version, anchor)  # derived, never a path read from the file
         try:
             with open(path, "rb") as f:  # plain reads, never a mapping (module docstring)
@@ -295,7 +296,10 @@ class SnapshotReader:
             meta = _metadata(data)
             if meta.get("publisher_id") != self.publisher_id or meta.get("version") != str(version):
                 raise FileNotFoundError(f"{path} belongs to another publisher or version")
-            return load(data), meta
+            checksums = json.loads(meta.get("checksums", "{}"))
+            if not isinstance(checksums, dict):
+                raise ValueError("checksums is not a JSON object")
+            return load(data), meta, checksums
         except (SafetensorError, ValueError, KeyError, RuntimeError) as err:
             raise BadDelta(version, f"v{version}'s file {path.name} cannot be read ({err})") from err
 
