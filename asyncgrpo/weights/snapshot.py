@@ -349,7 +349,7 @@ class SnapshotReader:
         dtype = self._dtypes[name]
         if torch.promote_types(held.dtype, dtype) != held.dtype:
             raise WeightsMismatch(f"the worker holds {name} in {held.dtype}, narrower than the published "
-                                  f"{dtype}: start the workers with the parameter server's --dtype")
+                                  f"{dtype}: give the workers the parameter server's --dtype and --worker_dtype")
         parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val")
                  if f"{kind}:{name}" in tensors}
         positions = deltas.positions_of(parts)

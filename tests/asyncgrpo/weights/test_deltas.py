@@ -285,8 +285,8 @@ def test_a_worker_in_a_wider_dtype_gets_the_published_values_checked_and_a_narro
         publisher.publish(5, 5)
         assert snapshot_path(run, 5, anchor=False).exists()
         with pytest.raises(WeightsMismatch, match=r"^the worker holds proj.weight in torch.bfloat16, narrower than "
-                                                  r"the published torch.float32: start the workers with the "
-                                                  r"parameter server's --dtype$"):
+                                                  r"the published torch.float32: give the workers the parameter "
+                                                  r"server's --dtype and --worker_dtype$"):
             subscriber.sync(narrower)
     subscriber.close()
 
