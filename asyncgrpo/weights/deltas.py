@@ -92,19 +92,20 @@ def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
     """``positions`` (sorted int64) and one more every MAX_GAP where a gap is longer, in order (no sort: each
     position moves up by the fillers before it, and the fillers take the slots left)."""
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
-    counts = (gaps - 1) // MAX_GAP
-    total = int(counts.sum())
-    if total == 0:
+    long = (gaps > MAX_GAP).nonzero().reshape(-1)  # few: the work below is over these
+    if long.numel() == 0:
         return positions
-    before = torch.cumsum(counts, 0)
-    slots = torch.arange(positions.numel(), device=positions.device) + before
-    merged = positions.new_empty(positions.numel() + total)
+    counts = (gaps[long] - 1) // MAX_GAP
+    shifts = torch.zeros_like(positions)
+    shifts[long] = counts
+    slots = torch.arange(positions.numel(), device=positions.device) + torch.cumsum(shifts, 0)
+    merged = positions.new_empty(positions.numel() + int(counts.sum()))
     merged[slots] = positions
     is_filler = torch.ones(merged.numel(), dtype=torch.bool, device=positions.device)
     is_filler[slots] = False
-    starts = (positions - gaps).repeat_interleave(counts)
-    steps = torch.arange(total, device=positions.device) - (before - counts).repeat_interleave(counts) + 1
-    merged[is_filler] = starts + steps * MAX_GAP
+    first = torch.cumsum(counts, 0) - counts  # each long gap's first filler among all fillers
+    steps = torch.arange(int(counts.sum()), device=positions.device) - first.repeat_interleave(counts) + 1
+    merged[is_filler] = (positions[long] - gaps[long]).repeat_interleave(counts) + steps * MAX_GAP
     return merged
 
 
@@ -120,10 +121,11 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     else:
         parts["idx"] = positions.to(index_dtype(new_bits.numel()))
     values = new_bits[positions]
-    difference = values.to(torch.int64) - previous_bits[positions].to(torch.int64)
-    if new_bits.element_size() < 8 and int(difference.abs().max()) < 128:
-        parts["dif"] = difference.to(torch.int8)
-    else:
+    if new_bits.element_size() < 8:  # (4-byte bits may wrap: old + difference wraps back the same way)
+        difference = values.to(torch.int32) - previous_bits[positions].to(torch.int32)
+        if int(difference.min()) >= -128 and int(difference.max()) < 128:
+            parts["dif"] = difference.to(torch.int8)
+    if "dif" not in parts:
         parts["val"] = values
     return parts, positions, values
 
@@ -138,7 +140,7 @@ def positions_of(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 def new_bits_of(parts: dict[str, torch.Tensor], old_bits: torch.Tensor) -> torch.Tensor:
     """The bits a delta's parts write, given the bits held at its positions."""
     if "dif" in parts:
-        return (old_bits.to(torch.int64) + parts["dif"].to(torch.int64)).to(old_bits.dtype)
+        return (old_bits.to(torch.int32) + parts["dif"].to(torch.int32)).to(old_bits.dtype)
     return parts["val"]
 
 
