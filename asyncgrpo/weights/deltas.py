@@ -26,6 +26,7 @@ import torch
 MASK32 = (1 << 32) - 1
 _CHUNK = 1 << 22  # words per pass of a whole tensor's checksum (bounded temporaries)
 _K = -1640531535  # an odd 32-bit constant (0x9E3779B1) as int32: torch's integer arithmetic wraps
+_TWO_K = (2 * _K + 2**31) % 2**32 - 2**31  # 2 * K wrapped into int32
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
@@ -53,7 +54,7 @@ def _mixed_sum(positions: torch.Tensor, words: torch.Tensor) -> int:
     """sum(words * (2 * position + 1) * K) modulo 2**32 over the given words."""
     if positions.numel() == 0:
         return 0
-    weights = (positions.to(torch.int32) * 2 + 1) * _K
+    weights = positions.to(torch.int32).mul(_TWO_K).add_(_K)  # (2 * position + 1) * K, wrapping
     return _weighted_sum(words.reshape(-1), weights) & MASK32
 
 
@@ -130,11 +131,11 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     return parts, positions, values
 
 
-def positions_of(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The positions a delta's parts write (int64)."""
+def positions_of(parts: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """The positions a delta's parts write into a tensor of ``numel`` elements (int32 where they fit)."""
     if "gap" in parts:
-        return torch.cumsum(parts["gap"].to(torch.int64), 0) - 1
-    return parts["idx"].to(torch.int64)
+        return torch.cumsum(parts["gap"], 0, dtype=index_dtype(numel)) - 1
+    return parts["idx"]
 
 
 def new_bits_of(parts: dict[str, torch.Tensor], old_bits: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,16 @@
 """Workers on other hosts: the weights as files on the shared filesystem, a full anchor every ANCHOR_EVERY
 versions and, between anchors, each version as what changed since the one before (deltas.py).
 
-``RUN/weights/snapshots/v{version:08d}.safetensors`` is an anchor (every tensor), ``d{version:08d}.safetensors``
-a delta against the version before it: per tensor, the positions whose bits changed and their values (or the
-tensor whole where most changed), and the checksum of each tensor it changes. The PS keeps the last published
-version to compare against, and writes an anchor at its first publish, every ANCHOR_EVERY versions, and
-whenever a delta would not be smaller. Each file is written to a dot-temp name and renamed into place, then
-the version file names it and the chain of versions from the newest anchor to it: a reader that sees a
-version sees complete, never-again-modified files, so no locks are needed (and none would be trustworthy
-across NFS clients). Each file carries its publisher_id, version and base version in the safetensors
-metadata, and the reader checks them, so a restarted PS that reuses a version number is never mistaken for
-the old one.
+``RUN/weights/snapshots/v{version:08d}.safetensors`` is an anchor (every tensor: a state dict by its names),
+``d{version:08d}.safetensors`` a delta against the version before it: per tensor, the positions whose bits
+changed and their values (or the tensor whole where most changed), and the checksum of each tensor it changes.
+The PS keeps the last published version to compare against, and writes an anchor at its first publish, every
+ANCHOR_EVERY versions, and whenever a delta would not be smaller. Each file is written to a dot-temp name and
+renamed into place, then the version file names it and the chain of versions from the newest anchor to it: a
+reader that sees a version sees complete, never-again-modified files, so no locks are needed (and none would
+be trustworthy across NFS clients). Each file carries its publisher_id, version and base version in the
+safetensors metadata, and the reader checks them, so a restarted PS that reuses a version number is never
+mistaken for the old one.
 
 A reader holding a version of the chain applies the deltas after it in place; any other reader (a new one, one
 that fell behind the newest anchor, one holding another publisher's weights) reads the anchor and the deltas
@@ -132,7 +132,7 @@ class SnapshotPublisher:
             anchor = (first or len(self._chain) >= ANCHOR_EVERY
                       or deltas.nbytes(parts) >= sum(t.numel() * t.element_size() for t in new))
             if anchor:
-                parts = {f"all:{e.name}": t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}
+                parts = {e.name: t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}  # a state dict
             touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
                 self.layout.entries, changes, strict=True) if anchor or delta is None or delta}
             path = snapshot_path(self.run, version, anchor)
@@ -318,7 +318,7 @@ class SnapshotReader:
                         raise KeyError(name)
                     continue
                 expected = int(checksums[name], 16)
-                whole = tensors.get(f"all:{name}")
+                whole = tensors.get(name if anchor else f"all:{name}")
                 if whole is not None:
                     if tuple(whole.shape) != self.layout.entries[i].shape or deltas.checksum(whole) != expected:
                         raise BadDelta(version, f"v{version}'s {name} does not match its checksum")
@@ -352,7 +352,7 @@ class SnapshotReader:
                                   f"{dtype}: give the workers the parameter server's --dtype and --worker_dtype")
         parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val")
                  if f"{kind}:{name}" in tensors}
-        positions = deltas.positions_of(parts)
+        positions = deltas.positions_of(parts, held.numel())
         old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
         new_bits = deltas.new_bits_of(parts, old_bits)
         got = deltas.updated_checksum(self._checksums[name], positions, old_bits, new_bits)
