@@ -32,6 +32,7 @@ PROSE_DEFAULTS = {
     "PEFT's per model",  # lora_target_modules None: PEFT chooses per architecture
     "`RUN/final_model`",  # output_dir None: the PS saves the final model there
     "a new folder under `$ASYNCGRPO_RUNS`",  # run_dir None: a new run directory
+    "`--dtype`'s",  # worker_dtype None: the workers load --dtype as the PS does
 }
 # Fields of AsyncGRPOConfig's own that are TRL's flags all the same (`trl grpo`'s script arguments).
 TRL_SCRIPT_FLAGS = {"reward_funcs", "reward_model_name_or_path", "datasets", "streaming", "test_split_size"}
