@@ -315,6 +315,24 @@ def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_go
     subscriber.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_ps_on_a_gpu_publishes_deltas_a_gpu_worker_applies_bit_identically(run):
+    """The PS compares on its GPU (the last version kept there); the worker checks and writes on its own."""
+    ps, worker = small_model(0).cuda(), small_model(1, torch.bfloat16).cuda()
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in range(1, 8):
+            with torch.no_grad():
+                for p in ps.parameters():
+                    p.add_(torch.randn_like(p) * 1e-5)
+            publisher.publish(version, version)
+            assert subscriber.sync(worker) == version
+            assert bits_equal(worker, published(ps))
+        assert snapshot_path(run, 7, anchor=False).exists()
+    subscriber.close()
+
+
 # ---------------------------------------------------------------- real processes
 
 def _race(run, tmp_path, fault: str = "none", late_reader_at: int | None = None):
