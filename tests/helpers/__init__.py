@@ -10,7 +10,10 @@ RunProcesses, a run's PS and workers stopped however the test ends; expect_exit,
 ``files`` (back-dated mtimes, file modes, small readers of a run's files), ``checks`` (the exactly-once check,
 the ledger, the PS's events, a model's values), ``models`` (a real small chat model, made once into a cache
 folder) and ``faults`` (a full disk, a second host, a skewed clock).
-Every public name is re-exported here: tests write ``from helpers import X`` or ``helpers.X``.
+Every public name of these is re-exported here: tests write ``from helpers import X`` or ``helpers.X``. Two more,
+``decoding`` (the decoders' test builders) and ``pipelines`` (the PS's job pipeline in process), import torch,
+transformers and TRL, which the processes that import ``helpers`` alone need not pay for: tests import them as
+``helpers.decoding`` and ``helpers.pipelines``.
 """
 
 from __future__ import annotations

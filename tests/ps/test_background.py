@@ -3,20 +3,10 @@
 import threading
 import time
 
+from helpers.pipelines import Stuck
+
 from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobState, QueueWatcher
-from ps.background import WatchedThread
-
-
-class Stuck(WatchedThread):
-    """A loop that does not look at its stop event: stuck in something that never returns."""
-
-    def __init__(self, watcher, release: threading.Event):
-        super().__init__("stuck loop", watcher, on_error=lambda name, err: None)
-        self.release = release
-
-    def _loop(self) -> None:
-        self.release.wait()
 
 
 def test_a_thread_stuck_past_the_bound_is_left_behind_with_every_stack_logged(tmp_path, monkeypatch, caplog, capfd):

@@ -9,6 +9,7 @@ import functools
 import helpers
 import pytest
 import torch
+from helpers import pipelines
 
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
@@ -17,10 +18,8 @@ from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import WorkerPresence
 from ps.pipeline import JobPipeline
 
-G = 2
-ROWS = 4  # two groups of two per job, and per batch
+G, ROWS = pipelines.GENERATIONS, pipelines.ROWS  # two groups of two per job, and per batch
 wait_for = functools.partial(helpers.wait_for, timeout=10.0, poll_s=0.01)
-DATASET = [{"prompt": f"p{i}"} for i in range(40)]
 SPREAD, FLAT = [0.0, 1.0], [1.0, 1.0]  # a group's two rewards
 
 
@@ -33,10 +32,7 @@ def worker_alive(run):
 
 
 def make_pipeline(run, **overrides):
-    flags = {"generation_batch_size": ROWS, "per_device_train_batch_size": ROWS, "num_generations": G,
-             "max_pending": 8, "max_outstanding": 16, "max_staleness": 4, "lease_s": 30, "seed": 0,
-             "model_name_or_path": "unused", "output_dir": "unused", "dynamic_sampling": "true", **overrides}
-    return JobPipeline(parse_config([f"--{k}={v}" for k, v in flags.items()]), run, JobQueue(run), DATASET)
+    return pipelines.make_pipeline(run, **{"dynamic_sampling": "true", **overrides})
 
 
 def complete_one(queue, groups: list[list[float]], version: int = 0):

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from test_pipeline import make_pipeline
+from helpers.pipelines import make_pipeline
 
 import ps.__main__ as ps_main
 from asyncgrpo.jobqueue import JobState, QueueWatcher

@@ -14,30 +14,16 @@ import helpers
 import pytest
 import torch
 from helpers import inject_disk_full
+from helpers.pipelines import ROWS, make_pipeline
 
 import ps.pipeline as pipeline_module
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.run import fileops
-from ps.pipeline import JobPipeline, PipelineError, StopRequested
+from ps.pipeline import PipelineError, StopRequested
 
-ROWS = 4  # generation_batch_size: 2 prompts x 2 generations
 WAIT_S = 10.0
 wait_for = functools.partial(helpers.wait_for, timeout=WAIT_S, poll_s=0.01)  # wait_for(condition, what)
-
-
-def make_cfg(**overrides):
-    flags = {"generation_batch_size": ROWS, "per_device_train_batch_size": ROWS, "num_generations": 2,
-             "max_pending": 8, "max_outstanding": 16, "max_staleness": 4, "lease_s": 30, "seed": 0,
-             "model_name_or_path": "unused", "output_dir": "unused", **overrides}
-    return parse_config([f"--{k}={v}" for k, v in flags.items()])
-
-
-DATASET = [{"prompt": f"p{i}"} for i in range(40)]
-
-
-def make_pipeline(run, **overrides):
-    return JobPipeline(make_cfg(**overrides), run, JobQueue(run), DATASET)
 
 
 @pytest.fixture

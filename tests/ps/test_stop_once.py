@@ -4,7 +4,7 @@ stuck past the bound costs that bound once, not twice (ps/background.py)."""
 import threading
 import time
 
-from test_background import Stuck
+from helpers.pipelines import Stuck
 
 from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobState, QueueWatcher

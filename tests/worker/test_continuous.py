@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_step import (
+from helpers.decoding import (
     DRAWS,
     GREEDY,
+    JOB_PROMPTS,
     NO_WARPER,
     SAMPLING,
     SETTINGS,
     SHAPES,
+    Events,
+    assert_captured_within_bf16_of_trls,
     assert_drawn_from,
     expected_probs,
     generated,
+    gpu_trainer,
+    job,
+    job_ids,
     llama,
     prompt_ids,
     trainer_for,
 )
-from test_fast_decoding import Events, job
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncgrpo.tasks.demo import build_tokenizer
@@ -36,15 +41,6 @@ from worker.decoding.step import Sampling, sample
 from worker.generate import score_generated
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-# Four prompts a job (x 8 generations: 32 rows); rows of every length, some never ending.
-JOB_PROMPTS = [["7:", "12 3:", "9 9 9 9:", "0 1:"], ["5:", "3 3:", "1 2 3 4 5 6:", "8:"], ["4 4:", "2:", "6 0:", "1:"],
-               ["3:", "45 6:", "8:", "1 1 1:"], ["0:", "9:", "2 7:", "5 5 5:"]]
-
-
-def job_ids(trainer, index: int) -> list[list[int]]:
-    return prompt_ids(trainer, [p for p in JOB_PROMPTS[index] for _ in range(trainer.num_generations)])
-
 
 def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None) -> dict:
     """Every job of ``jobs`` ({key: prompt ids}) through the engine, in order, each added as the worker's loop claims
@@ -371,8 +367,6 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_tolerance(tmp_path, monkeypatch):
     """Completions of up to 64 tokens: the steps read by several plans (a graph each), rows moving between slots."""
-    from test_decode_step import gpu_trainer
-    from test_fast_decoding import assert_captured_within_bf16_of_trls
 
     trainer = gpu_trainer(tmp_path, max_completion_length=64)
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))

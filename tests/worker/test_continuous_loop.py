@@ -70,8 +70,7 @@ def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
     """The engine syncs before a job joins the slots, as a batch syncs before it starts: a version published since
     the engine's last look samples the joining job's first token (the job's oldest version is the newest one)."""
     import torch
-    from test_continuous import job_ids
-    from test_decode_step import GREEDY, llama, trainer_for
+    from helpers.decoding import GREEDY, job_ids, llama, trainer_for
 
     from asyncgrpo.events import EventLog
     from worker.decoding.continuous import ContinuousDecoding

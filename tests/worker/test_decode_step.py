@@ -15,19 +15,28 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import demo_config
-from test_fast_decoding import Events, assert_captured_within_bf16_of_trls, counted, two_jobs
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
+from helpers.decoding import (
+    DRAWS,
+    GREEDY,
+    NO_WARPER,
+    SAMPLING,
+    SETTINGS,
+    Events,
+    assert_captured_within_bf16_of_trls,
+    assert_drawn_from,
+    counted,
+    decoded,
+    expected_probs,
+    generated,
+    gpu_trainer,
+    llama,
+    prompt_ids,
+    trainer_for,
+    two_jobs,
 )
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from asyncgrpo.run import RunDir
-from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding.attention import PACKED_SDPA, sdpa_gqa_packed
 from worker.decoding.compiled import CompiledDecoding
@@ -35,54 +44,9 @@ from worker.decoding.eager import EagerDecoding
 from worker.decoding.graph import DONE_CHECK_EVERY, GraphDecoding
 from worker.decoding.shapes import column_buckets
 from worker.decoding.step import Sampling, sample
-from worker.generate import build_trainer, generate_jobs
+from worker.generate import generate_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-SHAPES = {"demo": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96),
-          "larger": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=448)}
-# Prompts of 2 to 12 tokens: left padding of every width.
-PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:", "5:", "3 3:", "1 2 3 4 5 6:", "8:"]
-GREEDY = {"generation_kwargs": {"do_sample": False}, "max_completion_length": 24}
-SAMPLING = {"temperature": 0.9, "top_k": 5, "top_p": 0.9, "max_completion_length": 12}
-
-
-def llama(shape: str = "demo", seed: int = 0, eos_bias: float = 0.0, kv_heads: int = 4) -> LlamaForCausalLM:
-    """A Llama over the demo tokenizer whose greedy completions vary (initializer_range 0.3: some rows end early,
-    some never), deterministic given ``seed``; ``eos_bias`` added to EOS's output embedding makes it likelier."""
-    tok = build_tokenizer()
-    config = LlamaConfig(**SHAPES[shape], num_key_value_heads=kv_heads, vocab_size=len(tok), initializer_range=0.3,
-                         max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    if eos_bias:
-        with torch.no_grad():
-            model.lm_head.weight[tok.eos_token_id] += eos_bias * model.model.norm.weight
-    return model
-
-
-def trainer_for(tmp_path, model=None, **overrides):
-    tok = build_tokenizer()
-    return build_trainer(demo_config(tmp_path, **overrides), model if model is not None else llama(), tok,
-                         [repeat_digit_reward], build_dataset(n=40))
-
-
-def prompt_ids(trainer, prompts=PROMPTS) -> list[list[int]]:
-    return [[int(t) for t in ids] for ids in trainer._tokenize_prompts(prompts)[0]]
-
-
-def generated(trainer, ids) -> list[list[int]]:
-    """transformers' generate, as TRL's _generate_single_turn calls it."""
-    with torch.no_grad():
-        return trainer._generate_single_turn(ids, None, {}, trainer.num_generations)[0]
-
-
-def decoded(decoding: GraphDecoding, ids) -> list[list[int]]:
-    with torch.no_grad():
-        return decoding.decode_batch(decoding.pad_batch(ids))[0][: len(ids)]
-
 
 def dataset_prompt_ids(trainer):
     return prompt_ids(trainer, [row["prompt"] for row in trainer.train_dataset])
@@ -229,42 +193,6 @@ def test_an_adapter_sync_reaches_the_step(tmp_path):
 
 # ---------------------------------------------------------------- the distribution: sampling is multinomial's
 
-def expected_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """What transformers samples from: its warpers, in its order, then softmax."""
-    scores = logits[None].clone()
-    warpers = [TemperatureLogitsWarper(s.temperature) if s.temperature != 1.0 else None,
-               TopKLogitsWarper(s.top_k) if s.top_k else None, TopPLogitsWarper(s.top_p) if s.top_p else None,
-               MinPLogitsWarper(s.min_p) if s.min_p else None]
-    for warper in filter(None, warpers):
-        scores = warper(None, scores)
-    return torch.softmax(scores, dim=-1)[0]
-
-
-SETTINGS = {"temperature": dict(temperature=0.6),
-            "top_k": dict(temperature=1.0, top_k=4),
-            "top_p": dict(temperature=1.0, top_p=0.8),
-            "min_p": dict(temperature=1.0, min_p=0.15),
-            "all": dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.05)}
-DRAWS = 40_000
-CHI2_LIMIT = 35.0  # chi-square with at most 9 degrees of freedom: p < 1e-4 beyond this
-
-
-def assert_drawn_from(tokens: torch.Tensor, want: torch.Tensor) -> None:
-    """``tokens`` (DRAWS of them) are drawn from the distribution ``want``: none that it filters out, and the
-    counts of the others within a chi-square test's limit."""
-    counts = torch.bincount(tokens, minlength=want.numel()).double()
-    assert (counts[want == 0] == 0).all(), f"drew filtered tokens: {counts.tolist()} for {want.tolist()}"
-    kept = want > 0
-    expected = want[kept].double() * DRAWS
-    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_LIMIT, f"chi2 {chi2:.1f}: drawn {counts.tolist()}, expected {(want * DRAWS).tolist()}"
-    assert kept.sum() >= 2  # a real distribution, not one token
-
-
-NO_WARPER = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-                 min_new_tokens=0)
-
-
 # Each setting eagerly; compiled once, with every warper (compiling costs seconds; the math is the same).
 @pytest.mark.parametrize(("setting", "compiled"), [(name, False) for name in SETTINGS] +
                          [pytest.param("all", True, marks=pytest.mark.process)])
@@ -338,15 +266,6 @@ def test_auto_picks_the_step_on_cuda_and_decodes_eagerly_on_cpu(tmp_path, caplog
 
 
 # ---------------------------------------------------------------- on a GPU
-
-def gpu_trainer(tmp_path, **overrides):
-    """A sampling trainer on the GPU, bf16. The demo's own model (initializer_range 0.02): bf16 rounds a logit to
-    0.4% of its size, and the sharper logits of llama()'s (0.3) would move log-probs by more than the tolerance."""
-    trainer = trainer_for(tmp_path, build_model(seed=0, tokenizer=build_tokenizer()), use_cpu=False,
-                          device_type="cuda", bf16=True, **{**SAMPLING, **overrides})
-    trainer.model.to("cuda")
-    return trainer
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,9 +13,20 @@ from contextlib import closing
 
 import pytest
 import torch
-from test_continuous import JOB_PROMPTS, job_ids
-from test_decode_step import GREEDY, SAMPLING, generated, llama, prompt_ids, trainer_for
-from test_fast_decoding import Events, counted, job, trl_logps
+from helpers.decoding import (
+    GREEDY,
+    JOB_PROMPTS,
+    SAMPLING,
+    Events,
+    counted,
+    generated,
+    job,
+    job_ids,
+    llama,
+    prompt_ids,
+    trainer_for,
+    trl_logps,
+)
 
 from asyncgrpo.config import WORKER_DECODING_MODES
 from asyncgrpo.run import RunDir

@@ -6,80 +6,40 @@ tests of this module, and each test leaves its weights as it found them or syncs
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import closing
 
 import pytest
 import torch
 from helpers import demo_config
+from helpers.decoding import (
+    VARIED_PROMPTS,
+    Events,
+    assert_captured_within_bf16_of_trls,
+    counted,
+    job,
+    trl_logps,
+    two_jobs,
+)
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.run import RunDir
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer, repeat_digit_reward
 from asyncgrpo.weights import make_publisher, make_subscriber
 from worker.decoding.compiled import CompiledDecodeStep, CompiledDecoding, generating_model
-from worker.generate import JobInput, build_trainer, generate_jobs
+from worker.generate import build_trainer, generate_jobs
 from worker.in_flight import CHECK_EVERY, InFlightWeights
 from worker.trl_seam import BEHAVIOUR_LOGPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 # Prompts of 2 to 9 tokens (one token per character): the shared call left-pads them to the longest.
-VARIED_PROMPTS = ["7:", "12 3:", "9 9 9 9:", "0 1:"]
 SAMPLING = {"top_k": 5, "top_p": 0.9}
-
-
-class Events:
-    """An EventLog that keeps what it is given."""
-
-    def __init__(self):
-        self.emitted = []
-
-    def emit(self, event, **fields):
-        self.emitted.append((event, fields))
-
-    @contextlib.contextmanager
-    def span(self, name, **fields):
-        self.emit(f"{name}_start", **fields)
-        yield {}
-        self.emit(f"{name}_end", **fields)
 
 
 def make_trainer(tmp_path, reward=repeat_digit_reward, **overrides):
     cfg = demo_config(tmp_path, **{**SAMPLING, **overrides})
     tok = build_tokenizer()
     return build_trainer(cfg, build_model(seed=0, tokenizer=tok), tok, [reward], build_dataset(n=40))
-
-
-def job(index: int, prompts: list[str], trainer) -> JobInput:
-    rows = [{"prompt": p} for p in prompts for _ in range(trainer.num_generations)]
-    return JobInput(rows, seed=index, fields={"job_id": f"000000_{index:03d}"})
-
-
-def two_jobs(trainer) -> list[JobInput]:
-    return [job(0, VARIED_PROMPTS, trainer), job(1, ["3:", "45 6:", "8:", "1 1 1:"], trainer)]
-
-
-def counted(trainer, obj, name) -> list:
-    """Counts calls of ``obj.name`` (an instance attribute over the method, removed by the caller)."""
-    calls, method = [], getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        calls.append(1)
-        return method(*args, **kwargs)
-
-    setattr(obj, name, wrapper)
-    return calls
-
-
-def trl_logps(trainer, batch) -> torch.Tensor:
-    device = trainer.accelerator.device
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1).to(device)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).to(device)
-    with torch.no_grad():
-        logps, _, _ = getattr(type(trainer), BEHAVIOUR_LOGPS)(trainer, trainer.model, ids, mask,
-                                                            batch["completion_ids"].size(1))
-    return logps.cpu()
 
 
 def greedy(trainer, prompt_ids, decoding=None) -> list[list[int]]:
@@ -268,12 +228,3 @@ def test_compiled_decoding_on_the_gpu_with_cuda_graphs_captures_log_probs_within
     assert_captured_within_bf16_of_trls(trainer, outcomes)
 
 
-def assert_captured_within_bf16_of_trls(trainer, outcomes):
-    # bf16 autocast: the decoding kernels and TRL's full forward round differently; 0.05 bounds a token's log-prob
-    # difference there, where a wrong token or a stale weight differs by whole units.
-    for outcome in outcomes:
-        assert not isinstance(outcome, Exception), outcome
-        batch = outcome.batch
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            diff = (batch["old_per_token_logps"] - trl_logps(trainer, batch)).abs() * batch["completion_mask"]
-        assert diff.max().item() < 0.05

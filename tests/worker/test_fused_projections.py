@@ -8,7 +8,7 @@ from contextlib import closing
 
 import pytest
 import torch
-from test_decode_step import GREEDY, SAMPLING, decoded, prompt_ids, trainer_for
+from helpers.decoding import GREEDY, SAMPLING, decoded, prompt_ids, trainer_for
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
