@@ -422,6 +422,8 @@ def _publish_main(root, versions, sync_dir, readers, fault) -> None:
     model = small_model(0)
     publisher = SnapshotPublisher(run, model, dtype=torch.bfloat16)
     fileops.write_json(sync / "publisher.json", {"id": publisher.publisher_id})
+    # The readers that start with it are reading before it publishes (a late one starts at its version).
+    wait_for(lambda: len(list(sync.glob("ready-*"))) >= 2, "the first readers to be ready", 90, poll_s=0.01)
     for version in range(1, int(versions) + 1):
         train_step(model, version)
         torch.save(published(model), sync / f"expected-{publisher.publisher_id[:8]}-{version}.pt")
@@ -433,12 +435,14 @@ def _publish_main(root, versions, sync_dir, readers, fault) -> None:
 
 def _read_main(root, device, sync_dir, start_at) -> None:
     run, sync = RunDir.open(root), Path(sync_dir)
-    wait_for(lambda: (fileops.read_json(run.weights / "published_version.json") or {}).get("version", -1)
-             >= int(start_at), f"version {start_at}", 90, poll_s=0.01)
+    if int(start_at):  # a worker joining late
+        wait_for(lambda: (fileops.read_json(run.weights / "published_version.json") or {}).get("version", -1)
+                 >= int(start_at), f"version {start_at}", 90, poll_s=0.01)
     presence = WorkerPresence(run, int(device), interval_s=0.2).start()
     model = small_model(1, torch.bfloat16)
     chains = []
     subscriber = make_subscriber(run, on_read=lambda chain: (chains.append(chain), presence.announce_read(chain)))
+    (sync / f"ready-{device}").touch()
     versions, bad, last, deadline = [], [], None, time.monotonic() + 90
     while time.monotonic() < deadline:
         info = fileops.read_json(sync / "publisher.json")
