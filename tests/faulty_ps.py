@@ -12,7 +12,8 @@ kill-before-ledger STEP  SIGKILLed when all of checkpoint-STEP is written but th
                          complete (older checkpoints not yet rotated out)
 full-metrics N           the disk is full for metrics.jsonl from its N-th line on (the write fails, ENOSPC)
 full-ledger STEP         the disk is full for checkpoint-STEP's ledger
-full-snapshot VERSION    the disk is full for the weights file of VERSION (--weight_transport safetensors)
+full-snapshot VERSION    the disk is full for the weights file of VERSION (--weight_transport safetensors),
+                         failing as safetensors does
 """
 
 import errno
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 
+from safetensors import SafetensorError
 from transformers import Trainer
 
 from asyncgrpo.run.checkpoints import LEDGER_FILE, newest_complete_checkpoint
@@ -79,7 +81,7 @@ elif FAULT == "full-snapshot":
 
     def _save_file(tensors, filename, metadata=None):
         if metadata and metadata.get("version") == ARG:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return save_file(tensors, filename, metadata=metadata)
 
     snapshot.save_file = _save_file

@@ -111,9 +111,9 @@ def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
 
 
 def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor
-           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``), and the positions it
-    writes and the bits it writes there (no-op positions included)."""
+    writes (no-op positions included), the bits there before and the bits it writes."""
     parts = {}
     filled = _with_fillers(positions)
     if filled.numel() < positions.numel() * index_dtype(new_bits.numel()).itemsize:
@@ -121,14 +121,14 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
         parts["gap"] = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.uint8)
     else:
         parts["idx"] = positions.to(index_dtype(new_bits.numel()))
-    values = new_bits[positions]
+    old, values = previous_bits[positions], new_bits[positions]
     if new_bits.element_size() < 8:  # (4-byte bits may wrap: old + difference wraps back the same way)
-        difference = values.to(torch.int32) - previous_bits[positions].to(torch.int32)
+        difference = values.to(torch.int32) - old.to(torch.int32)
         if int(difference.min()) >= -128 and int(difference.max()) < 128:
             parts["dif"] = difference.to(torch.int8)
     if "dif" not in parts:
         parts["val"] = values
-    return parts, positions, values
+    return parts, positions, old, values
 
 
 def positions_of(parts: dict[str, torch.Tensor], numel: int) -> torch.Tensor:

@@ -37,13 +37,14 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import time
 import uuid
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load, save
+from safetensors.torch import load, save_file
 
 from asyncgrpo.run import fileops
 from asyncgrpo.run.hosts import HOST_ID
@@ -82,14 +83,6 @@ def versions_being_read(run: RunDir, publisher_id: str) -> set[int]:
             if w.reading is not None and w.reading[0] == publisher_id}
 
 
-def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> int:
-    """Writes a safetensors file; its size in bytes."""
-    data = save(tensors, metadata=metadata)
-    with open(filename, "wb") as f:
-        f.write(data)
-    return len(data)
-
-
 class SnapshotPublisher:
     transport = "safetensors"
 
@@ -121,16 +114,16 @@ class SnapshotPublisher:
             new = [t.detach().to(self.dtype if self.dtype and t.is_floating_point() else t.dtype).contiguous()
                    for t in sources]
             first = self._previous is None
-            changes = [(None, None, deltas.checksum(t)) for t in new] if first else [
+            anchor = first or len(self._chain) >= ANCHOR_EVERY  # (else: unless the delta is no smaller)
+            changes = [(None, None, deltas.checksum(t)) for t in new] if anchor else [
                 self._change(i, t) for i, t in enumerate(new)]
             parts = {}
             for e, t, (delta, _, _) in zip(self.layout.entries, new, changes, strict=True):
-                if delta is None:
+                if delta is None and not anchor:
                     parts[f"all:{e.name}"] = t.cpu()
-                else:
+                elif delta:
                     parts.update({f"{kind}:{e.name}": part.cpu() for kind, part in delta.items()})
-            anchor = (first or len(self._chain) >= ANCHOR_EVERY
-                      or deltas.nbytes(parts) >= sum(t.numel() * t.element_size() for t in new))
+            anchor = anchor or deltas.nbytes(parts) >= sum(t.numel() * t.element_size() for t in new)
             if anchor:
                 parts = {e.name: t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}  # a state dict
             touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
@@ -173,20 +166,23 @@ class SnapshotPublisher:
             return {}, None, self._checksums[i]
         if deltas.mostly_changed(t.numel(), changed):
             return None, None, deltas.checksum(t)
-        parts, positions, values = deltas.encode(previous, bits, differs.nonzero().reshape(-1))
+        parts, positions, old, values = deltas.encode(previous, bits, differs.nonzero().reshape(-1))
         if deltas.nbytes(parts) >= t.numel() * t.element_size():
             return None, None, deltas.checksum(t)
-        checksum = deltas.updated_checksum(self._checksums[i], positions, previous[positions], values)
+        checksum = deltas.updated_checksum(self._checksums[i], positions, old, values)
         return parts, (positions, values), checksum
 
     def _write(self, path, parts: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             try:
-                size = save_file(parts, str(tmp), metadata=metadata)
-            except OSError as err:  # a full disk, say: named by the file it was writing, not its temp name
-                err.filename = str(path)
-                raise
+                save_file(parts, str(tmp), metadata=metadata)
+            except SafetensorError as err:  # "I/O error: No space left on device (os error 28)": say so, and where
+                found = re.search(r"\(os error (\d+)\)", str(err))
+                if found is None:
+                    raise
+                raise OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) from err
+            size = os.path.getsize(tmp)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import start_script, wait_for
+from safetensors.torch import save
 
 from asyncgrpo.run import RunDir, WorkerPresence, fileops
 from asyncgrpo.weights import WeightsMismatch, deltas, make_subscriber, snapshot
@@ -110,13 +111,13 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
     old_bits = deltas.flat_bits(old)
     new_bits = old_bits.clone()
     new_bits[positions] += step
-    parts, written, values = deltas.encode(old_bits, new_bits, positions)
+    parts, written, before, values = deltas.encode(old_bits, new_bits, positions)
     assert set(parts) == kinds
     assert deltas.nbytes(parts) < old.numel() * old.element_size()
     decoded = deltas.positions_of(parts, old.numel())
     assert decoded.tolist() == written.tolist() and set(positions.tolist()) <= set(decoded.tolist())
     assert torch.equal(deltas.new_bits_of(parts, old_bits[decoded]), new_bits[decoded]) and torch.equal(
-        values, new_bits[decoded])
+        values, new_bits[decoded]) and torch.equal(before, old_bits[decoded])
     applied = old_bits.clone()
     applied[decoded] = deltas.new_bits_of(parts, old_bits[decoded])
     assert torch.equal(applied, new_bits)
@@ -409,14 +410,13 @@ def _publish_main(root, versions, sync_dir, readers, fault) -> None:
 
     def save_with_fault(tensors, filename, metadata):
         if metadata["version"] != at:
-            return real_save_file(tensors, filename, metadata)
+            return real_save_file(tensors, filename, metadata=metadata)
         if kind == "kill":
-            data = snapshot.save(tensors, metadata=metadata)
+            data = save(tensors, metadata=metadata)
             Path(filename).write_bytes(data[:len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        size = real_save_file(tensors, filename, metadata)
+        real_save_file(tensors, filename, metadata=metadata)
         corrupt(Path(filename))
-        return size
 
     snapshot.save_file = save_with_fault
     model = small_model(0)
