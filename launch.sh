@@ -82,9 +82,9 @@ unclaim() {
 claim_run "$RUN_DIR"
 trap unclaim EXIT
 # A flag that is not one, refused at once where an earlier launch recorded the flags (asyncgrpo/flag_check.py).
-"$VENV_PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
+"$PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
-CHECKED=$("$VENV_PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
+CHECKED=$("$PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
 checked_inputs "$CHECKED"
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 trap - EXIT
@@ -107,7 +107,7 @@ start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] &
 declare -A WORKER_PID WORKER_LOG
 start_worker() {
     WORKER_LOG[$1]="$LOGS/log_worker_$1.txt"
-    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$VENV_PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 9>&- &
+    CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 9>&- &
     WORKER_PID[$1]=$!
 }
 # Ctrl-C from here on stops what started; a second one kills it. (Set before the PS starts: an interrupt in its
@@ -137,9 +137,9 @@ after_interrupt() {
 }
 trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
-PS_CMD=("$VENV_PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
+PS_CMD=("$PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
 # (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp)
-[ "$PS_PROCS" -gt 1 ] && PS_CMD=("$VENV_PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS"
+[ "$PS_PROCS" -gt 1 ] && PS_CMD=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS"
                                  --log-dir "$LOGS/torchrun" -m ps)
 # torchrun exits 1 whatever status a rank exits with: the first rank writes its own here (ps/__main__.py).
 PS_STATUS_FILE=$(mktemp)
@@ -207,8 +207,8 @@ fi
 say "training finished. Metrics: $RUN_DIR/metrics.jsonl"
 # A job a worker had in hand when it stopped (given back, or left by a worker killed after 30 s) is archived
 # unused by cleanup on a finished run: nothing is left pending or processing.
-"$VENV_PY" -m queue_tools cleanup "$RUN_DIR" | grep -v '^cleanup: nothing to do$' | while IFS= read -r line; do
+"$PY" -m queue_tools cleanup "$RUN_DIR" | grep -v '^cleanup: nothing to do$' | while IFS= read -r line; do
     say "queue: $line"
 done
-"$VENV_PY" -m queue_tools ls "$RUN_DIR"
+"$PY" -m queue_tools ls "$RUN_DIR"
 exit 0

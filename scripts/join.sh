@@ -63,10 +63,10 @@ source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environme
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, stop_workers, restart_dead_workers
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
-CHECKED=$("$VENV_PY" -m ps --check_only --joining "${ARGS[@]}") || exit 2  # it printed the one-line reason
+CHECKED=$("$PY" -m ps --check_only --joining "${ARGS[@]}") || exit 2  # it printed the one-line reason
 checked_inputs "$CHECKED"
 ARGS[3]="$DEVICE"  # (auto resolved)
-HOST_ID=$("$VENV_PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
+HOST_ID=$("$PY" -c 'from asyncgrpo.run.hosts import HOST_ID; print(HOST_ID)') || die "no host id"
 LOGS="$RUN/logs"
 set_file_modes "${PASS[@]}"
 
@@ -84,7 +84,7 @@ start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=${GPU_IDS[$(( ($1 - 1) % NGPU ))]}
     WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
-    CUDA_VISIBLE_DEVICES=$gpus "$VENV_PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$gpus "$PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
     WORKER_PID[$1]=$!
 }
 # The PS finished when ps.json says so and is not the file we found at start (a finished run

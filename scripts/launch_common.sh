@@ -2,6 +2,10 @@
 # Expects VENV_PY and die; the supervision also WORKER_PID and WORKER_LOG (associative arrays: worker
 # number -> pid, log file), start_worker N and say.
 
+# The interpreter that runs the project's modules: the environment's, unless ASYNCGRPO_PYTHON names another
+# (the test suite's forks its processes from one that has imported the libraries already: tests/zygote.py).
+PY="${ASYNCGRPO_PYTHON:-$VENV_PY}"
+
 # checked_inputs CHECK_OUTPUT: what `python -m ps --check_only` printed, the one interpreter a launch runs before
 # its processes: sets RUN_DIR, DEVICE (auto resolved: cuda or cpu), NGPU (GPUs torch sees on cuda, else 0) and
 # GPU_IDS (their CUDA_VISIBLE_DEVICES names: those of a CUDA_VISIBLE_DEVICES set before the launch, as a scheduler
@@ -65,7 +69,7 @@ set_file_modes() {  # set_file_modes FLAG...: what launch.sh creates (logs) is a
 }
 
 free_dead_weight_buffers() {  # free_dead_weight_buffers RUN: a PS that was killed cannot free its own
-    "$VENV_PY" -c 'import sys
+    "$PY" -c 'import sys
 from asyncgrpo.run import RunDir
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, remove_dead_folders
 run = RunDir.open(sys.argv[1])

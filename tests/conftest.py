@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEMO_RUN_FLAGS, expect_exit, start_process
+from helpers import DEMO_RUN_FLAGS, expect_exit, start_process, start_zygote
 
 from asyncgrpo import messages
 from asyncgrpo.jobqueue import JobQueue
@@ -121,6 +121,7 @@ def _program(args, kwargs) -> str:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if item.get_closest_marker("process") is not None or item.get_closest_marker("slow") is not None:
+        start_zygote()  # before any launch.sh: it forks its processes from the zygote once it runs
         yield
         return
     saved = subprocess.Popen.__init__, torch.compile

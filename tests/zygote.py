@@ -5,12 +5,21 @@ about 8 s of CPU importing them on the 2-core machine; the suite starts well ove
 A forked child is a real process (its own pid, files, locks, signals and exit status) running what
 `python -m MODULE ARGS` from the repository runs, with the suite's environment: only the libraries are
 imported already; the project's own modules are imported afresh in each child. helpers.start_process uses it
-for processes started with the suite's environment; one given its own environment (a clock offset, a fault),
-launch.sh and torchrun start real interpreters, and ASYNCGRPO_TEST_FORK=0 turns the zygote off.
+for processes started with the suite's environment; one given its own environment (a clock offset, a fault)
+and torchrun's ranks start real interpreters, and ASYNCGRPO_TEST_FORK=0 turns the zygote off.
+
+launch.sh and scripts/join.sh start their Python processes with $ASYNCGRPO_PYTHON where it is set: the suite sets
+it to tests/zygote_python, whose client (``client``, below) stands in for the interpreter. It hands the zygote its
+standard input, output and error, its folder and its whole environment, forwards the signals it gets to the forked
+child, and exits as the child did; killed outright, its child is killed too. An environment that would change what
+an interpreter does before the first line of the module (a sitecustomize on the path, a library's variable read
+at import) gets a new interpreter instead.
 
 Protocol, over a Unix socket, one connection per child: the test sends one JSON line {"module", "args", "cwd",
-"log", "env"}; the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's) when the child has
-ended. The test's side is ForkedProcess, below; the zygote's, serve().
+"log", "env"} (the client: {"module" or "code", "args", "cwd", "environ", "ignored"} with its three standard file
+descriptors); the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's) when the child has
+ended, or at once {"exec": WHY} when the client is to start a new interpreter. The test's side is ForkedProcess,
+below; the launch scripts' side, client(); the zygote's, serve().
 """
 
 from __future__ import annotations
@@ -27,6 +36,17 @@ import sys
 import tempfile
 import time
 
+ZYGOTE_ENV = "ASYNCGRPO_TEST_ZYGOTE"  # the zygote's socket, for the client
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_python")  # $ASYNCGRPO_PYTHON in the suite
+# The signals a client passes on to its child (SIGKILL and SIGSTOP cannot be: a killed client's child is killed).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Variables that a library already imported in the zygote read at its import: a client's environment that sets
+# them otherwise than the zygote's gets a new interpreter. (OMP_NUM_THREADS is applied in the child; PYTHONPATH
+# rebuilds its path.)
+READ_AT_IMPORT = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRL_", "ACCELERATE_", "MKL_", "KMP_",
+                  "OMP_", "CUDA_", "NCCL_", "LD_")
+APPLIED_IN_CHILD = {"PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
+
 PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetensors.torch", "watchdog.observers",
            "filelock", "accelerate")
 POLL_S = 0.02  # how often the zygote reaps its children when no request comes
@@ -38,11 +58,20 @@ START_TIMEOUT_S = 300  # importing the libraries takes a few seconds on an idle 
 _zygote: dict = {}
 
 
-def _zygote_socket(cwd, env: dict) -> str:
+def socket_path() -> str:
+    """Where this test session's zygote listens (named before it starts: the launch scripts' environment names
+    it)."""
+    return os.path.join(tempfile.gettempdir(), f"asyncgrpo-zygote-{os.getpid()}", "zygote.sock")
+
+
+def zygote_socket(cwd, env: dict) -> str:
     """The zygote's socket, started on first use with the suite's environment; it ends with the test session."""
     if "socket" not in _zygote:
-        folder = tempfile.mkdtemp(prefix="asyncgrpo-zygote-")
-        path, log_path = os.path.join(folder, "zygote.sock"), os.path.join(folder, "zygote.log")
+        path = socket_path()
+        folder = os.path.dirname(path)
+        log_path = os.path.join(folder, "zygote.log")
+        shutil.rmtree(folder, ignore_errors=True)  # (a session of the same pid before)
+        os.makedirs(folder, mode=0o700)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], cwd=cwd, env=env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -74,7 +103,7 @@ class ForkedProcess:
         self.args = [sys.executable, "-m", module, *args]
         self.returncode: int | None = None
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_zygote_socket(cwd, env))
+        self._conn.connect(zygote_socket(cwd, env))
         self._conn.sendall(json.dumps({"module": module, "args": args, "cwd": str(cwd), "log": str(log_path),
                                        "env": extra_env or {}}).encode() + b"\n")
         self._buffer = b""
@@ -117,14 +146,72 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+# ---------------------------------------------------------------------- the launch scripts' side
+
+
+def client(argv: list[str]) -> None:
+    """``python -m MODULE ARGS`` or ``python -c CODE ARGS`` (what launch.sh runs) as a child of the zygote named by
+    $ASYNCGRPO_TEST_ZYGOTE, this process standing in for it; else, or when the zygote says so, a new interpreter."""
+    path = os.environ.get(ZYGOTE_ENV, "")
+    if len(argv) < 2 or argv[0] not in ("-m", "-c") or not os.path.exists(path):
+        _new_interpreter(argv)
+    ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # as a child inherits
+    child: dict = {}
+    pending: list[int] = []
+
+    def forward(signum, _frame):
+        if "pid" in child:
+            os.kill(child["pid"], signum)
+        else:
+            pending.append(signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        _new_interpreter(argv)  # the suite that started the zygote is ending
+    request = {"module" if argv[0] == "-m" else "code": argv[1], "args": argv[2:], "cwd": os.getcwd(),
+               "environ": dict(os.environ), "ignored": ignored, "namespaces": _namespaces()}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    lines = conn.makefile("rb")
+    reply = json.loads(lines.readline())
+    if "exec" in reply:
+        _new_interpreter(argv)
+    child["pid"] = reply["pid"]
+    for signum in pending:
+        os.kill(child["pid"], signum)
+    line = lines.readline()
+    if not line:
+        raise SystemExit(f"zygote_python: the test zygote died while it ran {argv[:2]}")
+    status = json.loads(line)["status"]
+    if os.WIFSIGNALED(status):  # die of the same signal, as the child did
+        if os.WTERMSIG(status) in FORWARDED:
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _namespaces() -> list[str]:
+    """This process's host name and mount namespaces: a test's other host (unshare) has its own."""
+    return [os.readlink(f"/proc/self/ns/{kind}") for kind in ("uts", "mnt")]
+
+
+def _new_interpreter(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
 # ---------------------------------------------------------------------- the zygote's side
 
 
 def serve(socket_path: str) -> None:
     import importlib
 
+    started_with = dict(os.environ)  # (importing the libraries may add to it: inductor names its cache folder)
     for module in PRELOAD:
         importlib.import_module(module)
+    own = {"environ": started_with, "path": _library_path()}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")
     listener.listen(64)
@@ -132,11 +219,22 @@ def serve(socket_path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
+    clients: dict[socket.socket, int] = {}  # a client's connection, open while its child runs: EOF = it was killed
     parent = os.getppid()
     while os.getppid() == parent:  # the test session ended (or was killed): so do we
-        if selector.select(timeout=POLL_S):
+        for key, _ in selector.select(timeout=POLL_S):
+            if key.fileobj is not listener:  # a client gone while its child runs: killed, so is the child
+                selector.unregister(key.fileobj)
+                os.kill(clients.pop(key.fileobj), signal.SIGKILL)
+                continue
             conn, _ = listener.accept()
-            request = json.loads(_read_line(conn))
+            request, fds = _read_request(conn)
+            if "environ" in request and (why := _needs_new_interpreter(request, own["environ"])):
+                conn.sendall(json.dumps({"exec": why}).encode() + b"\n")
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -144,15 +242,22 @@ def serve(socket_path: str) -> None:
                 listener.close()
                 for other in (conn, *children.values()):
                     other.close()
-                _run_child(request)  # never returns
+                _run_child(request, fds, own["path"])  # never returns
+            for fd in fds:
+                os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             children[pid] = conn
+            if "environ" in request:
+                clients[conn] = pid
+                selector.register(conn, selectors.EVENT_READ)
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
+                if clients.pop(conn, None) is not None:
+                    selector.unregister(conn)
                 try:
                     conn.sendall(json.dumps({"status": status}).encode() + b"\n")
                 except OSError:
@@ -160,42 +265,90 @@ def serve(socket_path: str) -> None:
                 conn.close()
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request's line and the file descriptors that came with it (a client's standard three)."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
+        chunk = conn.recv(1 << 20)
         if not chunk:
             raise ConnectionError("the connection closed before a whole line")
         data += chunk
-    return data
+    return json.loads(data), fds
 
 
-def _run_child(request: dict) -> None:
-    """What `python -m MODULE ARGS` in ``cwd`` does, output appended to ``log``; ends the process."""
+def _library_path() -> list[str]:
+    """This interpreter's path without what PYTHONPATH and the script's folder put first: the libraries'."""
+    added = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    added.add(os.path.dirname(os.path.abspath(__file__)))
+    return [p for p in sys.path if p and os.path.abspath(p) not in added]
+
+
+def _needs_new_interpreter(request: dict, own: dict) -> str | None:
+    """Why a client cannot be a fork of this process: it runs on another (simulated) host, or a variable of its
+    environment read at the libraries' import is set otherwise, or a sitecustomize is on its path (an interpreter
+    runs it at start)."""
+    if request["namespaces"] != _namespaces():
+        return "another host name or mount namespace"
+    environ = request["environ"]
+    for name in sorted(set(environ) | set(own)):
+        if (name.startswith(READ_AT_IMPORT) and name not in APPLIED_IN_CHILD
+                and environ.get(name) != own.get(name)):
+            return f"{name} differs"
+    for folder in environ.get("PYTHONPATH", "").split(os.pathsep):
+        if folder and os.path.exists(os.path.join(folder, "sitecustomize.py")):
+            return f"{folder}/sitecustomize.py"
+    return None
+
+
+def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
+    """What `python -m MODULE ARGS` (or `-c CODE ARGS`) in ``cwd`` does, its output appended to ``log`` or on the
+    client's descriptors; ends the process."""
     import atexit
     import random
     import runpy
     import threading
     import traceback
 
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.close(null)
+    if fds:  # a client's: its standard input, output and error
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+    else:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
     os.chdir(request["cwd"])
-    sys.path[0] = request["cwd"]  # as `python -m` puts the current folder first
-    os.environ.update(request["env"])  # variables read at run time only (a test's fault to inject)
-    if request["env"]:
-        sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tests/: the test's own modules
-    sys.argv = [request["module"], *request["args"]]
+    if "environ" in request:  # a client's whole environment, its path and signals as an interpreter would have them
+        os.environ.clear()
+        os.environ.update(request["environ"])
+        pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [request["cwd"]]) + pythonpath + library_path
+        for sig in FORWARDED:
+            ignored = int(sig) in request["ignored"]
+            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, signal.SIG_IGN if ignored else default)
+        if threads := os.environ.get("OMP_NUM_THREADS"):
+            import torch
+
+            torch.set_num_threads(int(threads))
+    else:
+        sys.path[0] = request["cwd"]  # as `python -m` puts the current folder first
+        os.environ.update(request["env"])  # variables read at run time only (a test's fault to inject)
+        if request["env"]:
+            sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tests/: the test's own modules
+    sys.argv = [request.get("module", "-c"), *request["args"]]
     random.seed()  # a new interpreter's, not the zygote's sequence shared by every child
     code = 0
     interrupted = False
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if "code" in request:
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
@@ -220,4 +373,7 @@ def _run_child(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "--client":
+        client(sys.argv[2:])
+    else:
+        serve(sys.argv[1])

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 from zygote import FORK, ForkedProcess
 
 from .files import read_json
@@ -28,6 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 # One thread per process: the tests start several on a machine with few cores.
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+if FORK:  # launch.sh and join.sh start their processes as forks of the suite's zygote too (tests/zygote.py)
+    PROCESS_ENV.update(ASYNCGRPO_PYTHON=zygote.CLIENT, ASYNCGRPO_TEST_PYTHON=sys.executable,
+                       ASYNCGRPO_TEST_ZYGOTE=zygote.socket_path())
+
+
+def start_zygote() -> None:
+    """Starts the suite's zygote now, when FORK (else nothing): a launch.sh started before it would start its
+    processes as new interpreters."""
+    if FORK:
+        zygote.zygote_socket(REPO, PROCESS_ENV)
 
 
 # ---------------------------------------------------------------------- waiting
