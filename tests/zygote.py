@@ -45,7 +45,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 # rebuilds its path.)
 READ_AT_IMPORT = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRL_", "ACCELERATE_", "MKL_", "KMP_",
                   "OMP_", "CUDA_", "NCCL_", "LD_")
-APPLIED_IN_CHILD = {"PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
+APPLIED_IN_CHILD = {"PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                    "CUDA_VISIBLE_DEVICES", "TORCHDYNAMO_DISABLE"}  # (the last two read when used)
 
 PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetensors.torch", "watchdog.observers",
            "filelock", "accelerate")

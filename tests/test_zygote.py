@@ -1,0 +1,74 @@
+"""The suite's python for launch.sh (tests/zygote_python): a process forked from the zygote stands in for a new
+interpreter only if the script that started it cannot tell the difference: its output, exit status, signals,
+ignored signals and death, and a new interpreter where a fork could not be one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from helpers import CLOCK_SKEW_DIR, PROCESS_ENV, pid_alive, start_zygote, wait_for
+from zygote import CLIENT, FORK
+
+pytestmark = [pytest.mark.process, pytest.mark.skipif(not FORK, reason="ASYNCGRPO_TEST_FORK=0: no zygote")]
+
+# What the child tells: whether the libraries were imported before its first line (a fork of the zygote), its
+# parent, its argv, and how SIGINT is handled.
+REPORT = """import json, os, signal, sys
+print(json.dumps({"forked": "torch" in sys.modules, "parent": os.getppid(), "argv": sys.argv,
+                  "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "pid": os.getpid()}),
+      flush=True)
+"""
+
+
+def client(code: str, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    start_zygote()
+    return subprocess.Popen([CLIENT, "-c", code, *args], env={**PROCESS_ENV, **(env or {})}, stdout=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def test_a_forked_child_has_the_clients_arguments_output_and_exit_status():
+    proc = client(REPORT + "sys.exit(3)", "a", "b")
+    report = json.loads(proc.stdout.readline())
+    assert proc.wait(timeout=60) == 3
+    assert report["forked"] and report["parent"] != proc.pid and report["argv"] == ["-c", "a", "b"]
+
+
+def test_signals_reach_the_child_and_its_death_by_one_is_the_clients():
+    handled = client(REPORT + "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\nsignal.pause()")
+    json.loads(handled.stdout.readline())
+    handled.terminate()
+    assert handled.wait(timeout=60) == 7  # the child's handler ran
+    unhandled = client(REPORT + "signal.pause()")
+    json.loads(unhandled.stdout.readline())
+    unhandled.send_signal(signal.SIGUSR1)
+    assert unhandled.wait(timeout=60) == -signal.SIGUSR1
+
+
+def test_a_signal_ignored_by_the_client_is_ignored_by_the_child_as_bash_ignores_sigint_in_background_jobs():
+    proc = client(REPORT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert json.loads(proc.stdout.readline())["sigint_ignored"]
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_killed_client_takes_its_child_and_a_killed_child_its_client():
+    proc = client(REPORT + "signal.pause()")
+    child = json.loads(proc.stdout.readline())["pid"]
+    proc.kill()
+    proc.wait(timeout=60)
+    wait_for(lambda: not pid_alive(child), "the child of a killed client to be killed", 30)
+    proc = client(REPORT + "signal.pause()")
+    os.kill(json.loads(proc.stdout.readline())["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_an_environment_a_fork_cannot_have_gets_a_new_interpreter():
+    """A sitecustomize on the path runs when an interpreter starts; HF_HUB_OFFLINE is read at the hub library's
+    import."""
+    for env in ({"PYTHONPATH": str(CLOCK_SKEW_DIR)}, {"HF_HUB_OFFLINE": "1"}):
+        proc = client(REPORT, env=env)
+        assert not json.loads(proc.stdout.readline())["forked"], env
+        assert proc.wait(timeout=120) == 0
