@@ -138,9 +138,10 @@ after_interrupt() {
 trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
-# (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp)
+# (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp; --no-python: each
+# rank is "$PY" -m ps, as the PS alone is)
 [ "$PS_PROCS" -gt 1 ] && PS_CMD=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$PS_PROCS"
-                                 --log-dir "$LOGS/torchrun" -m ps)
+                                 --log-dir "$LOGS/torchrun" --no-python "$PY" -m ps)
 # torchrun exits 1 whatever status a rank exits with: the first rank writes its own here (ps/__main__.py).
 PS_STATUS_FILE=$(mktemp)
 CUDA_VISIBLE_DEVICES=$(gpu_env 0) ASYNCGRPO_PS_STATUS_FILE="$PS_STATUS_FILE" "${PS_CMD[@]}" "${ARGS[@]}" \

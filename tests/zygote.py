@@ -16,10 +16,10 @@ an interpreter does before the first line of the module (a sitecustomize on the 
 at import) gets a new interpreter instead.
 
 Protocol, over a Unix socket, one connection per child: the test sends one JSON line {"module", "args", "cwd",
-"log", "env"} (the client: {"module" or "code", "args", "cwd", "environ", "ignored"} with its three standard file
-descriptors); the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's) when the child has
-ended, or at once {"exec": WHY} when the client is to start a new interpreter. The test's side is ForkedProcess,
-below; the launch scripts' side, client(); the zygote's, serve().
+"log", "env"} (the client: {"module", "code" or "script", "args", "cwd", "environ", "ignored", "namespaces"} with
+its three standard file descriptors); the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's)
+when the child has ended, or at once {"exec": WHY} when the client is to start a new interpreter. The test's side
+is ForkedProcess, below; the launch scripts' side, client(); the zygote's, serve().
 """
 
 from __future__ import annotations
@@ -41,16 +41,18 @@ CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_python
 # The signals a client passes on to its child (SIGKILL and SIGSTOP cannot be: a killed client's child is killed).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # Variables that a library already imported in the zygote read at its import: a client's environment that sets
-# them otherwise than the zygote's gets a new interpreter. (OMP_NUM_THREADS is applied in the child; PYTHONPATH
-# rebuilds its path.)
+# them otherwise than the zygote's gets a new interpreter ...
 READ_AT_IMPORT = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRL_", "ACCELERATE_", "MKL_", "KMP_",
                   "OMP_", "CUDA_", "NCCL_", "LD_")
-APPLIED_IN_CHILD = {"PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                    "CUDA_VISIBLE_DEVICES", "TORCHDYNAMO_DISABLE"}  # (the last two read when used)
+# ... but for these (names or their beginnings), read when used (torchrun's for its ranks among them) or applied
+# to the child (its path, its threads).
+SET_IN_CHILD = ("PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+                "TORCHDYNAMO_DISABLE", "TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_")
 
 PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetensors.torch", "watchdog.observers",
            "filelock", "accelerate")
 POLL_S = 0.02  # how often the zygote reaps its children when no request comes
+
 
 # ---------------------------------------------------------------------- the tests' side
 
@@ -151,10 +153,16 @@ class ForkedProcess:
 
 
 def client(argv: list[str]) -> None:
-    """``python -m MODULE ARGS`` or ``python -c CODE ARGS`` (what launch.sh runs) as a child of the zygote named by
+    """``python -m MODULE ARGS``, ``python -c CODE ARGS`` or ``python SCRIPT ARGS`` as a child of the zygote named by
     $ASYNCGRPO_TEST_ZYGOTE, this process standing in for it; else, or when the zygote says so, a new interpreter."""
     path = os.environ.get(ZYGOTE_ENV, "")
-    if len(argv) < 2 or argv[0] not in ("-m", "-c") or not os.path.exists(path):
+    if argv[:1] in (["-m"], ["-c"]) and len(argv) >= 2:
+        what, target, args = {"-m": "module", "-c": "code"}[argv[0]], argv[1], argv[2:]
+    elif argv and not argv[0].startswith("-"):
+        what, target, args = "script", os.path.abspath(argv[0]), argv[1:]
+    else:
+        _new_interpreter(argv)
+    if not os.path.exists(path):
         _new_interpreter(argv)
     ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # as a child inherits
     child: dict = {}
@@ -173,8 +181,8 @@ def client(argv: list[str]) -> None:
         conn.connect(path)
     except OSError:
         _new_interpreter(argv)  # the suite that started the zygote is ending
-    request = {"module" if argv[0] == "-m" else "code": argv[1], "args": argv[2:], "cwd": os.getcwd(),
-               "environ": dict(os.environ), "ignored": ignored, "namespaces": _namespaces()}
+    request = {what: target, "args": args, "cwd": os.getcwd(), "environ": dict(os.environ), "ignored": ignored,
+               "namespaces": _namespaces()}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     lines = conn.makefile("rb")
     reply = json.loads(lines.readline())
@@ -185,7 +193,7 @@ def client(argv: list[str]) -> None:
         os.kill(child["pid"], signum)
     line = lines.readline()
     if not line:
-        raise SystemExit(f"zygote_python: the test zygote died while it ran {argv[:2]}")
+        raise SystemExit(f"zygote_python: the test zygote died while it ran {target}")
     status = json.loads(line)["status"]
     if os.WIFSIGNALED(status):  # die of the same signal, as the child did
         if os.WTERMSIG(status) in FORWARDED:
@@ -292,7 +300,7 @@ def _needs_new_interpreter(request: dict, own: dict) -> str | None:
         return "another host name or mount namespace"
     environ = request["environ"]
     for name in sorted(set(environ) | set(own)):
-        if (name.startswith(READ_AT_IMPORT) and name not in APPLIED_IN_CHILD
+        if (name.startswith(READ_AT_IMPORT) and not name.startswith(SET_IN_CHILD)
                 and environ.get(name) != own.get(name)):
             return f"{name} differs"
     for folder in environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -327,7 +335,8 @@ def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
         os.environ.clear()
         os.environ.update(request["environ"])
         pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [request["cwd"]]) + pythonpath + library_path
+        first = os.path.dirname(request["script"]) if "script" in request else request["cwd"]
+        sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [first]) + pythonpath + library_path
         for sig in FORWARDED:
             ignored = int(sig) in request["ignored"]
             default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
@@ -341,13 +350,15 @@ def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
         os.environ.update(request["env"])  # variables read at run time only (a test's fault to inject)
         if request["env"]:
             sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tests/: the test's own modules
-    sys.argv = [request.get("module", "-c"), *request["args"]]
+    sys.argv = [request.get("module") or request.get("script") or "-c", *request["args"]]
     random.seed()  # a new interpreter's, not the zygote's sequence shared by every child
     code = 0
     interrupted = False
     try:
         if "code" in request:
             exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        elif "script" in request:
+            runpy.run_path(request["script"], run_name="__main__")
         else:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exit_:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_ENV, REPO, launch_sh, write_user_folder
+from helpers import PROCESS_ENV, PYTHON, REPO, launch_sh, write_user_folder
 
 from asyncgrpo.checks import check_inputs
 from asyncgrpo.config import ConfigError
@@ -197,7 +197,7 @@ def test_a_hub_model_that_cannot_be_had_is_refused_in_one_line_without_retries(u
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
+    return subprocess.run([PYTHON, *args], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import yaml
 from helpers import (
     PROCESS_ENV,
+    PYTHON,
     REPO,
     assert_exactly_once,
     demo_config,
@@ -122,7 +122,7 @@ def test_bad_peft_flags_are_one_line(flags, says):
 
 
 def test_qlora_on_cpu_stops_the_launch_with_one_line_and_status_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ps", "--check_only", "--run_dir", str(tmp_path / "run"),
+    proc = subprocess.run([PYTHON, "-m", "ps", "--check_only", "--run_dir", str(tmp_path / "run"),
                            "--device_type", "cpu", "--use_peft", "--load_in_4bit"],
                           cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -296,7 +296,7 @@ def test_a_worker_process_on_another_base_exits_2_with_one_line(tmp_path):
     try:
         publisher.publish(1, 1)
         fileops.write_json(run.root / "ps.json", {"pid": os.getpid(), "state": "training"})
-        proc = subprocess.run([sys.executable, "-m", "worker", "--device", "1", "--run_dir", str(run.root), *flags,
+        proc = subprocess.run([PYTHON, "-m", "worker", "--device", "1", "--run_dir", str(run.root), *flags,
                                "--model_name_or_path", str(worker_base)],
                               cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
     finally:

@@ -36,6 +36,7 @@ from .files import NOBODY, backdate, entries, metrics, modes_beyond, open_as_nob
 from .models import smollm2_instruct
 from .processes import (
     PROCESS_ENV,
+    PYTHON,
     REPO,
     TESTS,
     RunProcesses,
@@ -65,6 +66,7 @@ __all__ = [
     "LEDGER_FILE",
     "NOBODY",
     "PROCESS_ENV",
+    "PYTHON",
     "REPO",
     "REWARDS_PY",
     "TESTS",

@@ -29,7 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 # One thread per process: the tests start several on a machine with few cores.
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-if FORK:  # launch.sh and join.sh start their processes as forks of the suite's zygote too (tests/zygote.py)
+# What a test runs `python -m ps`, `python -c CODE` or a script with: a fork of the suite's zygote where it runs
+# (tests/zygote.py), else a new interpreter. launch.sh and join.sh start their processes with it too.
+PYTHON = zygote.CLIENT if FORK else sys.executable
+if FORK:
     PROCESS_ENV.update(ASYNCGRPO_PYTHON=zygote.CLIENT, ASYNCGRPO_TEST_PYTHON=sys.executable,
                        ASYNCGRPO_TEST_ZYGOTE=zygote.socket_path())
 
@@ -203,10 +206,10 @@ def start_ps_ranks(run_root, log_path, processes: int, *args: str, env: dict | N
     """The PS as ``processes`` data-parallel ranks: ``torchrun --standalone --nproc_per_node N -m ps`` (gloo on
     CPU), with --ps_processes N; its output appended to ``log_path``; ``env`` defaults to PROCESS_ENV."""
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc_per_node", str(processes), "--log-dir",
-                                 str(Path(log_path).parent / "torchrun"), "-m", "ps", "--run_dir", str(run_root),
-                                 "--ps_processes", str(processes), *args],
+                                 str(Path(log_path).parent / "torchrun"), "--no-python", PYTHON, "-m", "ps",
+                                 "--run_dir", str(run_root), "--ps_processes", str(processes), *args],
                                 cwd=REPO, env=PROCESS_ENV if env is None else env, stdout=log,
                                 stderr=subprocess.STDOUT)
 

@@ -7,13 +7,13 @@ prompts, and the weights each job is generated with (up to float rounding betwee
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
     PROCESS_ENV,
+    PYTHON,
     REPO,
     TESTS,
     assert_exactly_once,
@@ -129,7 +129,7 @@ def test_launch_with_two_ps_processes_and_two_workers(tmp_path):
 
 def test_ps_processes_other_than_the_ranks_started_is_refused(tmp_path):
     """--ps_processes 2 given to one process: a one-line error, exit 2, nothing started in the run."""
-    result = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--device_type", "cpu",
+    result = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--device_type", "cpu",
                              "--ps_processes", "2"], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

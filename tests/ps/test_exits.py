@@ -5,13 +5,13 @@ import errno
 import re
 import shutil
 import subprocess
-import sys
 from collections import namedtuple
 
 import pytest
 from helpers import (
     LEDGER_FILE,
     PROCESS_ENV,
+    PYTHON,
     REPO,
     assert_exactly_once,
     demo_flags,
@@ -103,7 +103,7 @@ def test_a_finished_run_relaunched_with_another_model_stops_with_one_line(finish
     run_root = tmp_path / "run"
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
     other = write_demo_model(tmp_path / "other_model", hidden_size=32)
-    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *demo_flags(), "--max_steps", "8",
+    ps = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(run_root), *demo_flags(), "--max_steps", "8",
                          "--model_name_or_path", other], cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True,
                         timeout=600)
     assert ps.returncode == 2, ps.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relau
         worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags)
         try:
             expect_exit(ps, 1, tmp_path / "ps.log", 600)
-            relaunch = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(root), *flags], cwd=REPO,
+            relaunch = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(root), *flags], cwd=REPO,
                                       env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
         finally:
             worker.terminate()

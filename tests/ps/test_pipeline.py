@@ -13,7 +13,7 @@ import threading
 import helpers
 import pytest
 import torch
-from helpers import inject_disk_full
+from helpers import PYTHON, inject_disk_full
 from helpers.pipelines import ROWS, make_pipeline
 
 import ps.pipeline as pipeline_module
@@ -492,7 +492,6 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
     """A real PS process; every job file write fails like a full disk (injected at start-up
     through a sitecustomize module, so the PS's own code runs unchanged)."""
     import subprocess
-    import sys
 
     from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
 
@@ -508,7 +507,7 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
         "    return _write(tmp_dir, path, payload, **kwargs)\n"
         "fileops.write_payload = write_payload\n")
     env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(inject), str(REPO)])}
-    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(tmp_path / "run"), *DEMO_RUN_FLAGS],
+    ps = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(tmp_path / "run"), *DEMO_RUN_FLAGS],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert ps.returncode == 1, ps.stderr[-3000:]
     assert "\nps: error: the job producer stopped: QueueWriteError: [Errno 28] No space left on device\n" in ps.stderr

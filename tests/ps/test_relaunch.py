@@ -5,7 +5,7 @@ Ctrl-C, the PS says which steps a relaunch trains again."""
 import logging
 
 import pytest
-from helpers import demo_config
+from helpers import PYTHON, demo_config
 
 from asyncgrpo.config import ConfigError
 from ps.flag_changes import recorded_flags, say_or_refuse_changes
@@ -46,14 +46,13 @@ def test_a_ps_relaunched_with_another_group_size_stops_before_training_and_says_
     nothing of the run changed (it trained every step before, regrouping the jobs' rows across prompts)."""
     import shutil
     import subprocess
-    import sys
 
     from helpers import DEMO_RUN_FLAGS, PROCESS_ENV, REPO
 
     run = tmp_path / "run"
     shutil.copytree(finished_demo_run, run, ignore=shutil.ignore_patterns("*.lock"))
     before = (run / "ps.json").read_text()
-    argv = [sys.executable, "-m", "ps", "--run_dir", str(run), *DEMO_RUN_FLAGS, "--num_generations", "4"]
+    argv = [PYTHON, "-m", "ps", "--run_dir", str(run), *DEMO_RUN_FLAGS, "--num_generations", "4"]
     done = subprocess.run(argv, cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (

@@ -5,7 +5,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from helpers import (
     DEMO_RUN_FLAGS,
     PROCESS_ENV,
+    PYTHON,
     REPO,
     assert_exactly_once,
     expect_exit,
@@ -29,7 +29,7 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
     steps_before = (run_root / "metrics.jsonl").read_text()
     final_before = load_file(run_root / "final_model" / "model.safetensors")
-    ps = subprocess.run([sys.executable, "-m", "ps", "--run_dir", str(run_root), *DEMO_RUN_FLAGS], cwd=REPO,
+    ps = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(run_root), *DEMO_RUN_FLAGS], cwd=REPO,
                         env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert ps.returncode == 0, ps.stderr[-3000:]
     assert "already reached max_steps=8: nothing to train" in ps.stderr

@@ -7,12 +7,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
 from helpers import (
     PROCESS_ENV,
+    PYTHON,
     REPO,
     TESTS,
     assert_exactly_once,
@@ -175,7 +175,7 @@ sys.exit(main(sys.argv[1:]))
 
 def start_demo_process(log_path, argv):
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=PROCESS_ENV, stdout=log,
+        return subprocess.Popen([PYTHON, *argv], cwd=REPO, env=PROCESS_ENV, stdout=log,
                                 stderr=subprocess.STDOUT)
 
 
@@ -240,7 +240,7 @@ def test_worker_that_cannot_build_its_trainer_exits_2_with_one_line(tmp_path):
     root.mkdir()
     (root / "ps.json").write_text("{}")  # a worker waits for its PS (which writes the demo model) before loading it
     write_demo_model(root / "demo_model")
-    worker = subprocess.run([sys.executable, "-c", UNBUILDABLE_WORKER, "--device", "1", "--run_dir", str(root)],
+    worker = subprocess.run([PYTHON, "-c", UNBUILDABLE_WORKER, "--device", "1", "--run_dir", str(root)],
                             cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
     assert worker.returncode == 2, worker.stderr[-3000:]
     assert worker.stderr.strip().splitlines()[-1] == (
@@ -258,7 +258,7 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
     ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
     healthy = None
     try:
-        odd = subprocess.run([sys.executable, "-m", "worker", "--device", "1", *flags, "--temperature", "0.5"],
+        odd = subprocess.run([PYTHON, "-m", "worker", "--device", "1", *flags, "--temperature", "0.5"],
                              cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
         assert odd.returncode == 2, odd.stderr[-3000:]
         assert odd.stderr.strip().splitlines()[-1] == (

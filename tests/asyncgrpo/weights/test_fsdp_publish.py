@@ -31,11 +31,12 @@ def test_an_fsdp2_sharded_lora_model_publishes_its_whole_adapter(tmp_path):
 
 
 def _run_ranks(tmp_path, what: str) -> None:
-    from helpers import PROCESS_ENV, REPO
+    from helpers import PROCESS_ENV, PYTHON, REPO
 
     env = {**PROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "--log-dir", str(tmp_path / "torchrun"), __file__, str(tmp_path / "run"), what],
+    done = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--log-dir", str(tmp_path / "torchrun"), "--no-python", PYTHON, __file__,
+                           str(tmp_path / "run"), what],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "published and synced: equal" in done.stdout
