@@ -293,12 +293,16 @@ def _library_path() -> list[str]:
 
 
 def _needs_new_interpreter(request: dict, own: dict) -> str | None:
-    """Why a client cannot be a fork of this process: it runs on another (simulated) host, or a variable of its
-    environment read at the libraries' import is set otherwise, or a sitecustomize is on its path (an interpreter
-    runs it at start)."""
+    """Why a client cannot be a fork of this process: it runs on another (simulated) host, or its environment is
+    not one a fork can take (``why_not_forked``)."""
     if request["namespaces"] != _namespaces():
         return "another host name or mount namespace"
-    environ = request["environ"]
+    return why_not_forked(request["environ"], own)
+
+
+def why_not_forked(environ: dict, own: dict) -> str | None:
+    """Why a process with ``environ`` cannot be a fork of one started with ``own``: a variable read at the
+    libraries' import set otherwise, or a sitecustomize on its path (an interpreter runs it at start)."""
     for name in sorted(set(environ) | set(own)):
         if (name.startswith(READ_AT_IMPORT) and not name.startswith(SET_IN_CHILD)
                 and environ.get(name) != own.get(name)):

@@ -40,7 +40,7 @@ def test_a_reward_that_never_returns_on_one_prompt_in_ten_does_not_stall_the_run
     end before the jobs after it train: each of its two attempts runs to the deadline, the worker fails it naming
     the reward function, gives its other job back and is restarted; then the job is reported failed, and the run
     trains its steps."""
-    run_root, steps = tmp_path / "run", 4
+    run_root, steps = tmp_path / "run", 2
     flags = [*demo_flags(), *run_flags(steps, save_steps=100),
              "--reward_funcs", "tests.reward_faults:hangs_on_prompt_7", "--job_timeout_s", str(JOB_TIMEOUT_S),
              "--max_attempts", "2", "--jobs_per_generate", "2", "--consume_order", "fifo", "--disable_tqdm", "true"]

@@ -109,14 +109,17 @@ def wait_until_stopped(proc: subprocess.Popen, timeout: float, poll_s: float = 0
 
 def start_process(run_root, log_path, module: str, *args: str, env: dict | None = None):
     """``python -m module --run_dir RUN args...`` from the repository, its output appended to ``log_path``;
-    ``env`` defaults to PROCESS_ENV. With the suite's environment the process is forked from the zygote
-    (tests/zygote.py: the libraries already imported), else a new interpreter (subprocess.Popen)."""
+    ``env`` defaults to PROCESS_ENV. Forked from the zygote (tests/zygote.py: the libraries already imported) where
+    ``env`` only adds to the suite's environment variables read at run time; else a new interpreter
+    (subprocess.Popen)."""
     argv = ["--run_dir", str(run_root), *args]
-    if env is None and FORK:
-        return ForkedProcess(module, argv, log_path, cwd=REPO, env=PROCESS_ENV)
+    env = PROCESS_ENV if env is None else env
+    if FORK and set(env) >= set(PROCESS_ENV) and zygote.why_not_forked(env, PROCESS_ENV) is None:
+        added = {k: v for k, v in env.items() if PROCESS_ENV.get(k) != v}
+        return ForkedProcess(module, argv, log_path, cwd=REPO, env=PROCESS_ENV, extra_env=added)
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO,
-                                env=PROCESS_ENV if env is None else env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
 
 
 class RunProcesses:
