@@ -38,7 +38,8 @@ def test_a_forked_child_has_the_clients_arguments_output_and_exit_status():
 
 
 def test_signals_reach_the_child_and_its_death_by_one_is_the_clients():
-    handled = client(REPORT + "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\nsignal.pause()")
+    handled = client("import signal, sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n" + REPORT
+                     + "signal.pause()")  # (its handler set before it says it is ready)
     json.loads(handled.stdout.readline())
     handled.terminate()
     assert handled.wait(timeout=60) == 7  # the child's handler ran

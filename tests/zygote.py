@@ -49,6 +49,9 @@ READ_AT_IMPORT = ("PYTHON", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRL_",
 SET_IN_CHILD = ("PYTHONPATH", "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                 "TORCHDYNAMO_DISABLE", "TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_")
 
+# The line a sitecustomize carries that does what it must after the libraries' import too: a fork runs it, as an
+# interpreter would at its start. (Without it, a sitecustomize on the path gets a new interpreter.)
+RUNS_IN_A_FORK = "# tests/zygote.py: runs in a fork too"
 PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetensors.torch", "watchdog.observers",
            "filelock", "accelerate")
 POLL_S = 0.02  # how often the zygote reaps its children when no request comes
@@ -307,10 +310,17 @@ def why_not_forked(environ: dict, own: dict) -> str | None:
         if (name.startswith(READ_AT_IMPORT) and not name.startswith(SET_IN_CHILD)
                 and environ.get(name) != own.get(name)):
             return f"{name} differs"
-    for folder in environ.get("PYTHONPATH", "").split(os.pathsep):
-        if folder and os.path.exists(os.path.join(folder, "sitecustomize.py")):
-            return f"{folder}/sitecustomize.py"
+    site = _sitecustomize(environ.get("PYTHONPATH", ""))
+    if site is not None and RUNS_IN_A_FORK not in open(site).read():
+        return site
     return None
+
+
+def _sitecustomize(pythonpath: str) -> str | None:
+    """The sitecustomize.py an interpreter with this PYTHONPATH would run at its start."""
+    folders = [folder for folder in pythonpath.split(os.pathsep) if folder]
+    return next((os.path.join(f, "sitecustomize.py") for f in folders
+                 if os.path.exists(os.path.join(f, "sitecustomize.py"))), None)
 
 
 def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
@@ -354,6 +364,9 @@ def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
         os.environ.update(request["env"])  # variables read at run time only (a test's fault to inject)
         if request["env"]:
             sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # tests/: the test's own modules
+        sys.path[1:1] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    if site := _sitecustomize(os.environ.get("PYTHONPATH", "")):
+        runpy.run_path(site, run_name="sitecustomize")
     sys.argv = [request.get("module") or request.get("script") or "-c", *request["args"]]
     random.seed()  # a new interpreter's, not the zygote's sequence shared by every child
     code = 0

@@ -8,8 +8,10 @@ differ in their last digits. Without the shuffle on both sides, synchronous asyn
 identically, to the bit.
 
 The patch is applied when TRL's trainer module is first imported (an import hook), so that processes that never
-import it do not pay for importing TRL.
+import it do not pay for importing TRL; in a process forked from the test zygote, which has imported it, at once.
 """
+
+# tests/zygote.py: runs in a fork too
 
 import importlib.abc
 import importlib.machinery
@@ -34,4 +36,7 @@ class _Unshuffled(importlib.abc.MetaPathFinder):
         return spec
 
 
-sys.meta_path.insert(0, _Unshuffled())
+if MODULE in sys.modules:
+    sys.modules[MODULE].shuffle_sequence_dict = lambda batch: batch
+else:
+    sys.meta_path.insert(0, _Unshuffled())
