@@ -25,6 +25,7 @@ is ForkedProcess, below; the launch scripts' side, client(); the zygote's, serve
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import selectors
@@ -172,10 +173,11 @@ def client(argv: list[str]) -> None:
     pending: list[int] = []
 
     def forward(signum, _frame):
-        if "pid" in child:
-            os.kill(child["pid"], signum)
-        else:
+        if "pid" not in child:
             pending.append(signum)
+        elif "status" not in child:
+            with contextlib.suppress(ProcessLookupError):  # (it ended; its status is on the way)
+                os.kill(child["pid"], signum)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -193,11 +195,11 @@ def client(argv: list[str]) -> None:
         _new_interpreter(argv)
     child["pid"] = reply["pid"]
     for signum in pending:
-        os.kill(child["pid"], signum)
+        forward(signum, None)
     line = lines.readline()
     if not line:
         raise SystemExit(f"zygote_python: the test zygote died while it ran {target}")
-    status = json.loads(line)["status"]
+    status = child["status"] = json.loads(line)["status"]
     if os.WIFSIGNALED(status):  # die of the same signal, as the child did
         if os.WTERMSIG(status) in FORWARDED:
             signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
