@@ -28,6 +28,7 @@ with its attempt counted.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -100,8 +101,49 @@ class _StoppedWhileSettingUp(BaseException):  # (not an Exception: no fallback o
 def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     stop = threading.Event()
     setting_up = threading.Event()  # set while a stop signal interrupts at once
-    presence = WorkerPresence(run, device, lease_s=cfg.lease_s).start()
-    watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
+    with contextlib.ExitStack() as teardown:  # (closed in reverse, however the worker ends)
+        presence = WorkerPresence(run, device, lease_s=cfg.lease_s).start()
+        teardown.callback(presence.stop)
+        watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
+        teardown.callback(watcher.close)
+        _stop_on_signals(stop, setting_up, watcher, device)
+        # launch.sh or join.sh killed outright: SIGTERM. (ls tells workers nobody will stop from the others.)
+        presence.update(supervisor_pid=watch_supervisor(f"worker dev{device}"))
+        events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
+        teardown.callback(events.close)
+        queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
+        deadline = JobDeadline(queue, cfg.job_timeout_s, cfg.max_attempts, events, device,
+                               version=lambda: presence.get("weights_version"), stopping=stop.is_set,
+                               stopped=presence.stop).start()
+        teardown.callback(deadline.stop)
+        for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
+            log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
+        try:
+            trainer, decoding = _set_up(cfg, run, device, stop, setting_up, watcher, presence, events)
+        except _StoppedWhileSettingUp:
+            log.info("[worker] dev%s stopped by a signal while loading its model or compiling its decoding step "
+                     "(it held no job)", device)
+            return 0
+        subscriber = make_subscriber(run, on_read=presence.announce_read)
+        teardown.callback(_close_reader, subscriber, device)
+        try:
+            generation = _generation(cfg, run, queue, trainer, decoding, subscriber, events, presence, stop)
+            _serve(cfg, run, queue, generation, watcher, presence, stop, events)
+        except Exception as err:
+            if not is_broken_device_error(err):
+                raise
+            log.error("[worker] dev%s exits (status %d): its GPU failed with %s; a new process gets a new CUDA "
+                      "context", device, EXIT_DEVICE_BROKEN, first_line(err))
+            return EXIT_DEVICE_BROKEN
+    log.info("[worker] dev%s stopped", device)
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event, setting_up: threading.Event, watcher: QueueWatcher,
+                     device: WorkerId) -> None:
+    """SIGTERM, SIGINT (Ctrl-C) and SIGHUP (its terminal closed; ignored under nohup) stop the worker: it claims
+    nothing more and finishes the jobs in hand, or, while it sets up, stops at once (_StoppedWhileSettingUp).
+    SIGUSR1 writes every thread's stack into its log."""
 
     def request_stop(signum, _frame):
         stop.set()
@@ -119,34 +161,19 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on
         signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop as on Ctrl-C (not die holding a job)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where each thread is, into the log
-    # launch.sh or join.sh killed outright: SIGTERM. (ls tells workers nobody will stop from the others.)
-    presence.update(supervisor_pid=watch_supervisor(f"worker dev{device}"))
-    events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
-    queue = JobQueue(run, events=events, max_payload_bytes=cfg.max_payload_bytes)
-    deadline = JobDeadline(queue, cfg.job_timeout_s, cfg.max_attempts, events, device,
-                           version=lambda: presence.get("weights_version"), stopping=stop.is_set,
-                           stopped=presence.stop).start()
-    for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
-        log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
 
+
+def _set_up(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId, stop: threading.Event,
+            setting_up: threading.Event, watcher: QueueWatcher, presence: WorkerPresence, events: EventLog):
+    """The model, TRL's trainer and the decoder (compiled where it is), once the PS has started; a stop signal
+    meanwhile raises _StoppedWhileSettingUp. A failure that a restart would repeat is WorkerSetupError."""
+    setting_up.set()
     try:
-        setting_up.set()
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
         if resolve_mode(cfg.worker_decoding, cfg.device_type) != "eager":
             presence.update(state="compiling")  # (the PS's waiting line says so: it may take a minute on a CPU)
         decoding = build_decoder(cfg, trainer, device, events)
-        setting_up.clear()
-        presence.update(state="idle")
-    except (Exception, _StoppedWhileSettingUp) as err:
-        setting_up.clear()
-        watcher.close()
-        deadline.stop()
-        presence.stop()
-        events.close()
-        if isinstance(err, _StoppedWhileSettingUp):
-            log.info("[worker] dev%s stopped by a signal while loading its model or compiling its decoding step "
-                     "(it held no job)", device)
-            return 0
+    except Exception as err:
         if isinstance(err, ConfigError) or is_broken_device_error(err):
             raise
         # Deterministic for this config and model (a library refusing a flag, a model that does not fit): a
@@ -154,29 +181,17 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         log.exception("[worker] dev%s could not build its model and trainer", device)
         raise WorkerSetupError(f"could not build its model and trainer: {first_line(err)} "
                                "(traceback in the worker's log)") from None
-    subscriber = make_subscriber(run, on_read=presence.announce_read)
-    status = 0
-    try:
-        generation = _generation(cfg, run, queue, trainer, decoding, subscriber, events, presence, stop)
-        _serve(cfg, run, queue, generation, watcher, presence, stop, events)
-    except Exception as err:
-        if not is_broken_device_error(err):
-            raise
-        log.error("[worker] dev%s exits (status %d): its GPU failed with %s; a new process gets a new CUDA "
-                  "context", device, EXIT_DEVICE_BROKEN, first_line(err))
-        status = EXIT_DEVICE_BROKEN
     finally:
-        watcher.close()
-        try:
-            subscriber.close()  # frees IPC mappings: on a broken device that may fail too
-        except Exception as err:
-            log.warning("[weights] dev%s closing the weights reader: %s", device, first_line(err))
-        deadline.stop()
-        presence.stop()
-        events.close()
-    if status == 0:
-        log.info("[worker] dev%s stopped", device)
-    return status
+        setting_up.clear()
+    presence.update(state="idle")
+    return trainer, decoding
+
+
+def _close_reader(subscriber, device: WorkerId) -> None:
+    try:
+        subscriber.close()  # frees IPC mappings: on a broken device that may fail too
+    except Exception as err:
+        log.warning("[weights] dev%s closing the weights reader: %s", device, first_line(err))
 
 
 def _serve(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, generation: BatchGeneration | EngineGeneration,
