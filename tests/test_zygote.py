@@ -10,24 +10,34 @@ import signal
 import subprocess
 
 import pytest
-from helpers import CLOCK_SKEW_DIR, PROCESS_ENV, pid_alive, start_zygote, wait_for
+from helpers import (
+    CLOCK_SKEW_DIR,
+    PROCESS_ENV,
+    as_other_host,
+    other_host_unavailable,
+    pid_alive,
+    start_zygote,
+    wait_for,
+)
 from zygote import CLIENT, FORK
 
 pytestmark = [pytest.mark.process, pytest.mark.skipif(not FORK, reason="ASYNCGRPO_TEST_FORK=0: no zygote")]
 
 # What the child tells: whether the libraries were imported before its first line (a fork of the zygote), its
 # parent, its argv, and how SIGINT is handled.
-REPORT = """import json, os, signal, sys
+REPORT = """import json, os, signal, socket, sys
 print(json.dumps({"forked": "torch" in sys.modules, "parent": os.getppid(), "argv": sys.argv,
+                  "host": socket.gethostname(), "shm": sorted(os.listdir("/dev/shm")),
                   "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "pid": os.getpid()}),
       flush=True)
 """
 
 
-def client(code: str, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+def client(code: str, *args: str, env: dict | None = None, other_host: bool = False, **popen) -> subprocess.Popen:
     start_zygote()
-    return subprocess.Popen([CLIENT, "-c", code, *args], env={**PROCESS_ENV, **(env or {})}, stdout=subprocess.PIPE,
-                            text=True, **popen)
+    argv = [CLIENT, "-c", code, *args]
+    return subprocess.Popen(as_other_host(argv) if other_host else argv, env={**PROCESS_ENV, **(env or {})},
+                            stdout=subprocess.PIPE, text=True, **popen)
 
 
 def test_a_forked_child_has_the_clients_arguments_output_and_exit_status():
@@ -66,10 +76,26 @@ def test_a_killed_client_takes_its_child_and_a_killed_child_its_client():
     assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
-def test_an_environment_a_fork_cannot_have_gets_a_new_interpreter():
-    """A sitecustomize on the path runs when an interpreter starts; HF_HUB_OFFLINE is read at the hub library's
-    import."""
-    for env in ({"PYTHONPATH": str(CLOCK_SKEW_DIR)}, {"HF_HUB_OFFLINE": "1"}):
+def test_an_environment_a_fork_cannot_have_gets_a_new_interpreter(tmp_path):
+    """A sitecustomize on the path runs when an interpreter starts, unless it says it works after the libraries'
+    import too (it then runs in the fork); HF_HUB_OFFLINE is read at the hub library's import."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.ran_sitecustomize = True\n")
+    for env in ({"PYTHONPATH": str(tmp_path)}, {"HF_HUB_OFFLINE": "1"}):
         proc = client(REPORT, env=env)
         assert not json.loads(proc.stdout.readline())["forked"], env
         assert proc.wait(timeout=120) == 0
+    skewed = client("import time\n" + REPORT + "print(round(time.time() - time.monotonic()))",
+                    env={"PYTHONPATH": str(CLOCK_SKEW_DIR), "ASYNCGRPO_TEST_CLOCK_OFFSET_S": "-3600"})
+    plain = client("import time\n" + REPORT + "print(round(time.time() - time.monotonic()))")
+    assert json.loads(skewed.stdout.readline())["forked"] and json.loads(plain.stdout.readline())["forked"]
+    assert int(plain.stdout.read()) - int(skewed.stdout.read()) == 3600  # its sitecustomize ran in the fork
+    assert skewed.wait(timeout=60) == plain.wait(timeout=60) == 0
+
+
+def test_a_client_on_another_host_has_a_child_with_that_hosts_name_and_mounts():
+    if why := other_host_unavailable():
+        pytest.skip(why)
+    proc = client(REPORT, other_host=True)
+    report = json.loads(proc.stdout.readline())
+    assert proc.wait(timeout=60) == 0
+    assert report["forked"] and report["host"] == "otherhost" and report["shm"] == []  # its own, empty /dev/shm

@@ -11,15 +11,16 @@ and torchrun's ranks start real interpreters, and ASYNCGRPO_TEST_FORK=0 turns th
 launch.sh and scripts/join.sh start their Python processes with $ASYNCGRPO_PYTHON where it is set: the suite sets
 it to tests/zygote_python, whose client (``client``, below) stands in for the interpreter. It hands the zygote its
 standard input, output and error, its folder and its whole environment, forwards the signals it gets to the forked
-child, and exits as the child did; killed outright, its child is killed too. An environment that would change what
-an interpreter does before the first line of the module (a sitecustomize on the path, a library's variable read
-at import) gets a new interpreter instead.
+child, and exits as the child did; killed outright, its child is killed too. A client on a test's other host has
+its child join its host name and mount namespaces. An environment that would change what an interpreter does
+before the first line of the module (a sitecustomize on the path, a library's variable read at import) gets a new
+interpreter instead.
 
 Protocol, over a Unix socket, one connection per child: the test sends one JSON line {"module", "args", "cwd",
-"log", "env"} (the client: {"module", "code" or "script", "args", "cwd", "environ", "ignored", "namespaces"} with
-its three standard file descriptors); the zygote forks and answers {"pid": N}, then {"status": S} (os.waitpid's)
-when the child has ended, or at once {"exec": WHY} when the client is to start a new interpreter. The test's side
-is ForkedProcess, below; the launch scripts' side, client(); the zygote's, serve().
+"log", "env"} (the client: {"module", "code" or "script", "args", "cwd", "environ", "ignored", "namespaces",
+"pid"} with its three standard file descriptors); the zygote forks and answers {"pid": N}, then {"status": S}
+(os.waitpid's) when the child has ended, or at once {"exec": WHY} when the client is to start a new interpreter.
+The test's side is ForkedProcess, below; the launch scripts' side, client(); the zygote's, serve().
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def client(argv: list[str]) -> None:
     except OSError:
         _new_interpreter(argv)  # the suite that started the zygote is ending
     request = {what: target, "args": args, "cwd": os.getcwd(), "environ": dict(os.environ), "ignored": ignored,
-               "namespaces": _namespaces()}
+               "namespaces": _namespaces(), "pid": os.getpid()}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     lines = conn.makefile("rb")
     reply = json.loads(lines.readline())
@@ -207,9 +208,26 @@ def client(argv: list[str]) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+NAMESPACES = ("uts", "mnt")  # a test's other host (helpers.as_other_host, unshare) has its own host name and mounts
+
+
 def _namespaces() -> list[str]:
-    """This process's host name and mount namespaces: a test's other host (unshare) has its own."""
-    return [os.readlink(f"/proc/self/ns/{kind}") for kind in ("uts", "mnt")]
+    return [os.readlink(f"/proc/self/ns/{kind}") for kind in NAMESPACES]
+
+
+def _join_namespaces(pid: int) -> None:
+    """This process into the host name and mount namespaces of ``pid`` (setns: a process of one thread, as a child
+    just forked is, may join a mount namespace)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind in NAMESPACES:
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into the {kind} namespace of pid {pid}")
+        finally:
+            os.close(fd)
 
 
 def _new_interpreter(argv: list[str]) -> None:
@@ -298,10 +316,9 @@ def _library_path() -> list[str]:
 
 
 def _needs_new_interpreter(request: dict, own: dict) -> str | None:
-    """Why a client cannot be a fork of this process: it runs on another (simulated) host, or its environment is
-    not one a fork can take (``why_not_forked``)."""
-    if request["namespaces"] != _namespaces():
-        return "another host name or mount namespace"
+    """Why a client cannot be a fork of this process: its environment is not one a fork can take
+    (``why_not_forked``). (A client on a test's other host is forked too: its child joins the client's host name
+    and mount namespaces.)"""
     return why_not_forked(request["environ"], own)
 
 
@@ -346,6 +363,8 @@ def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
+    if "environ" in request and request["namespaces"] != _namespaces():
+        _join_namespaces(request["pid"])
     os.chdir(request["cwd"])
     if "environ" in request:  # a client's whole environment, its path and signals as an interpreter would have them
         os.environ.clear()

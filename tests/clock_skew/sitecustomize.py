@@ -1,6 +1,9 @@
 """Test only: a process started with this folder on PYTHONPATH reads a wall clock shifted by
 $ASYNCGRPO_TEST_CLOCK_OFFSET_S seconds (time.time and time.time_ns), as on a host whose clock
-is off. The kernel's clock, which stamps file times, is untouched."""
+is off. The kernel's clock, which stamps file times, is untouched. (In a fork of the test zygote it runs after the
+libraries' import: asyncgrpo's modules, imported after it, and every caller of time.time() read the shifted clock.)"""
+
+# tests/zygote.py: runs in a fork too
 
 import os
 import time

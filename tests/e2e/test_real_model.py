@@ -18,7 +18,7 @@ from helpers import assert_exactly_once, launch_sh, metrics, smollm2_instruct
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-STEPS = 3
+STEPS = 2
 MAX_COMPLETION = 32
 QUESTIONS = ["What is 7 times 8?", "Name a colour of the sky.", "Write one word that rhymes with cat.",
              "What is the capital of France?", "Count from one to five.", "Say hello in Spanish.",
@@ -40,7 +40,7 @@ def brief(prompts, completions, **kwargs):
 @pytest.fixture(scope="module", params=["auto", "continuous"])
 def chat_run(request, tmp_path_factory):
     """``bash launch.sh --workers 1`` from a user's folder: SmolLM2-135M-Instruct, a `prompt` column of
-    conversations, ``rewards:brief`` (which keeps what it was given in completions.jsonl), 3 steps of one group of
+    conversations, ``rewards:brief`` (which keeps what it was given in completions.jsonl), 2 steps of one group of
     4, completions of at most 32 tokens at temperature 0.3."""
     folder = tmp_path_factory.mktemp(f"chat-{request.param}")
     (folder / "data").mkdir()

@@ -19,6 +19,7 @@ import pytest
 from helpers import (
     CLOCK_SKEW_DIR,
     PROCESS_ENV,
+    PYTHON,
     REPO,
     RunProcesses,
     as_other_host,
@@ -90,7 +91,7 @@ def test_a_second_hosts_worker_killed_holding_a_job_loses_nothing(tmp_path):
     root = tmp_path / "run"
     with RunProcesses(root, *FLAGS) as run, open(tmp_path / "remote.log", "ab") as remote_log:
         ps = start_ps(run)
-        remote = run.add(subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1",
+        remote = run.add(subprocess.Popen(as_other_host([PYTHON, "-m", "worker", "--join", "--device", "1",
                                                          "--run_dir", str(root), *FLAGS, "--poll_only"]),
                                           cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT))
         held = kill_while_holding_a_job(root, remote, ps)
@@ -124,7 +125,7 @@ def test_a_second_hosts_bfloat16_worker_reads_each_version_as_a_delta_of_what_ch
     flags = [*FLAGS, "--worker_dtype", "bfloat16", "--learning_rate", "1e-5"]  # a step of a large model's size
     with RunProcesses(root, *flags) as run, open(tmp_path / "remote.log", "ab") as remote_log:
         ps = start_ps(run)
-        remote = run.add(subprocess.Popen(as_other_host([sys.executable, "-m", "worker", "--join", "--device", "1",
+        remote = run.add(subprocess.Popen(as_other_host([PYTHON, "-m", "worker", "--join", "--device", "1",
                                                          "--run_dir", str(root), *flags, "--poll_only"]),
                                           cwd=REPO, env=PROCESS_ENV, stdout=remote_log, stderr=subprocess.STDOUT))
         assert wait_for_ps(ps, [remote], tmp_path / "ps.log") == 0, log_tail(tmp_path / "ps.log")
