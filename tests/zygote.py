@@ -169,9 +169,17 @@ def client(argv: list[str]) -> None:
         _new_interpreter(argv)
     if not os.path.exists(path):
         _new_interpreter(argv)
-    ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]  # as a child inherits
+    inherited = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    ignored = [int(sig) for sig, handler in inherited.items() if handler is signal.SIG_IGN]  # as a child inherits
     child: dict = {}
     pending: list[int] = []
+
+    def new_interpreter():  # as this process was started: its signals as it inherited them, those it got since
+        for sig, handler in inherited.items():
+            signal.signal(sig, handler)
+        for signum in pending:
+            os.kill(os.getpid(), signum)
+        _new_interpreter(argv)
 
     def forward(signum, _frame):
         if "pid" not in child:
@@ -186,14 +194,14 @@ def client(argv: list[str]) -> None:
     try:
         conn.connect(path)
     except OSError:
-        _new_interpreter(argv)  # the suite that started the zygote is ending
+        new_interpreter()  # the suite that started the zygote is ending
     request = {what: target, "args": args, "cwd": os.getcwd(), "environ": dict(os.environ), "ignored": ignored,
                "namespaces": _namespaces(), "pid": os.getpid()}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     lines = conn.makefile("rb")
     reply = json.loads(lines.readline())
     if "exec" in reply:
-        _new_interpreter(argv)
+        new_interpreter()
     child["pid"] = reply["pid"]
     for signum in pending:
         forward(signum, None)
