@@ -5,11 +5,12 @@ about 8 s of CPU importing them on the 2-core machine; the suite starts well ove
 A forked child is a real process (its own pid, files, locks, signals and exit status) running what
 `python -m MODULE ARGS` from the repository runs, with the suite's environment: only the libraries are
 imported already; the project's own modules are imported afresh in each child. helpers.start_process uses it
-for processes started with the suite's environment; one given its own environment (a clock offset, a fault)
-and torchrun's ranks start real interpreters, and ASYNCGRPO_TEST_FORK=0 turns the zygote off.
+(ForkedProcess, below) where the environment only adds variables read at run time; ASYNCGRPO_TEST_FORK=0 turns
+the zygote off.
 
-launch.sh and scripts/join.sh start their Python processes with $ASYNCGRPO_PYTHON where it is set: the suite sets
-it to tests/zygote_python, whose client (``client``, below) stands in for the interpreter. It hands the zygote its
+Other starts go through tests/zygote_python (helpers.PYTHON; $ASYNCGRPO_PYTHON, with which launch.sh and
+scripts/join.sh start their Python processes), whose client (``client``, below) stands in for the interpreter: the
+tests' `python -m`, `-c` and scripts, torchrun and its ranks, launch.sh's processes. It hands the zygote its
 standard input, output and error, its folder and its whole environment, forwards the signals it gets to the forked
 child, and exits as the child did; killed outright, its child is killed too. A client on a test's other host has
 its child join its host name and mount namespaces. An environment that would change what an interpreter does
@@ -251,7 +252,7 @@ def serve(socket_path: str) -> None:
     started_with = dict(os.environ)  # (importing the libraries may add to it: inductor names its cache folder)
     for module in PRELOAD:
         importlib.import_module(module)
-    own = {"environ": started_with, "path": _library_path()}
+    library_path = _library_path()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")
     listener.listen(64)
@@ -269,7 +270,8 @@ def serve(socket_path: str) -> None:
                 continue
             conn, _ = listener.accept()
             request, fds = _read_request(conn)
-            if "environ" in request and (why := _needs_new_interpreter(request, own["environ"])):
+            # (A client on a test's other host is forked too: its child joins the client's namespaces.)
+            if "environ" in request and (why := why_not_forked(request["environ"], started_with)):
                 conn.sendall(json.dumps({"exec": why}).encode() + b"\n")
                 conn.close()
                 for fd in fds:
@@ -282,7 +284,7 @@ def serve(socket_path: str) -> None:
                 listener.close()
                 for other in (conn, *children.values()):
                     other.close()
-                _run_child(request, fds, own["path"])  # never returns
+                _run_child(request, fds, library_path)  # never returns
             for fd in fds:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -323,13 +325,6 @@ def _library_path() -> list[str]:
     return [p for p in sys.path if p and os.path.abspath(p) not in added]
 
 
-def _needs_new_interpreter(request: dict, own: dict) -> str | None:
-    """Why a client cannot be a fork of this process: its environment is not one a fork can take
-    (``why_not_forked``). (A client on a test's other host is forked too: its child joins the client's host name
-    and mount namespaces.)"""
-    return why_not_forked(request["environ"], own)
-
-
 def why_not_forked(environ: dict, own: dict) -> str | None:
     """Why a process with ``environ`` cannot be a fork of one started with ``own``: a variable read at the
     libraries' import set otherwise, or a sitecustomize on its path (an interpreter runs it at start)."""
@@ -351,8 +346,8 @@ def _sitecustomize(pythonpath: str) -> str | None:
 
 
 def _run_child(request: dict, fds: list[int], library_path: list[str]) -> None:
-    """What `python -m MODULE ARGS` (or `-c CODE ARGS`) in ``cwd`` does, its output appended to ``log`` or on the
-    client's descriptors; ends the process."""
+    """What `python -m MODULE ARGS` (`-c CODE ARGS`, `SCRIPT ARGS`) in ``cwd`` does, its output appended to ``log``
+    or on the client's descriptors; ends the process."""
     import atexit
     import random
     import runpy

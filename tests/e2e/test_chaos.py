@@ -38,11 +38,11 @@ from helpers import (
     LEDGER_FILE,
     assert_exactly_once,
     assert_groups_exactly_once,
+    faulty_ps_env,
     metrics,
     pid_alive,
     read_json,
     run_flags,
-    start_faulty_ps,
     start_process,
     wait_for,
     wait_until_stopped,
@@ -95,13 +95,10 @@ class Chaos:
         self.events.append(line)
         print(line, flush=True)
 
-    def _start(self, log_name: str, module: str, *args: str, dies_in_save: int | None = None) -> subprocess.Popen:
+    def _start(self, log_name: str, module: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         with open(self.tmp / log_name, "ab") as log:
             log.write(f"\n===== chaos test: starting {module} {' '.join(args)} =====\n".encode())
-        if dies_in_save is None:
-            proc = start_process(self.run_root, self.tmp / log_name, module, *args, *self.args)
-        else:
-            proc = start_faulty_ps(self.run_root, self.tmp / log_name, "kill-mid-save", dies_in_save, *self.args)
+        proc = start_process(self.run_root, self.tmp / log_name, module, *args, *self.args, env=env)
         self.procs.append(proc)
         return proc
 
@@ -110,7 +107,7 @@ class Chaos:
         if dies_in_save is None:
             self.ps = self._start("ps.log", "ps")
         else:
-            self.ps = self._start("ps.log", "faulty_ps", dies_in_save=dies_in_save)
+            self.ps = self._start("ps.log", "faulty_ps", env=faulty_ps_env("kill-mid-save", dies_in_save))
         self.note(f"launched PS pid {self.ps.pid}" + (f", to die in its save of checkpoint-{dies_in_save}"
                                                        if dies_in_save else ""))
 

@@ -189,18 +189,12 @@ def faulty_ps_env(fault: str, arg: int) -> dict:
 
 
 def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
-    if FORK:  # the fault is read when faulty_ps starts: the zygote's child sets it
-        return ForkedProcess("faulty_ps", ["--run_dir", str(run_root), *args], log_path, cwd=REPO, env=PROCESS_ENV,
-                             extra_env={"PS_FAULT": f"{fault} {arg}"})
     return start_process(run_root, log_path, "faulty_ps", *args, env=faulty_ps_env(fault, arg))
 
 
 def start_faulty_worker(run_root, log_path, fault: str, *args: str, extra_env: dict | None = None):
     """``python -m faulty_worker`` (tests/faulty_worker.py says which faults), ``extra_env`` added to its
     environment."""
-    if FORK:
-        return ForkedProcess("faulty_worker", ["--run_dir", str(run_root), *args], log_path, cwd=REPO,
-                             env=PROCESS_ENV, extra_env={"WORKER_FAULT": fault, **(extra_env or {})})
     env = {**faulty_ps_env("none", 0), "WORKER_FAULT": fault, **(extra_env or {})}
     return start_process(run_root, log_path, "faulty_worker", *args, env=env)
 
