@@ -64,7 +64,7 @@ done
 
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, gpu_env, claim_run, stop_workers, restart_dead_workers
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
 set_file_modes "${PASS[@]}"
@@ -80,14 +80,15 @@ unclaim() {
     return 0
 }
 claim_run "$RUN_DIR"
-trap unclaim EXIT
+trap 'unclaim; end_fork_server' EXIT
 # A flag that is not one, refused at once where an earlier launch recorded the flags (asyncgrpo/flag_check.py).
 "$PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
+start_fork_server "$DEVICE"  # (the check below is its first fork)
 ARGS=(--run_dir "$RUN_DIR" --device_type "$DEVICE" --disable_tqdm true --ps_processes "$PS_PROCS" "${PASS[@]}")  # progress: [train] lines
 CHECKED=$("$PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed the one-line reason (2 bad input, 3 a PS runs)
 checked_inputs "$CHECKED"
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
-trap - EXIT
+trap end_fork_server EXIT
 ARGS[1]="$RUN_DIR" ARGS[3]="$DEVICE"
 LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"
@@ -97,10 +98,9 @@ if [ "$DEVICE" = cpu ]; then
     THREADS=$(( $(nproc) / (WORKERS + PS_PROCS) )); [ "$THREADS" -ge 1 ] || THREADS=1
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The processes started below stop when this script is gone, however it goes (asyncgrpo/supervisor.py).
 export ASYNCGRPO_SUPERVISOR_PID=$$
-trap stop_mps EXIT
+trap 'stop_mps; end_fork_server' EXIT
 start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] && echo 1)" "$MPS" "$RUN_DIR"
 
 # ---- 3. start the PS and the workers -------------------------------------------------------

@@ -60,9 +60,11 @@ RUN="$(cd "$RUN" && pwd)"
 # ---- 2. environment and input checks, before any process starts -------------------------------
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 # As launch.sh: the processes run in this folder (relative paths, reward modules), the repository first on the path.
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, stop_workers, restart_dead_workers
 ARGS=(--run_dir "$RUN" --device_type "$DEVICE" --disable_tqdm true "${PASS[@]}")
+start_fork_server "$DEVICE"  # (the check below is its first fork)
+trap end_fork_server EXIT
 CHECKED=$("$PY" -m ps --check_only --joining "${ARGS[@]}") || exit 2  # it printed the one-line reason
 checked_inputs "$CHECKED"
 ARGS[3]="$DEVICE"  # (auto resolved)
@@ -74,7 +76,6 @@ if [ "$DEVICE" = cpu ]; then
     THREADS=$(( $(nproc) / WORKERS )); [ "$THREADS" -ge 1 ] || THREADS=1
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The processes started below stop when this script is gone, however it goes (asyncgrpo/supervisor.py).
 export ASYNCGRPO_SUPERVISOR_PID=$$
 

@@ -2,9 +2,32 @@
 # Expects VENV_PY and die; the supervision also WORKER_PID and WORKER_LOG (associative arrays: worker
 # number -> pid, log file), start_worker N and say.
 
-# The interpreter that runs the project's modules: the environment's, unless ASYNCGRPO_PYTHON names another
-# (the test suite's forks its processes from one that has imported the libraries already: tests/zygote.py).
+# The interpreter that runs the project's modules: the environment's; scripts/forked_python once
+# start_fork_server has started a fork server; ASYNCGRPO_PYTHON where it names another (the test suite's, a client
+# of the suite's own fork server).
 PY="${ASYNCGRPO_PYTHON:-$VENV_PY}"
+
+# start_fork_server DEVICE: where no GPU is seen (or DEVICE is cpu), one interpreter imports torch, transformers and
+# TRL while the launch goes on, and every Python process the launch starts after is a fork of it
+# (asyncgrpo/forkserver.py): seconds of CPU less for each. It ends when this script does. On a GPU machine (CUDA
+# cannot be initialised in a process that then forks), with ASYNCGRPO_PYTHON set, or with ASYNCGRPO_FORK=0, each
+# process starts as a new interpreter.
+start_fork_server() {
+    [ -z "${ASYNCGRPO_PYTHON:-}" ] && [ "${ASYNCGRPO_FORK:-1}" != 0 ] || return 0
+    if [ "$1" != cpu ] && { compgen -G '/dev/nvidia[0-9]*' > /dev/null || [ -e /dev/kfd ] || [ -e /dev/dxg ]; }; then
+        return 0
+    fi
+    local folder
+    folder=$(mktemp -d "${TMPDIR:-/tmp}/asyncgrpo-forks.XXXXXX") || return 0
+    "$VENV_PY" "$REPO_ROOT/asyncgrpo/forkserver.py" "$folder/server.sock" < /dev/null 9>&- &
+    FORK_FOLDER=$folder
+    export ASYNCGRPO_FORK_SERVER="$folder/server.sock" ASYNCGRPO_FORK_PYTHON="$VENV_PY"
+    PY="$REPO_ROOT/scripts/forked_python"
+}
+end_fork_server() {  # (at the script's exit: the server's folder, which it removes itself unless it was killed)
+    [ -n "${FORK_FOLDER:-}" ] && rm -rf "$FORK_FOLDER"
+    return 0
+}
 
 # checked_inputs CHECK_OUTPUT: what `python -m ps --check_only` printed, the one interpreter a launch runs before
 # its processes: sets RUN_DIR, DEVICE (auto resolved: cuda or cpu), NGPU (GPUs torch sees on cuda, else 0) and

@@ -1,6 +1,6 @@
-"""The suite's python for launch.sh (tests/zygote_python): a process forked from the zygote stands in for a new
-interpreter only if the script that started it cannot tell the difference: its output, exit status, signals,
-ignored signals and death, and a new interpreter where a fork could not be one."""
+"""The suite's python for launch.sh (scripts/forked_python, a client of asyncgrpo/forkserver.py): a process forked
+from the fork server stands in for a new interpreter only if the script that started it cannot tell the difference:
+its output, exit status, signals, ignored signals and death, and a new interpreter where a fork could not be one."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ $ASYNCGRPO_TEST_CLOCK_OFFSET_S seconds (time.time and time.time_ns), as on a hos
 is off. The kernel's clock, which stamps file times, is untouched. (In a fork of the test zygote it runs after the
 libraries' import: asyncgrpo's modules, imported after it, and every caller of time.time() read the shifted clock.)"""
 
-# tests/zygote.py: runs in a fork too
+# asyncgrpo.forkserver: runs in a fork too
 
 import os
 import time

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from helpers import (
+    OWN_SERVER_ENV,
     PROCESS_ENV,
     REPO,
     assert_exactly_once,
@@ -23,6 +24,7 @@ from helpers import (
     metrics,
     pid_alive,
     ps_events,
+    read_json,
     run_flags,
     start_process,
     wait_until_stopped,
@@ -42,16 +44,16 @@ def buffers_of(run_root: Path) -> list[Path]:
             if (fileops.read_json(d / "owner.json") or {}).get("run") == root]
 
 
-def launch_in_a_terminal(run_root: Path, *args: str) -> subprocess.Popen:
+def launch_in_a_terminal(run_root: Path, *args: str, env: dict = PROCESS_ENV) -> subprocess.Popen:
     """launch.sh as the leader of its own process group, as a terminal runs a command."""
     return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=REPO,
-                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
-def relaunch_to_the_end(run_root: Path, flags: list[str]) -> None:
+def relaunch_to_the_end(run_root: Path, flags: list[str], env: dict = PROCESS_ENV) -> None:
     """launch.sh again on the run, with 2 workers, until it finishes (exit 0)."""
-    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=env)
     try:
         out, _ = relaunch.communicate(timeout=TIMEOUT_S)
     finally:
@@ -128,24 +130,56 @@ def run_processes(run_root: Path) -> dict[int, str]:
     return found
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def fork_server_of(launcher: subprocess.Popen) -> int:
+    """The pid of the fork server a launch.sh runs (asyncgrpo/forkserver.py: its child, not a client)."""
+    servers = [pid for pid, argv in children_of(launcher.pid).items()
+               if "asyncgrpo/forkserver.py" in argv and "--client" not in argv]
+    assert len(servers) == 1, children_of(launcher.pid)
+    return servers[0]
+
+
+def children_of(pid: int) -> dict[int, str]:
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and parent_of(int(proc.name)) == pid:
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def run_pids(run_root: Path) -> list[int]:
+    """The PS's and the workers' pids, from their own files."""
+    return [read_json(path)["pid"] for path in [run_root / "ps.json", *run_root.glob("workers/dev*.json")]]
+
+
 def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_nothing(tmp_path):
     """kill -9 of launch.sh (nothing of it runs to stop its children): its PS and workers see it gone and stop as on
-    a scheduler's SIGTERM, the PS with its checkpoint (--checkpoint_on_sigterm), the workers giving back their jobs.
-    The relaunch trains the rest: every step once, every job once."""
+    a scheduler's SIGTERM, the PS with its checkpoint (--checkpoint_on_sigterm), the workers giving back their jobs;
+    the fork server they were forked from (a user's launch.sh runs its own) ends after them. The relaunch trains the
+    rest: every step once, every job once."""
     run_root = tmp_path / "run"
     steps = 200
     flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
-    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=OWN_SERVER_ENV)
     try:
         wait_for_training(run_root, proc)
         started = run_processes(run_root)
         assert len([argv for argv in started.values() if " -m worker " in argv]) == 2, started
+        server = fork_server_of(proc)
+        assert [parent_of(pid) for pid in run_pids(run_root)] == [server] * 3  # the PS and both workers: its forks
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 60
-        while (left := run_processes(run_root)) and time.monotonic() < deadline:
+        while ((left := run_processes(run_root)) or pid_alive(server)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, f"still running {time.monotonic() - deadline + 60:.0f} s after launch.sh died: {left}"
+        assert not pid_alive(server), "the fork server outlived launch.sh and its children"
     finally:
         kill_run(run_root, proc)
     trained = len(metrics(run_root))
@@ -153,11 +187,33 @@ def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_not
     logs = run_root / "logs"
     for log in [logs / "log_parameter_server.txt", *logs.glob("log_worker_*.txt")]:
         assert "its supervisor (launch.sh or join.sh, pid" in log.read_text(), log.name
+        assert "the fork server died" not in log.read_text(), log.name  # it waited for its children to stop
     assert f"stopped after step {trained} on SIGTERM" in (logs / "log_parameter_server.txt").read_text()
 
-    relaunch_to_the_end(run_root, flags)
+    relaunch_to_the_end(run_root, flags, env=OWN_SERVER_ENV)
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
+
+
+def test_a_killed_fork_server_ends_the_run_as_a_killed_ps_does(tmp_path):
+    """The fork server killed outright (the out-of-memory killer): the processes forked from it are killed with it
+    (none runs on unseen), launch.sh says the PS was killed and how to resume, and nothing of the run is left."""
+    run_root = tmp_path / "run"
+    proc = launch_in_a_terminal(run_root, "--workers", "2", *run_flags(100000), env=OWN_SERVER_ENV)
+    try:
+        wait_for_training(run_root, proc)
+        pids = run_pids(run_root)
+        os.kill(fork_server_of(proc), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        kill_run(run_root, proc)
+    assert proc.returncode == 137, out[-3000:]
+    assert "the parameter server exited with status 137 (killed: SIGKILL" in out
+    assert f"Relaunch with --run-dir {run_root} to resume" in out
+    assert "forked_python: the fork server died while it ran ps: its process killed" in \
+        (run_root / "logs" / "log_parameter_server.txt").read_text()
+    assert not [pid for pid in pids if pid_alive(pid)] and not run_processes(run_root)
+    assert not buffers_of(run_root)
 
 
 def queue_tools_ls(run_root: Path) -> dict:

@@ -8,7 +8,7 @@ abort the process now and then (SIGABRT, "terminate called without an active exc
 too rare to test for; whether a rank enters the finalisation at all is not (``atexit`` handlers run at its start).
 """
 
-# tests/zygote.py: runs in a fork too
+# asyncgrpo.forkserver: runs in a fork too
 
 import atexit
 import os

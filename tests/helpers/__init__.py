@@ -35,6 +35,7 @@ from .faults import CLOCK_SKEW_DIR, as_other_host, inject_disk_full, other_host_
 from .files import NOBODY, backdate, entries, metrics, modes_beyond, open_as_nobody, read_json, result_payload
 from .models import smollm2_instruct
 from .processes import (
+    OWN_SERVER_ENV,
     PROCESS_ENV,
     PYTHON,
     REPO,
@@ -65,6 +66,7 @@ __all__ = [
     "DEMO_RUN_FLAGS",
     "LEDGER_FILE",
     "NOBODY",
+    "OWN_SERVER_ENV",
     "PROCESS_ENV",
     "PYTHON",
     "REPO",

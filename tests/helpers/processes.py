@@ -23,6 +23,8 @@ import pytest
 import zygote
 from zygote import FORK, ForkedProcess
 
+from asyncgrpo import forkserver
+
 from .files import read_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +35,16 @@ PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "
 # (tests/zygote.py), else a new interpreter. launch.sh and join.sh start their processes with it too.
 PYTHON = zygote.CLIENT if FORK else sys.executable
 if FORK:
-    PROCESS_ENV.update(ASYNCGRPO_PYTHON=zygote.CLIENT, ASYNCGRPO_TEST_PYTHON=sys.executable,
-                       ASYNCGRPO_TEST_ZYGOTE=zygote.socket_path())
+    PROCESS_ENV.update(ASYNCGRPO_PYTHON=zygote.CLIENT, ASYNCGRPO_FORK_PYTHON=sys.executable,
+                       ASYNCGRPO_FORK_SERVER=zygote.socket_path())
+else:
+    PROCESS_ENV.update(ASYNCGRPO_FORK="0")  # launch.sh too starts new interpreters
+
+
+# A launch.sh's environment as a user's is: it runs a fork server of its own (asyncgrpo/forkserver.py) instead of
+# forking from the suite's.
+OWN_SERVER_ENV = {k: v for k, v in PROCESS_ENV.items()
+                  if k not in ("ASYNCGRPO_PYTHON", "ASYNCGRPO_FORK_SERVER", "ASYNCGRPO_FORK_PYTHON", "ASYNCGRPO_FORK")}
 
 
 def start_zygote() -> None:
@@ -114,7 +124,7 @@ def start_process(run_root, log_path, module: str, *args: str, env: dict | None 
     (subprocess.Popen)."""
     argv = ["--run_dir", str(run_root), *args]
     env = PROCESS_ENV if env is None else env
-    if FORK and set(env) >= set(PROCESS_ENV) and zygote.why_not_forked(env, PROCESS_ENV) is None:
+    if FORK and set(env) >= set(PROCESS_ENV) and forkserver.why_not_forked(env, PROCESS_ENV) is None:
         added = {k: v for k, v in env.items() if PROCESS_ENV.get(k) != v}
         return ForkedProcess(module, argv, log_path, cwd=REPO, env=PROCESS_ENV, extra_env=added)
     with open(log_path, "ab") as log:

@@ -17,7 +17,7 @@ TIMEOUT_S = 600
 FLAGS = run_flags(2, save_steps=2)
 
 RECORD_WRITES = """\
-# tests/zygote.py: runs in a fork too
+# asyncgrpo.forkserver: runs in a fork too
 import json, os, threading, traceback
 from ps import trainer
 

@@ -80,7 +80,7 @@ def test_a_ps_killed_inside_a_job_resumes_to_the_same_weights(uninterrupted, tmp
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
-        "# tests/zygote.py: runs in a fork too\n"
+        "# asyncgrpo.forkserver: runs in a fork too\n"
         "import os, signal\n"
         "from ps import trainer\n"
         "_step_end = trainer.AsyncGRPOTrainer.on_optimizer_step_end\n"

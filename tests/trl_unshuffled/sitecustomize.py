@@ -11,7 +11,7 @@ The patch is applied when TRL's trainer module is first imported (an import hook
 import it do not pay for importing TRL; in a process forked from the test zygote, which has imported it, at once.
 """
 
-# tests/zygote.py: runs in a fork too
+# asyncgrpo.forkserver: runs in a fork too
 
 import importlib.abc
 import importlib.machinery
