@@ -55,6 +55,7 @@ from asyncgrpo.jobqueue.names import depth_line
 from asyncgrpo.run import RunDir, metrics
 from asyncgrpo.run.checkpoints import (
     is_complete,
+    name_local_base_in_card,
     read_ledger,
     write_ledger,
 )
@@ -66,6 +67,7 @@ from ps.flag_changes import recorded_flags, say_if_the_schedule_changed
 from ps.learning_signal import LearningSignal, finite
 from ps.offpolicy import TokenWeighting
 from ps.pipeline import BatchInTraining, JobPipeline, PipelineError
+from ps.step_record import StepRecord
 
 log = logging.getLogger("asyncgrpo.ps")
 # The [train] line of a step the terminal does not show: in the PS's log at this level ("STEP"), which launch.sh's
@@ -106,11 +108,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self.is_queue_client else BroadcastBatches())
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
-        self._step_record = metrics.StepRecord()  # since the last logged step
-        self._step_started = self._last_step_end = time.monotonic()
-        self._step_wait_s = 0.0  # this optimizer step's wait for results
+        self.step_record = StepRecord(dynamic_sampling=cfg.dynamic_sampling)  # since the last logged step
         self._save_due_after_batch = False
-        self._groups_dropped_total = 0  # by dynamic sampling, over the steps in metrics.jsonl
         self.signal = LearningSignal()  # steps without a reward, or whose rewards do not spread
         self.add_callback(_PipelineCallback(self))
 
@@ -133,7 +132,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self._resume_checkpoint:
             say_if_the_schedule_changed(self._resume_checkpoint, self.state, self.lr_scheduler,
                                         self.args.lr_scheduler_type)
-        self._groups_dropped_total = self._forget_metrics_after(self.state.global_step)
+        self.step_record = StepRecord(self._forget_metrics_after(self.state.global_step),
+                                dynamic_sampling=self.cfg.dynamic_sampling)
         last = metrics.last_line(self.run.metrics_file)
         self.signal = LearningSignal.resumed(self.state.global_step,
                                              last if last and last.get("step") == self.state.global_step else None)
@@ -181,17 +181,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         started = time.monotonic()
         # StopRequested: every rank leaves the training loop here, and saves (save_checkpoint_at_stop)
         taken = self.batches.take(self.state.global_step)
-        waited = time.monotonic() - started
+        self.step_record.waited(time.monotonic() - started)
         batch = taken.tensors
-        self._step_wait_s += waited
-        self._step_record.trainer_wait_s += waited
         # Tokens trained on, counted as TRL counts them: prompt and completion tokens, once per generation batch.
         self.state.num_input_tokens_seen += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
         self._add_batch_metrics()
-        if self.cfg.dynamic_sampling:  # counted on the batch's first step
-            dropped = self.batch_in_training.groups_dropped
-            self._step_record.groups_dropped += dropped
-            self._metrics["train"]["dynamic_sampling/groups_dropped"].append(dropped)
+        self.step_record.dropped(self.batch_in_training.groups_dropped)  # (counted on the batch's first step)
         if self.log_completions and self.is_queue_client:
             self._add_completion_logs(taken.logs)
         batch = self._process_slice(batch)
@@ -269,7 +264,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ after each step
 
     def on_optimizer_step_begin(self) -> None:
-        self._step_started, self._step_wait_s = time.monotonic(), 0.0
+        self.step_record.step_started()
         if self.is_queue_client:
             self.events.emit("train_step_start", step=self.state.global_step + 1)
         if self.batch_in_training is not None:  # a later step of the same batch: no result is taken
@@ -277,13 +272,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def on_optimizer_step_end(self) -> None:
         step = self.state.global_step
-        parts = self.batch_in_training.parts
-        for part in parts:
-            self._step_record.trained(step, part)
-        staleness = max(part.staleness(step) for part in parts)
+        trained = self.step_record.step_trained(step, self.batch_in_training.parts)
         if self.is_queue_client:
-            self.events.emit("train_step_end", step=step, dur_ms=(time.monotonic() - self._step_started) * 1e3,
-                             wait_ms=self._step_wait_s * 1e3, staleness=staleness)
+            self.events.emit("train_step_end", step=step, **trained)
         self._publish_weights()
         if self.is_queue_client:
             self.run.write_global_step(step)
@@ -325,10 +316,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         log.debug("[weights] published version=%d publish_ms=%.1f", step, publish_ms)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        record = self._step_record
-        is_step_log = self.model.training and "loss" in logs and record.staleness
+        is_step_log = self.model.training and "loss" in logs and self.step_record.has_trained
         if is_step_log:  # asyncgrpo's own metrics go to report_to integrations with TRL's
-            logs.update(record.trl_logs())
+            logs.update(self.step_record.trl_logs())
         super().log(logs, start_time)  # TRL averages its metrics (reward, ...) into logs
         # transformers keeps every log in log_history for the life of the process (1.5 KB a step with the demo's
         # --logging_steps 1) and rewrites all of it into each checkpoint's trainer_state.json: the PS would grow
@@ -341,28 +331,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 metrics.append(self.run.metrics_file, metrics.eval_line(self.state.global_step, logs))
         if not is_step_log or not self.is_queue_client:
             return
-        now = time.monotonic()
-        reward = finite(logs.get("reward"))  # NaN: every reward function returned None or NaN for every row
-        self.signal.observe(self.state.global_step, reward, logs.get("frac_reward_zero_std"))
-        line = record.line(
-            groups_dropped_before=self._groups_dropped_total,
-            step=self.state.global_step,
-            reward=reward,
-            reward_std=logs.get("reward_std"),
-            loss=logs.get("loss"),
-            grad_norm=logs.get("grad_norm"),
-            prompts_skipped=self.pipeline.producer.prompts_skipped,
-            tool_failure_rate=logs.get("tools/failure_frequency"),
-            frac_reward_zero_std=finite(logs.get("frac_reward_zero_std")),
-            steps_without_reward=self.signal.steps_without_reward,
-            steps_without_spread=self.signal.steps_without_spread,
-            step_time_s=round(now - self._last_step_end, 4),
-            queue_depth=self.queue.counts(),
-            time=time.time(),
-        )
-        self._last_step_end = now
-        self._groups_dropped_total = line.groups_dropped_total
-        self._step_record = metrics.StepRecord()
+        # (reward NaN: every reward function returned None or NaN for every row)
+        self.signal.observe(self.state.global_step, finite(logs.get("reward")), logs.get("frac_reward_zero_std"))
+        line = self.step_record.line(self.state.global_step, logs, self.signal,
+                                     self.pipeline.producer.prompts_skipped, self.queue.counts())
         metrics.append(self.run.metrics_file, line)
         self._show_progress(line)
         if self.signal.stop is not None:
@@ -383,14 +355,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                                   wait_ms=f"{line.trainer_wait_s * 1e3:.0f}", refresh=False)
 
     def create_model_card(self, *args, **kwargs):
-        """TRL's card names the hub model it was fine-tuned from, and a local folder (the demo's, a user's) as
-        "[None]": the card names the folder instead."""
         super().create_model_card(*args, **kwargs)
-        card = Path(self.args.output_dir) / "README.md"
-        base = getattr(self.model.config, "_name_or_path", None)
-        if self.is_world_process_zero() and base and os.path.isdir(base) and card.is_file():
-            text = card.read_text().replace("[None](https://huggingface.co/None)", f"`{base}` (a local folder)")
-            card.write_text(text)
+        if self.is_world_process_zero():
+            name_local_base_in_card(self.args.output_dir, getattr(self.model.config, "_name_or_path", None))
 
     def _save_checkpoint(self, model, trial):
         # The ledger goes last: it marks the checkpoint complete (see asyncgrpo/run/checkpoints.py). transformers

@@ -411,12 +411,12 @@ def test_log_averages_the_metrics_the_ps_adds(trainer):
 
 def test_the_ps_keeps_the_newest_of_the_log_history_transformers_grows_at_every_log(trainer, monkeypatch):
     import ps.trainer
-    from asyncgrpo.run.metrics import StepRecord
+    from ps.step_record import StepRecord
     from ps.trainer import AsyncGRPOTrainer
 
     monkeypatch.setattr(ps.trainer, "LOG_HISTORY_KEPT", 5)
     ps_trainer = object.__new__(AsyncGRPOTrainer)  # the fixture's trainer, with the PS's log
-    vars(ps_trainer).update(vars(trainer), _step_record=StepRecord())
+    vars(ps_trainer).update(vars(trainer), step_record=StepRecord())
     kept = list(trainer.state.log_history)
     try:
         for loss in range(12):

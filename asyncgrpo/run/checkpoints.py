@@ -103,3 +103,11 @@ def checkpoint_to_resume(checkpoints: str | os.PathLike) -> str | None:
         log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
         shutil.rmtree(folder)
     return str(complete) if complete else None
+
+
+def name_local_base_in_card(folder: str | os.PathLike, base: str | None) -> None:
+    """TRL's model card (``folder``/README.md) names the hub model it was fine-tuned from, and a local folder (the
+    demo's, a user's) as "[None]": the card names the folder ``base`` instead."""
+    card = Path(folder) / "README.md"
+    if base and os.path.isdir(base) and card.is_file():
+        card.write_text(card.read_text().replace("[None](https://huggingface.co/None)", f"`{base}` (a local folder)"))

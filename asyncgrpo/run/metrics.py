@@ -19,9 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from asyncgrpo.run import fileops
 
@@ -95,44 +94,6 @@ class StepMetrics:
     step_time_s: float  # since the previous line
     queue_depth: dict[str, int]  # JobQueue.counts() when the step was logged
     time: float  # wall clock, time.time()
-
-
-@dataclass
-class StepRecord:
-    """What the trainer gathers over the optimizer steps since the last logged one (ps/trainer.py): its part of
-    the next StepMetrics (``line``). A metric gathered step by step is a field here and in StepMetrics, and the
-    line that fills it."""
-
-    staleness: list[int] = field(default_factory=list)  # of each group trained: step - 1 - its result's version
-    weights_versions: list[int] = field(default_factory=list)  # of each result trained from
-    token_staleness: int = 0  # summed over the completion tokens trained: step - 1 - the version sampling each
-    tokens: int = 0
-    trainer_wait_s: float = 0.0  # the steps' waits for results
-    groups_dropped: int = 0  # by dynamic sampling
-
-    def trained(self, step: int, part) -> None:
-        """Step ``step`` trained ``part``, a result's groups (ps/ledger.py GroupsTaken, which says their staleness)."""
-        self.staleness += [part.staleness(step)] * len(part.groups)
-        self.weights_versions.append(part.weights_version)
-        for staleness, tokens in part.tokens_by_staleness(step).items():
-            self.token_staleness += staleness * tokens
-            self.tokens += tokens
-
-    def trl_logs(self) -> dict:
-        """The record's metrics under the names TRL's logs carry them to the report_to integrations."""
-        return {"staleness/mean": statistics.fmean(self.staleness), "staleness/max": max(self.staleness),
-                "staleness/token_mean": self.token_staleness / max(self.tokens, 1),
-                "weights_version": max(self.weights_versions), "trainer_wait_s": round(self.trainer_wait_s, 4)}
-
-    def line(self, groups_dropped_before: int, **rest) -> StepMetrics:
-        """The step's line: the record's metrics, the running total of groups dropped going on from
-        ``groups_dropped_before``, and ``rest`` (StepMetrics' other fields)."""
-        logs = self.trl_logs()
-        return StepMetrics(staleness_mean=logs["staleness/mean"], staleness_max=logs["staleness/max"],
-                           token_staleness_mean=round(logs["staleness/token_mean"], 4),
-                           weights_version=logs["weights_version"], trainer_wait_s=logs["trainer_wait_s"],
-                           groups_dropped=self.groups_dropped,
-                           groups_dropped_total=groups_dropped_before + self.groups_dropped, **rest)
 
 
 def eval_line(step: int, logs: dict) -> dict:
