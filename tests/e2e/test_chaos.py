@@ -1,7 +1,7 @@
 """Chaos: a demo run with 3 workers while the test SIGKILLs a random worker at random moments
 (11 times in 300 steps, each relaunched with the same --device) and the PS twice (relaunched on the same
 run directory, it resumes from its newest complete checkpoint): once at a random moment, once
-inside a checkpoint save (tests/faulty_ps.py kills it there, so that the kill never misses the save).
+inside a checkpoint save (tests/processes/faulty_ps.py kills it there, so that the kill never misses the save).
 
 Kill moments follow the run's progress (the step in global_step.txt, a worker holding a job
 in queue/), plus a small random delay. The schedule comes from

@@ -1,4 +1,4 @@
-"""Failing reward functions, through real processes (tests/reward_faults.py, loaded by import path).
+"""Failing reward functions, through real processes (tests/processes/reward_faults.py, loaded by import path).
 
 - One that always raises: launch.sh exits 1 soon, its output names the
   function and the exception once, done/ holds a bounded number of files, and the workers back off
@@ -76,7 +76,8 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
     # tests/test_trl_contract.py (test_a_failed_job_names_the_reward_function_from_trl_s_frames).
     reward, error = "always_raises", "reward function 'always_raises' raised RuntimeError: the reward server is down"
     run_root = tmp_path / "run"
-    status, out, _ = launch_until_it_stops(REPO, run_root, f"tests.reward_faults:{reward}", stderr=subprocess.STDOUT)
+    status, out, _ = launch_until_it_stops(REPO, run_root, f"tests.processes.reward_faults:{reward}",
+                                           stderr=subprocess.STDOUT)
     assert status == 1, out
     # The terminal names the function and its exception as each worker first meets it (its repeats are counted
     # for a line a minute later, after the run has stopped), and in the PS's reason for stopping, once; no wait loop.
@@ -121,7 +122,7 @@ def test_a_reward_function_that_applies_to_no_row_is_said_once_then_stops_the_ru
     from ps.learning_signal import NO_REWARD_STOP_STEPS
 
     run_root = tmp_path / "run"
-    status, out, _ = launch_until_it_stops(REPO, run_root, "tests.reward_faults:never_applies",
+    status, out, _ = launch_until_it_stops(REPO, run_root, "tests.processes.reward_faults:never_applies",
                                            stderr=subprocess.STDOUT)
     assert status == 1, out[-3000:]
     said = [line for line in out.splitlines() if "no reward: every reward function returned None" in line]
@@ -150,7 +151,7 @@ def flaky_run(tmp_path_factory) -> Path:
     a slower retry would let the run end first (the job then archived ``unused``, and no job ``failed``)."""
     root = tmp_path_factory.mktemp("flaky") / "run"
     flags = [*demo_flags(), *run_flags(8, save_steps=4), "--disable_tqdm", "true", "--log_completions", "true",
-             "--consume_order", "fifo", "--reward_funcs", "tests.reward_faults:raises_on_digit_0"]
+             "--consume_order", "fifo", "--reward_funcs", "tests.processes.reward_faults:raises_on_digit_0"]
     ps = start_process(root, root.parent / "ps.log", "ps", *flags)
     workers = [start_process(root, root.parent / f"w{i}.log", "worker", "--device", str(i), *flags) for i in (1, 2)]
     try:

@@ -3,8 +3,8 @@ plain TRL GRPOTrainer in this process, same task, model, data and seed, each of 
 a worker seeds the job it stands for (job k-1 at step k: worker/generate.py job_seed). Their per-step loss, grad
 norm and reward are equal to the bit, for a single-turn task (the demo) and a multi-turn one (the lookup task's
 tool loop), once the one known difference is taken away on both sides: the order TRL shuffles a batch's rows in
-(tests/trl_unshuffled/sitecustomize.py). With it, they differ in the last digits from the first step, enough for
-the sampled tokens to part after some dozens of steps (docs/performance.md, "The lookup task against TRL"); left
+(tests/processes/trl_unshuffled/sitecustomize.py). With it, they differ in the last digits from the first step, enough
+for the sampled tokens to part after some dozens of steps (docs/performance.md, "The lookup task against TRL"); left
 to run on, TRL's one RNG stream and the workers' per-job seeds sample differently."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import pytest
 import torch
 import trl.trainer.grpo_trainer as grpo_trainer
-from helpers import PROCESS_ENV, REPO, TESTS, metrics
+from helpers import PROCESS_ENV, PROCESSES, REPO, metrics
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -25,7 +25,7 @@ from worker.generate import job_seed
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 STEPS = 4
-UNSHUFFLED = TESTS / "trl_unshuffled"  # its sitecustomize.py keeps a batch's rows in order in TRL's trainer
+UNSHUFFLED = PROCESSES / "trl_unshuffled"  # its sitecustomize.py keeps a batch's rows in order in TRL's trainer
 
 
 class StepLogs(TrainerCallback):

@@ -1,6 +1,6 @@
 """In-flight weight updates through real processes: a worker SIGKILLed inside a weight sync between decoding steps
-(tests/faulty_worker.py) loses the jobs it was generating, and only those: recovery gives them back, another worker
-generates them, and every job is trained exactly once."""
+(tests/processes/faulty_worker.py) loses the jobs it was generating, and only those: recovery gives them back, another
+worker generates them, and every job is trained exactly once."""
 
 import signal
 

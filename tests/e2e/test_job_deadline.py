@@ -1,5 +1,5 @@
 """A job that never ends does not stall the run (--job_timeout_s: worker/deadline.py, and recovery's backstop).
-Real processes, real reward functions that never return (tests/reward_faults.py).
+Real processes, real reward functions that never return (tests/processes/reward_faults.py).
 
 Without a deadline both runs below stall for good: the worker holding the job beats, so its lease never expires,
 and the trainer, taking results in job order, waits for that job."""
@@ -42,7 +42,7 @@ def test_a_reward_that_never_returns_on_one_prompt_in_ten_does_not_stall_the_run
     trains its steps."""
     run_root, steps = tmp_path / "run", 2
     flags = [*demo_flags(), *run_flags(steps, save_steps=100),
-             "--reward_funcs", "tests.reward_faults:hangs_on_prompt_7", "--job_timeout_s", str(JOB_TIMEOUT_S),
+             "--reward_funcs", "tests.processes.reward_faults:hangs_on_prompt_7", "--job_timeout_s", str(JOB_TIMEOUT_S),
              "--max_attempts", "2", "--jobs_per_generate", "2", "--consume_order", "fifo", "--disable_tqdm", "true"]
     done = launch_sh(REPO, "--run-dir", str(run_root), "--workers", "3", *flags, timeout=TIMEOUT_S)
     out = done.stdout + done.stderr
@@ -72,7 +72,7 @@ def test_a_job_whose_worker_cannot_act_on_its_deadline_is_taken_back_by_recovery
     run_root, steps = tmp_path / "run", 3
     flags = [*demo_flags(), *run_flags(steps, save_steps=100), "--job_timeout_s", str(JOB_TIMEOUT_S),
              "--jobs_per_generate", "1", "--consume_order", "fifo", "--disable_tqdm", "true",
-             "--reward_funcs", "tests.reward_faults:hangs_where_told"]
+             "--reward_funcs", "tests.processes.reward_faults:hangs_where_told"]
     marker = tmp_path / "hanging"
     ps = start_process(run_root, tmp_path / "ps.log", "ps", *flags)
     stuck = second = None

@@ -3,9 +3,9 @@ exactly once, by another worker. Two ways to hold several: three jobs generated 
 and continuous batching (--worker_decoding continuous), with jobs in its slots and finished ones waiting to be
 scored.
 
-The first worker's reward function hangs (tests/reward_faults.py): its first job never gets scored (with continuous
-batching the jobs behind it finish decoding and wait, and the worker claims no more once as many wait as its slots
-hold). The second worker starts only once the PS has put them all back in pending (attempt 2). Started earlier, it
+The first worker's reward function hangs (tests/processes/reward_faults.py): its first job never gets scored (with
+continuous batching the jobs behind it finish decoding and wait, and the worker claims no more once as many wait as its
+slots hold). The second worker starts only once the PS has put them all back in pending (attempt 2). Started earlier, it
 would claim the jobs behind them and the run could train its 6 steps before recovery noticed the kill (the jobs
 then archived ``unused``, correctly: training had ended): which jobs trained would depend on timing. Claims are
 FIFO by job id, so the recovered jobs, the oldest, are generated first and must be trained."""
@@ -20,7 +20,7 @@ from helpers import PROCESS_ENV, assert_exactly_once, demo_flags, expect_exit, r
 
 # The demo task with another reward.
 FLAGS = [*demo_flags(), *run_flags(6, save_steps=3), "--disable_tqdm", "true",
-         "--reward_funcs", "tests.reward_faults:hangs_where_told"]
+         "--reward_funcs", "tests.processes.reward_faults:hangs_where_told"]
 TIMEOUT_S = 300
 MODES = {"three_jobs_a_call": (["--jobs_per_generate", "3"], 3),  # (flags, the fewest jobs the worker holds)
          "continuous": (["--worker_decoding", "continuous"], 2)}

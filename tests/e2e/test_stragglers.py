@@ -34,7 +34,7 @@ MIN_STEPS_IN_FAULT = 10  # each fault lasts until the trainer has trained this m
 UNREACHED_STEPS = 100_000  # the first PS life's budget: the test ends that life itself
 END_STEPS = 20  # what the relaunched PS trains past its newest checkpoint
 # The demo task with another reward.
-TASK_FLAGS = [*demo_flags(), "--reward_funcs", "tests.reward_faults:slow_once_when_told"]
+TASK_FLAGS = [*demo_flags(), "--reward_funcs", "tests.processes.reward_faults:slow_once_when_told"]
 FLAGS = [*TASK_FLAGS, *run_flags(UNREACHED_STEPS, save_steps=100, lease_s=60)]
 TIMEOUT_S = 300
 

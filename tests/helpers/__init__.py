@@ -37,6 +37,7 @@ from .models import smollm2_instruct
 from .processes import (
     OWN_SERVER_ENV,
     PROCESS_ENV,
+    PROCESSES,
     PYTHON,
     REPO,
     TESTS,
@@ -68,6 +69,7 @@ __all__ = [
     "NOBODY",
     "OWN_SERVER_ENV",
     "PROCESS_ENV",
+    "PROCESSES",
     "PYTHON",
     "REPO",
     "REWARDS_PY",

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .processes import REPO
 
-CLOCK_SKEW_DIR = REPO / "tests" / "clock_skew"  # its sitecustomize shifts time.time() by $ASYNCGRPO_TEST_CLOCK_OFFSET_S
+# Its sitecustomize shifts time.time() by $ASYNCGRPO_TEST_CLOCK_OFFSET_S.
+CLOCK_SKEW_DIR = REPO / "tests" / "processes" / "clock_skew"
 _OTHER_HOST_SHELL = 'hostname "$0" && mount -t tmpfs tmpfs /dev/shm && exec "$@"'
 
 

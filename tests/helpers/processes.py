@@ -1,6 +1,6 @@
 """The tests' processes: the repository's paths (REPO, TESTS) and the environment every process gets
 (PROCESS_ENV: one thread each); starting the PS and workers as real processes (start_process, forked from the
-zygote, tests/zygote.py, when it can; start_faulty_ps and faulty_ps_env for tests/faulty_ps.py; start_ps_ranks
+zygote, tests/zygote.py, when it can; start_faulty_ps and faulty_ps_env for tests/processes/faulty_ps.py; start_ps_ranks
 under torchrun; start_script; launch_sh from a user's folder; launch_in_group as a terminal runs it); waiting for
 a condition (wait_for: bounded, and failing early when a process it depends on exits) or for a process to stop;
 a run's PS and workers stopped however the test ends (RunProcesses) and a process's exit status checked with its
@@ -29,6 +29,7 @@ from .files import read_json
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
+PROCESSES = TESTS / "processes"  # what the tests run as processes: faulty PS and workers, rewards, tools
 # One thread per process: the tests start several on a machine with few cores.
 PROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 # What a test runs `python -m ps`, `python -c CODE` or a script with: a fork of the suite's zygote where it runs
@@ -192,10 +193,10 @@ class RunProcesses:
 
 
 def faulty_ps_env(fault: str, arg: int) -> dict:
-    """The environment of ``python -m faulty_ps``: the PS with ``fault`` injected (tests/faulty_ps.py says
+    """The environment of ``python -m faulty_ps``: the PS with ``fault`` injected (tests/processes/faulty_ps.py says
     which: "kill-mid-save", "full-metrics", ...)."""
     return {**PROCESS_ENV, "PS_FAULT": f"{fault} {arg}",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), str(REPO), PROCESS_ENV.get("PYTHONPATH")) if p)}
+            "PYTHONPATH": os.pathsep.join(p for p in (str(PROCESSES), str(REPO), PROCESS_ENV.get("PYTHONPATH")) if p)}
 
 
 def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
@@ -203,7 +204,7 @@ def start_faulty_ps(run_root, log_path, fault: str, arg: int, *args: str):
 
 
 def start_faulty_worker(run_root, log_path, fault: str, *args: str, extra_env: dict | None = None):
-    """``python -m faulty_worker`` (tests/faulty_worker.py says which faults), ``extra_env`` added to its
+    """``python -m faulty_worker`` (tests/processes/faulty_worker.py says which faults), ``extra_env`` added to its
     environment."""
     env = {**faulty_ps_env("none", 0), "WORKER_FAULT": fault, **(extra_env or {})}
     return start_process(run_root, log_path, "faulty_worker", *args, env=env)

@@ -1,6 +1,6 @@
 """A queue worker process for the tests: the real claim/complete protocol with an echo "model".
 
-    python tests/queue_worker.py RUN --device N [--until-empty] [--max-jobs K]
+    python tests/processes/queue_worker.py RUN --device N [--until-empty] [--max-jobs K]
         [--crash-at after_claim|mid_result_write|after_fence|before_archive]
         [--stop-at after_claim|after_fence] [--claim-only] [--wait-for-go] [--no-fsync]
 

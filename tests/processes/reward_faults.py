@@ -1,5 +1,5 @@
 """Reward functions that fail, for the failure-handling tests (loaded by import path in real processes:
-``--reward_funcs tests.reward_faults:always_raises``)."""
+``--reward_funcs tests.processes.reward_faults:always_raises``)."""
 
 
 def always_raises(prompts, completions, **kwargs):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import (
     PROCESS_ENV,
+    PROCESSES,
     PYTHON,
     REPO,
-    TESTS,
     assert_exactly_once,
     demo_config,
     expect_exit,
@@ -92,12 +92,12 @@ def test_two_ranks_train_a_lora_adapter_over_several_iterations_as_one(tmp_path)
 def test_two_ranks_resume_from_their_checkpoint(tmp_path):
     """A 2-rank PS stopped at its end (max_steps 1) and relaunched with max_steps 2 resumes from the checkpoint
     both ranks saved, and trains the second job once. Each rank, done, leaves without the interpreter's
-    finalisation, where gloo's threads can abort it and fail the run (tests/finalisation_watch)."""
+    finalisation, where gloo's threads can abort it and fail the run (tests/processes/finalisation_watch)."""
     run, marks = tmp_path / "run", tmp_path / "finalised"
     marks.mkdir()
     env = {**PROCESS_ENV, "FINALISATION_MARKS": str(marks),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS / "finalisation_watch"), PROCESS_ENV.get("PYTHONPATH"))
-                                         if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(PROCESSES / "finalisation_watch"),
+                                                     PROCESS_ENV.get("PYTHONPATH")) if p)}
     flags = ["--device_type", "cpu", "--max_staleness", "0", "--seed", "0", "--per_device_train_batch_size", "8",
              "--save_strategy", "steps", "--save_steps", "1"]
     worker = start_process(run, tmp_path / "worker.log", "worker", "--device", "1", "--ps_processes", "2", *flags)

@@ -148,8 +148,8 @@ def test_a_disk_that_fills_while_training_stops_the_ps_with_one_line_and_a_relau
 @pytest.mark.process
 def test_a_full_disk_at_each_small_write_stops_the_ps_with_one_line_and_a_relaunch_loses_nothing(tmp_path):
     """The disk is full for one write of each kind in turn, in three lives of the PS on one run (the fault is
-    injected: tests/faulty_ps.py): a metrics line, a checkpoint's ledger, a weights snapshot. Each life stops with
-    one line naming the file; the fourth finishes, each step and each job trained once, no temp file left."""
+    injected: tests/processes/faulty_ps.py): a metrics line, a checkpoint's ledger, a weights snapshot. Each life stops
+    with one line naming the file; the fourth finishes, each step and each job trained once, no temp file left."""
     root = tmp_path / "run"
     flags = [*run_flags(8, save_steps=2), "--weight_transport", "safetensors"]
     worker = start_process(root, tmp_path / "w1.log", "worker", "--device", "1", *flags)

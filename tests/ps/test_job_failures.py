@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import demo_config
-from reward_faults import always_raises, one_reward_too_few
+from processes.reward_faults import always_raises, one_reward_too_few
 
 from asyncgrpo.events import EventLog
 from asyncgrpo.jobqueue import JobState, QueueName, describe_error

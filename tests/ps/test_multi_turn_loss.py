@@ -1,7 +1,7 @@
 """The PS trains a multi-turn batch as TRL trains it: tool-result tokens (``tool_mask`` 0) out of the loss
 and out of the off-policy weights.
 
-A worker runs TRL's own tool loop with a model that makes real calls (tests/tool_rollouts.py); the PS
+A worker runs TRL's own tool loop with a model that makes real calls (tests/processes/tool_rollouts.py); the PS
 takes its result as it takes any; TRL's loss on the same batch (the worker's trainer, a plain
 GRPOTrainer) is the reference.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import demo_config
-from tool_rollouts import write_tool_model
+from processes.tool_rollouts import write_tool_model
 from trl import GRPOTrainer
 
 from asyncgrpo.events import EventLog

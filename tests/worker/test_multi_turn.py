@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 from helpers import demo_config
-from tool_rollouts import taught_tool_model
+from processes.tool_rollouts import taught_tool_model
 from trl import GRPOTrainer
 
 from asyncgrpo.events import EventLog
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture(scope="module")
 def tool_model():
-    """(tokenizer, state dict) of a model that calls the tool (tests/tool_rollouts.py)."""
+    """(tokenizer, state dict) of a model that calls the tool (tests/processes/tool_rollouts.py)."""
     tok, model = taught_tool_model()
     return tok, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from helpers import demo_config
-from tool_rollouts import taught_tool_model
+from processes.tool_rollouts import taught_tool_model
 from trl import GRPOTrainer
 
 from asyncgrpo.events import EventLog

@@ -31,7 +31,7 @@ from asyncgrpo.tasks.demo import write_demo_model
 
 pytestmark = pytest.mark.process
 
-WORKER = TESTS / "queue_worker.py"
+WORKER = TESTS / "processes" / "queue_worker.py"
 LEASE_S = 30.0
 PROCESS_TIMEOUT_S = 180
 
