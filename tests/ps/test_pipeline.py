@@ -498,6 +498,7 @@ def test_a_ps_whose_producer_hits_a_full_disk_exits_1_with_the_error_on_the_term
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
+        "# asyncgrpo.forkserver: runs in a fork too\n"  # (it patches the project's module, imported after it)
         "import errno\n"
         "from asyncgrpo.run import fileops\n"
         "_write = fileops.write_payload\n"
