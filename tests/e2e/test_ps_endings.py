@@ -51,9 +51,9 @@ def launch_in_a_terminal(run_root: Path, *args: str, env: dict = PROCESS_ENV) ->
                             start_new_session=True)
 
 
-def relaunch_to_the_end(run_root: Path, flags: list[str], env: dict = PROCESS_ENV) -> None:
+def relaunch_to_the_end(run_root: Path, flags: list[str]) -> None:
     """launch.sh again on the run, with 2 workers, until it finishes (exit 0)."""
-    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=env)
+    relaunch = launch_in_a_terminal(run_root, "--workers", "2", *flags)
     try:
         out, _ = relaunch.communicate(timeout=TIMEOUT_S)
     finally:
@@ -190,7 +190,7 @@ def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_not
         assert "the fork server died" not in log.read_text(), log.name  # it waited for its children to stop
     assert f"stopped after step {trained} on SIGTERM" in (logs / "log_parameter_server.txt").read_text()
 
-    relaunch_to_the_end(run_root, flags, env=OWN_SERVER_ENV)
+    relaunch_to_the_end(run_root, flags)
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
 
