@@ -26,7 +26,7 @@ from helpers import (
 from asyncgrpo.run import fileops
 
 TIMEOUT_S = 420
-JOB_TIMEOUT_S = 6
+JOB_TIMEOUT_S = 4  # a demo job takes about 0.1 s
 
 
 def failed_jobs(run_root) -> dict[str, dict]:

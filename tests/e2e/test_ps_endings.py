@@ -164,7 +164,7 @@ def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_not
     the fork server they were forked from (a user's launch.sh runs its own) ends after them. The relaunch trains the
     rest: every step once, every job once."""
     run_root = tmp_path / "run"
-    steps = 200
+    steps = 100
     flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
     proc = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=OWN_SERVER_ENV)
     try:
