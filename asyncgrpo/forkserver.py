@@ -33,6 +33,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 
 SERVER_ENV = "ASYNCGRPO_FORK_SERVER"  # the server's socket, for the client
 # The signals a client passes on to its child (SIGKILL and SIGSTOP cannot be: a killed client's child is killed).
@@ -52,6 +53,7 @@ PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetens
            "filelock", "accelerate")
 NAMESPACES = ("uts", "mnt")  # a client in a container or `unshare` of its own: its child joins them
 POLL_S = 0.02  # how often the server reaps its children when no request comes
+SOCKET_WAIT_S = 5.0
 
 
 # ---------------------------------------------------------------------- the client's side
@@ -81,15 +83,17 @@ def client(argv: list[str]) -> None:
     def forward(signum, _frame):
         if "pid" not in child:
             pending.append(signum)
-        elif "status" not in child:
+        elif "status" not in child and child["pidfd"] is not None:  # (a pidfd: never a reused pid)
             with contextlib.suppress(ProcessLookupError):  # (it ended; its status is on the way)
-                os.kill(child["pid"], signum)
+                signal.pidfd_send_signal(child["pidfd"], signum)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    path = os.environ.get(SERVER_ENV, "")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(os.environ.get(SERVER_ENV, ""))
+        _wait_for_socket(path)
+        conn.connect(path)
         send_request(conn, {what: target}, args, os.getcwd(), dict(os.environ), [0, 1, 2], ignored)
         lines = conn.makefile("rb")
         reply = json.loads(lines.readline() or b'{"exec": "the fork server ended"}')
@@ -97,23 +101,36 @@ def client(argv: list[str]) -> None:
         new_interpreter()
     if "exec" in reply:
         new_interpreter()
+    try:
+        child["pidfd"] = os.pidfd_open(reply["pid"])
+    except ProcessLookupError:  # (it ended already: its status is on the way)
+        child["pidfd"] = None
     child["pid"] = reply["pid"]
     for signum in pending:
         forward(signum, None)
     line = lines.readline()
     if not line:  # the server was killed: its child would run on unseen
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child["pid"], signal.SIGKILL)
+        if child["pidfd"] is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(child["pidfd"], signal.SIGKILL)
         print(f"forked_python: the fork server died while it ran {target}: its process killed", file=sys.stderr)
         status = signal.SIGKILL  # (a wait status: killed by SIGKILL)
     else:
         status = json.loads(line)["status"]
     child["status"] = status
-    if os.WIFSIGNALED(status):  # die of the same signal, as the child did
-        if os.WTERMSIG(status) in FORWARDED:
+    if os.WIFSIGNALED(status):  # die of the same signal, as the child did (SIGPIPE too, which Python ignores)
+        with contextlib.suppress(OSError, ValueError):
             signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _wait_for_socket(path: str) -> None:
+    """A server that launch.sh has just started binds its socket in a few tens of milliseconds: a client started
+    meanwhile waits for it (at most SOCKET_WAIT_S) rather than start a new interpreter."""
+    deadline = time.monotonic() + SOCKET_WAIT_S
+    while path and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def send_request(conn: socket.socket, target: dict, args: list[str], cwd: str, environ: dict, fds: list[int],
@@ -141,9 +158,16 @@ def _new_interpreter(argv: list[str]) -> None:
 
 def serve(socket_path: str) -> None:
     """Listens on ``socket_path`` at once, imports the libraries, then forks a child per request until the process
-    that started it is gone."""
+    that started it is gone, or it got SIGTERM, and its children have ended."""
     import importlib
 
+    parent = os.getppid()  # (before the imports: a launch.sh killed meanwhile is gone after them)
+    stopping: list[int] = []
+    # The launch's process group gets the terminal's signals, and a scheduler's SIGTERM goes to every process: the
+    # children stop as they do, and the server waits for them (each child resets these to its own: _run_child).
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
     started_with = dict(os.environ)  # (importing the libraries may add to it: inductor names its cache folder)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
@@ -155,42 +179,61 @@ def serve(socket_path: str) -> None:
     selector.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}  # a child's pid -> its client's connection, open while it runs
     clients: dict[socket.socket, int] = {}
-    parent = os.getppid()
     try:
         # Once the process that started the server has ended (or was killed), so does the server, after its children
         # (those still running stop as their supervisor's end tells them to, and their clients wait for how).
-        while os.getppid() == parent or children:
+        while (os.getppid() == parent and not stopping) or children:
             for key, _ in selector.select(timeout=POLL_S):
                 if key.fileobj is not listener:  # a client gone while its child runs: killed, so is the child
                     selector.unregister(key.fileobj)
-                    os.kill(clients.pop(key.fileobj), signal.SIGKILL)
+                    os.kill(clients.pop(key.fileobj), signal.SIGKILL)  # (not reaped yet: the pid is still its)
                     continue
                 conn, _ = listener.accept()
-                request, fds = _read_request(conn)
-                if why := why_not_forked(request["environ"], started_with):
-                    conn.sendall(json.dumps({"exec": why}).encode() + b"\n")
+                try:
+                    pid = _answer(conn, started_with, library_path, listener, children)
+                except (OSError, ValueError, LookupError, TypeError) as err:  # its client died, or sent no request
+                    print(f"forkserver: a request failed: {err!r}", file=sys.stderr)
                     conn.close()
-                    for fd in fds:
-                        os.close(fd)
                     continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for other in (conn, *children.values()):
-                        other.close()
-                    _run_child(request, fds, library_path)  # never returns
-                for fd in fds:
-                    os.close(fd)
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-                children[pid], clients[conn] = conn, pid
-                selector.register(conn, selectors.EVENT_READ)
+                if pid is not None:
+                    children[pid], clients[conn] = conn, pid
+                    selector.register(conn, selectors.EVENT_READ)
             _reap(children, clients, selector)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(socket_path)
             os.rmdir(os.path.dirname(socket_path))  # (launch.sh's folder for it; one with other files stays)
+
+
+def _answer(conn: socket.socket, started_with: dict, library_path: list[str], listener: socket.socket,
+            children: dict) -> int | None:
+    """Reads a request and forks its child (its pid), or tells the client to start a new interpreter (None)."""
+    request, fds = _read_request(conn)
+    try:
+        if why := why_not_forked(request["environ"], started_with):
+            conn.sendall(json.dumps({"exec": why}).encode() + b"\n")
+            conn.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                listener.close()
+                for other in (conn, *children.values()):
+                    other.close()
+                _run_child(request, fds, library_path)  # never returns
+            finally:  # (an error setting the child up: never a second server)
+                os._exit(1)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:  # its client is gone: so is the child (reaped with the others)
+        os.kill(pid, signal.SIGKILL)
+        raise
+    return pid
 
 
 def _reap(children: dict, clients: dict, selector) -> None:
@@ -212,12 +255,17 @@ def _reap(children: dict, clients: dict, selector) -> None:
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     """A request's line and the file descriptors that came with it (the client's standard three)."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(1 << 20)
-        if not chunk:
-            raise ConnectionError("the connection closed before a whole line")
-        data += chunk
-    return json.loads(data), fds
+    try:
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("the connection closed before a whole line")
+            data += chunk
+        return json.loads(data), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _library_path() -> list[str]:
@@ -332,5 +380,4 @@ if __name__ == "__main__":
     else:  # the server: python forkserver.py SOCKET
         if sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
             del sys.path[0]  # (asyncgrpo/ is no folder of top-level modules: its config.py must not shadow one)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (its socket removed on the way out)
         serve(sys.argv[1])

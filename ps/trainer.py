@@ -133,7 +133,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             say_if_the_schedule_changed(self._resume_checkpoint, self.state, self.lr_scheduler,
                                         self.args.lr_scheduler_type)
         self.step_record = StepRecord(self._forget_metrics_after(self.state.global_step),
-                                dynamic_sampling=self.cfg.dynamic_sampling)
+                                      dynamic_sampling=self.cfg.dynamic_sampling)
         last = metrics.last_line(self.run.metrics_file)
         self.signal = LearningSignal.resumed(self.state.global_step,
                                              last if last and last.get("step") == self.state.global_step else None)

@@ -9,9 +9,10 @@ PY="${ASYNCGRPO_PYTHON:-$VENV_PY}"
 
 # start_fork_server DEVICE: where no GPU is seen (or DEVICE is cpu), one interpreter imports torch, transformers and
 # TRL while the launch goes on, and every Python process the launch starts after is a fork of it
-# (asyncgrpo/forkserver.py): seconds of CPU less for each. It ends when this script does. On a GPU machine (CUDA
-# cannot be initialised in a process that then forks), with ASYNCGRPO_PYTHON set, or with ASYNCGRPO_FORK=0, each
-# process starts as a new interpreter.
+# (asyncgrpo/forkserver.py): seconds of CPU less for each. It ends after this script and the processes it forked,
+# and outlives the signals they get (Ctrl-C, a closed terminal, a scheduler's SIGTERM to every process). On a GPU
+# machine (CUDA cannot be initialised in a process that then forks), with ASYNCGRPO_PYTHON set, or with
+# ASYNCGRPO_FORK=0, each process starts as a new interpreter.
 start_fork_server() {
     [ -z "${ASYNCGRPO_PYTHON:-}" ] && [ "${ASYNCGRPO_FORK:-1}" != 0 ] || return 0
     if [ "$1" != cpu ] && { compgen -G '/dev/nvidia[0-9]*' > /dev/null || [ -e /dev/kfd ] || [ -e /dev/dxg ]; }; then

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
+import time
 
 import pytest
 from helpers import (
@@ -20,6 +23,8 @@ from helpers import (
     wait_for,
 )
 from zygote import CLIENT, FORK
+
+from asyncgrpo import forkserver
 
 pytestmark = [pytest.mark.process, pytest.mark.skipif(not FORK, reason="ASYNCGRPO_TEST_FORK=0: no zygote")]
 
@@ -57,6 +62,39 @@ def test_signals_reach_the_child_and_its_death_by_one_is_the_clients():
     json.loads(unhandled.stdout.readline())
     unhandled.send_signal(signal.SIGUSR1)
     assert unhandled.wait(timeout=60) == -signal.SIGUSR1
+
+
+def test_a_child_killed_by_sigpipe_has_its_client_killed_by_sigpipe_though_python_ignores_it():
+    proc = client("import os, signal\nsignal.signal(signal.SIGPIPE, signal.SIG_DFL)\nos.kill(os.getpid(), 13)")
+    assert proc.wait(timeout=60) == -signal.SIGPIPE
+
+
+def test_a_request_that_fails_leaves_the_server_serving_the_others():
+    """A client that dies before its answer, and one that sends what is no request: the server says so in its log
+    and forks the next as before (in a launch, every running process is its child)."""
+    start_zygote()
+    for garbage in (b"", b"not a request\n", b'{"module": "ps"}\n'):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(PROCESS_ENV["ASYNCGRPO_FORK_SERVER"])
+        conn.sendall(garbage)
+        conn.close()
+    proc = client(REPORT)
+    assert json.loads(proc.stdout.readline())["forked"]
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_client_started_with_its_server_waits_for_its_socket(tmp_path):
+    """launch.sh starts the server and, at once, the check: a client that finds the server's folder but not yet its
+    socket waits for it (a new interpreter would cost as much as every import again); without a folder, it does
+    not wait."""
+    path = tmp_path / "server.sock"
+    threading.Timer(0.3, path.touch).start()
+    started = time.monotonic()
+    forkserver._wait_for_socket(str(path))
+    assert path.exists() and 0.25 < time.monotonic() - started < forkserver.SOCKET_WAIT_S
+    started = time.monotonic()
+    forkserver._wait_for_socket(str(tmp_path / "no folder" / "server.sock"))
+    assert time.monotonic() - started < 0.1
 
 
 def test_a_signal_ignored_by_the_client_is_ignored_by_the_child_as_bash_ignores_sigint_in_background_jobs():

@@ -54,7 +54,7 @@ def zygote_socket(cwd, env: dict) -> str:
         _zygote.update(proc=proc, folder=folder)
         atexit.register(_stop_zygote)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not os.path.exists(path):
+        while not os.path.exists(path):  # (bound before the imports: a first request waits for them)
             if proc.poll() is not None or time.monotonic() > deadline:
                 with open(log_path, errors="replace") as f:
                     raise RuntimeError(f"the test zygote did not start:\n{f.read()[-3000:]}")
@@ -64,8 +64,12 @@ def zygote_socket(cwd, env: dict) -> str:
 
 
 def _stop_zygote() -> None:
-    _zygote["proc"].terminate()
-    _zygote["proc"].wait(timeout=60)
+    _zygote["proc"].terminate()  # (it ends once its children have)
+    try:
+        _zygote["proc"].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _zygote["proc"].kill()
+        _zygote["proc"].wait()
     shutil.rmtree(_zygote["folder"], ignore_errors=True)
 
 

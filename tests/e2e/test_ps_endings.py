@@ -91,11 +91,12 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
 def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch_resumes_there(tmp_path):
     """What a scheduler does before it preempts or requeues a job: SIGTERM to every process at once (the PS, its
     workers, launch.sh). With --checkpoint_on_sigterm the PS saves the step it trained last, though no save_steps
-    falls there, and the next launch resumes from it: nothing trained twice, nothing lost."""
+    falls there, and the next launch resumes from it: nothing trained twice, nothing lost. (The first launch runs
+    its own fork server, as a user's does: it outlives the SIGTERM and waits for its children.)"""
     run_root = tmp_path / "run"
     steps = 200  # the demo trains tens of steps a second: the SIGTERM comes long before the last
     flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
-    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags)
+    proc = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=OWN_SERVER_ENV)
     try:
         wait_for_training(run_root, proc)
         os.killpg(proc.pid, signal.SIGTERM)
@@ -107,6 +108,7 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     log = (run_root / "logs" / "log_parameter_server.txt").read_text()
     assert f"stopped after step {trained} on SIGTERM, its checkpoint saved: {run_root / 'checkpoints'}" in log, log
     assert [p.name for p in (run_root / "checkpoints").glob("checkpoint-*")] == [f"checkpoint-{trained}"]
+    assert not [p.name for p in (run_root / "logs").glob("log_*.txt") if "the fork server died" in p.read_text()]
     assert_exactly_once(run_root, jobs=trained)  # the ledger of the step saved: every result trained, once
 
     relaunch_to_the_end(run_root, flags)

@@ -239,12 +239,12 @@ def launch_sh(cwd, *args: str, timeout: float = 600, env: dict | None = None) ->
                           capture_output=True, text=True, timeout=timeout)
 
 
-def launch_in_group(run_root, *args, nohup: bool = False, cwd=REPO):
+def launch_in_group(run_root, *args, nohup: bool = False, cwd=REPO, env: dict = PROCESS_ENV):
     """launch.sh as the leader of its own process group, as a terminal runs a command from ``cwd``: SIGHUP not
     ignored (also when the suite runs under nohup), or ignored as ``nohup`` runs it."""
     sighup = signal.SIG_IGN if nohup else signal.SIG_DFL
     return subprocess.Popen(["bash", str(REPO / "launch.sh"), "--run-dir", str(run_root), *args], cwd=cwd,
-                            env=PROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
 
 
