@@ -1,13 +1,16 @@
 """A decoder's warm-up in a fresh process, cold (an empty compile cache) and warm (the cache the cold one filled: a
-second worker of the run, or a restarted one).
+second worker of the run, or a restarted one), and warm in a fork of launch.sh's fork server (a worker that
+launch.sh restarts on a CPU machine: the libraries imported already).
 
     .venv/bin/python bench/warm_up.py [--shape larger] [--decoding continuous] [--completion 512] [--jobs 4]
         [--device cpu|cuda] [--cache DIR] [--out results.json]
 
 Each warm-up runs in a new interpreter, as a worker's does, with torch's compile caches (inductor's, under
-TORCHINDUCTOR_CACHE_DIR) in a folder of its own: empty for the cold one, the cold one's for the warm one
-(``--cache DIR``: that folder, kept; default: a temporary one). Printed: the seconds of each warm-up (the decoder's
-``warm_up``: every graph compiled and run), the graphs compiled, and the warm one's ratio to the cold one. One JSON
+TORCHINDUCTOR_CACHE_DIR) in a folder of its own: empty for the cold one, the cold one's for the warm ones
+(``--cache DIR``: that folder, kept; default: a temporary one); the forked one is a fork of
+asyncgrpo/forkserver.py, started and done importing before it is timed. Printed: the seconds of each warm-up (the
+decoder's ``warm_up``: every graph compiled and run), the graphs compiled, each process's seconds from its start to
+a warmed decoder, and the warm one's ratio to the cold one. One JSON
 document on stdout (and --out), a table on stderr.
 """
 
@@ -43,6 +46,21 @@ def child(a) -> None:
                           "build_s": round(time.monotonic() - started - warm_s, 1)}))
 
 
+FORKED_PYTHON = REPO / "scripts" / "forked_python"
+
+
+def start_fork_server(folder: Path, env: dict) -> tuple[subprocess.Popen, dict]:
+    """launch.sh's fork server (asyncgrpo/forkserver.py) with ``env``, done importing; it and the environment of its
+    clients."""
+    folder.mkdir()
+    socket_path = folder / "server.sock"
+    server = subprocess.Popen([sys.executable, str(REPO / "asyncgrpo" / "forkserver.py"), str(socket_path)], env=env,
+                              stdin=subprocess.DEVNULL)
+    env = {**env, "ASYNCGRPO_FORK_SERVER": str(socket_path), "ASYNCGRPO_FORK_PYTHON": sys.executable}
+    subprocess.run([str(FORKED_PYTHON), "-c", "pass"], env=env, check=True)  # answered once the imports are done
+    return server, env
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="larger")
@@ -65,14 +83,24 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(a.cache or tmp) / "inductor"
-        for start in ("cold", "warm"):
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-            command = [sys.executable, __file__, "--child", *sys.argv[1:]]
-            print(f"[warm_up] {a.decoding} at {a.shape}, cap {a.completion}: {start}", file=sys.stderr, flush=True)
-            started = time.monotonic()
-            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
-            rows.append({"start": start, **json.loads(done.stdout.strip().splitlines()[-1]),
-                         "process_s": round(time.monotonic() - started, 1)})
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        server = None
+        try:
+            for start in ("cold", "warm", "forked"):
+                command = [sys.executable, __file__, "--child", *sys.argv[1:]]
+                if start == "forked":
+                    server, env = start_fork_server(Path(tmp) / "forks", env)
+                    command[0] = str(FORKED_PYTHON)
+                print(f"[warm_up] {a.decoding} at {a.shape}, cap {a.completion}: {start}", file=sys.stderr,
+                      flush=True)
+                started = time.monotonic()
+                done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+                rows.append({"start": start, **json.loads(done.stdout.strip().splitlines()[-1]),
+                             "process_s": round(time.monotonic() - started, 1)})
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait()
     doc = {"shape": a.shape, "decoding": a.decoding, "completion": a.completion, "device": a.device,
            "warm_vs_cold": round(rows[1]["warm_up_s"] / rows[0]["warm_up_s"], 2), "results": rows}
     print(f"{'start':<6} {'warm-up s':>9} {'graphs':>6} {'process s':>9}", file=sys.stderr)
