@@ -202,7 +202,8 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
     Ctrl-C, instead of dying where it stands: the PS frees its weight buffers, no worker dies holding a job. (The
     launch runs its own fork server, as a user's does: in the group too, it outlives the signal.)"""
     run_root = tmp_path / "run"
-    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000", env=OWN_SERVER_ENV)
+    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000", "--device", "cpu",
+                           env=OWN_SERVER_ENV)  # (on CPU: a fork server runs on a GPU machine too)
     try:
         workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_steps(run_root, 3, proc)

@@ -95,7 +95,8 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     its own fork server, as a user's does: it outlives the SIGTERM and waits for its children.)"""
     run_root = tmp_path / "run"
     steps = 200  # the demo trains tens of steps a second: the SIGTERM comes long before the last
-    flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
+    # (on CPU: the launch runs its own fork server on a GPU machine too)
+    flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true", "--device", "cpu"]
     proc = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=OWN_SERVER_ENV)
     try:
         wait_for_training(run_root, proc)
@@ -167,7 +168,8 @@ def test_nothing_outlives_a_launch_sh_killed_outright_and_the_relaunch_loses_not
     rest: every step once, every job once."""
     run_root = tmp_path / "run"
     steps = 100
-    flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true"]
+    # (on CPU: the launch runs its own fork server on a GPU machine too)
+    flags = [*run_flags(steps, save_steps=1000, seed=3), "--checkpoint_on_sigterm", "true", "--device", "cpu"]
     proc = launch_in_a_terminal(run_root, "--workers", "2", *flags, env=OWN_SERVER_ENV)
     try:
         wait_for_training(run_root, proc)
@@ -201,7 +203,8 @@ def test_a_killed_fork_server_ends_the_run_as_a_killed_ps_does(tmp_path):
     """The fork server killed outright (the out-of-memory killer): the processes forked from it are killed with it
     (none runs on unseen), launch.sh says the PS was killed and how to resume, and nothing of the run is left."""
     run_root = tmp_path / "run"
-    proc = launch_in_a_terminal(run_root, "--workers", "2", *run_flags(100000), env=OWN_SERVER_ENV)
+    proc = launch_in_a_terminal(run_root, "--workers", "2", "--device", "cpu", *run_flags(100000),
+                                env=OWN_SERVER_ENV)
     try:
         wait_for_training(run_root, proc)
         pids = run_pids(run_root)

@@ -43,7 +43,7 @@ else:
 
 
 # A launch.sh's environment as a user's is: it runs a fork server of its own (asyncgrpo/forkserver.py) instead of
-# forking from the suite's.
+# forking from the suite's (where no GPU is seen; with --device cpu on a GPU machine too).
 OWN_SERVER_ENV = {k: v for k, v in PROCESS_ENV.items()
                   if k not in ("ASYNCGRPO_PYTHON", "ASYNCGRPO_FORK_SERVER", "ASYNCGRPO_FORK_PYTHON", "ASYNCGRPO_FORK")}
 
