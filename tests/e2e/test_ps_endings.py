@@ -22,6 +22,7 @@ from helpers import (
     kill_run,
     log_tail,
     metrics,
+    parent_of,
     pid_alive,
     ps_events,
     read_json,
@@ -133,10 +134,6 @@ def run_processes(run_root: Path) -> dict[int, str]:
     return found
 
 
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def fork_server_of(launcher: subprocess.Popen) -> int:
     """The pid of the fork server a launch.sh runs (asyncgrpo/forkserver.py: its child, not a client)."""
     servers = [pid for pid, argv in children_of(launcher.pid).items()
@@ -151,7 +148,7 @@ def children_of(pid: int) -> dict[int, str]:
         try:
             if proc.name.isdigit() and parent_of(int(proc.name)) == pid:
                 found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
+        except OSError:  # (gone meanwhile)
             continue
     return found
 

@@ -101,12 +101,24 @@ def _process_name(proc: subprocess.Popen) -> str:
     return " ".join(os.path.basename(str(a)) if i == 0 else str(a) for i, a in enumerate(args[:3]))
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...), or None when it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """``pid``'s /proc stat fields after its command's name (state, parent, ...), or None when it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T stopped, Z zombie, ...), or None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent, or None when it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def wait_until_stopped(proc: subprocess.Popen, timeout: float, poll_s: float = 0.01) -> None:
