@@ -44,7 +44,10 @@ class RecoveryAction:
     job_id: str | None = None  # set when a job's file was recovered (not for temp files or junk)
 
     def line(self) -> str:
-        return f"{self.what} {self.src} -> {self.dst or '(removed)'}: {self.why}"
+        # A junk name may hold a newline or bytes that are not UTF-8: shown escaped, the line stays one line that any
+        # log file can take.
+        src = self.src if self.src.isprintable() else ascii(self.src)
+        return f"{self.what} {src} -> {self.dst or '(removed)'}: {self.why}"
 
 
 def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_device: WorkerId | None,

@@ -569,8 +569,10 @@ def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_pa
     assert outside.read_bytes() == b"outside the run"
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["outside.txt"]
     logs = queue_logs(caplog)
-    for name in junk:
-        assert any("[queue]" in m and name in m for m in logs), name
+    for name in junk:  # each named in its one line, escaped where it would break the line or the log file's encoding
+        shown = name if name.isprintable() else ascii(name)
+        assert any("[queue]" in m and shown in m for m in logs), name
+    assert all("\n" not in m and m.encode() for m in logs), logs
 
     assert q.recover() == []  # idempotent
     results = q.collect()
