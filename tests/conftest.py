@@ -13,6 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Each process of a parallel run (pytest-xdist: scripts/test.sh) takes its share of the cores: torch's threads spin
+# while they wait, and threads outnumbering the cores slow every process of the machine down several times over.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from helpers import DEMO_RUN_FLAGS, expect_exit, start_process, start_zygote
 
 from asyncgrpo import messages
@@ -64,7 +70,7 @@ def finished_demo_run(tmp_path_factory) -> Path:
 
 def _left_behind(basetemp: Path, since: float) -> list[str]:
     """Weight buffer folders in /dev/shm of runs under ``basetemp``, and torchrun folders in the temp folder made
-    since ``since``: what a process of the suite left behind."""
+    since ``since``: what a process of the suite left behind. However a PS ends, its buffers must go."""
     found = []
     for folder in Path("/dev/shm").glob("asyncgrpo-weights-*"):
         owner = fileops.read_json(folder / "owner.json") or {}
@@ -77,30 +83,38 @@ def _left_behind(basetemp: Path, since: float) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _nothing_left_behind(tmp_path_factory):
-    """Fails the suite (an error at its last teardown) when its processes leave weight buffers in /dev/shm or
-    torchrun folders in /tmp: however a PS ends, its buffers must go."""
-    started = time.time()
-    yield
-    left = _left_behind(tmp_path_factory.getbasetemp().resolve(), started)
-    assert not left, "left behind by the suite's processes:\n" + "\n".join(left)
-
-
 def _logging_errors(basetemp: Path) -> list[str]:
     """The process logs under ``basetemp`` in which the logging module reported an error: a log call whose
-    arguments do not fit its format prints a traceback in place of its line, and the process goes on."""
+    arguments do not fit its format prints a traceback in place of its line (an operator would read a traceback
+    where the line should be), and the process goes on."""
     return [str(path) for path in basetemp.rglob("*") if path.suffix in (".log", ".txt") and path.is_file()
             and "--- Logging error ---" in path.read_text(errors="replace")]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_logging_errors(tmp_path_factory):
-    """Fails the suite (an error at its last teardown) when a process it started logged a line that could not be
-    formatted: an operator would read a traceback where the line should be."""
-    yield
-    broken = _logging_errors(tmp_path_factory.getbasetemp().resolve())
-    assert not broken, "a logging error (a line that could not be formatted) in:\n" + "\n".join(broken)
+_STARTED = pytest.StashKey[float]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = time.time()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """Fails the suite, after its last test, where its processes left something behind or logged a line that could
+    not be formatted. In a parallel run the process that ran no test checks, once every other has ended: one that
+    ended first would take another's live run for a leftover."""
+    if hasattr(session.config, "workerinput"):  # (a pytest-xdist worker)
+        return
+    basetemp = session.config._tmp_path_factory.getbasetemp().resolve()
+    problems = [f"left behind by the suite's processes: {what}"
+                for what in _left_behind(basetemp, session.config.stash[_STARTED])]
+    problems += [f"a logging error (a line that could not be formatted) in {log}" for log in _logging_errors(basetemp)]
+    if problems:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        for problem in problems:
+            writer.line(f"ERROR: {problem}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process and not slow") runs what starts no process and

@@ -241,21 +241,6 @@ def test_under_nohup_a_closed_terminal_changes_nothing(tmp_path):
     assert [m["step"] for m in metrics(run_root)][-1] == 40
 
 
-def test_launch_stops_the_workers_and_fails_when_the_ps_dies(tmp_path):
-    run_root = tmp_path / "run"
-    proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000")
-    try:
-        workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
-        wait_for_steps(run_root, 3, proc)
-        os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGKILL)
-        status = proc.wait(timeout=180)
-    finally:
-        kill_run(run_root, proc)
-    assert status != 0
-    assert "the parameter server exited with status 137" in proc.stdout.read()
-    assert not any(pid_alive(pid) for pid in workers)
-
-
 def test_a_finished_run_resumed_for_more_steps_says_how_its_learning_rate_schedule_changes(tmp_path):
     """The demo: learning rate 1e-3, linear to 0 at max_steps. Trained to 4 steps its rate reached 0; resumed
     towards 8, transformers recomputes the schedule, and the rate at step 4 is 1e-3 * 4/8. (A PS relaunched on

@@ -19,6 +19,7 @@ from helpers import (
     assert_exactly_once,
     backdate,
     expect_exit,
+    heartbeat_pid,
     kill_run,
     log_tail,
     metrics,
@@ -70,10 +71,11 @@ def wait_for_training(run_root: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
+def test_a_killed_ps_stops_the_launch_and_its_workers_and_leaves_no_weight_buffers_behind(tmp_path):
     run_root = tmp_path / "run"
     proc = launch_in_a_terminal(run_root, "--workers", "2", "--max-steps", "100000")
     try:
+        workers = [heartbeat_pid(run_root, device, TIMEOUT_S, procs=(proc,)) for device in (1, 2)]
         wait_for_training(run_root, proc)
         [folder] = buffers_of(run_root)
         os.kill(json.loads((run_root / "ps.json").read_text())["pid"], signal.SIGKILL)  # it cannot free them itself
@@ -87,6 +89,7 @@ def test_a_killed_ps_leaves_no_weight_buffers_behind(tmp_path):
     assert "{'" not in out  # not the log's last lines: TRL's metric dictionaries
     assert f"of weight buffers the parameter server left in {folder}" in out
     assert buffers_of(run_root) == []
+    assert not any(pid_alive(pid) for pid in workers)
 
 
 def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch_resumes_there(tmp_path):
