@@ -159,3 +159,6 @@ def pytest_collection_modifyitems(items):
     for item in items:  # whole runs, every one of them
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.process)
+    # The whole runs first (each file's tests kept together, in order): in a parallel run the longest files are then
+    # handed out first, and the short ones even the processes' ends out.
+    items.sort(key=lambda item: "e2e" not in item.path.parts)
