@@ -24,7 +24,7 @@ import sys
 import time
 
 from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describe_error
-from asyncgrpo.jobqueue.names import ArchiveReason, depth_line, done_reason
+from asyncgrpo.jobqueue.names import ArchiveReason, depth_line, done_reason, shown_name
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers, metrics
 from asyncgrpo.run.liveness import HEARTBEAT_INTERVAL_S, fs_now, pid_alive
@@ -302,7 +302,7 @@ def format_report(r: dict) -> str:
     lines.append(f"stale: {len(r['stale'])}")
     lines += [f"  {detail}" for detail in r["stale_details"]]
     if r["junk"]:
-        lines.append(f"outside the grammar: {', '.join(r['junk'][:10])}")
+        lines.append(f"outside the grammar: {', '.join(shown_name(name) for name in r['junk'][:10])}")
     archived = [f"{reason} {n}" for reason, n in r["done"].items() if n]
     if r["done_other"]:
         archived.append(f"other {r['done_other']}")

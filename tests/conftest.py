@@ -17,7 +17,7 @@ import torch
 # Each process of a parallel run (pytest-xdist: scripts/test.sh) takes its share of the cores: torch's threads spin
 # while they wait, and threads outnumbering the cores slow every process of the machine down several times over.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from helpers import DEMO_RUN_FLAGS, expect_exit, start_process, start_zygote
 
@@ -52,7 +52,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 @pytest.fixture(scope="session")
 def finished_demo_run(tmp_path_factory) -> Path:
     """The run directory of a real PS + 2 workers run of 8 steps, finished and stopped (workers
-    exit 0 on SIGTERM). Started once per test run; tests only read it (the report adds report/).
+    exit 0 on SIGTERM). Started once per test process (in a parallel run, by each process that runs a test of it);
+    tests only read it (the report adds report/).
     The processes' output is in the parent folder: ps.log, w1.log, w2.log."""
     root = tmp_path_factory.mktemp("demo8") / "run"
     ps = start_process(root, root.parent / "ps.log", "ps", *DEMO_RUN_FLAGS)
@@ -74,7 +75,7 @@ def _left_behind(basetemp: Path, since: float) -> list[str]:
     found = []
     for folder in Path("/dev/shm").glob("asyncgrpo-weights-*"):
         owner = fileops.read_json(folder / "owner.json") or {}
-        if str(owner.get("run", "")).startswith(str(basetemp)):
+        if str(owner.get("run", "")).startswith(str(basetemp) + os.sep):
             found.append(f"{folder} (run {owner['run']})")
     for folder in Path(tempfile.gettempdir()).glob("torchelastic_*"):
         with contextlib.suppress(OSError):
@@ -98,23 +99,30 @@ def pytest_sessionstart(session):
     session.config.stash[_STARTED] = time.time()
 
 
+_PROBLEMS = pytest.StashKey[list[str]]()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
     """Fails the suite, after its last test, where its processes left something behind or logged a line that could
-    not be formatted. In a parallel run the process that ran no test checks, once every other has ended: one that
-    ended first would take another's live run for a leftover."""
+    not be formatted (listed at the end of the summary). In a parallel run the process that ran no test checks, once
+    every other has ended: one that ended first would take another's live run for a leftover."""
     if hasattr(session.config, "workerinput"):  # (a pytest-xdist worker)
         return
     basetemp = session.config._tmp_path_factory.getbasetemp().resolve()
     problems = [f"left behind by the suite's processes: {what}"
                 for what in _left_behind(basetemp, session.config.stash[_STARTED])]
     problems += [f"a logging error (a line that could not be formatted) in {log}" for log in _logging_errors(basetemp)]
-    if problems:
-        writer = session.config.get_terminal_writer()
-        writer.line()
-        for problem in problems:
-            writer.line(f"ERROR: {problem}", red=True)
+    session.config.stash[_PROBLEMS] = problems
+    if problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if problems := config.stash.get(_PROBLEMS, []):
+        terminalreporter.section("the suite's end checks", red=True)
+        for problem in problems:
+            terminalreporter.line(f"ERROR: {problem}", red=True)
 
 
 # The fast tier (`bash scripts/test.sh --fast`: pytest -m "not process and not slow") runs what starts no process and

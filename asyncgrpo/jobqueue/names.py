@@ -177,6 +177,13 @@ def done_reason(name: str) -> ArchiveReason | None:
     return parsed[1] if parsed else None
 
 
+def shown_name(name: str) -> str:
+    """A file name as a line of a log or of the terminal shows it: escaped where it holds a newline, another control
+    character or bytes that are not UTF-8 (read as surrogates), so that the line stays one line that any log file or
+    terminal takes."""
+    return name if name.isprintable() else ascii(name)
+
+
 def invalid_name_stem(name: str) -> str:
     """A safe stand-in for a job id when archiving a file whose name is outside the grammar."""
     return "invalid_" + (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "x")[:80]

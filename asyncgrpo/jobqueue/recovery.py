@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.jobqueue.names import ArchiveReason, JobState, QueueName, done_name, invalid_name_stem
+from asyncgrpo.jobqueue.names import ArchiveReason, JobState, QueueName, done_name, invalid_name_stem, shown_name
 from asyncgrpo.run import fileops
 from asyncgrpo.run.liveness import fs_now, worker_status
 from asyncgrpo.run.rundir import WorkerId
@@ -44,10 +44,7 @@ class RecoveryAction:
     job_id: str | None = None  # set when a job's file was recovered (not for temp files or junk)
 
     def line(self) -> str:
-        # A junk name may hold a newline or bytes that are not UTF-8: shown escaped, the line stays one line that any
-        # log file can take.
-        src = self.src if self.src.isprintable() else ascii(self.src)
-        return f"{self.what} {src} -> {self.dst or '(removed)'}: {self.why}"
+        return f"{self.what} {shown_name(self.src)} -> {self.dst or '(removed)'}: {self.why}"
 
 
 def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_device: WorkerId | None,

@@ -107,6 +107,15 @@ def test_ls_warns_about_failed_jobs_with_their_count_and_the_newest_error(run, q
     assert out.strip().splitlines()[-1].endswith("(last error: not kept)")
 
 
+def test_ls_shows_names_outside_the_grammar_escaped_on_one_line(run, capsys):
+    (run.queue / "evil\nname.pt").write_bytes(b"junk")
+    (run.queue / os.fsdecode(b"bad\xff.pt")).write_bytes(b"junk")  # a name that is not UTF-8
+    code, out, _ = run_cli(capsys, "ls", run.root)
+    [line] = [line for line in out.splitlines() if line.startswith("outside the grammar: ")]
+    assert sorted(line.removeprefix("outside the grammar: ").split(", ")) == ["'bad\\udcff.pt'", "'evil\\nname.pt'"]
+    assert code == 0 and line.isascii()
+
+
 def test_jobs_that_failed_before_the_running_ps_started_are_history_not_health(run, queue, capsys):
     """A relaunch after a reward function was fixed: the failures of the launch before stay counted in done/ and
     said as history, and health goes by the failures since this PS started."""

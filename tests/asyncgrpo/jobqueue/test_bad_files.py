@@ -25,7 +25,7 @@ import torch
 from helpers import demo_config, entries
 
 from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueName, make_job_id
-from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.jobqueue.names import done_reason, shown_name
 from asyncgrpo.run import RunDir
 
 BAD = make_job_id(1, 0)  # "000001_000": the job id every bad file claims
@@ -570,8 +570,8 @@ def test_recover_archives_names_outside_the_grammar_under_sanitized_names(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["outside.txt"]
     logs = queue_logs(caplog)
     for name in junk:  # each named in its one line, escaped where it would break the line or the log file's encoding
-        shown = name if name.isprintable() else ascii(name)
-        assert any("[queue]" in m and shown in m for m in logs), name
+        assert any("[queue]" in m and shown_name(name) in m for m in logs), name
+    assert any("recover: archive 'evil\\nname.pt' -> done/" in m for m in logs), logs
     assert all("\n" not in m and m.encode() for m in logs), logs
 
     assert q.recover() == []  # idempotent
