@@ -6,12 +6,12 @@ launch.sh restarts on a CPU machine: the libraries imported already).
         [--device cpu|cuda] [--cache DIR] [--out results.json]
 
 Each warm-up runs in a new interpreter, as a worker's does, with torch's compile caches (inductor's, under
-TORCHINDUCTOR_CACHE_DIR) in a folder of its own: empty for the cold one, the cold one's for the warm ones
-(``--cache DIR``: that folder, kept; default: a temporary one); the forked one is a fork of
+TORCHINDUCTOR_CACHE_DIR and the temp folder) in a folder of its own: empty for the cold one, the cold one's for the
+warm ones (``--cache DIR``: that folder, kept; default: a temporary one); the forked one is a fork of
 asyncgrpo/forkserver.py, started and done importing before it is timed. Printed: the seconds of each warm-up (the
 decoder's ``warm_up``: every graph compiled and run), the graphs compiled, each process's seconds from its start to
-a warmed decoder, and the warm one's ratio to the cold one. One JSON
-document on stdout (and --out), a table on stderr.
+a warmed decoder, and the warm one's ratio to the cold one. One JSON document on stdout (and --out), a table on
+stderr.
 """
 
 from __future__ import annotations
@@ -83,7 +83,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(a.cache or tmp) / "inductor"
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        # Inductor keeps caches of its own in the temp folder too (its on-disk cache, under TMPDIR/cache): a cold
+        # start finds that empty as well, as on a machine that never compiled.
+        temp = Path(a.cache or tmp) / "tmp"
+        temp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TMPDIR": str(temp)}
         server = None
         try:
             for start in ("cold", "warm", "forked"):
