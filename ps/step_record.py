@@ -50,14 +50,15 @@ class StepRecord:
 
     def step_trained(self, step: int, parts) -> dict:
         """Step ``step`` trained ``parts``, results' groups; the fields of its ``train_step_end`` event."""
-        for part in parts:
-            self.staleness += [part.staleness(step)] * len(part.groups)
+        staleness = [part.staleness(step) for part in parts]
+        for part, stale in zip(parts, staleness, strict=True):
+            self.staleness += [stale] * len(part.groups)
             self.weights_versions.append(part.weights_version)
-            for staleness, tokens in part.tokens_by_staleness(step).items():
-                self.token_staleness += staleness * tokens
+            for tokens_staleness, tokens in part.tokens_by_staleness(step).items():
+                self.token_staleness += tokens_staleness * tokens
                 self.tokens += tokens
         return {"dur_ms": (time.monotonic() - self._step_started) * 1e3, "wait_ms": self._step_wait_s * 1e3,
-                "staleness": max(part.staleness(step) for part in parts)}
+                "staleness": max(staleness)}
 
     # ------------------------------------------------------------------ read
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The install-and-test command: `bash scripts/test.sh [--fast] [pytest args]`.
 # Installs the project into .venv on first use (scripts/bootstrap.sh), then runs pytest: the whole suite, or with
-# --fast the tests that start no process and compile nothing (about a minute; tests/conftest.py keeps it so, failing
+# --fast the tests that start no process and compile nothing (under a minute; tests/conftest.py keeps it so, failing
 # in every run a test without the process mark that starts a process or compiles).
 # Both run in parallel processes (pytest-xdist), one per core up to 4 ($ASYNCGRPO_TEST_WORKERS sets the number; an -n
 # among the arguments overrides it, -n 0 runs one process), each taking a test file at a time, so that a file's
