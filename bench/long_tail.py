@@ -18,6 +18,8 @@ each decoder as a worker takes them:
 worker/decoding/continuous.py; a setting may be named twice, e.g. ``continuous/1,continuous/2,continuous/1``).
 ``continuous-wide``: the engine with every step over every slot (its narrower steps, when few slots hold rows, off).
 ``continuous-unshared``: the engine with every row prefilling its prompt (a group's rows copying one prefill, off).
+``continuous-untiered``: the engine with every slot reading the same columns (its ranges of slots reading their own
+numbers of columns, off).
 
 Prompts (``--prompt-tokens``): the demo task's (a few tokens), or ``LOW-HIGH``, prompts of LOW to HIGH tokens (a
 real task's are 128-256), each of the demo's digits ending a random run of digits. A job's rows are 8 generations
@@ -134,7 +136,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
         return finished.key, outcome, time.perf_counter() - joined[finished.key], finished.steps
 
     row_steps_before, while_jobs_wait = engine.row_steps, None
-    engine.prompt_tokens = 0
+    engine.runner.prompt_tokens = 0
     said = time.perf_counter()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the worker's continuous loop sets it
     with ThreadPoolExecutor(1) as scorer, torch.no_grad(), trainer.accelerator.autocast():
@@ -144,7 +146,7 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
                 engine.add(key, prompt_ids_of(trainer, job.rows), job.seed)
                 joined[key] = time.perf_counter()
             engine.run(engine.check_every)
-            if while_jobs_wait is None and not waiting and not engine.waiting:
+            if while_jobs_wait is None and not waiting and not engine.scheduler.waiting:
                 while_jobs_wait = engine.decoded_tokens() / (engine.row_steps - row_steps_before)
             futures += [scorer.submit(score, finished) for finished in engine.collect()]
             if time.perf_counter() - said > PROGRESS_EVERY_S:  # (where a run cut short was)
@@ -159,8 +161,8 @@ def stream_continuously(trainer, engine, inputs: list, device: str) -> tuple[lis
 def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     end_p = 4 / a.completion if lengths == "long-tail" else None
     setting, decoding, _, every = decoding, *decoding.partition("/")
-    wide = decoding == "continuous-wide"
-    decoding = "continuous" if wide else decoding
+    wide, untiered = decoding == "continuous-wide", decoding == "continuous-untiered"
+    decoding = "continuous" if wide or untiered else decoding
     dataset = long_prompts(a.prompt_tokens) if a.prompt_tokens else None
     trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p,
                                         dataset=dataset)
@@ -168,6 +170,8 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
         decoder.check_every = int(every)
     if wide:
         decoder.reads.widths.clear()
+    if untiered:
+        decoder.reads.tiered = None
     log(f"{decoding}: warmed up in {warm_s:.1f} s, {compiled_graphs()} graphs compiled in this process")
     inputs = job_inputs(trainer, a.stream, a.batch)
     start = now(a.device)

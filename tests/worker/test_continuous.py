@@ -88,7 +88,7 @@ def test_rows_that_start_together_read_only_the_columns_written_so_far(tmp_path,
     trainer = trainer_for(tmp_path, llama(), max_completion_length=24,
                           generation_kwargs={"do_sample": False, "min_new_tokens": 24})
     engine = ContinuousDecoding(trainer, trainer.args.generation_batch_size, job_ids(trainer, 0), compile=False)
-    engine.fed_prompt_tokens = 0  # (prefilled: the rows' first tokens come at once)
+    engine.scheduler.fed_prompt_tokens = 0  # (prefilled: the rows' first tokens come at once)
     calls = spy(monkeypatch, engine.reads, "plan")
     decode_all(engine, {0: job_ids(trainer, 0), 1: job_ids(trainer, 1)})
     assert not any(moves for _, (_, _, moves) in calls)
@@ -159,7 +159,7 @@ def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_firs
     with torch.no_grad():
         engine.add("a", job_ids(trainer, 0), job_seed=0)
         engine.add("b", job_ids(trainer, 1), job_seed=1)  # its rows wait for a's to end
-        a, b = engine.residents
+        a, b = engine.scheduler.residents
         while not engine.empty():
             if engine.steps % 3 == 2:
                 engine.weights_changed(engine.version + 1)
@@ -172,13 +172,14 @@ def test_each_row_records_the_versions_that_sampled_its_tokens_from_its_own_firs
         for row, completion in enumerate(done.completion_ids):
             # Token i >= 1 comes from step joined + i - 1, token 0 from the step before (its prompt fed through the
             # steps) or from the row's prefill, under the version of step joined.
-            fed = len(resident.prompt_ids[row]) <= engine.fed_prompt_tokens
+            fed = len(resident.prompt_ids[row]) <= engine.scheduler.fed_prompt_tokens
             versions = [version_of_step[resident.joined[row] + (i - 1 if fed else max(i - 1, 0))]
                         for i in range(len(completion))]
             runs = [(i, v) for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
             assert done.token_versions[row] == runs, (resident.key, row)
     assert any(len(runs) > 2 for runs in finished["b"].token_versions)
-    assert {len(ids) <= engine.fed_prompt_tokens for ids in b.prompt_ids} == {True, False}  # (fed and prefilled)
+    fed = engine.scheduler.fed_prompt_tokens
+    assert {len(ids) <= fed for ids in b.prompt_ids} == {True, False}  # (fed and prefilled)
     assert finished["b"].weights_version == min(runs[0][1] for runs in finished["b"].token_versions)
 
 
@@ -212,26 +213,27 @@ def test_prefills_padded_to_two_sizes_sample_what_exact_ones_do(tmp_path, monkey
     # (Every row prefilled: with its group's rows copying one prefill, a prefill has at most a job's prompts.)
     eager = ContinuousDecoding(trainer, slots, jobs[0], compile=False, share_prompts=False)
     eager.check_every = 1  # (a look after every step: a few rows join at a time)
-    eager.fed_prompt_tokens = 0  # (every prompt prefilled)
-    eager_prefills, eager_steps = spy(monkeypatch, eager, "_prefill"), spy(monkeypatch, eager, "_prefill_step")
+    eager.scheduler.fed_prompt_tokens = 0  # (every prompt prefilled)
+    eager_prefills, eager_steps = spy(monkeypatch, eager.runner, "_prefill"), spy(monkeypatch, eager.runner,
+                                                                                          "_prefill_step")
     exact = decode_all(eager, jobs, seeds)
     # Eager, the rows that join at once go in one prefill of their number, as wide as their longest prompt.
-    assert all(len(rows) == size for (rows, size), _ in eager_prefills)
-    assert any(len(rows) & (len(rows) - 1) for (rows, _), _ in eager_prefills)  # (not only powers of two)
+    assert all(len(joining.rows) == joining.size for (joining,), _ in eager_prefills)
+    assert any(len(j.rows) & (len(j.rows) - 1) for (j,), _ in eager_prefills)  # (not only powers of two)
     assert any(ids.size(1) < eager.prompt_part for (_, _, ids, *_), _ in eager_steps)
-    assert not eager.prefill_caches  # (none kept)
+    assert not eager.runner.prefill_caches  # (none kept)
     engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False, share_prompts=False)
-    engine.pads_prefills, engine.prefill_sizes = True, [8, trainer.args.generation_batch_size]
-    engine.check_every, engine.fed_prompt_tokens = 1, 0
-    prefills = spy(monkeypatch, engine, "_prefill")
+    engine.runner.pads_prefills, engine.scheduler.prefill_sizes = True, [8, trainer.args.generation_batch_size]
+    engine.check_every, engine.scheduler.fed_prompt_tokens = 1, 0
+    prefills = spy(monkeypatch, engine.runner, "_prefill")
     padded = decode_all(engine, jobs, seeds)
     for i in jobs:
         assert padded[i].completion_ids == exact[i].completion_ids, f"job {i}"
         torch.testing.assert_close(padded[i].logps, exact[i].logps)
-    joining = [(len(rows), size) for (rows, size), _ in prefills]
+    joining = [(len(j.rows), j.size) for (j,), _ in prefills]
     assert {size for _, size in joining} == {8, trainer.args.generation_batch_size}
     assert any(n < size for n, size in joining)  # some padded
-    assert sorted(engine.prefill_caches) == [(8, engine.prompt_part), (trainer.args.generation_batch_size,
+    assert sorted(engine.runner.prefill_caches) == [(8, engine.prompt_part), (trainer.args.generation_batch_size,
                                                                        engine.prompt_part)]
 
 
@@ -250,15 +252,16 @@ def test_a_groups_rows_copy_one_prefill_of_its_prompt_and_sample_what_their_own_
         for shares in (True, False):
             engine = engines[shares] = ContinuousDecoding(trainer, slots, jobs[0], compile=False,
                                                           share_prompts=shares)
-            engine.check_every, engine.fed_prompt_tokens = 1, 0  # (a few rows join at a time; every prompt prefilled)
-        copies = spy(monkeypatch, engines[True], "_copy_prompts")
+            # (a few rows join at a time; every prompt prefilled)
+            engine.check_every, engine.scheduler.fed_prompt_tokens = 1, 0
+        copies = spy(monkeypatch, engines[True].runner, "_copy_prompts")
         shared, own = decode_all(engines[True], jobs, seeds), decode_all(engines[False], jobs, seeds)
         for i, ids in jobs.items():
             assert shared[i].completion_ids == own[i].completion_ids, f"job {i}"
             torch.testing.assert_close(shared[i].logps, own[i].logps)
             if settings is GREEDY:
                 assert shared[i].completion_ids == generated(trainer, ids), f"job {i}"
-        copied = [(job, row) for (joining,), _ in copies for job, row in joining]
+        copied = [(job, row) for (joining,), _ in copies for job, row in joining.rows]
         # Each group's first row prefilled, and the odd row whose group had left the slots when it found one.
         rows, g = len(jobs) * trainer.args.generation_batch_size, trainer.num_generations
         assert rows * (g - 2) / g <= len(copied) <= rows * (g - 1) / g
@@ -278,22 +281,22 @@ def test_short_prompts_fed_through_the_steps_sample_what_prefilled_ones_do(tmp_p
         seeds = {i: 100 + i for i in jobs}
         slots = 2 * trainer.args.generation_batch_size
         prefilled = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
-        prefilled.fed_prompt_tokens = 0
+        prefilled.scheduler.fed_prompt_tokens = 0
         expected = decode_all(prefilled, jobs, seeds)
         engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
         with torch.no_grad():
             engine.add("joined", jobs[1], job_seed=0)
         # Its prefilled rows have sampled their first tokens, its fed rows nothing yet.
-        assert engine.decoded_tokens() == sum(len(ids) > engine.fed_prompt_tokens for ids in jobs[1]) > 0
+        assert engine.decoded_tokens() == sum(len(ids) > engine.scheduler.fed_prompt_tokens for ids in jobs[1]) > 0
         engine = ContinuousDecoding(trainer, slots, jobs[0], compile=False)
-        prefills = spy(monkeypatch, engine, "_prefill")
+        prefills = spy(monkeypatch, engine.runner, "_prefill")
         fed = decode_all(engine, jobs, seeds)
         for i in jobs:
             assert fed[i].completion_ids == expected[i].completion_ids, (settings, i)
             torch.testing.assert_close(fed[i].logps, expected[i].logps, atol=1e-5, rtol=1e-4)
-        lengths = [len(job.prompt_ids[row]) for (rows, _), _ in prefills for job, row in rows]
-        assert all(n > engine.fed_prompt_tokens for n in lengths)  # only the longer prompts were prefilled
-        assert min(len(ids) for job in jobs.values() for ids in job) <= engine.fed_prompt_tokens
+        lengths = [len(job.prompt_ids[row]) for (joining,), _ in prefills for job, row in joining.rows]
+        assert all(n > engine.scheduler.fed_prompt_tokens for n in lengths)  # only the longer prompts were prefilled
+        assert min(len(ids) for job in jobs.values() for ids in job) <= engine.scheduler.fed_prompt_tokens
         assert engine.steps > prefilled.steps  # (the fed prompts' steps)
 
 
@@ -375,7 +378,7 @@ def test_the_engine_on_the_gpu_with_cuda_graphs_captures_log_probs_within_bf16_t
     plans = spy(monkeypatch, engine.reads, "plan")
     finished = decode_all(engine, {i: job_ids(trainer, i) for i in range(4)}, {i: i for i in range(4)})
     assert engine.recompiles() == 0
-    assert len({plan for _, (plan, _) in plans}) > 1
+    assert len({plan for _, (_, plan, _) in plans}) > 1
     outcomes = [score_generated(trainer, j, finished[i].prompt_ids, finished[i].completion_ids, finished[i].tokens,
                                 finished[i].logps, Events()) for i, j in enumerate(jobs)]
     assert_captured_within_bf16_of_trls(trainer, outcomes)

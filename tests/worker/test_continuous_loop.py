@@ -92,5 +92,5 @@ def test_a_joining_job_is_sampled_by_the_newest_weights(tmp_path):
     entry = _Held(SimpleNamespace(job_id="000008_000", attempt=1), prompt_ids=job_ids(trainer, 0), claimed=0.0)
     with torch.no_grad():
         generation._join(entry)
-    [resident] = engine.residents
+    [resident] = engine.scheduler.residents
     assert generation.version == 8 and resident.runs == [[(0, 8)]] * engine.rows_per_job

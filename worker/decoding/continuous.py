@@ -18,7 +18,7 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   quarter or eighth of the slots, the rows moving into them (the buckets' graph, its number of rows a variable);
 - a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, once for
   the rows of its group (the others copy its columns), or, with the prefill eager (a CPU's), a short prompt is fed
-  through its slot's next steps a token a step (worker/decoding/joining.py);
+  through its slot's next steps a token a step;
 - a row's random draws depend on its job's seed, its row and its token's index only (``seeded_exponentials``, a
   counter-based hash): a job samples the same tokens whichever slots, whichever steps, and whichever other jobs it
   decodes beside.
@@ -27,6 +27,12 @@ Every ``check_every`` steps (CHECK_EVERY) the host reads which slots ended (one 
 finished jobs out, and looks for newer weights: they are synced in place between steps, and each row records the
 versions that sampled its tokens (``runs``, as worker/in_flight.py defines them, one list a row: a job's rows
 join at different steps; a job's weights_version is its oldest token's).
+
+The engine is cut by what each part does: a job and its rows (worker/decoding/sequence.py ``Sequence``); the
+scheduler, which decides which row decodes in which slot and what happens next and touches no tensor
+(worker/decoding/scheduler.py); the runner, which carries that out on the slots' cache and runs the compiled steps
+(worker/decoding/slot_runner.py); the cache, the slots' state and the plans of reads (worker/decoding/slot_cache.py);
+and here the engine's loop: ``add`` a job, ``run`` steps (admit, schedule, run), ``collect`` what ended.
 
 The worker's loop drives it through worker/generation.py's EngineGeneration (jobs joining, scoring on a thread of
 its own while the slots decode, publishing).
@@ -37,32 +43,26 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import StaticCache
 
 from worker.behaviour import BehaviourCapture
 from worker.decoding import Generation
 from worker.decoding.compiled_step import compiled_graphs
-from worker.decoding.joining import FED_PROMPT_TOKENS, PREFILL_FEW_ROWS, SlotJoining
-from worker.decoding.seeded_draws import row_seed, seeded_exponentials
+from worker.decoding.scheduler import Scheduler
+from worker.decoding.seeded_draws import row_seed
 from worker.decoding.sequence import FinishedJob, Sequence
-from worker.decoding.shapes import bucketed
-from worker.decoding.slot_cache import Plan, SlotCache, SlotReads, SlotState, first_columns
-from worker.decoding.step import OwnStep, next_token
+from worker.decoding.slot_runner import SlotRunner
+from worker.decoding.step import OwnStep
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
 # launched steps drains). On a CPU a look is cheap, but each look that frees slots starts a prefill of the rows
-# whose prompts are not fed through the steps (worker/decoding/joining.py), which costs mostly per call (4-6 ms at
-# the `larger` shape against a 20-25 ms step): every second step halves the prefills, for half a step more per
+# whose prompts are not fed through the steps (worker/decoding/slot_runner.py), which costs mostly per call (4-6 ms
+# at the `larger` shape against a 20-25 ms step): every second step halves the prefills, for half a step more per
 # ended row (on the CPU machine with every prompt prefilled, about 3% more samples/s, utilisation 0.78 against
 # 0.80: docs/performance.md, "Continuous batching").
 CHECK_EVERY = {"cuda": 8, "cpu": 2}
-# Up to how many times a step may halve the rows it computes when few slots hold rows (slot_cache.py). On the CPU
-# machine a step costs about in proportion to its rows (at the `larger` shape reading the whole cache: 21.6 ms at
-# 128 rows, 9.5 at 64, 4.3 at 32, 2.6 at 16). On a GPU a step of a small model is bound by its kernels' launches,
-# hardly by its rows, and the narrower steps would be graphs to record (CUDA graphs take no variable shape).
-NARROWER_STEPS = {"cuda": 0, "cpu": 3}
 
-class ContinuousDecoding(SlotJoining, OwnStep):
+
+class ContinuousDecoding:
     """The engine (see the module's docstring). ``add`` a job's rows, ``run`` steps, ``collect`` finished jobs."""
 
     mode = "continuous"
@@ -81,27 +81,15 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         if slots < self.rows_per_job:
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
         self.slots = self.rows_per_call = slots
-        self._set_up_step(trainer, compile, compile_prefill, compile_mode, fuse)
-        self._compiled_sized_step = self._compiled(self._sized_step, dynamic=None)  # (rows, columns: variables)
-        self.check_every = CHECK_EVERY.get(self.device.type, 8)
-        self.residents: list[Sequence] = []
-        self.owners: dict[int, tuple[Sequence, int]] = {}  # slot: the job and row it decodes
-        self.free: list[int] = list(range(slots))
-        self.waiting: list[tuple[Sequence, int]] = []  # rows waiting for a slot: (job, row), in the order they came
-        self.steps = 0  # decoding steps run, over every slot
-        self.row_steps = 0  # rows computed: slots x steps, plus each prefill's rows and each row copying one
+        self.runner = SlotRunner(trainer, slots, compile, compile_prefill, compile_mode, fuse)
+        self.check_every = CHECK_EVERY.get(self.runner.device.type, 8)
         self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
-        self.prompt_tokens = 0  # prompt tokens computed: each prefill's rows x columns, and fed prompts' tokens
-        self.version: int | None = None  # the weights the model holds
         self.graphs_after_warm_up: int | None = None
         self.warm_up_graphs = 0  # graphs its warm-up compiled
-        self._allocate(max((len(ids) for ids in prompt_ids), default=1))
-        self.prefill_compiled = self._compiled_prefill != self._prefill_step  # (on CUDA by default)
-        # Compiled, a prefill's rows are padded up to one of prefill_sizes and its columns to the prompt part (a shape,
-        # a graph each); eager, it takes the joining rows as they are, as wide as their longest prompt.
-        self.pads_prefills = self.prefill_compiled
-        self.fed_prompt_tokens = 0 if self.prefill_compiled else FED_PROMPT_TOKENS
-        self.prefill_sizes = sorted({min(PREFILL_FEW_ROWS, self.rows_per_job), self.rows_per_job})
+        runner = self.runner
+        runner.allocate(max((len(ids) for ids in prompt_ids), default=1))
+        self.scheduler = Scheduler(slots, self.rows_per_job, runner.reads, runner.fed_prompt_tokens,
+                                   runner.prefill_sizes if runner.pads_prefills else None, share_prompts)
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -117,164 +105,85 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             return "a processor (prompts that may carry images)"
         return None
 
-    # ------------------------------------------------------------------ shapes
-
     def reallocate(self, prompt_tokens: int) -> None:
         """Caches for prompts of up to ``prompt_tokens`` tokens (the engine is empty): new shapes, new graphs."""
-        assert not self.residents, "reallocating with jobs in the slots"
-        self._allocate(prompt_tokens)
-        self.free, self.waiting = list(range(self.slots)), []
+        assert self.empty(), "reallocating with jobs in the slots"
+        self.runner.allocate(prompt_tokens)
+        self.scheduler.reallocated(self.runner.reads)
 
-    def _allocate(self, prompt_tokens: int) -> None:
-        self.prompt_part = bucketed(prompt_tokens)
-        self.reads = SlotReads(self.slots, self.prompt_part, self.max_new, NARROWER_STEPS.get(self.device.type, 0))
-        self.state = SlotState(self.slots, self.prompt_part, self.max_new, self.device,
-                               self.vocab if self.sampling.repetition_penalty is not None else None)
-        self.narrowed: dict[int, tuple[SlotCache, SlotState]] = {}  # by width: the first slots' cache and state
-        self.mask_reads: dict[tuple[int, int], torch.Tensor] = {}  # by width and columns: their mask's first columns
-        self.prefill_caches: dict[tuple[int, int], StaticCache] = {}  # compiled: by a prefill's rows and columns
-        self.cache: SlotCache | None = None  # allocated at the first prefill, with the dtype keys come in
+    # ------------------------------------------------------------------ what the worker's loop asks
+
+    @property
+    def version(self) -> int | None:
+        """The weights the model holds."""
+        return self.scheduler.version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        self.scheduler.version = version
+
+    @property
+    def steps(self) -> int:
+        return self.scheduler.steps
+
+    @property
+    def prompt_part(self) -> int:
+        return self.runner.prompt_part
+
+    @property
+    def reads(self):
+        return self.runner.reads
+
+    @property
+    def row_steps(self) -> int:
+        return self.runner.row_steps
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.runner.prompt_tokens
 
     def fits(self, prompt_ids: list[list[int]]) -> bool:
-        return max(len(ids) for ids in prompt_ids) <= self.prompt_part
+        return max(len(ids) for ids in prompt_ids) <= self.runner.prompt_part
 
     def wants_a_job(self) -> bool:
-        """A slot is free and no row waits for one: a job claimed now starts decoding at once (never earlier: a
-        claimed job ages)."""
-        return bool(self.free) and not self.waiting
+        return self.scheduler.wants_a_job()
 
     def empty(self) -> bool:
-        return not self.residents
+        return self.scheduler.empty()
 
-    # ------------------------------------------------------------------ inside the graphs
-
-    def _sized_step(self, cache: SlotCache, st: SlotState, reads: torch.Tensor) -> None:
-        """``_step`` over views of the first slots, every slot attending to the columns of ``reads`` (a function of
-        its own: torch.compile keeps its graphs apart)."""
-        self._step(cache, st, reads)
-
-    def _step(self, cache: SlotCache, st: SlotState, plan: Plan | torch.Tensor) -> None:
-        """One token per slot, each range of slots attending to the cache's first columns as ``plan`` says (Python
-        ints: a graph each); or every slot to as many as ``plan``, a view of the mask's first columns, has (its
-        width and its rows variables of one graph)."""
-        # A row's token i - 1 (fed now, i sampled) goes into column prompt part + i - 1.
-        st.column.copy_(st.count + (self.prompt_part - 1))
-        st.mask.index_put_((cache.slots, st.column), torch.ones_like(st.active))  # (a slot attends to its token)
-        mask, columns = (plan, plan.size(1)) if isinstance(plan, torch.Tensor) else (st.mask, plan)
-        out = self.model(input_ids=st.last[:, None], attention_mask=mask[:, None, None, :],
-                         position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=columns)
-        self._choose(out.logits[:, -1, :].float(), st, None)
-
-    def _choose(self, logits: torch.Tensor, st: SlotState, slots: torch.Tensor | None) -> None:
-        """Processes the logits of ``slots`` (all when None), picks each row's token with its own draws, records it
-        and its behaviour log-prob at the row's count, and advances the row."""
-        def of(t):
-            return t if slots is None else t.index_select(0, slots)
-
-        count, ended = of(st.count), of(st.ended)
-        feeding = count < 0  # its prompt's next token is fed to the next step: nothing is sampled
-        live = of(st.active) & ~ended & ~feeding
-        noise = seeded_exponentials(of(st.seed), count, logits.size(-1)) if self.sampling.do_sample else None
-        token, logp = next_token(logits, self.sampling, self.eos, None if st.seen is None else of(st.seen), count,
-                                 noise)
-        token = torch.where(live, token, self.pad)
-        logp = torch.where(live, logp, 0.0)
-        count_after = count + (live | feeding).long()
-        ended_after = ended | (live & (torch.isin(token, self.eos) | (count_after >= self.max_new)))
-        rows = torch.arange(logits.size(0), device=logits.device) if slots is None else slots
-        where = (rows, count.clamp(0, self.max_new))  # a row that ended writes into the spare last column
-        st.tokens.index_put_(where, token)
-        st.logps.index_put_(where, logp)
-        if st.seen is not None:
-            st.seen.index_put_((rows, token.masked_fill(~live, self.vocab)), torch.ones_like(token, dtype=torch.bool))
-        if slots is None:
-            prompt_next = st.prompt.gather(1, (count + self.prompt_part).clamp(max=self.prompt_part - 1)[:, None])
-            st.count.copy_(count_after)
-            st.ended.copy_(ended_after)
-            st.last.copy_(torch.where(feeding, prompt_next[:, 0], token))
-            st.position.add_(1)
-        else:
-            st.count.index_copy_(0, slots, count_after)
-            st.ended.index_copy_(0, slots, ended_after)
-            st.last.index_copy_(0, slots, token)
-
-    # ------------------------------------------------------------------ on the host
+    # ------------------------------------------------------------------ the loop: add, run, collect
 
     def add(self, key, prompt_ids: list[list[int]], job_seed: int) -> None:
         """A job's rows wait in line for slots; those that find one join at once (the caller checked ``fits``)."""
         rows = len(prompt_ids)
         if rows != self.rows_per_job:
             raise ValueError(f"a job of {rows} rows for an engine of {self.rows_per_job}-row jobs")
-        job = Sequence(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
-                        added_step=self.steps)
-        self.residents.append(job)
-        self.waiting += [(job, row) for row in range(rows)]
+        self.scheduler.add(Sequence(key, [list(p) for p in prompt_ids], [row_seed(job_seed, r) for r in range(rows)],
+                                    added_step=self.scheduler.steps))
         self._admit()
 
     def run(self, steps: int) -> None:
         """``steps`` decoding steps over the slots that hold rows, after the waiting rows that find a free slot
         join."""
         self._admit()
-        # A row reads its prompt's columns and one more a step from the one it joined at (its first token's).
-        reach = {slot: min(self.reads.size, self.prompt_part + self.steps + steps - job.joined[row])
-                 for slot, (job, row) in self.owners.items()}
-        width, plan, moves = self.reads.plan(reach)
-        if moves:
-            self._move(moves)
-        step, *inputs = self._step_over(width, plan)
-        for _ in range(steps):
-            step(*inputs)
-        self.steps += steps
-        self.row_steps += steps * width
+        self.runner.run(self.scheduler.schedule(steps), steps)
 
-    def _step_over(self, width: int, plan: Plan) -> tuple:
-        """The compiled step over the first ``width`` slots by ``plan``, and the cache, state and plan it takes: by
-        ranges of slots, the whole cache and state; every slot reading the same columns, views of the first slots
-        and of the mask's first columns (made once: a graph's inputs), whose numbers are variables of one graph."""
-        if isinstance(plan, tuple):
-            return self._compiled_step, self.cache, self.state, plan
-        if width not in self.narrowed:
-            state = self.state.narrowed(width)
-            self.narrowed[width] = (self.cache.narrowed(state.column), state)
-        cache, state = self.narrowed[width]
-        if (width, plan) not in self.mask_reads:
-            self.mask_reads[width, plan] = first_columns(state.mask, plan)
-        return self._compiled_sized_step, cache, state, self.mask_reads[width, plan]
+    def _admit(self) -> None:
+        for joining in self.scheduler.admit():
+            self.runner.join(joining)
 
     def collect(self) -> list[FinishedJob]:
         """Frees the slots of the rows that have ended (their tokens copied out) and returns the jobs whose rows have
         all ended. One device sync, and a copy when rows ended."""
-        if not self.residents:
+        if self.scheduler.empty():
             return []
-        st = self.state
-        ended_slots = (st.ended & st.active).nonzero()[:, 0].cpu().tolist()  # the device sync
-        if ended_slots:
-            index = torch.tensor(ended_slots, device=self.device)
-            counts = st.count.index_select(0, index).cpu().tolist()
-            tokens = st.tokens.index_select(0, index).cpu()
-            logps = st.logps.index_select(0, index).cpu()
-            st.active.index_fill_(0, index, False)
-            st.position.index_fill_(0, index, 0)  # (a free slot's position would otherwise grow without end)
-            self._freed(ended_slots)
-            for i, slot in enumerate(ended_slots):
-                job, row = self.owners.pop(slot)
-                job.ended[row] = (tokens[i, :counts[i]], logps[i, :counts[i]])
-                job.slots[row] = None
-                self.kept_tokens += counts[i]
-        finished = []
-        for job in [j for j in self.residents if len(j.ended) == len(j.slots)]:
-            self.residents.remove(job)
-            rows = [job.ended[row] for row in range(len(job.slots))]
-            width = max(len(t) for t, _ in rows)
-            tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
-            logps = torch.zeros((len(rows), width), dtype=torch.float32)
-            for i, (t, lp) in enumerate(rows):
-                tokens[i, :len(t)], logps[i, :len(lp)] = t, lp
-            runs = [[(first, version) for first, version in job.runs[row] if first < max(len(t), 1)]
-                    for row, (t, _) in enumerate(rows)]
-            finished.append(FinishedJob(job.key, job.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
-                                        time.monotonic() - job.added_at, self.steps - job.added_step))
-        return finished
+        ended = self.runner.ended_rows()
+        self.kept_tokens += sum(len(tokens) for tokens, _ in ended.values())
+        return [job.finished(self.runner.pad, self.scheduler.steps) for job in self.scheduler.ended(ended)]
+
+    def weights_changed(self, version: int) -> None:
+        """The model now holds ``version``: each decoding row's next token is sampled by it (a waiting row's first)."""
+        self.scheduler.weights_changed(version)
 
     def generate(self, prompt_ids: list[list[int]], seed: int, in_flight: None = None) -> Generation:
         """The engine as one decoder call (worker/decoding's interface: tests and benchmarks): the rows as jobs of
@@ -285,7 +194,7 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             raise ValueError("the engine syncs newer weights between its steps itself (worker/generation.py)")
         if len(prompt_ids) % self.rows_per_job or not self.empty():
             raise ValueError(f"{len(prompt_ids)} rows for an engine of {self.rows_per_job}-row jobs, "
-                             f"{len(self.residents)} jobs in it")
+                             f"{len(self.scheduler.residents)} jobs in it")
         if not self.fits(prompt_ids):
             self.reallocate(max(len(ids) for ids in prompt_ids))
         jobs = [prompt_ids[i:i + self.rows_per_job] for i in range(0, len(prompt_ids), self.rows_per_job)]
@@ -297,36 +206,23 @@ class ContinuousDecoding(SlotJoining, OwnStep):
             finished.update((job.key, job) for job in self.collect())
         ordered = [finished[key] for key in range(len(jobs))]
         width = max(job.tokens.size(1) for job in ordered)
-        tokens = torch.cat([torch.nn.functional.pad(job.tokens, (0, width - job.tokens.size(1)), value=self.pad)
+        pad = self.runner.pad
+        tokens = torch.cat([torch.nn.functional.pad(job.tokens, (0, width - job.tokens.size(1)), value=pad)
                             for job in ordered])
         logps = torch.cat([torch.nn.functional.pad(job.logps, (0, width - job.logps.size(1))) for job in ordered])
         behaviour = BehaviourCapture(self.trainer)
         behaviour.given(tokens, logps)
         return Generation([ids for job in ordered for ids in job.completion_ids], behaviour)
 
-    def weights_changed(self, version: int) -> None:
-        """The model now holds ``version``: each decoding row's next token is sampled by it (a waiting row's first)."""
-        self.version = version
-        for job in self.residents:
-            for row, slot in enumerate(job.slots):
-                if slot is None:
-                    continue
-                first = max(0, self.steps - job.joined[row] + 1)  # the row's next token's index (0: its first's)
-                runs = job.runs[row]
-                if runs[-1][0] == first:
-                    runs[-1] = (first, version)
-                else:
-                    runs.append((first, version))
+    # ------------------------------------------------------------------ what it counts
 
     def decoded_tokens(self) -> int:
-        """Tokens sampled so far, by the rows that ended and those still decoding (one device sync; a row still fed
-        its prompt has sampled none)."""
-        st = self.state
-        return self.kept_tokens + int(st.count.clamp(min=0).masked_fill(~st.active, 0).sum())
+        """Tokens sampled so far, by the rows that ended and those still decoding (one device sync)."""
+        return self.kept_tokens + self.runner.decoding_tokens()
 
     def utilisation(self) -> float:
         """Row-steps that produced a kept token over row-steps computed (so far)."""
-        return self.kept_tokens / self.row_steps if self.row_steps else 0.0
+        return self.kept_tokens / self.runner.row_steps if self.runner.row_steps else 0.0
 
     def warm_up(self, prompt_ids: list[list[int]]) -> float:
         """Compiles the step and every prefill size: WARM_UP_JOBS jobs of ``prompt_ids``' first rows one after the
@@ -335,26 +231,29 @@ class ContinuousDecoding(SlotJoining, OwnStep):
         prefills of each other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``,
         with no row in the slots). Returns the seconds it took."""
         start, graphs_before = time.monotonic(), compiled_graphs()
+        runner = self.runner
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
             for i in range(self.WARM_UP_JOBS):
                 self.add(("warm-up", i), rows, job_seed=i)
                 self.run(self.check_every)
-                job = self.residents.pop()
-                self._drop(job)
-            for size in self.prefill_sizes if self.prefill_compiled else []:
-                for _ in range(self.WARM_UP_CALLS + ((size, self.prompt_part) not in self.prefill_caches)):
+                runner.free(self.scheduler.drop(self.scheduler.residents[-1]))
+            for size in runner.prefill_sizes if runner.prefill_compiled else []:
+                for _ in range(self.WARM_UP_CALLS + ((size, runner.prompt_part) not in runner.prefill_caches)):
                     job = Sequence(("warm-up", size), rows[:size], [0] * size)
-                    self._prefill([(job, row) for row in range(size)], size)
-                    self._drop(job)
-            for width, plan in self.reads.steps:
-                step, *inputs = self._step_over(width, plan)
+                    runner.warm_up_prefill([(job, row) for row in range(size)])
+            for width, reads in runner.reads.steps:
+                step, *inputs = runner.step_over(width, reads)
                 for _ in range(self.WARM_UP_CALLS + 1):
                     step(*inputs)
-        self.steps = self.row_steps = self.kept_tokens = self.prompt_tokens = 0
+        self.scheduler.steps = runner.row_steps = runner.prompt_tokens = self.kept_tokens = 0
         self.graphs_after_warm_up = compiled_graphs()
         self.warm_up_graphs = self.graphs_after_warm_up - graphs_before  # (its own: other decoders' are compiled)
         return time.monotonic() - start
 
     def recompiles(self) -> int:
         return compiled_graphs() - (self.graphs_after_warm_up or 0)
+
+    def undo(self) -> None:
+        """Back to transformers' attention (compilation failed)."""
+        self.runner.undo()

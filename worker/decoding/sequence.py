@@ -1,6 +1,8 @@
 """A job in the continuous engine (worker/decoding/continuous.py): its rows, the slots they decode in, the versions
 that sampled their tokens, its groups of rows of one prompt; and what the engine hands out once its rows have all
-ended."""
+ended; and the scheduler's word to the runner of how rows join their slots (``Joining``). The scheduler
+(worker/decoding/scheduler.py) writes where a job's rows are; the runner (worker/decoding/slot_runner.py) keeps its
+groups' first logits."""
 
 from __future__ import annotations
 
@@ -49,7 +51,10 @@ class Sequence:
     added_step: int = 0
     # Rows of one prompt (TRL's G generations of it) are a group: row i's is ``group[i]``, its first row's index.
     group: list[int] = field(init=False)
-    first_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by group: its prefill's last logits
+    # The groups whose prompt a row was prefilled for, to be copied by the others: the scheduler adds a group when
+    # it plans the prefill, the runner keeps its last logits then (the others' first tokens are sampled from them).
+    prefilled: set[int] = field(default_factory=set)
+    first_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         rows = len(self.prompt_ids)
@@ -59,8 +64,33 @@ class Sequence:
 
     def seated_sibling(self, row: int) -> int | None:
         """The slot of a row of ``row``'s group that holds its prompt's keys and values (it is in a slot, its
-        group's first logits kept), or None."""
-        if self.group[row] not in self.first_logits:
+        group's prompt prefilled for copies), or None."""
+        if self.group[row] not in self.prefilled:
             return None
         return next((slot for r, slot in enumerate(self.slots)
                      if slot is not None and self.group[r] == self.group[row]), None)
+
+    def finished(self, pad: int, steps: int) -> FinishedJob:
+        """What the engine hands out once every row has ended (``steps``: the engine's steps so far)."""
+        rows = [self.ended[row] for row in range(len(self.slots))]
+        width = max(len(t) for t, _ in rows)
+        tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (t, lp) in enumerate(rows):
+            tokens[i, :len(t)], logps[i, :len(lp)] = t, lp
+        runs = [[(first, version) for first, version in self.runs[row] if first < max(len(t), 1)]
+                for row, (t, _) in enumerate(rows)]
+        return FinishedJob(self.key, self.prompt_ids, [t.tolist() for t, _ in rows], tokens, logps, runs,
+                           time.monotonic() - self.added_at, steps - self.added_step)
+
+
+@dataclass
+class Joining:
+    """Rows (job, row) that join ``slots`` in one go, ``how``: "fed", "prefilled" (in one prefill of ``size`` rows,
+    the last row repeated to fill it) or "copied" (each from the slot of its group in ``origins``)."""
+
+    how: str
+    rows: list[tuple[Sequence, int]]
+    slots: list[int]
+    size: int = 0
+    origins: list[int] = field(default_factory=list)

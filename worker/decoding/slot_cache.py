@@ -23,6 +23,7 @@ proportion to its rows.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,20 @@ from worker.decoding.shapes import ATTENTION_BUCKETS, column_buckets, static_buf
 
 # A plan of reads: (slots, columns) for consecutive ranges of slots, from the first; or columns for every slot.
 Plan = tuple[tuple[int, int], ...] | int
+
+
+class StepPlan(NamedTuple):
+    """The next steps: over the first ``width`` slots, reading the columns ``reads`` says, after the ``moves`` of rows
+    (from slot, to slot)."""
+
+    width: int
+    reads: Plan
+    moves: list[tuple[int, int]]
+
+    @property
+    def vacated(self) -> list[int]:
+        """The slots the moves leave free."""
+        return sorted({origin for origin, _ in self.moves} - {to for _, to in self.moves})
 
 # Columns of the cache and the mask past any step's reads: a view of their first columns is then never the whole
 # buffer, a contiguous tensor, which a graph whose number of columns is a variable would specialise on.
@@ -89,7 +104,7 @@ class SlotReads:
         return [(self.slots, plan) for plan in self.uniform + ([self.tiered] if self.tiered else [])] + \
             [(width, self.size) for width in self.widths]
 
-    def plan(self, reach: dict[int, int]) -> tuple[int, Plan, list[tuple[int, int]]]:
+    def plan(self, reach: dict[int, int]) -> StepPlan:
         """The rows the next steps compute (the first slots'), the plan they read by, and the moves (from slot, to
         slot) to make first, given the columns each occupied slot's row reads by their end ({slot: columns}): the
         fewest of ``widths`` that hold the rows, which move into its free slots; else every slot, by the tiered plan
@@ -99,13 +114,13 @@ class SlotReads:
         if width < self.slots:
             outside = sorted(slot for slot in reach if slot >= width)
             free = [slot for slot in range(width) if slot not in reach]
-            return width, self.size, list(zip(outside, free[:len(outside)], strict=True))
+            return StepPlan(width, self.size, list(zip(outside, free[:len(outside)], strict=True)))
         widest = max(reach.values(), default=self.prompt_part)
         uniform = next(columns for columns in self.uniform if columns >= widest)
         if self.tiered is None or self.slots * uniform <= sum(self.columns_of_slot):
-            return self.slots, uniform, []
+            return StepPlan(self.slots, uniform, [])
         moves = self._arranged(reach)
-        return (self.slots, uniform, []) if moves is None else (self.slots, self.tiered, moves)
+        return StepPlan(self.slots, uniform, []) if moves is None else StepPlan(self.slots, self.tiered, moves)
 
     def _arranged(self, reach: dict[int, int]) -> list[tuple[int, int]] | None:
         """Moves that leave every row in a slot whose range reads as many columns as the row will, or None. The rows
