@@ -217,11 +217,13 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
                 "or eagerly, and says why in its log); 'continuous': the graph's step over --decoding_slots row "
                 "slots, a row that ends replaced at once by the next job's (continuous batching; newer weights "
                 "reach the jobs between steps, as with --in_flight_updates; where it does not apply it decodes as "
-                "'graph' and says why); each compiles at worker start, before the first job. 'auto': graph on CUDA, "
-                "eager on CPU (where compiling costs tens of seconds per batch shape)."})
+                "'graph' and says why); each compiles at worker start, before the first job. 'auto': graph on CUDA; "
+                "on CPU continuous batching run eagerly (nothing compiled: compiling costs tens of seconds at a "
+                "worker's start), or eager for a model under 1M parameters or where the engine does not apply."})
     decoding_slots: int = field(default=0, metadata={
-        "help": "With --worker_decoding continuous: the rows a worker decodes at once, each job's rows joining as "
-                "slots free up (0: four jobs' rows on CUDA, two on CPU). At least one job's rows."})
+        "help": "With continuous batching (--worker_decoding continuous; auto on CPU): the rows a worker decodes at "
+                "once, each job's rows joining as slots free up (0: four jobs' rows on CUDA, two on CPU). At least one "
+                "job's rows."})
     jobs_per_generate: int = field(default=2, metadata={
         "help": "A worker claims up to this many pending jobs at once (never waiting for more) and generates their "
                 "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "

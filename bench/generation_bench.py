@@ -107,7 +107,11 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
     from worker.generate import build_trainer
 
     tok = build_tokenizer()
-    if SHAPES[shape] is None:
+    if shape not in SHAPES:  # a model folder (a user's: its own tokenizer; completions end where it ends them)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model, tok = AutoModelForCausalLM.from_pretrained(shape), AutoTokenizer.from_pretrained(shape)
+    elif SHAPES[shape] is None:
         model = build_model(seed=0, tokenizer=tok)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -118,12 +122,14 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
         if end_p:
             end_with_probability(model, tok.eos_token_id, end_p)
+    fixed_lengths = shape in SHAPES and not end_p  # (a folder's model ends its completions as it ends them)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype)
     on_cpu = {"use_cpu": True, "bf16": False} if device == "cpu" else {"bf16": True}
     cfg = AsyncGRPOConfig(**{**DEMO_DEFAULTS, **on_cpu, "device_type": device, "output_dir": str(work),
                              "per_device_train_batch_size": batch, "max_completion_length": completion,
-                             "generation_kwargs": {} if end_p else {"min_new_tokens": completion}, "disable_tqdm": True,
+                             "generation_kwargs": {"min_new_tokens": completion} if fixed_lengths else {},
+                             "disable_tqdm": True,
                              "jobs_per_generate": jobs, "report_to": "none"})
     trainer = build_trainer(cfg, model, tok, [repeat_digit_reward], dataset or build_dataset(n=200))
     compiled, warm_s = None, 0.0
@@ -132,9 +138,10 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
         prompt_ids, _, _ = trainer._tokenize_prompts([dataset[i]["prompt"] for i in range(len(dataset))])
         if decoding == "compiled":
             compiled = CompiledDecoding(trainer, jobs, prompt_ids)
-        elif decoding in ("continuous", "continuous-unshared"):
+        elif decoding in ("continuous", "continuous-unshared", "continuous-eager"):
             compiled = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids,
-                                          share_prompts=decoding == "continuous")
+                                          compile=decoding != "continuous-eager",
+                                          share_prompts=decoding != "continuous-unshared")
         else:
             assert GraphDecoding.unsupported(trainer) is None, GraphDecoding.unsupported(trainer)
             mode = "max-autotune" if decoding == "graph-autotune" else None

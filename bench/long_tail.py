@@ -4,8 +4,10 @@
         [--completion 64] [--lengths long-tail,fixed] [--batch 32] [--device cpu|cuda] [--out results.json]
 
 Each shape is a randomly initialised Llama (no download), decoded by the worker's own code as
-bench/generation_bench.py builds it. ``--stream`` jobs of ``--batch`` rows (prompts of the demo task) go through
-each decoder as a worker takes them:
+bench/generation_bench.py builds it; ``demo``, the demo task's own model (``--lengths fixed`` only); or a model
+folder (``--shapes DIR``: a user's model with its tokenizer, whose
+completions end where the model ends them: ``--lengths`` does not apply). ``--stream`` jobs of ``--batch`` rows
+(prompts of the demo task) go through each decoder as a worker takes them:
 
     graph       the fixed-batch decoding step (worker/decoding/graph.py), ``--jobs`` jobs a call, each call scored by
                 TRL as generate_jobs does (the worker's loop)
@@ -20,6 +22,7 @@ worker/decoding/continuous.py; a setting may be named twice, e.g. ``continuous/1
 ``continuous-unshared``: the engine with every row prefilling its prompt (a group's rows copying one prefill, off).
 ``continuous-untiered``: the engine with every slot reading the same columns (its ranges of slots reading their own
 numbers of columns, off).
+``continuous-eager``: the engine run eagerly, nothing compiled.
 
 Prompts (``--prompt-tokens``): the demo task's (a few tokens), or ``LOW-HIGH``, prompts of LOW to HIGH tokens (a
 real task's are 128-256), each of the demo's digits ending a random run of digits. A job's rows are 8 generations
@@ -224,8 +227,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes.split(","):
-            if not SHAPES.get(shape):
-                raise SystemExit(f"long_tail: {shape!r} is not a Llama shape of generation_bench.py")
+            if shape not in SHAPES and not Path(shape, "config.json").is_file():
+                raise SystemExit(f"long_tail: {shape!r} is neither a shape of generation_bench.py nor a model folder")
             for lengths in a.lengths.split(","):
                 for decoding in a.settings.split(","):
                     log(f"{shape} {lengths} {decoding}")

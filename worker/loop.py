@@ -51,7 +51,7 @@ from asyncgrpo.weights.device_errors import is_broken_device_error
 from worker import tools
 from worker.deadline import JobDeadline
 from worker.decoding import Decoder
-from worker.decoding.build import build_decoder, resolve_mode
+from worker.decoding.build import build_decoder, compiles
 from worker.decoding.continuous import ContinuousDecoding
 from worker.generate import JOB_FAILURES, build_trainer
 from worker.generation import BatchGeneration, EngineGeneration, sync_weights, version_floor
@@ -170,7 +170,7 @@ def _set_up(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId, stop: threading
     setting_up.set()
     try:
         trainer = _wait_and_build_trainer(cfg, run, stop, watcher, Waiting(device))
-        if resolve_mode(cfg.worker_decoding, cfg.device_type) != "eager":
+        if compiles(cfg):
             presence.update(state="compiling")  # (the PS's waiting line says so: it may take a minute on a CPU)
         decoding = build_decoder(cfg, trainer, device, events)
     except Exception as err:

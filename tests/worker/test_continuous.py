@@ -329,6 +329,26 @@ def test_seeded_draws_are_exponential_and_differ_by_seed_counter_and_token():
     assert not torch.equal(draws[0], seeded_exponentials(torch.tensor([1]), torch.tensor([1]), 50_000)[0])
 
 
+def test_seeded_draws_are_splitmix64s_top_bits():
+    """Each draw is -log((k + 0.5) / 2**23), k the top 23 bits of splitmix64 of seed + (counter * vocab + position)
+    * golden, as a reference written with Python's integers computes it (the whole hash: its last step, left out of
+    the tensor code, must not change those bits)."""
+    import math
+
+    def reference(seed: int, counter: int, position: int, vocab: int) -> float:
+        z = (seed + (counter * vocab + position) * 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        z ^= z >> 31
+        return -math.log(((z >> 41) + 0.5) / 2**23)
+
+    seeds, counters, vocab = [-(2**62) + 7, 0, 123456789, 2**63 - 1], [0, 5, 511, 3], 1000
+    draws = seeded_exponentials(torch.tensor(seeds), torch.tensor(counters), vocab)
+    for row, (seed, counter) in enumerate(zip(seeds, counters, strict=True)):
+        for position in (0, 1, 499, 999):
+            assert draws[row, position].item() == pytest.approx(reference(seed, counter, position, vocab), rel=1e-6)
+
+
 # ---------------------------------------------------------------- behaviour log-probs, and the slots' use
 
 def long_tail_model(p: float = 1 / 16) -> LlamaForCausalLM:

@@ -81,15 +81,14 @@ class ContinuousDecoding:
         if slots < self.rows_per_job:
             raise ValueError(f"--decoding_slots {slots} cannot hold one job's {self.rows_per_job} rows")
         self.slots = self.rows_per_call = slots
-        self.runner = SlotRunner(trainer, slots, compile, compile_prefill, compile_mode, fuse)
-        self.check_every = CHECK_EVERY.get(self.runner.device.type, 8)
-        self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
-        self.graphs_after_warm_up: int | None = None
-        self.warm_up_graphs = 0  # graphs its warm-up compiled
-        runner = self.runner
+        self.runner = runner = SlotRunner(trainer, slots, compile, compile_prefill, compile_mode, fuse)
         runner.allocate(max((len(ids) for ids in prompt_ids), default=1))
         self.scheduler = Scheduler(slots, self.rows_per_job, runner.reads, runner.fed_prompt_tokens,
                                    runner.prefill_sizes if runner.pads_prefills else None, share_prompts)
+        self.check_every = CHECK_EVERY.get(runner.device.type, 8)
+        self.kept_tokens = 0  # tokens of the rows that ended (the rest of the row-steps decoded nothing kept)
+        self.graphs_after_warm_up: int | None = None
+        self.warm_up_graphs = 0  # graphs its warm-up compiled
 
     @staticmethod
     def unsupported(trainer) -> str | None:
@@ -229,9 +228,13 @@ class ContinuousDecoding:
         other, each dropped after a look's steps (decoding them to their ends cost a stream's tail: 9.6 s of a
         33 s warm warm-up, profiled, at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS
         prefills of each other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``,
-        with no row in the slots). Returns the seconds it took."""
+        with no row in the slots). Returns the seconds it took. Run eagerly, the engine has nothing to warm up (its
+        caches are allocated at the first prefill)."""
         start, graphs_before = time.monotonic(), compiled_graphs()
         runner = self.runner
+        if not runner.compiles:
+            self.graphs_after_warm_up = graphs_before
+            return 0.0
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
             for i in range(self.WARM_UP_JOBS):

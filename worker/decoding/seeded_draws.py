@@ -20,17 +20,26 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 def seeded_exponentials(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) draws [rows, vocab] that depend only on each row's seed, its counter (the token's index) and the
     vocabulary position: splitmix64 (Steele et al.) of ``seed + (counter * vocab + position) * golden``, its top 23
-    bits a uniform in (0, 1). Integer products wrap, as the hash wants."""
-    x = seeds[:, None] + (counters[:, None] * vocab + torch.arange(vocab, device=seeds.device)[None, :]) * GOLDEN
-    x = (x ^ _shift_right(x, 30)) * MIX1
-    x = (x ^ _shift_right(x, 27)) * MIX2
-    return -torch.log(unit_interval(x ^ _shift_right(x, 31)))
+    bits a uniform in (0, 1). Integer products wrap, as the hash wants. In place where it can: run eagerly (the
+    engine on a CPU), each operation is a pass over [rows, vocab] int64s, and a new tensor each would cost as much
+    again."""
+    x = counters[:, None] * vocab + torch.arange(vocab, device=seeds.device)[None, :]
+    x *= GOLDEN
+    x += seeds[:, None]
+    x ^= _shift_right(x, 30)
+    x *= MIX1
+    x ^= _shift_right(x, 27)
+    x *= MIX2
+    # splitmix64's last step, x ^ (x >>> 31), leaves the top 23 bits as they are: it is left out.
+    return unit_interval(x).log_().neg_()
 
 
 def unit_interval(x: torch.Tensor) -> torch.Tensor:
     """The top 23 bits of int64 ``x`` as a float32 strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32,
     so no draw rounds to 1 (with 24 bits the largest does, and its Exp(1) draw of 0 wins every race)."""
-    return (_shift_right(x, 41).to(torch.float32) + 0.5) / 2**23
+    u = _shift_right(x, 41).to(torch.float32)
+    u += 0.5
+    return u.div_(2**23)
 
 
 def row_seed(job_seed: int, row: int) -> int:
