@@ -92,11 +92,12 @@ def peak_gbs(device: str, given: float | None) -> float:
 
 
 def build(shape: str, device: str, jobs: int, completion: int, batch: int, decoding: str, work: Path,
-          end_p: float | None = None, dataset=None):
+          end_p: float | None = None, dataset=None, own_lengths: bool = False):
     """A worker's trainer over ``shape``'s model and its decoder for ``decoding`` (None: eager), warmed up: (trainer,
     decoder, warm-up seconds, weight bytes). Completions run to ``completion`` tokens, or with ``end_p`` end with
     that probability at every token (asyncgrpo/tasks/long_tail.py: geometric lengths, cut at ``completion``).
-    ``dataset``: the prompts (default: the demo task's)."""
+    ``dataset``: the prompts (default: the demo task's). ``own_lengths``, or a model folder for ``shape``: completions
+    end where the model ends them."""
     from asyncgrpo.config import AsyncGRPOConfig
     from asyncgrpo.tasks.demo import DEMO_DEFAULTS, build_dataset, build_model, build_tokenizer, repeat_digit_reward
     from asyncgrpo.tasks.long_tail import end_with_probability
@@ -122,7 +123,7 @@ def build(shape: str, device: str, jobs: int, completion: int, batch: int, decod
                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
         if end_p:
             end_with_probability(model, tok.eos_token_id, end_p)
-    fixed_lengths = shape in SHAPES and not end_p  # (a folder's model ends its completions as it ends them)
+    fixed_lengths = shape in SHAPES and not end_p and not own_lengths  # (else they end where the model ends them)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype)
     on_cpu = {"use_cpu": True, "bf16": False} if device == "cpu" else {"bf16": True}

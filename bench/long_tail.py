@@ -4,9 +4,8 @@
         [--completion 64] [--lengths long-tail,fixed] [--batch 32] [--device cpu|cuda] [--out results.json]
 
 Each shape is a randomly initialised Llama (no download), decoded by the worker's own code as
-bench/generation_bench.py builds it; ``demo``, the demo task's own model (``--lengths fixed`` only); or a model
-folder (``--shapes DIR``: a user's model with its tokenizer, whose
-completions end where the model ends them: ``--lengths`` does not apply). ``--stream`` jobs of ``--batch`` rows
+bench/generation_bench.py builds it; ``demo``, the demo task's own model; or a model folder (``--shapes DIR``: a
+user's model with its tokenizer). ``--stream`` jobs of ``--batch`` rows
 (prompts of the demo task) go through each decoder as a worker takes them:
 
     graph       the fixed-batch decoding step (worker/decoding/graph.py), ``--jobs`` jobs a call, each call scored by
@@ -30,8 +29,10 @@ of each of its prompts, as TRL's groups.
 
 Lengths (``--lengths``): ``fixed``, every completion runs to ``--completion`` tokens (min_new_tokens); ``long-tail``,
 each token ends its row with probability 4 / ``--completion`` (asyncgrpo/tasks/long_tail.py: geometric lengths,
-mean about a quarter of the cap, about 2% of rows reaching it). The same prompts and job seeds for every decoder;
-lengths follow the same distribution (the decoders draw their samples differently).
+mean about a quarter of the cap, about 2% of rows reaching it); ``own``, completions end where the model ends them
+(the demo's model and a model folder: ``fixed`` or ``own`` for the demo's, ``own`` only for a folder's, ``fixed`` or
+``long-tail`` for a Llama shape). The same prompts and job seeds for every decoder; lengths follow the same
+distribution (the decoders draw their samples differently).
 
 Printed per decoder and workload, measured in this run after each decoder's warm-up: row utilisation (tokens kept
 over row-steps computed: every slot or row of every decoding step, and each prefill's rows; for ``continuous``
@@ -168,7 +169,7 @@ def measure(shape: str, decoding: str, lengths: str, a, work: Path) -> dict:
     decoding = "continuous" if wide or untiered else decoding
     dataset = long_prompts(a.prompt_tokens) if a.prompt_tokens else None
     trainer, decoder, warm_s, _ = build(shape, a.device, a.jobs, a.completion, a.batch, decoding, work, end_p=end_p,
-                                        dataset=dataset)
+                                        dataset=dataset, own_lengths=lengths == "own")
     if every:
         decoder.check_every = int(every)
     if wide:
@@ -229,6 +230,9 @@ def main() -> None:
         for shape in a.shapes.split(","):
             if shape not in SHAPES and not Path(shape, "config.json").is_file():
                 raise SystemExit(f"long_tail: {shape!r} is neither a shape of generation_bench.py nor a model folder")
+            allowed = {"fixed", "long-tail"} if SHAPES.get(shape) else {"fixed", "own"} if shape in SHAPES else {"own"}
+            if not set(a.lengths.split(",")) <= allowed:
+                raise SystemExit(f"long_tail: --lengths for {shape}: any of {', '.join(sorted(allowed))}")
             for lengths in a.lengths.split(","):
                 for decoding in a.settings.split(","):
                     log(f"{shape} {lengths} {decoding}")

@@ -250,22 +250,33 @@ def test_supported_settings_get_the_step(tmp_path, monkeypatch):
     assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), GraphDecoding)
 
 
-def test_auto_picks_the_step_on_cuda_and_continuous_batching_run_eagerly_on_cpu(tmp_path, caplog):
+def test_auto_picks_the_step_on_cuda_and_continuous_batching_run_eagerly_on_cpu(tmp_path, caplog, monkeypatch):
     """On a CPU the engine, nothing compiled, said in one line; for a model too small for it, or where it does not
     apply, TRL's generate (what auto decoded with before), with the reason."""
     from worker.decoding.build import AUTO_ON_CPU, build_decoder, compiles, resolve_mode
+    from worker.decoding.compiled_step import compiled_graphs
     from worker.decoding.continuous import ContinuousDecoding
+    from worker.decoding.slot_runner import SlotRunner
 
     assert resolve_mode("auto", "cuda") == "graph"
     assert resolve_mode("auto", "cpu") == "continuous"
     trainer = trainer_for(tmp_path, llama("larger"))  # (2.4M parameters)
     assert trainer.args.worker_decoding == "auto" and not compiles(trainer.args)
+    graphs = compiled_graphs()
     with caplog.at_level("INFO", logger="asyncgrpo.worker"):
         decoding = build_decoder(trainer.args, trainer, 1, Events())
     assert isinstance(decoding, ContinuousDecoding) and not decoding.runner.compiles
-    assert decoding.warm_up_graphs == 0
+    assert compiled_graphs() == graphs and decoding.empty()  # (its trial job dropped)
     said = [r.getMessage() for r in caplog.records]
     assert any(line.startswith(f"[gen] dev1 decodes with {AUTO_ON_CPU}: ") for line in said), said
+    # An engine that cannot run the model fails its trial job at the start: TRL's generate then, saying why.
+    monkeypatch.setattr(SlotRunner, "_step", lambda *args: (_ for _ in ()).throw(RuntimeError("the engine broke")))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="asyncgrpo.worker"):
+        assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), EagerDecoding)
+    assert "[gen] dev1 continuous decoding failed its trial job (RuntimeError: the engine broke); decoding eagerly" \
+        in [r.getMessage() for r in caplog.records]
+    monkeypatch.undo()
     tiny = llama()
     for overrides, why in ((dict(model=tiny), f"a model of {tiny.num_parameters():,} parameters, whose decoding step "
                             "on a CPU costs less than the engine's own bookkeeping (the engine pays from 1,000,000)"),

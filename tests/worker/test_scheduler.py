@@ -117,8 +117,9 @@ def test_weights_changed_starts_a_run_at_each_decoding_rows_next_token():
     assert job.runs == [[(0, 1), (4, 2)]] * 4  # token 0 from the prefill, 1..3 from the steps 0..2
 
 
-def test_the_scheduler_imports_no_tensor_library():
-    """It returns plans; the runner carries them out (an import of torch here would be a tensor touched)."""
+def test_the_scheduler_module_itself_imports_no_tensor_library():
+    """It returns plans; the runner carries them out. (The job and the plans of reads it uses live in modules that
+    import torch: this checks the scheduler's own code, which the tests above run with no tensor.)"""
     import ast
 
     import worker.decoding.scheduler as module

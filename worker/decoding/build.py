@@ -111,15 +111,18 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: Event
                  device, mode, decoding.rows_per_call, cache_len)
     try:
         seconds = decoding.warm_up(prompt_ids)
-    except Exception as err:  # torch.compile's backends fail in ways of their own: generation works without them
+    except Exception as err:  # torch.compile's backends fail in ways of their own, the engine on a model it cannot
+        # run too: generation works without them
         if is_broken_device_error(err):
             raise
         decoding.undo()
-        log.exception("[gen] dev%s %s decoding failed to compile (%s); decoding eagerly", device, mode,
-                      first_line(err))
+        log.exception("[gen] dev%s %s decoding failed %s (%s); decoding eagerly", device, mode,
+                      "to compile" if compiles(cfg) else "its trial job", first_line(err))
         return EagerDecoding(trainer)
+    if not compiles(cfg):
+        log.info("[gen] dev%s decoding tried on one job in %.1f s (%s, nothing compiled)", device, seconds, mode)
+        return decoding
     events.emit("decoding_compiled", dur_ms=seconds * 1e3, graphs=decoding.graphs_after_warm_up,
                 rows=decoding.rows_per_call, mode=mode)
-    log.info("[gen] dev%s decoding %s in %.1f s (%s)", device, "compiled" if compiles(cfg) else "warmed up", seconds,
-             mode)
+    log.info("[gen] dev%s decoding compiled in %.1f s (%s)", device, seconds, mode)
     return decoding

@@ -15,7 +15,8 @@ Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a G
   slot's own columns through its row of a mask. Ranges of slots read their own number of columns, rows moving to
   a range that reads more as they grow (one graph), or every slot reads the same bucket (``SlotReads``; one graph,
   its number of columns a variable); with few rows in the slots (on a CPU), a step computes only the first half,
-  quarter or eighth of the slots, the rows moving into them (the buckets' graph, its number of rows a variable);
+  quarter, eighth or sixteenth of the slots, the rows moving into them (the buckets' graph, its number of rows a
+  variable);
 - a joining row is prefilled (compiled on a GPU: two shapes, a graph each) into its slot's prompt columns, once for
   the rows of its group (the others copy its columns), or, with the prefill eager (a CPU's), a short prompt is fed
   through its slot's next steps a token a step;
@@ -228,16 +229,13 @@ class ContinuousDecoding:
         other, each dropped after a look's steps (decoding them to their ends cost a stream's tail: 9.6 s of a
         33 s warm warm-up, profiled, at a cap of 512 on a CPU), then, with the prefill compiled, WARM_UP_CALLS
         prefills of each other size, their rows dropped, and WARM_UP_CALLS + 1 of each step (``SlotReads.steps``,
-        with no row in the slots). Returns the seconds it took. Run eagerly, the engine has nothing to warm up (its
-        caches are allocated at the first prefill)."""
+        with no row in the slots). Run eagerly, one job's prefill and steps: nothing to compile, but a model the
+        engine cannot run fails here, where the worker falls back, not on every job. Returns the seconds it took."""
         start, graphs_before = time.monotonic(), compiled_graphs()
         runner = self.runner
-        if not runner.compiles:
-            self.graphs_after_warm_up = graphs_before
-            return 0.0
         rows = (prompt_ids * self.rows_per_job)[: self.rows_per_job]
         with torch.no_grad(), self.trainer.accelerator.autocast():
-            for i in range(self.WARM_UP_JOBS):
+            for i in range(self.WARM_UP_JOBS if runner.compiles else 1):
                 self.add(("warm-up", i), rows, job_seed=i)
                 self.run(self.check_every)
                 runner.free(self.scheduler.drop(self.scheduler.residents[-1]))
@@ -245,7 +243,7 @@ class ContinuousDecoding:
                 for _ in range(self.WARM_UP_CALLS + ((size, runner.prompt_part) not in runner.prefill_caches)):
                     job = Sequence(("warm-up", size), rows[:size], [0] * size)
                     runner.warm_up_prefill([(job, row) for row in range(size)])
-            for width, reads in runner.reads.steps:
+            for width, reads in runner.reads.steps if runner.compiles else []:
                 step, *inputs = runner.step_over(width, reads)
                 for _ in range(self.WARM_UP_CALLS + 1):
                     step(*inputs)

@@ -15,9 +15,9 @@ reads the same prefix, a bucket past the oldest row's (``SlotReads.uniform``: wh
 reads). Either way each plan is a graph, compiled once in the warm-up.
 
 When few slots hold rows (the stream's end, a queue that runs dry), a step computes only the first slots
-(``SlotReads.widths``: a half, a quarter, an eighth, a sixteenth of them, each reading the whole cache; one graph, its number
-of rows a variable), the rows in the others moving into free slots among the first: on a CPU a step costs about in
-proportion to its rows.
+(``SlotReads.widths``: a half, a quarter, an eighth, a sixteenth of them, each reading the whole cache; one graph,
+its number of rows a variable), the rows in the others moving into free slots among the first: on a CPU a step
+costs about in proportion to its rows.
 """
 
 from __future__ import annotations

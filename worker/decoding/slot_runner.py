@@ -43,8 +43,9 @@ PREFILL_FEW_ROWS = 8  # the compiled prefill's smaller size (on CUDA about as ma
 # Up to how many times a step may halve the rows it computes when few slots hold rows (slot_cache.py; never under
 # NARROWEST_STEP rows). On the CPU machine a step costs about in proportion to its rows (at the `larger` shape
 # reading the whole cache: 21.6 ms at 128 rows, 9.5 at 64, 4.3 at 32, 2.6 at 16); the fourth halving (8 of 128)
-# raised the utilisation over a 24-job long-tail stream from 0.886 to 0.896, the same one graph. On a GPU a step of a small model is bound by its kernels' launches,
-# hardly by its rows, and the narrower steps would be graphs to record (CUDA graphs take no variable shape).
+# raised the utilisation over a 24-job long-tail stream from 0.886 to 0.896, the same one graph. On a GPU a step of a
+# small model is bound by its kernels' launches, hardly by its rows, and the narrower steps would be graphs to record
+# (CUDA graphs take no variable shape).
 NARROWER_STEPS = {"cuda": 0, "cpu": 4}
 
 
