@@ -150,7 +150,7 @@ class SlotRunner(OwnStep):
         first = ids.gather(1, (self.prompt_part - lengths)[:, None])[:, 0]
         index, ids, mask, seeds = (t.to(self.device) for t in (torch.tensor(joining.slots), ids, mask, seeds))
         if self.cache is None:
-            self._allocated_prefill_cache(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            self._allocate_slot_cache()
         st = self.state
         self._reset(st, index, ids, mask, seeds)
         st.prompt.index_copy_(0, index, ids)
@@ -182,9 +182,8 @@ class SlotRunner(OwnStep):
             # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
             # for every number of rows and width would add up).
             if self.cache is None:
-                cache = self._allocated_prefill_cache(*args[:3])  # (and the slots' cache, shaped as the model's keys)
-            else:
-                cache = StaticCache(config=self.model.config, max_cache_len=width)
+                self._allocate_slot_cache()
+            cache = StaticCache(config=self.model.config, max_cache_len=width)
             if self.pads_prefills:
                 self.prefill_caches[rows, width] = cache
             logits = self._prefill_step(cache, st, *args)
@@ -216,21 +215,19 @@ class SlotRunner(OwnStep):
         self._choose(logits, st, index)
         self.row_steps += len(joining.rows)  # (a row's first token sampled, without a forward)
 
-    def _allocated_prefill_cache(self, ids, mask, position) -> StaticCache:
-        """A prefill's cache, allocated by a forward (which also shows the keys' dtype and heads as the model makes
-        them, for the slots' cache)."""
-        cache = StaticCache(config=self.model.config, max_cache_len=ids.size(1))
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
-                   logits_to_keep=1)
-        cache.reset()
-        if self.cache is None:
-            keys, values = [], []
-            for layer in cache.layers:
-                for kind, into in ((layer.keys, keys), (layer.values, values)):
-                    into.append(static_buffer(self.slots, kind.size(1), self.reads.size + SPARE_COLUMNS, kind.size(3),
-                                              dtype=kind.dtype, device=self.device))
-            self.cache = SlotCache(keys, values, self.state.column)
-        return cache
+    def _allocate_slot_cache(self) -> None:
+        """The slots' cache, its keys and values shaped and typed as the model makes them: a forward of one token
+        over a cache of one column shows them (a prompt's forward would cost a prefill more at a worker's start)."""
+        probe = StaticCache(config=self.model.config, max_cache_len=1)
+        token = torch.full((1, 1), self.pad, device=self.device)
+        self.model(input_ids=token, attention_mask=torch.ones_like(token), position_ids=torch.zeros_like(token),
+                   cache=probe, use_cache=True, logits_to_keep=1)
+        keys, values = [], []
+        for layer in probe.layers:
+            for kind, into in ((layer.keys, keys), (layer.values, values)):
+                into.append(static_buffer(self.slots, kind.size(1), self.reads.size + SPARE_COLUMNS, kind.size(3),
+                                          dtype=kind.dtype, device=self.device))
+        self.cache = SlotCache(keys, values, self.state.column)
 
     def warm_up_prefill(self, rows: list[tuple[Sequence, int]]) -> None:
         """A prefill of ``rows`` into the first slots, to compile it: its rows are not kept."""
