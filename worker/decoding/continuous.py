@@ -8,7 +8,8 @@ row ends (EOS or the length cap), when its tokens are copied out and the slot ta
 job whose rows have all ended leaves, to be scored while the others decode.
 
 Shapes stay fixed, so the step and the prefills compile once (CUDA graphs on a GPU), as the graph decoder's
-(worker/decoding/graph.py; the logits processing, sampling and behaviour log-prob of worker/decoding/step.py):
+(worker/decoding/graph.py; the logits processing, sampling and behaviour log-prob of worker/decoding/step.py); or the
+same functions run uncompiled (``--worker_decoding auto`` on a CPU: worker/decoding/build.py):
 
 - each slot has its own columns of the KV cache, as a fixed batch's row (worker/decoding/slot_cache.py): a row's
   prompt ends at the prompt part's end and its i-th token goes after it, whenever it joined; attention reads each
