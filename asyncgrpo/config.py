@@ -222,8 +222,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
                 "worker's start), or eager for a model under 1M parameters or where the engine does not apply."})
     decoding_slots: int = field(default=0, metadata={
         "help": "With continuous batching (--worker_decoding continuous; auto on CPU): the rows a worker decodes at "
-                "once, each job's rows joining as slots free up (0: four jobs' rows on CUDA, two on CPU). At least one "
-                "job's rows."})
+                "once, each job's rows joining as slots free up (0: four jobs' rows on CUDA, --jobs_per_generate "
+                "jobs' rows on CPU). At least one job's rows."})
     jobs_per_generate: int = field(default=2, metadata={
         "help": "A worker claims up to this many pending jobs at once (never waiting for more) and generates their "
                 "rows in one generate call; each stays its own result (weights version, ledger entry, failure). "

@@ -289,6 +289,9 @@ def test_auto_picks_the_step_on_cuda_and_continuous_batching_run_eagerly_on_cpu(
         assert [r.getMessage() for r in caplog.records] == [
             f"[gen] dev1 decodes with TRL's generate (--worker_decoding auto), not continuous batching: {why}"]
     assert compiles(trainer_for(tmp_path, worker_decoding="continuous").args)
+    # A CPU's engine holds as many jobs' rows as a call would take: --jobs_per_generate's.
+    three = trainer_for(tmp_path, llama("larger"), jobs_per_generate=3)
+    assert build_decoder(three.args, three, 1, Events()).slots == 3 * three.args.generation_batch_size
 
 
 # ---------------------------------------------------------------- on a GPU

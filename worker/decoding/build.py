@@ -90,7 +90,7 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: Event
     prompt_ids, _, _ = getattr(trainer, TOKENIZE_PROMPTS)([row["prompt"] for row in rows])
     if mode == "continuous":
         jobs = cfg.decoding_slots // trainer.args.generation_batch_size if cfg.decoding_slots else (
-            4 if cfg.device_type == "cuda" else 2)
+            4 if cfg.device_type == "cuda" else cfg.jobs_per_generate)  # (a CPU's: as many as a call would take)
         decoding = ContinuousDecoding(trainer, jobs * trainer.args.generation_batch_size, prompt_ids,
                                       compile=not eager_engine(cfg))
         cache_len = decoding.reads.size
