@@ -8,6 +8,7 @@ import signal
 
 import pytest
 from helpers import (
+    OWN_SERVER_ENV,
     launch_in_group,
     pid_alive,
     read_json,
@@ -48,9 +49,12 @@ def test_ctrl_c_while_the_workers_compile_stops_them_at_once(tmp_path):
 
 def test_ctrl_c_before_the_ps_made_the_run_leaves_no_folder_behind(tmp_path):
     """Interrupted while the PS still imports, a launch leaves nothing that looks like a run (queue_tools used to
-    call the folder of launch.lock and empty logs "not an asyncgrpo run directory" without saying why)."""
+    call the folder of launch.lock and empty logs "not an asyncgrpo run directory" without saying why). Its
+    processes are new interpreters (ASYNCGRPO_FORK=0), which import the libraries for seconds: a PS forked with them
+    imported already can make the run before the signal lands."""
     run_root = tmp_path / "runs" / "new"
-    proc = launch_in_group(run_root, "--workers", "1", "--max-steps", "10")
+    proc = launch_in_group(run_root, "--workers", "1", "--max-steps", "10",
+                           env={**OWN_SERVER_ENV, "ASYNCGRPO_FORK": "0"})
     try:
         wait_for(lambda: (run_root / "logs" / "log_parameter_server.txt").exists(), "the PS to start", TIMEOUT_S,
                  procs=(proc,), poll_s=0.01)
