@@ -106,7 +106,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
         teardown.callback(presence.stop)
         watcher = QueueWatcher(run.queue, {JobState.PENDING}, use_events=not cfg.poll_only)
         teardown.callback(watcher.close)
-        _stop_on_signals(stop, setting_up, watcher, device)
+        _stop_on_signals(stop, setting_up, watcher, device, teardown)
         # launch.sh or join.sh killed outright: SIGTERM. (ls tells workers nobody will stop from the others.)
         presence.update(supervisor_pid=watch_supervisor(f"worker dev{device}"))
         events = EventLog(run.logs, f"worker-dev{device}", "worker", _device_label(cfg))
@@ -140,22 +140,36 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
 
 
 def _stop_on_signals(stop: threading.Event, setting_up: threading.Event, watcher: QueueWatcher,
-                     device: WorkerId) -> None:
+                     device: WorkerId, teardown: contextlib.ExitStack) -> None:
     """SIGTERM, SIGINT (Ctrl-C) and SIGHUP (its terminal closed; ignored under nohup) stop the worker: it claims
     nothing more and finishes the jobs in hand, or, while it sets up, stops at once (_StoppedWhileSettingUp).
-    SIGUSR1 writes every thread's stack into its log."""
+    SIGUSR1 writes every thread's stack into its log.
+
+    A handler runs in the main thread between two of its bytecodes, possibly while that thread holds the lock of
+    an Event it waits on (the watcher's, as its wait times out): setting that Event from the handler would wait for
+    the lock forever, the worker hung holding its job. So the handler only writes to a pipe, and a thread of its
+    own sets the events."""
+    read_end, write_end = os.pipe()
+
+    def relay_stops():
+        while os.read(read_end, 1):
+            stop.set()
+            tools.STOPPING.set()
+            watcher.wake()
+        os.close(read_end)
 
     def request_stop(signum, _frame):
-        stop.set()
-        tools.STOPPING.set()
-        watcher.wake()
+        with contextlib.suppress(OSError):  # (after the teardown: the worker is ending anyway)
+            os.write(write_end, b"s")
         if setting_up.is_set():
-            setting_up.clear()  # (a second signal, during the clean-up, only sets stop)
+            setting_up.clear()  # (a second signal, during the clean-up, only stops)
             raise _StoppedWhileSettingUp
         log.info("[worker] dev%s got signal %d: finishing the job in hand (giving it back if a tool call is "
                  "running: tool calls are cut now), then exiting", device, signum)
 
     tools.STOPPING.clear()  # (a worker run in a process that ran one before: tests)
+    threading.Thread(target=relay_stops, name="stop-signals", daemon=True).start()
+    teardown.callback(os.close, write_end)  # (the thread ends)
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup it stays ignored: the run goes on

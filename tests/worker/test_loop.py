@@ -4,6 +4,7 @@ worker with each decoder: every job generated with the newest weights, continuou
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -98,3 +99,35 @@ def test_synchronous_mode_generates_every_job_with_the_newest_weights_whatever_t
     assert [(m["step"], m["staleness_max"]) for m in metrics(run_root)] == [(step, 0) for step in range(1, 7)]
     reasons = {done_reason(p.name).value for p in (run_root / "done").iterdir()}
     assert "stale" not in reasons, reasons
+
+
+STOP_WHILE_THE_WATCHER_IS_LOCKED = """
+import contextlib, os, signal, sys, threading
+from pathlib import Path
+from asyncgrpo.jobqueue import JobState, QueueWatcher
+from worker.loop import _stop_on_signals
+
+watcher = QueueWatcher(Path(sys.argv[1]), {JobState.PENDING}, use_events=False)
+stop, setting_up = threading.Event(), threading.Event()
+with contextlib.ExitStack() as teardown:
+    _stop_on_signals(stop, setting_up, watcher, 1, teardown)
+    with watcher._wake._cond:  # held by this thread, as Event.wait holds it once its wait ends
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this thread, between two of its bytecodes
+        sum(range(1000))
+    print("stopped" if stop.wait(10) else "not stopped")
+"""
+
+
+@pytest.mark.process
+def test_a_stop_signal_while_the_main_thread_holds_the_watchers_lock_stops_the_worker(tmp_path):
+    """A signal handler that set the watcher's Event itself waited forever for the lock its own thread held: the
+    worker hung holding its job until launch.sh killed it (seen in a SIGHUP test). A real process: a hang is a
+    timeout here, not a hung suite."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    done = subprocess.run([sys.executable, "-c", STOP_WHILE_THE_WATCHER_IS_LOCKED, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.strip() == "stopped", done.stderr[-2000:]
