@@ -94,11 +94,12 @@ class Scheduler:
         reach = {slot: min(self.reads.size, self.reads.prompt_part + self.steps + steps - job.joined[row])
                  for slot, (job, row) in self.owners.items()}
         plan = self.reads.plan(reach)
-        owners = {to: self.owners.pop(origin) for origin, to in plan.moves}
-        self.owners.update(owners)
-        for slot, (job, row) in owners.items():
-            job.slots[row] = slot
-        self.free = sorted(set(self.free) - owners.keys() | set(plan.vacated))
+        if plan.moves:
+            owners = {to: self.owners.pop(origin) for origin, to in plan.moves}
+            self.owners.update(owners)
+            for slot, (job, row) in owners.items():
+                job.slots[row] = slot
+            self.free = sorted(set(self.free) - owners.keys() | set(plan.vacated))
         self.steps += steps
         return plan
 

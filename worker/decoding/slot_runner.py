@@ -81,6 +81,8 @@ class SlotRunner(OwnStep):
     # ------------------------------------------------------------------ carrying out plans
 
     def join(self, joining: Joining) -> None:
+        if self.cache is None:  # (shaped as the model makes its keys: at the first join, under the caller's autocast)
+            self._allocate_slot_cache()
         {"fed": self._feed, "prefilled": self._prefill, "copied": self._copy_prompts}[joining.how](joining)
 
     def run(self, plan: StepPlan, steps: int) -> None:
@@ -149,8 +151,6 @@ class SlotRunner(OwnStep):
         seeds = torch.tensor([job.seeds[row] for job, row in joining.rows], dtype=torch.long)
         first = ids.gather(1, (self.prompt_part - lengths)[:, None])[:, 0]
         index, ids, mask, seeds = (t.to(self.device) for t in (torch.tensor(joining.slots), ids, mask, seeds))
-        if self.cache is None:
-            self._allocate_slot_cache()
         st = self.state
         self._reset(st, index, ids, mask, seeds)
         st.prompt.index_copy_(0, index, ids)
@@ -181,8 +181,6 @@ class SlotRunner(OwnStep):
             # transformers allocates a static cache's tensors at their first write and marks their addresses static
             # only outside a compiled region: a shape's first prefill runs eagerly. Eager prefills keep no cache (one
             # for every number of rows and width would add up).
-            if self.cache is None:
-                self._allocate_slot_cache()
             cache = StaticCache(config=self.model.config, max_cache_len=width)
             if self.pads_prefills:
                 self.prefill_caches[rows, width] = cache
@@ -231,7 +229,7 @@ class SlotRunner(OwnStep):
 
     def warm_up_prefill(self, rows: list[tuple[Sequence, int]]) -> None:
         """A prefill of ``rows`` into the first slots, to compile it: its rows are not kept."""
-        self._prefill(Joining("prefilled", rows, list(range(len(rows))), len(rows)))
+        self.join(Joining("prefilled", rows, list(range(len(rows))), len(rows)))
         self.free(list(range(len(rows))))
 
     # ------------------------------------------------------------------ inside the graphs
