@@ -3,7 +3,8 @@
 alone (greedy), a job samples what it samples whatever shares its steps, each job records the versions that sampled
 its tokens (a row's each, from its own first), and rows that end free their slots for the next waiting row at once.
 
-The engine runs eagerly (``compile=False``: the same functions); compiled, it is one of test_decoders.py's.
+The engine runs eagerly (``compile=False``: the same functions); compiled, it is one of test_decoders.py's, and
+here once with its prefill compiled as on a GPU.
 """
 
 from __future__ import annotations
@@ -382,6 +383,24 @@ def test_rows_that_end_free_their_slots_for_the_next_job_at_once(tmp_path):
     assert engine.kept_tokens == sum(map(sum, lengths))
     assert engine.utilisation() > 1.5 * fixed  # measured: 0.61 against 0.25
     assert engine.steps < fixed_steps / 1.5
+
+
+@pytest.mark.process  # (compiles)
+def test_with_its_prefill_compiled_as_on_a_gpu_each_job_decodes_as_generate_does_alone(tmp_path):
+    """The GPU's way of joining, run on the CPU: every prompt prefilled by a compiled prefill, its joining rows padded
+    up to one of two sizes by repeating the last, a group's other rows copying its prompt's columns."""
+    trainer = trainer_for(tmp_path, llama(), **GREEDY)
+    rows = trainer.args.generation_batch_size
+    engine = ContinuousDecoding(trainer, 2 * rows, job_ids(trainer, 0), compile_prefill=True)
+    assert engine.runner.prefill_compiled and engine.runner.prefill_sizes == [8, rows]
+    engine.warm_up(job_ids(trainer, 0))
+    jobs = {i: job_ids(trainer, i) for i in range(4)}  # 4 jobs through 2 jobs' slots: rows join as others end
+    finished = decode_all(engine, jobs)
+    reference = trainer_for(tmp_path / "reference", llama(), **GREEDY)
+    for i, ids in jobs.items():
+        assert finished[i].completion_ids == generated(reference, ids), f"job {i}"
+    assert engine.recompiles() == 0, "a prefill or step compiled after the warm-up"
+    assert engine.prompt_tokens < sum(len(ids) for ids in jobs.values()) * engine.prompt_part  # copies, not prefills
 
 
 # ---------------------------------------------------------------- on a GPU
