@@ -59,14 +59,17 @@ def decode_all(engine: ContinuousDecoding, jobs: dict, seeds: dict | None = None
 
 # ---------------------------------------------------------------- the tokens: greedy decoding is generate's
 
-def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("look_every", [1, 8])  # a CPU's, a GPU's
+def test_each_job_decodes_the_tokens_generate_gives_it_alone(tmp_path, monkeypatch, look_every):
     """Five jobs through two jobs' slots: each joins when a job leaves, beside a job halfway through, rows moving
     to slots that read more columns as they grow, and, at the end, the few last rows into the first slots of a
     narrower step (the engine as a decoder of one call's jobs, with and without a repetition penalty:
-    tests/worker/test_decoders.py)."""
+    tests/worker/test_decoders.py). Looking at ended rows every 8 steps, a row that ended goes on being computed
+    until the look, its tokens discarded."""
     trainer = trainer_for(tmp_path, llama(), **GREEDY)  # (lengths from 1 to the cap)
     jobs = {i: job_ids(trainer, i) for i in range(5)}
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, jobs[0], compile=False)
+    engine.check_every = look_every
     plans = spy(monkeypatch, engine.reads, "plan")
     finished = decode_all(engine, jobs)
     for i, ids in jobs.items():
