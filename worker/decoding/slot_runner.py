@@ -245,8 +245,15 @@ class SlotRunner(OwnStep):
         width and its rows variables of one graph)."""
         # A row's token i - 1 (fed now, i sampled) goes into column prompt part + i - 1.
         st.column.copy_(st.count + (self.prompt_part - 1))
-        st.mask.index_put_((cache.slots, st.column), torch.ones_like(st.active))  # (a slot attends to its token)
-        mask, columns = (plan, plan.size(1)) if isinstance(plan, torch.Tensor) else (st.mask, plan)
+        if isinstance(plan, torch.Tensor):
+            # Written through the view the step reads, never through st.mask as well: two inputs of a graph that
+            # share memory, one written, become one "synthetic base" in AOTAutograd, which then keeps none of the
+            # graph's inputs static (parameters and buffers copied at every CUDA graph replay, or no CUDA graph).
+            # Every row's column lies among the view's (the scheduler's reach); a free slot's may not: clamped.
+            mask, columns, column = plan, plan.size(1), st.column.clamp(max=plan.size(1) - 1)
+        else:
+            mask, columns, column = st.mask, plan, st.column
+        mask.index_put_((cache.slots, column), torch.ones_like(st.active))  # (a slot attends to its token)
         out = self.model(input_ids=st.last[:, None], attention_mask=mask[:, None, None, :],
                          position_ids=st.position[:, None], cache=cache, use_cache=True, attention_columns=columns)
         self._choose(out.logits[:, -1, :].float(), st, None)
