@@ -1,6 +1,6 @@
 """A decoder's warm-up in a fresh process, cold (an empty compile cache) and warm (the cache the cold one filled: a
-second worker of the run, or a restarted one), and warm in a fork of launch.sh's fork server (a worker that
-launch.sh restarts on a CPU machine: the libraries imported already).
+second worker of the run, or a restarted one), and, on a CPU, warm in a fork of launch.sh's fork server (a worker
+that launch.sh restarts on a CPU machine: the libraries imported already; on a GPU it starts a new interpreter).
 
     .venv/bin/python bench/warm_up.py [--shape larger] [--decoding continuous] [--completion 512] [--jobs 4]
         [--device cpu|cuda] [--cache DIR] [--out results.json]
@@ -11,7 +11,7 @@ warm ones (``--cache DIR``: that folder, kept; default: a temporary one); the fo
 asyncgrpo/forkserver.py, started and done importing before it is timed. Printed: the seconds of each warm-up (the
 decoder's ``warm_up``: every graph compiled and run), the graphs compiled, each process's seconds from its start to
 a warmed decoder, and the warm one's ratio to the cold one. One JSON document on stdout (and --out), a table on
-stderr.
+stderr, and each start's figures on stderr as it ends (a run cut short keeps those).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main() -> None:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TMPDIR": str(temp)}
         server = None
         try:
-            for start in ("cold", "warm", "forked"):
+            # (launch.sh forks its processes only where no GPU is seen: a CUDA worker starts a new interpreter)
+            for start in ("cold", "warm") if a.device == "cuda" else ("cold", "warm", "forked"):
                 command = [sys.executable, __file__, "--child", *sys.argv[1:]]
                 if start == "forked":
                     server, env = start_fork_server(Path(tmp) / "forks", env)
@@ -101,6 +102,7 @@ def main() -> None:
                 done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
                 rows.append({"start": start, **json.loads(done.stdout.strip().splitlines()[-1]),
                              "process_s": round(time.monotonic() - started, 1)})
+                print(f"[warm_up] {start}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)  # (a run cut short)
         finally:
             if server is not None:
                 server.terminate()
