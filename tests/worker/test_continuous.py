@@ -407,10 +407,11 @@ def test_with_its_prefill_compiled_as_on_a_gpu_each_job_decodes_as_generate_does
 
 
 @pytest.mark.process  # (compiles)
-def test_no_two_inputs_of_a_compiled_step_share_memory(tmp_path, monkeypatch):
+def test_no_two_inputs_of_a_compiled_step_or_prefill_share_memory(tmp_path, monkeypatch):
     """Two inputs of a graph that share memory, one of them written (the slots' mask and a view of its first
     columns), become one "synthetic base" in AOTAutograd, which then keeps none of the graph's inputs static: on a GPU
-    each CUDA graph replay would copy every parameter and buffer in, or the step would run without a CUDA graph."""
+    each CUDA graph replay would copy every parameter and buffer in, or the step would run without a CUDA graph. The
+    engine as a GPU compiles it: its prefill too."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
     merged = []
@@ -425,12 +426,14 @@ def test_no_two_inputs_of_a_compiled_step_share_memory(tmp_path, monkeypatch):
     # (one key/value head: shapes of its own, where an engine of the same shapes compiled earlier in the process would
     # lend its graphs, untraced)
     trainer = trainer_for(tmp_path, llama(kv_heads=1), **GREEDY)
-    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0))
+    engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0),
+                                compile_prefill=True)
     # (traced anew, not taken from torch's caches: a cached graph is not merged again)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         engine.warm_up(job_ids(trainer, 0))
-    assert engine.warm_up_graphs == 2 and len(merged) == 2, merged  # the ranges' step, the same-columns step
-    assert merged == [False, False], "a compiled step takes a synthetic base of aliased inputs"
+    # Two prefills (a few rows, a job's), the ranges' step, the same-columns step.
+    assert engine.warm_up_graphs == 4 and len(merged) == 4, merged
+    assert not any(merged), "a compiled graph takes a synthetic base of aliased inputs"
 
 
 # ---------------------------------------------------------------- on a GPU
