@@ -56,12 +56,14 @@ from worker.decoding.slot_runner import SlotRunner
 from worker.decoding.step import OwnStep
 
 # Decoding steps between the host's looks at which rows ended: on a GPU each look is a device sync (the queue of
-# launched steps drains). On a CPU a look costs a fraction of a millisecond against a step's 15-25 ms at the `larger`
-# shape (profiled: the ended rows, the next plan and the joining rows' feeds), and each step a row's slot stays taken
-# after the row ended is a row-step that keeps nothing: looking every step raised the utilisation over a 24-job
-# long-tail stream from 0.90 to 0.92, samples/s the same within the machine's noise (docs/performance.md, "The
-# default on a CPU"). A look used to start a prefill call for the rows that joined, 4-6 ms whatever its rows; short
-# prompts are now fed through the steps and a group prefills its prompt once.
+# launched steps drains). On a CPU the engine's part of a look costs a fraction of a millisecond against a step's 15-25
+# ms at the `larger` shape (profiled: the ended rows, the next plan, the joining rows' feeds), and each step a row's
+# slot stays taken after the row ended keeps nothing: looking every step raised the utilisation over a 24-job
+# long-tail stream from 0.90 to 0.92. Samples/s of the uncompiled engine (`auto`'s) stayed the same within the
+# machine's noise; through the worker's loop, which also looks for newer weights at each look, a job's generation took
+# 12% less time. The compiled engine lost 3-5% with prompts of 128-256 tokens: those are prefilled at the look that
+# admits their rows, 4-6 ms a call whatever its rows, so more looks make more and smaller calls (docs/performance.md,
+# "A look every step").
 CHECK_EVERY = {"cuda": 8, "cpu": 1}
 
 

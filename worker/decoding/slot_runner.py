@@ -249,8 +249,11 @@ class SlotRunner(OwnStep):
             # Written through the view the step reads, never through st.mask as well: two inputs of a graph that
             # share memory, one written, become one "synthetic base" in AOTAutograd, which then keeps none of the
             # graph's inputs static (parameters and buffers copied at every CUDA graph replay, or no CUDA graph).
-            # Every row's column lies among the view's (the scheduler's reach); a free slot's may not: clamped.
-            mask, columns, column = plan, plan.size(1), st.column.clamp(max=plan.size(1) - 1)
+            # Every row's column lies among the view's (the scheduler's reach). A free slot keeps its last row's count,
+            # so its column may lie past them: clamped (its mask is reset when a row joins). A row's is left as it is,
+            # so that a plan too narrow for a row fails on its index rather than writing elsewhere.
+            columns = plan.size(1)
+            mask, column = plan, torch.where(st.active, st.column, st.column.clamp(max=columns - 1))
         else:
             mask, columns, column = st.mask, plan, st.column
         mask.index_put_((cache.slots, column), torch.ones_like(st.active))  # (a slot attends to its token)
