@@ -297,6 +297,26 @@ def test_existing_result_wins_over_requeue(queue, run):
     assert queue_files(run) == ["000001_000_complete_from_dev1.pt"]
 
 
+@pytest.mark.parametrize("taken_as", [ArchiveReason.STALE, ArchiveReason.FILTERED])
+def test_a_result_the_ps_archived_stale_or_filtered_wins_over_requeue(queue, run, taken_as):
+    """The worker published and died before archiving its job; the PS collected the result and archived it stale (its
+    prompts thrown again in new jobs) or filtered (every group dropped) before recovery ran. Its job going back to
+    pending would be generated and trained again (seen in the chaos test)."""
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.claim(device=1)
+    queue.recover(lease_s=LEASE_S)  # its first worker died too: this is attempt 2
+    job = queue.claim(device=2)
+    assert job.attempt == 2
+    fileops.move(job.path, run.queue / "000001_000_committing_by_dev2_a2.pt")
+    fileops.write_payload(run.tmp, run.queue / "000001_000_complete_from_dev2.pt", result_payload(job.job_id, 2, 2))
+    [collected] = queue.collect()
+    queue.archive_if_present(collected.path, collected.job_id, taken_as, collected.attempt)
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "archive" and "result exists" in action.why, action.line()
+    assert queue_files(run) == []
+    assert sorted(done_files(run)) == sorted(["000001_000_processed_a2.pt", f"000001_000_{taken_as.value}_a2.pt"])
+
+
 def test_recovery_is_idempotent(queue, run):
     for i in range(3):
         queue.put_job(make_job_id(1, i), {}, created_step=1)
