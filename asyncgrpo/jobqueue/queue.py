@@ -147,12 +147,6 @@ class JobQueue:
     def was_consumed(self, job_id: str) -> bool:
         return os.path.lexists(self.run.done / done_name(job_id, ArchiveReason.CONSUMED))
 
-    def result_was_taken(self, job_id: str, attempt: int) -> bool:
-        """Whether the PS took a result of this job and archived it: trained on (consumed), or attempt ``attempt``'s
-        archived stale (its prompts thrown again in new jobs) or filtered (every group dropped)."""
-        return self.was_consumed(job_id) or any(os.path.lexists(self.run.done / done_name(job_id, reason, attempt))
-                                                for reason in (ArchiveReason.STALE, ArchiveReason.FILTERED))
-
     def active_job_ids(self) -> set[str]:
         """The jobs with a file in queue/, in any state: thrown and not yet archived."""
         return {name.job_id for name in self.scan()[0]}

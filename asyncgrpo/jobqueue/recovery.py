@@ -87,7 +87,7 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
             if why is None:
                 continue
         reason = None  # requeue
-        if name.job_id in with_result or queue.result_was_taken(name.job_id, name.attempt):
+        if name.job_id in with_result or _result_taken(queue, name.job_id, name.attempt):
             reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
         elif name.attempt < latest_attempt[name.job_id]:  # its worker threw it again and died right after
             reason, why = ArchiveReason.DUPLICATE, why + f"; attempt {latest_attempt[name.job_id]} is in the queue"
@@ -104,6 +104,13 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
         for action in actions:
             log.warning("[queue] recover: %s", action.line())
     return actions
+
+
+def _result_taken(queue, job_id: str, attempt: int) -> bool:
+    """Whether the PS took a result of this job: trained on it (consumed), or archived attempt ``attempt``'s stale
+    (its prompts thrown again in new jobs) or filtered (every group dropped)."""
+    return queue.was_consumed(job_id) or any(os.path.lexists(queue.run.done / done_name(job_id, reason, attempt))
+                                             for reason in (ArchiveReason.STALE, ArchiveReason.FILTERED))
 
 
 LEFTOVER_STATES = (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED)
