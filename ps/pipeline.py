@@ -245,12 +245,17 @@ class JobPipeline:
         """True: groups of ``result`` train from step ``step + 1`` on; False: archived stale or duplicate. The
         staleness bound applies when a result is first taken (a result partly trained before a restart has passed
         it)."""
+        if self.queue.was_archived(result.job_id, (ArchiveReason.STALE,), max(self.cfg.max_attempts, result.attempt)):
+            log.warning("[queue] %s: another result of this job was archived stale and its prompts thrown again; "
+                        "this one is a duplicate", result.job_id)  # (two results: a worker silent past its lease)
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+            return False
         staleness = step - result.payload["weights_version"]
         if staleness > self.cfg.max_staleness and not self.ledger.is_partly_done(result.job_id):
             log.info("[queue] %s is %d steps stale (max %d): archived, prompts thrown again",
                      result.job_id, staleness, self.cfg.max_staleness)
-            self.producer.owe(result.job_id, result.data.rows)  # journal first: a crash loses no rows
-            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.STALE, result.attempt)
+            self.producer.owe(result.job_id, result.data.rows, archive=functools.partial(
+                self.queue.archive_if_present, result.path, result.job_id, ArchiveReason.STALE, result.attempt))
             return False
         if self.ledger.is_consumed(result.job_id):  # in the checkpoint's ledger, though not archived so
             self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)

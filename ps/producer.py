@@ -37,6 +37,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from datasets import IterableDataset
@@ -199,11 +200,15 @@ class JobProducer(WatchedThread):
         for _ in range(self.batches_drawn):  # skip what an earlier PS already threw
             next(self._batches)
 
-    def owe(self, job_id: str, rows: list) -> None:
-        """The result of ``job_id`` is being discarded: its rows go out again (journal first)."""
+    def owe(self, job_id: str, rows: list, archive: Callable[[], object]) -> None:
+        """The result of ``job_id`` is discarded: its rows go out again. The journal first (a crash loses no rows),
+        then ``archive`` takes the result out of the queue, both under the lock a throw takes: no job holds these
+        rows while the result is still in the queue, where a PS killed in between would find it at its restart and
+        judge it again (load_state drops the rows owed by a result still queued)."""
         with self.lock:
             self.owed.append({"from_job": job_id, "rows": rows})
             self._write_journal()
+            archive()
         self.watcher.wake()
 
     def _write_journal(self) -> None:

@@ -147,6 +147,12 @@ class JobQueue:
     def was_consumed(self, job_id: str) -> bool:
         return os.path.lexists(self.run.done / done_name(job_id, ArchiveReason.CONSUMED))
 
+    def was_archived(self, job_id: str, reasons: tuple[ArchiveReason, ...], attempts: int) -> bool:
+        """Whether done/ holds a result of ``job_id`` archived for one of ``reasons``, at any attempt up to
+        ``attempts`` (a few exact names, never a listing of done/)."""
+        return any(os.path.lexists(self.run.done / done_name(job_id, reason, attempt))
+                   for reason in reasons for attempt in range(1, attempts + 1))
+
     def active_job_ids(self) -> set[str]:
         """The jobs with a file in queue/, in any state: thrown and not yet archived."""
         return {name.job_id for name in self.scan()[0]}
@@ -385,13 +391,14 @@ class JobQueue:
             if entry.name != done_name(job_id, ArchiveReason.CONSUMED):  # a .{n} copy: consumed is unique
                 continue
             collected = self.path(QueueName(job_id, state=JobState.COLLECTED))
+            if os.path.lexists(collected) and not os.path.samefile(entry.path, collected):
+                # A second result of the job, collected after it was consumed; the PS died before archiving it
+                # duplicate (collect). It goes now, and the consumed one back, to be trained again.
+                self.archive_if_present(collected, job_id, ArchiveReason.DUPLICATE)
             try:
                 fileops.move_to_other_dir(entry.path, collected, fsync=self.fsync)
                 log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
             except FileExistsError:
-                if not os.path.samefile(entry.path, collected):
-                    log.warning("[queue] %s: a collected copy already waits; keeping the archive", job_id)
-                    continue
                 fileops.unlink_second_name(entry.path)  # an earlier PS died inside consume()'s link + unlink
                 log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
             back.append(job_id)

@@ -8,10 +8,10 @@ the lease (stopped, hung), when the worker has moved on to another job and the f
 the lease, or when it is older than the job's deadline (``--job_timeout_s``) and the lease together,
 whatever the heartbeat says: a worker acts on its own deadline (worker/deadline.py), and this is the
 backstop for one that cannot. A stale job whose result exists is archived ``processed`` (the result wins): in the
-queue, or taken by the PS (consumed, or archived stale or filtered: a stale result's prompts are thrown again in new
-jobs, so its job going back to pending would train them twice). One whose job is already in the queue as a later
-attempt (its worker threw it again, then died) is archived ``duplicate``; else
-it goes back to pending with attempt + 1, or to done/ as ``orphaned`` after ``max_attempts``. Temp
+queue, or taken by the PS, at any attempt (consumed; archived stale or filtered: a stale result's prompts are thrown
+again in new jobs, so its job going back to pending would train them twice; or a failure report archived failed).
+One whose job is already in the queue as a later attempt (its worker threw it again, then died) is archived
+``duplicate``; else it goes back to pending with attempt + 1, or to done/ as ``orphaned`` after ``max_attempts``. Temp
 files are reaped when older than the lease, or at once when their writer (a process of this host) is
 dead. Files outside the queue's name grammar are archived ``failed_load``.
 
@@ -87,7 +87,7 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
             if why is None:
                 continue
         reason = None  # requeue
-        if name.job_id in with_result or _result_taken(queue, name.job_id, name.attempt):
+        if name.job_id in with_result or _result_taken(queue, name.job_id, max(max_attempts, name.attempt)):
             reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
         elif name.attempt < latest_attempt[name.job_id]:  # its worker threw it again and died right after
             reason, why = ArchiveReason.DUPLICATE, why + f"; attempt {latest_attempt[name.job_id]} is in the queue"
@@ -106,11 +106,13 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
     return actions
 
 
-def _result_taken(queue, job_id: str, attempt: int) -> bool:
-    """Whether the PS took a result of this job: trained on it (consumed), or archived attempt ``attempt``'s stale
-    (its prompts thrown again in new jobs) or filtered (every group dropped)."""
-    return queue.was_consumed(job_id) or any(os.path.lexists(queue.run.done / done_name(job_id, reason, attempt))
-                                             for reason in (ArchiveReason.STALE, ArchiveReason.FILTERED))
+def _result_taken(queue, job_id: str, attempts: int) -> bool:
+    """Whether the PS took a result of this job, of any attempt (a later attempt's result may have been taken
+    before recovery looks at this one: its worker threw the job again and died before archiving this file): trained
+    on it (consumed), archived it stale (its prompts thrown again in new jobs), filtered (every group dropped), or
+    failed (the report of its last attempt, its drop counted once)."""
+    return queue.was_consumed(job_id) or queue.was_archived(
+        job_id, (ArchiveReason.STALE, ArchiveReason.FILTERED, ArchiveReason.FAILED), attempts)
 
 
 LEFTOVER_STATES = (JobState.PENDING, JobState.COMPLETE, JobState.COLLECTED)

@@ -6,6 +6,7 @@ A "worker" here is the test itself: it claims and completes jobs with the real q
 Every wait is bounded; nothing sleeps and hopes.
 """
 
+import contextlib
 import functools
 import os
 import threading
@@ -18,7 +19,7 @@ from helpers.pipelines import ROWS, make_pipeline
 
 import ps.pipeline as pipeline_module
 from asyncgrpo.config_parser import parse_config
-from asyncgrpo.jobqueue import JobQueue, JobState
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState
 from asyncgrpo.run import fileops
 from ps.pipeline import PipelineError, StopRequested
 
@@ -287,6 +288,61 @@ def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run, start):
     assert part.job_id == rethrown.job_id and part.weights_version == 3
 
 
+def test_a_stale_results_rows_go_out_again_only_once_the_result_has_left_the_queue(run, start, monkeypatch):
+    """Had a job taken a stale result's rows while the result was still in the queue, a PS killed right then would
+    find the result at its restart, judge it again and train its prompts twice. While the result is being archived,
+    a worker claims the pending job (room for one more) and the producer is given a second to throw: it must not
+    throw those rows yet."""
+    pipeline = start(state={"consumed": [f"{i:06d}_000" for i in range(10)]}, published_version=10,  # taken 10
+                     until_pending=1, max_pending=1, max_outstanding=10, max_staleness=5)
+    stale = work_one(pipeline.queue, version=1)  # 10 - 1 = 9 steps stale at step 10
+    wait_for(lambda: pending(pipeline.queue) == 1, "the next job")
+    archive, thrown_early = pipeline.queue.archive_if_present, []
+
+    def its_rows_thrown():
+        return [rows for rows in thrown_jobs(pipeline.queue).values() if rows == stale.data["rows"]]
+
+    def archive_once_the_producer_had_its_chance(path, job_id, reason, attempt=1):
+        if reason is ArchiveReason.STALE:
+            assert pipeline.queue.claim(2) is not None
+            with contextlib.suppress(AssertionError):  # (the wait timing out is the outcome hoped for)
+                thrown_early.append(wait_for(its_rows_thrown, "a job of the stale result's rows", timeout=1.0))
+        return archive(path, job_id, reason, attempt)
+
+    monkeypatch.setattr(pipeline.queue, "archive_if_present", archive_once_the_producer_had_its_chance)
+    thread, outcome = next_batch_in_thread(pipeline, step=10)
+    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
+    assert thrown_early == []
+    wait_for(its_rows_thrown, "the stale result's rows thrown again")
+    rethrown = pipeline.queue.claim(1)
+    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
+                                   weights_version=10)
+    thread.join(WAIT_S)
+    assert outcome["result"].in_training.parts[0].job_id == rethrown.job_id
+
+
+def test_a_second_result_of_a_job_archived_stale_is_a_duplicate_not_trained(run, start):
+    """A job's result was archived stale and its rows thrown again; a second result of the same job comes later (its
+    worker was silent past the lease, say, and its job generated twice). Trained, its prompts would train twice."""
+    pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
+                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
+    stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
+    thread, outcome = next_batch_in_thread(pipeline, step=3)
+    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
+    wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
+    fileops.write_payload(run.tmp, run.queue / f"{stale.job_id}_pending_a2.pt", stale.payload)
+    second = pipeline.queue.claim(2)  # the oldest job first: the stale one's attempt 2, fresh
+    assert (second.job_id, second.attempt) == (stale.job_id, 2)
+    assert pipeline.queue.complete(second, {"batch": batch(), "metrics": {}, "rows": second.data["rows"]},
+                                   weights_version=3)
+    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_duplicate_a2.pt"), "the second result archived")
+    rethrown = pipeline.queue.claim(1)
+    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
+                                   weights_version=3)
+    thread.join(WAIT_S)
+    assert outcome["result"].in_training.parts[0].job_id == rethrown.job_id
+
+
 def test_a_result_is_as_stale_as_its_oldest_token(run, start):
     """With in-flight updates a result's later tokens come from newer weights; the bound goes by its oldest (its
     weights_version), so a result whose newest tokens are fresh is still archived stale, and admission is as it
@@ -328,7 +384,7 @@ def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(r
     pipeline = start(until_pending=1, max_pending=1, max_staleness=0)
     job = work_one(pipeline.queue, version=0)
     result, _ = take(pipeline, 0)
-    pipeline.producer.owe("000000_999", [{"prompt": "owed"}])
+    pipeline.producer.owe("000000_999", [{"prompt": "owed"}], archive=lambda: None)
     between_batches, state = pipeline.state_dict(), pipeline.state_dict(final=True)
     assert between_batches["consumed"] == []  # its step has not trained yet
     assert state["consumed"] == [job.job_id] == [result.job_id]  # the run ends here: a batch cut short counts

@@ -140,6 +140,21 @@ def test_a_consume_cut_between_link_and_unlink_is_trained_again(queue, run):
     assert result.job_id == job_id
 
 
+def test_a_second_result_waiting_collected_does_not_keep_a_consumed_one_from_coming_back(queue, run):
+    """The job was consumed after the checkpoint; a second result of it was collected, and the PS died before
+    archiving that one duplicate. The consumed one's training was lost with that PS: it must come back to be trained
+    again, and the second result go as a duplicate. Kept in done/, the job would never be trained."""
+    job_id = "000004_000"
+    fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev1.pt", result_payload(job_id, 1))
+    [result] = queue.collect()
+    assert queue.consume(result)
+    fileops.write_payload(run.tmp, run.queue / f"{job_id}_collected.pt", result_payload(job_id, 2))
+    assert queue.roll_back_consumed(set()) == [job_id]
+    assert done_files(run) == [f"{job_id}_duplicate.pt"] and queue_files(run) == [f"{job_id}_collected.pt"]
+    [again] = queue.collect(readopt=True)
+    assert again.payload["worker_device"] == 1 and queue.consume(again)
+
+
 def test_a_job_has_files_while_queued_and_once_archived_only_then(queue, run):
     queue.put_job("000005_001", {}, created_step=5)
     assert queue.active_job_ids() == {"000005_001"} and queue.has_files_of("000005_001")
@@ -297,11 +312,15 @@ def test_existing_result_wins_over_requeue(queue, run):
     assert queue_files(run) == ["000001_000_complete_from_dev1.pt"]
 
 
-@pytest.mark.parametrize("taken_as", [ArchiveReason.STALE, ArchiveReason.FILTERED])
-def test_a_result_the_ps_archived_stale_or_filtered_wins_over_requeue(queue, run, taken_as):
+TAKEN_AS = [ArchiveReason.STALE, ArchiveReason.FILTERED, ArchiveReason.FAILED]
+
+
+@pytest.mark.parametrize("taken_as", TAKEN_AS)
+def test_a_result_the_ps_archived_stale_filtered_or_failed_wins_over_requeue(queue, run, taken_as):
     """The worker published and died before archiving its job; the PS collected the result and archived it stale (its
-    prompts thrown again in new jobs) or filtered (every group dropped) before recovery ran. Its job going back to
-    pending would be generated and trained again (seen in the chaos test)."""
+    prompts thrown again in new jobs), filtered (every group dropped) or failed (a failure report) before recovery
+    ran. Its job going back to pending would be generated and trained again (seen in the chaos test); a report's
+    job archived orphaned would count its drop twice."""
     queue.put_job("000001_000", {}, created_step=1)
     queue.claim(device=1)
     queue.recover(lease_s=LEASE_S)  # its first worker died too: this is attempt 2
@@ -315,6 +334,25 @@ def test_a_result_the_ps_archived_stale_or_filtered_wins_over_requeue(queue, run
     assert action.what == "archive" and "result exists" in action.why, action.line()
     assert queue_files(run) == []
     assert sorted(done_files(run)) == sorted(["000001_000_processed_a2.pt", f"000001_000_{taken_as.value}_a2.pt"])
+
+
+@pytest.mark.parametrize("taken_as", TAKEN_AS)
+def test_a_later_attempts_result_the_ps_took_wins_over_requeue(queue, run, taken_as):
+    """dev1's job failed: it published attempt 2 (fail()) and died before archiving its attempt 1. dev2 generated
+    attempt 2 and the PS took its result (stale: its prompts thrown again) before recovery looked at attempt 1.
+    Attempt 1 going back to pending (attempt 2's name is free again) would be generated and trained again."""
+    queue.put_job("000001_000", {}, created_step=1)
+    first = queue.claim(device=1)
+    fileops.move(first.path, run.queue / "000001_000_committing_by_dev1.pt")
+    fileops.write_payload(run.tmp, run.queue / "000001_000_pending_a2.pt", first.payload)
+    second = queue.claim(device=2)
+    assert second.attempt == 2
+    assert queue.complete(second, {"batch": None}, weights_version=0)
+    [collected] = queue.collect()
+    queue.archive_if_present(collected.path, collected.job_id, taken_as, collected.attempt)
+    [action] = queue.recover(lease_s=LEASE_S)
+    assert action.what == "archive" and "result exists" in action.why, action.line()
+    assert queue_files(run) == []
 
 
 def test_recovery_is_idempotent(queue, run):
