@@ -16,15 +16,15 @@
 #                         against every row prefilled (continuous-unshared)
 #   6. long_tail_05b_32   long-tail lengths with one job's rows (32)
 #   7. pytest             the gpu tests of the worker's decoding and of CUDA IPC under MPS
-#   5. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
+#   8. generation_05b_1024  the step with 1024-token completions, 32 rows: its attention over the whole cache
 #                         (graph-wholecache), then over the written columns only (graph)
-#   6. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
+#   9. generation_05b     the step at 32 rows, 64-token completions: as it was before the kernel levers
 #                         (graph-nolevers), with chunked sampling only (graph-nofuse), and with fused projections too
 #                         (graph), with --profile
-#   7. generation_05b_128 the step at 128 rows (4 jobs a call)
-#   8. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
+#  10. generation_05b_128 the step at 128 rows (4 jobs a call)
+#  11. gpu_vs_trl         TRL, then asyncgrpo with 2 workers decoding with the graph, under NVIDIA MPS when
 #                         nvidia-cuda-mps-control is here
-#   9. generation_15b     the step at 1.5B's shape
+#  12. generation_15b     the step at 1.5B's shape
 #
 # (On the H200, 2026-11-26: a generation_bench setting took 50-100 s, compilation included; TRL's run in
 # gpu_vs_trl 72 s, and the asyncgrpo run after it did not finish in the 138 s it had left. 2026-11-28: engine_gpu

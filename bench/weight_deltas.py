@@ -1,13 +1,17 @@
-"""Weights to other hosts as deltas against today's full snapshots, side by side in one invocation.
+"""Weights to other hosts as deltas against full snapshots, side by side in one invocation.
 
 A Qwen2.5-0.5B-shaped model (random initialisation, float32, tied embeddings) trains real steps: AdamW on a
 GRPO-like loss (advantage-weighted log-probabilities of random completions). After each step the same
-weights are published twice, in bfloat16 (the workers' dtype):
+weights are published as deltas and as a full file in bfloat16 (the workers' dtype), and every few steps as a
+full file in float32 (the PS's dtype):
 
 * deltas: ``SnapshotPublisher`` (asyncgrpo/weights/snapshot.py), an anchor every ANCHOR_EVERY versions and the
   changed elements between them; a reader (``Subscriber``) applies each version in place onto a bfloat16 model;
 * full: a whole bfloat16 safetensors file per version, written to a temp name and renamed, and read back the
-  way a reader on another host reads one (plain reads, parsed, copied into a bfloat16 model).
+  way a reader on another host reads one (plain reads, parsed, copied into a bfloat16 model): an anchor's size;
+* before: what a version cost before deltas and ``--worker_dtype``, a whole file in the PS's dtype (float32) read
+  and converted into the bfloat16 model the same way; written and read every ``--before-every`` versions (2 GB
+  at 0.5B: the medians need no more).
 
 One version (``--xor-at``) is also written the other way a delta can be: the XOR of each tensor's bits with the
 version before, compressed with zlib; its bytes and time are printed beside the positions-and-values delta's.
@@ -18,6 +22,7 @@ to the PS's published ones after the last version. Both readers read files the P
 page cache: a shared filesystem's reads cost more per byte, which favours the deltas further.
 
 Run:  .venv/bin/python bench/weight_deltas.py [--shape 0.5b|tiny] [--lrs 1e-6,1e-5] [--versions 100,30]
+        [--before-every 5]
 (temp run dirs under /tmp, removed at the end)
 """
 
@@ -70,7 +75,7 @@ def grpo_like_step(model, optimizer, step: int, batch: int, tokens: int) -> floa
 
 
 class FullSnapshots:
-    """Today's way: the whole model in the published dtype, one file per version."""
+    """The whole model in ``dtype``, one file per version."""
 
     def __init__(self, folder: Path, model: torch.nn.Module, dtype: torch.dtype):
         self.folder, self.model, self.dtype = folder, model, dtype
@@ -113,7 +118,8 @@ def xor_compressed(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
     return {"bytes": size, "ms": (time.perf_counter() - t0) * 1e3}
 
 
-def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path, xor_at: int) -> dict:
+def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path, xor_at: int,
+           before_every: int) -> dict:
     model, dtype = build(shape, torch.float32), torch.bfloat16
     worker_deltas, worker_full = build(shape, dtype), build(shape, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -121,6 +127,8 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
     publisher = SnapshotPublisher(run, model, dtype=dtype)
     subscriber = make_subscriber(run)
     full = FullSnapshots(root / f"full-{lr:g}", model, dtype)
+    before_deltas = FullSnapshots(root / f"before-{lr:g}", model, torch.float32)
+    before_read_ms = []
     rows, xor = [], None
     print(f"\nlr {lr:g}: version kind delta_MB full_MB ratio | publish_ms delta full | read_ms delta full")
     for version in range(1, versions + 1):
@@ -141,13 +149,19 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
         t0 = time.perf_counter()
         full.read(path, worker_full)
         read_full = time.perf_counter() - t0
+        if version % before_every == 0:
+            path, _ = before_deltas.publish(version)
+            t0 = time.perf_counter()
+            before_deltas.read(path, worker_full)
+            before_read_ms.append((time.perf_counter() - t0) * 1e3)
         row = dict(version=version, anchor=anchor, bytes=publisher.published_bytes, full_bytes=full_bytes,
                    publish_ms=publish_delta * 1e3, full_publish_ms=publish_full * 1e3, read_ms=read_delta * 1e3,
                    full_read_ms=read_full * 1e3)
         rows.append(row)
         print(f"v{version:<4d} {'anchor' if anchor else 'delta ':6s} {row['bytes'] / 1e6:8.2f} {full_bytes / 1e6:8.2f} "
               f"{row['bytes'] / full_bytes:6.3f} | {row['publish_ms']:8.1f} {row['full_publish_ms']:8.1f} | "
-              f"{row['read_ms']:8.1f} {row['full_read_ms']:8.1f}", flush=True)
+              f"{row['read_ms']:8.1f} {row['full_read_ms']:8.1f}"
+              + (f" | before deltas {before_read_ms[-1]:.1f}" if version % before_every == 0 else ""), flush=True)
     published = {name: t.detach().to(dtype) for name, t in shared_tensors(model).items()}
     held = shared_tensors(worker_deltas)
     identical = all(torch.equal(deltas.flat_bits(held[n]), deltas.flat_bits(published[n])) for n in published)
@@ -169,7 +183,9 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
                 delta_bytes_ratio_max=max(r["bytes"] / r["full_bytes"] for r in between),
                 publish_ms_median=median("publish_ms"), full_publish_ms_median=median("full_publish_ms"),
                 read_ms_median=median("read_ms"), full_read_ms_median=median("full_read_ms"),
-                read_ratio=median("read_ms") / median("full_read_ms"), bit_identical=identical)
+                read_ratio=median("read_ms") / median("full_read_ms"),
+                before_read_ms_median=statistics.median(before_read_ms) if before_read_ms else float("nan"),
+                bit_identical=identical)
 
 
 def main() -> None:
@@ -180,6 +196,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--xor-at", type=int, default=3, help="the version also written the other way, XOR and zlib")
+    parser.add_argument("--before-every", type=int, default=5,
+                        help="every how many versions a whole float32 file is also written and read")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     counts = [int(x) for x in args.versions.split(",")]
@@ -188,17 +206,20 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     root = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
     try:
-        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root, args.xor_at)
+        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root, args.xor_at, args.before_every)
                    for lr, n in zip(lrs, counts, strict=True)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("\nbetween anchors (medians): lr, versions, bytes delta/full (median, max), publish ms delta vs full, "
-          "read-and-apply ms delta vs full (ratio), bit-identical after the last version")
+          "read-and-apply ms delta vs full (ratio) and vs before deltas (a float32 file: ratio), bit-identical after "
+          "the last version")
     for r in results:
         print(f"lr {r['lr']:g}: {r['versions']} versions ({r['anchors']} anchors), "
               f"bytes {r['delta_bytes_ratio_median']:.3f} (max {r['delta_bytes_ratio_max']:.3f}), "
               f"publish {r['publish_ms_median']:.0f} vs {r['full_publish_ms_median']:.0f} ms, "
               f"read {r['read_ms_median']:.0f} vs {r['full_read_ms_median']:.0f} ms ({r['read_ratio']:.3f}), "
+              f"vs {r['before_read_ms_median']:.0f} ms before deltas "
+              f"({r['read_ms_median'] / r['before_read_ms_median']:.3f}), "
               f"bit-identical {r['bit_identical']}")
 
 if __name__ == "__main__":
