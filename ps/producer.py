@@ -44,7 +44,7 @@ from datasets import IterableDataset
 from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
 from asyncgrpo.config import AsyncGRPOConfig, ConfigError
-from asyncgrpo.jobqueue import JobQueue, JobState, QueueWatcher
+from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState, QueueWatcher
 from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.jobqueue.names import next_job_id
 from asyncgrpo.run import fileops
@@ -179,15 +179,16 @@ class JobProducer(WatchedThread):
 
     def load_state(self, checkpointed: dict | None) -> None:
         """Resumes from the journal (or the checkpoint's copy when the journal is missing or older):
-        rows of a job whose file never appeared, and rows owed by results that are still in the
-        queue (their stale archiving was cut short), are settled here."""
+        rows of a job whose file never appeared, and rows owed by results still in the queue and never
+        archived stale (the PS died before the archive: they are judged again), are settled here."""
         journal = fileops.read_json(self.journal_path) or {}
         saved = max((journal, checkpointed or {}), key=lambda s: int(s.get("batches_drawn", 0)))
         self.batches_drawn = int(saved.get("batches_drawn", 0))
         self.last_job_id = saved.get("last_job_id")
         self.last_rows = saved.get("last_rows") or []
-        active = self.queue.active_job_ids()
-        self.owed = [entry for entry in saved.get("owed", []) if entry["from_job"] not in active]
+        names = self.queue.scan()[0]
+        active = {name.job_id for name in names}
+        self.owed = [entry for entry in saved.get("owed", []) if not self._judged_again(entry["from_job"], names)]
         self.set_aside = saved.get("set_aside", [])
         self.prompts_skipped = int(saved.get("prompts_skipped", 0))
         if self.last_job_id and self.last_rows and not self.queue.has_files_of(self.last_job_id):
@@ -199,6 +200,15 @@ class JobProducer(WatchedThread):
         self._batches = self.generation_batches()
         for _ in range(self.batches_drawn):  # skip what an earlier PS already threw
             next(self._batches)
+
+    def _judged_again(self, job_id: str | None, names: list) -> bool:
+        """Whether the result that owed these rows is still in the queue and not archived stale: a PS killed between
+        the journal and the archive. Judged again, it owes them again if it is still too stale. With a stale archive
+        of it in done/, what is queued is another attempt of its job (a duplicate now) or the archive's own file (a
+        PS killed inside the move): the rows stay owed."""
+        attempts = [name.attempt for name in names if name.job_id == job_id]
+        return bool(attempts) and not self.queue.was_archived(job_id, (ArchiveReason.STALE,),
+                                                              max(self.cfg.max_attempts, *attempts))
 
     def owe(self, job_id: str, rows: list, archive: Callable[[], object]) -> None:
         """The result of ``job_id`` is discarded: its rows go out again. The journal first (a crash loses no rows),

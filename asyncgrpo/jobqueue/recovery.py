@@ -8,8 +8,9 @@ the lease (stopped, hung), when the worker has moved on to another job and the f
 the lease, or when it is older than the job's deadline (``--job_timeout_s``) and the lease together,
 whatever the heartbeat says: a worker acts on its own deadline (worker/deadline.py), and this is the
 backstop for one that cannot. A stale job whose result exists is archived ``processed`` (the result wins): in the
-queue, or taken by the PS, at any attempt (consumed; archived stale or filtered: a stale result's prompts are thrown
-again in new jobs, so its job going back to pending would train them twice; or a failure report archived failed).
+queue, or taken by the PS, at any attempt up to max_attempts or the job's latest (consumed; archived stale or
+filtered: a stale result's prompts are thrown again in new jobs, so its job going back to pending would train them
+twice; or a failure report archived failed).
 One whose job is already in the queue as a later attempt (its worker threw it again, then died) is archived
 ``duplicate``; else it goes back to pending with attempt + 1, or to done/ as ``orphaned`` after ``max_attempts``. Temp
 files are reaped when older than the lease, or at once when their writer (a process of this host) is
@@ -87,7 +88,8 @@ def recover(queue, *, lease_s: float, max_attempts: int, dry_run: bool, own_devi
             if why is None:
                 continue
         reason = None  # requeue
-        if name.job_id in with_result or _result_taken(queue, name.job_id, max(max_attempts, name.attempt)):
+        attempts = max(max_attempts, latest_attempt[name.job_id])
+        if name.job_id in with_result or _result_taken(queue, name.job_id, attempts):
             reason, why = ArchiveReason.PROCESSED, why + "; its result exists"
         elif name.attempt < latest_attempt[name.job_id]:  # its worker threw it again and died right after
             reason, why = ArchiveReason.DUPLICATE, why + f"; attempt {latest_attempt[name.job_id]} is in the queue"

@@ -294,7 +294,8 @@ def test_a_stale_results_rows_go_out_again_only_once_the_result_has_left_the_que
     a worker claims the pending job (room for one more) and the producer is given a second to throw: it must not
     throw those rows yet."""
     pipeline = start(state={"consumed": [f"{i:06d}_000" for i in range(10)]}, published_version=10,  # taken 10
-                     until_pending=1, max_pending=1, max_outstanding=10, max_staleness=5)
+                     until_pending=1, max_pending=1, max_outstanding=10, max_staleness=5,
+                     lease_s=3600)  # (the test's claims have no heartbeat: recovery must not take them back)
     stale = work_one(pipeline.queue, version=1)  # 10 - 1 = 9 steps stale at step 10
     wait_for(lambda: pending(pipeline.queue) == 1, "the next job")
     archive, thrown_early = pipeline.queue.archive_if_present, []
@@ -378,6 +379,26 @@ def test_rows_owed_when_the_ps_died_go_out_first_unless_their_result_is_still_qu
     assert pipeline.producer.owed == owed[:1]
     pipeline.producer.throw()
     assert thrown_jobs(queue) == {"000002_001": owed[0]["rows"]}
+
+
+def test_rows_owed_by_a_result_archived_stale_stay_owed_whatever_of_its_job_is_still_queued(run):
+    """The PS died before throwing again the rows of two results it had archived stale. One job is queued again as
+    attempt 2 (its worker was silent past the lease); the other's archive was cut short inside the move (the queued
+    result and the archive are one file). Both queued files are duplicates now, so the rows must stay owed: dropped,
+    they would never be trained."""
+    queue = JobQueue(run)
+    fileops.write_payload(run.tmp, run.queue / "000003_000_pending_a2.pt", {"not": "read here"})
+    fileops.write_payload(run.tmp, run.done / "000003_000_stale.pt", {"not": "read here"})
+    fileops.write_payload(run.tmp, run.queue / "000004_000_collected.pt", {"not": "read here"})
+    os.link(run.queue / "000004_000_collected.pt", run.done / "000004_000_stale.pt")
+    owed = [{"from_job": "000003_000", "rows": [{"prompt": "requeued"}] * ROWS},
+            {"from_job": "000004_000", "rows": [{"prompt": "cut short"}] * ROWS}]
+    fileops.write_json(run.root / "producer.json", {"batches_drawn": 1, "last_job_id": "000004_000",
+                                                    "last_rows": [], "owed": owed})
+    pipeline = make_pipeline(run, max_pending=2, max_staleness=8)
+    pipeline.producer.load_state(None)
+    assert pipeline.producer.owed == owed
+    assert queue.counts()["pending"] == 1
 
 
 def test_the_checkpointed_state_holds_the_ledger_the_journal_and_the_owed_rows(run, start):
