@@ -144,6 +144,14 @@ class JobPipeline:
         return {**self.ledger.state_dict(cut_short), "producer": self.producer.state_dict(),
                 "dropped": {"jobs": self.failed.jobs, "prompts": self.failed.prompts}}
 
+    def consume_leftover(self) -> None:
+        """At the end of training: the result whose groups are split across batches is archived consumed, as the
+        final checkpoint counts it (before that checkpoint's ledger is written: a PS killed in between finds it
+        consumed and not in the ledger of the checkpoint it resumes from, and trains its rest again)."""
+        if self.leftover is not None:
+            self.queue.consume(self.leftover[0])
+            self.leftover = None
+
     def load_state_dict(self, state: dict) -> None:
         self.ledger.load_state_dict(state)
         self.producer.load_state(state.get("producer"))
@@ -245,6 +253,9 @@ class JobPipeline:
         """True: groups of ``result`` train from step ``step + 1`` on; False: archived stale or duplicate. The
         staleness bound applies when a result is first taken (a result partly trained before a restart has passed
         it)."""
+        if self.ledger.is_consumed(result.job_id):  # in the checkpoint's ledger, though not archived so
+            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
+            return False
         if self.queue.was_archived(result.job_id, (ArchiveReason.STALE,), max(self.cfg.max_attempts, result.attempt)):
             log.warning("[queue] %s: another result of this job was archived stale and its prompts thrown again; "
                         "this one is a duplicate", result.job_id)  # (two results: a worker silent past its lease)
@@ -256,9 +267,6 @@ class JobPipeline:
                      result.job_id, staleness, self.cfg.max_staleness)
             self.producer.owe(result.job_id, result.data.rows, archive=functools.partial(
                 self.queue.archive_if_present, result.path, result.job_id, ArchiveReason.STALE, result.attempt))
-            return False
-        if self.ledger.is_consumed(result.job_id):  # in the checkpoint's ledger, though not archived so
-            self.queue.archive_if_present(result.path, result.job_id, ArchiveReason.DUPLICATE, result.attempt)
             return False
         return True
 
@@ -347,9 +355,7 @@ class JobPipeline:
         Nothing goes back to pending (a worker would take it with no one left to collect), and
         the loop repeats until queue/ is empty: a worker relaunched now may release a job."""
         self.stop()
-        if self.leftover is not None:
-            self.queue.consume(self.leftover[0])
-            self.leftover = None
+        self.consume_leftover()
         self.cache.drain()  # its results are in queue/ as collected: archived below
         read = functools.partial(read_result_payload, rows_per_job=self.cfg.generation_batch_size)
         deadline = time.monotonic() + self.cfg.lease_s

@@ -109,7 +109,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.weighting = TokenWeighting(cfg.off_policy_correction, cfg.off_policy_cap)
         self._resume_checkpoint: str | None = None
         self.step_record = StepRecord(dynamic_sampling=cfg.dynamic_sampling)  # since the last logged step
-        self._save_due_after_batch = False
+        self._save_due_after_batch = self._evaluation_due_after_batch = False
         self.signal = LearningSignal()  # steps without a reward, or whose rewards do not spread
         self.add_callback(_PipelineCallback(self))
 
@@ -281,14 +281,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.batches.step_trained(step)
 
     def hold_save_until_batch_ends(self, control) -> None:
-        """Checkpoints only between batches: a save inside a batch moves to its last step (not the final save)."""
+        """Checkpoints only between batches: a save inside a batch moves to its last step (not the final save), and
+        so does an evaluation, since with ``--save_strategy best`` an evaluation decides a save."""
         inside_a_batch = self.batch_in_training is not None  # known on every rank: they all save, or none
-        if control.should_save and inside_a_batch and self.state.global_step < self.state.max_steps:
-            control.should_save, self._save_due_after_batch = False, True
-            log.info("[train] step=%d is inside a batch: its checkpoint is saved when the batch's last step has "
-                     "trained", self.state.global_step)
-        elif self._save_due_after_batch and not inside_a_batch:
-            control.should_save, self._save_due_after_batch = True, False
+        held = inside_a_batch and self.state.global_step < self.state.max_steps
+        if held and (control.should_save or control.should_evaluate):
+            log.info("[train] step=%d is inside a batch: its %s when the batch's last step has trained",
+                     self.state.global_step, "checkpoint is saved" if control.should_save else "evaluation runs")
+            self._save_due_after_batch |= control.should_save
+            self._evaluation_due_after_batch |= control.should_evaluate
+            control.should_save = control.should_evaluate = False
+        elif not inside_a_batch:
+            control.should_save |= self._save_due_after_batch
+            control.should_evaluate |= self._evaluation_due_after_batch
+            self._save_due_after_batch = self._evaluation_due_after_batch = False
 
     def save_checkpoint_at_stop(self) -> str | None:
         """After StopRequested (every rank): the checkpoint of the last trained step, unless it is saved already
@@ -373,8 +379,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             return
         run_dir = self._get_output_dir(trial=trial)
         final = self.state.global_step >= self.state.max_steps
-        write_ledger(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"), self.state.global_step,
-                     {**self.pipeline.state_dict(final), "flags": recorded_flags(self.cfg)})
+        state = {**self.pipeline.state_dict(final), "flags": recorded_flags(self.cfg)}
+        if final:
+            self.pipeline.consume_leftover()  # archived as the ledger counts it, before the ledger
+        write_ledger(os.path.join(run_dir, f"checkpoint-{self.state.global_step}"), self.state.global_step, state)
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, use_mtime=True,
                                best_model_checkpoint=self.state.best_model_checkpoint)
@@ -397,6 +405,9 @@ class _PipelineCallback(TrainerCallback):
             control.should_log = True
         self.trainer.on_optimizer_step_end()
         self.trainer.hold_save_until_batch_ends(control)  # after DefaultFlowCallback decided should_save
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.trainer.hold_save_until_batch_ends(control)  # (epoch strategies save and evaluate from here)
 
 
 def _fmt(value) -> str:

@@ -344,6 +344,24 @@ def test_a_second_result_of_a_job_archived_stale_is_a_duplicate_not_trained(run,
     assert outcome["result"].in_training.parts[0].job_id == rethrown.job_id
 
 
+def test_a_result_the_checkpoints_ledger_counts_is_a_duplicate_even_when_stale(run, start):
+    """A result whose job the checkpoint's ledger counts as consumed (a result split across batches at the end of a
+    run, relaunched with a larger --max_steps) is a duplicate, even past the staleness bound: archived stale, all its
+    rows would be thrown again, and some of them have trained."""
+    queue = JobQueue(run)
+    queue.put_job("000000_500", {"rows": [{"prompt": "trained"}] * ROWS}, created_step=0)
+    assert queue.complete(queue.claim(1), {"batch": batch(), "metrics": {}, "rows": [{"prompt": "trained"}] * ROWS},
+                          weights_version=1)
+    pipeline = start(state={"consumed": ["000000_500"]}, published_version=10, until_pending=1, max_pending=1,
+                     max_outstanding=2, max_staleness=1)
+    thread, outcome = next_batch_in_thread(pipeline, step=10)
+    wait_for(lambda: os.path.exists(run.done / "000000_500_duplicate.pt"), "the result archived duplicate")
+    assert not os.path.exists(run.done / "000000_500_stale.pt") and pipeline.producer.owed == []
+    work_one(pipeline.queue, version=10)
+    thread.join(WAIT_S)
+    assert outcome["result"].in_training.parts[0].job_id != "000000_500"
+
+
 def test_a_result_is_as_stale_as_its_oldest_token(run, start):
     """With in-flight updates a result's later tokens come from newer weights; the bound goes by its oldest (its
     weights_version), so a result whose newest tokens are fresh is still archived stale, and admission is as it

@@ -5,12 +5,14 @@ ends."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from helpers import demo_config
 
 from asyncgrpo.inputs import load_model_and_tokenizer, load_reward_funcs, load_train_dataset, write_demo_model_once
 from asyncgrpo.run import RunDir
+from asyncgrpo.run.checkpoints import LEDGER_FILE
 from ps.ledger import GroupsTaken
 from ps.pipeline import BatchInTraining, TrainingBatch
 from ps.trainer import AsyncGRPOTrainer
@@ -78,3 +80,67 @@ def test_the_trainer_trains_each_batch_its_steps_and_saves_only_where_a_batch_en
     assert [m["token_staleness_mean"] for m in lines] == [0, 1, 0.25, 1.25]
     assert sorted(p.name for p in Path(cfg.output_dir).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_with_save_strategy_best_evaluations_and_the_saves_they_decide_wait_for_the_batchs_end(tmp_path):
+    """With --save_strategy best an evaluation decides a save. One inside a batch (a job of two steps) would save
+    weights that trained on a result its checkpoint's ledger does not hold yet: a PS resumed from there trains the
+    result again. Evaluations every step, the metric rising: each runs at a batch's end, and so does each save."""
+    root = tmp_path / "run"
+    run = RunDir.create(root)
+    cfg = demo_config(root, "--run_dir", str(root), "--max_steps", "6", "--num_iterations", "2",
+                      "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy", "best",
+                      "--metric_for_best_model", "score", "--greater_is_better", "true", "--logging_steps", "1")
+    model, tokenizer = load_model_and_tokenizer(write_demo_model_once(run.root))
+    vocab = model.config.vocab_size
+    batches = StubBatches([a_batch(cfg, vocab, version, seed=version) for version in range(3)])
+    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                               eval_dataset=load_train_dataset(cfg), batches=batches)
+    evaluated = []
+
+    def evaluate(trial, ignore_keys_for_eval, skip_scheduler=False):  # (TRL's own evaluation: generation)
+        evaluated.append((trainer.state.global_step, trainer.batch_in_training is not None))
+        return {"eval_score": float(trainer.state.global_step)}
+
+    trainer._evaluate = evaluate
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    # (transformers evaluates the last step once more at the epoch's end, its flags still set)
+    assert {step for step, _ in evaluated} == {2, 4, 6} and not any(inside for _, inside in evaluated), evaluated
+    saved = sorted(p.name for p in Path(cfg.output_dir).glob("checkpoint-*"))  # (older ones rotated out)
+    assert "checkpoint-6" in saved and set(saved) <= {"checkpoint-2", "checkpoint-4", "checkpoint-6"}, saved
+
+
+def test_the_final_checkpoint_archives_a_result_split_across_batches_before_its_ledger_counts_it(tmp_path):
+    """The final checkpoint counts as consumed a result whose groups were split across batches (its rest never
+    trains). Archived only after that ledger was written, a PS killed in between left the result in queue/: relaunched
+    at max_steps it was archived unused (the ledger counting a job with no consumed archive), and relaunched with a
+    larger --max_steps it was judged again (stale, all its rows thrown again, groups already trained among them)."""
+    root = tmp_path / "run"
+    run = RunDir.create(root)
+    cfg = demo_config(root, "--run_dir", str(root), "--max_steps", "2", "--save_strategy", "steps",
+                      "--save_steps", "1", "--logging_steps", "1")
+    model, tokenizer = load_model_and_tokenizer(write_demo_model_once(run.root))
+    vocab = model.config.vocab_size
+    batches = StubBatches([a_batch(cfg, vocab, version, seed=version) for version in range(2)])
+    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                               batches=batches)
+    split = SimpleNamespace(job_id="000009_000")
+    trainer.pipeline.leftover = (split, [1])  # group 0 trained in the last batch, group 1 waits for a next one
+    archived = []
+
+    def consume(result):
+        final_ledger = Path(cfg.output_dir) / "checkpoint-2" / LEDGER_FILE
+        archived.append((result.job_id, final_ledger.exists()))
+        return True
+
+    trainer.pipeline.queue.consume = consume
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert archived == [("000009_000", False)]
+    final = json.loads((Path(cfg.output_dir) / "checkpoint-2" / LEDGER_FILE).read_text())
+    assert "000009_000" in final["consumed"]
