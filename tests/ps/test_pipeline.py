@@ -272,13 +272,20 @@ def test_a_lost_journal_never_reuses_an_id_still_in_the_queue(run, start):
 # --------------------------------------------------------------------------- staleness and re-throw
 
 
-def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run, start):
+def a_result_archived_stale(run, start):
+    """A result 2 steps stale (max_staleness 1) taken by next_batch (on a thread), archived stale and its rows thrown
+    again: the pipeline, the stale job, and next_batch's thread and outcome (it waits for another result)."""
     pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
                      until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
     stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
     thread, outcome = next_batch_in_thread(pipeline, step=3)
     wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
     wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
+    return pipeline, stale, thread, outcome
+
+
+def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run, start):
+    pipeline, stale, thread, outcome = a_result_archived_stale(run, start)
     rethrown = pipeline.queue.claim(1)
     assert rethrown.data["rows"] == stale.data["rows"] and rethrown.job_id > stale.job_id
     assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
@@ -286,6 +293,16 @@ def test_a_stale_result_is_archived_and_its_rows_are_thrown_again(run, start):
     thread.join(WAIT_S)
     [part] = outcome["result"].in_training.parts
     assert part.job_id == rethrown.job_id and part.weights_version == 3
+
+
+def taken_once_done(pipeline, thread, outcome, version):
+    """Completes the next pending job; the job, once the waiting next_batch (next_batch_in_thread) took its result."""
+    job = pipeline.queue.claim(1)
+    assert pipeline.queue.complete(job, {"batch": batch(), "metrics": {}, "rows": job.data["rows"]},
+                                   weights_version=version)
+    thread.join(WAIT_S)
+    assert outcome["result"].in_training.parts[0].job_id == job.job_id
+    return job
 
 
 def test_a_stale_results_rows_go_out_again_only_once_the_result_has_left_the_queue(run, start, monkeypatch):
@@ -315,33 +332,20 @@ def test_a_stale_results_rows_go_out_again_only_once_the_result_has_left_the_que
     wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
     assert thrown_early == []
     wait_for(its_rows_thrown, "the stale result's rows thrown again")
-    rethrown = pipeline.queue.claim(1)
-    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
-                                   weights_version=10)
-    thread.join(WAIT_S)
-    assert outcome["result"].in_training.parts[0].job_id == rethrown.job_id
+    assert taken_once_done(pipeline, thread, outcome, version=10).data["rows"] == stale.data["rows"]
 
 
 def test_a_second_result_of_a_job_archived_stale_is_a_duplicate_not_trained(run, start):
     """A job's result was archived stale and its rows thrown again; a second result of the same job comes later (its
     worker was silent past the lease, say, and its job generated twice). Trained, its prompts would train twice."""
-    pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
-                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
-    stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
-    thread, outcome = next_batch_in_thread(pipeline, step=3)
-    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
-    wait_for(lambda: pending(pipeline.queue) == 1, "the re-thrown job")
+    pipeline, stale, thread, outcome = a_result_archived_stale(run, start)
     fileops.write_payload(run.tmp, run.queue / f"{stale.job_id}_pending_a2.pt", stale.payload)
     second = pipeline.queue.claim(2)  # the oldest job first: the stale one's attempt 2, fresh
     assert (second.job_id, second.attempt) == (stale.job_id, 2)
     assert pipeline.queue.complete(second, {"batch": batch(), "metrics": {}, "rows": second.data["rows"]},
                                    weights_version=3)
     wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_duplicate_a2.pt"), "the second result archived")
-    rethrown = pipeline.queue.claim(1)
-    assert pipeline.queue.complete(rethrown, {"batch": batch(), "metrics": {}, "rows": rethrown.data["rows"]},
-                                   weights_version=3)
-    thread.join(WAIT_S)
-    assert outcome["result"].in_training.parts[0].job_id == rethrown.job_id
+    assert taken_once_done(pipeline, thread, outcome, version=3).job_id != stale.job_id
 
 
 def test_a_result_the_checkpoints_ledger_counts_is_a_duplicate_even_when_stale(run, start):
@@ -357,9 +361,7 @@ def test_a_result_the_checkpoints_ledger_counts_is_a_duplicate_even_when_stale(r
     thread, outcome = next_batch_in_thread(pipeline, step=10)
     wait_for(lambda: os.path.exists(run.done / "000000_500_duplicate.pt"), "the result archived duplicate")
     assert not os.path.exists(run.done / "000000_500_stale.pt") and pipeline.producer.owed == []
-    work_one(pipeline.queue, version=10)
-    thread.join(WAIT_S)
-    assert outcome["result"].in_training.parts[0].job_id != "000000_500"
+    assert taken_once_done(pipeline, thread, outcome, version=10).job_id != "000000_500"
 
 
 def test_a_result_is_as_stale_as_its_oldest_token(run, start):
