@@ -14,9 +14,11 @@ changed is written whole instead. Each part in the smaller of two forms:
 The checksum of a tensor is a sum over its elements of a mix of (position, bits), modulo 2**32. A sum lets
 both sides update it from the changed elements alone: new = old - mix(changed, old bits) + mix(changed, new
 bits). A reader computes that from the elements its own tensor holds at the changed positions and the
-file's values, and compares it with the file's before it writes: a file corrupted on disk, or a tensor that
-is not the version the delta starts from, is caught with nothing written. A full anchor's tensors are
-checked whole.
+file's values, and compares it with the file's before it writes: a file corrupted on disk is caught with
+nothing written. With differences, the new bits are the held ones plus the file's, so that sum leaves out
+what the reader holds: the file also carries the same sum over the bits the delta's positions held before
+(``was``), which the reader's own must match, so a tensor that is not the version the delta starts from
+where the delta writes is caught too. A full anchor's tensors are checked whole.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def checksum(t: torch.Tensor) -> int:
     return total & MASK32
 
 
+def positions_sum(positions: torch.Tensor, bits: torch.Tensor) -> int:
+    """The checksum's sum over ``bits``, the elements at ``positions`` only."""
+    words, word_positions = _words(bits, positions)
+    return _mixed_sum(word_positions, words.reshape(-1))
+
+
 def updated_checksum(old: int, positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
     """The checksum after the elements at ``positions`` changed from ``old_bits`` to ``new_bits``: a sum, so
     the old one plus the weighted differences of their words."""
@@ -112,8 +120,8 @@ def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
 
 def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor
            ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``), and the positions it
-    writes (no-op positions included), the bits there before and the bits it writes."""
+    """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``, and ``was``), and the
+    positions it writes (no-op positions included), the bits there before and the bits it writes."""
     parts = {}
     filled = _with_fillers(positions)
     if filled.numel() < positions.numel() * index_dtype(new_bits.numel()).itemsize:
@@ -122,6 +130,7 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     else:
         parts["idx"] = positions.to(index_dtype(new_bits.numel()))
     old, values = previous_bits[positions], new_bits[positions]
+    parts["was"] = torch.tensor([positions_sum(positions, old)], dtype=torch.int64)
     if new_bits.element_size() < 8:  # (4-byte bits may wrap: old + difference wraps back the same way)
         difference = values.to(torch.int32) - old.to(torch.int32)
         if int(difference.min()) >= -128 and int(difference.max()) < 128:

@@ -268,12 +268,12 @@ class SnapshotReader:
             version = chain[position]
             try:
                 tensors, meta, checksums = self._read(version, anchor=position == 0)
-            except FileNotFoundError:
+                if meta.get("base", "") != ("" if position == 0 else str(chain[position - 1])):
+                    raise TransportUnavailable(f"v{version}'s file follows v{meta.get('base')}, not the chain's")
+            except (FileNotFoundError, TransportUnavailable):
                 if position == start:
                     raise
-                return self._held  # what it applied stays: the next sync goes on from there
-            if meta.get("base", "") != ("" if position == 0 else str(chain[position - 1])):
-                raise TransportUnavailable(f"v{version}'s file follows v{meta.get('base')}, not the chain's")
+                return self._held  # what it applied stays, and is the version said: the next sync goes on from there
             self._apply(version, tensors, checksums, dsts, idx, anchor=position == 0)
         return self._held
 
@@ -328,12 +328,18 @@ class SnapshotReader:
             raise
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise BadDelta(version, f"v{version}'s file lacks or garbles a tensor ({err})") from err
-        for targets, positions, values in writes:
-            for dst in targets:
-                if positions is None:
-                    dst.copy_(values)
-                else:
-                    dst.view(-1)[positions.to(dst.device)] = values.to(dst.device, dst.dtype)
+        writes = [(targets, None if positions is None else positions.to(targets[0].device),
+                   values.to(targets[0].device)) for targets, positions, values in writes]  # (before any write)
+        try:
+            for targets, positions, values in writes:
+                for dst in targets:
+                    if positions is None:
+                        dst.copy_(values)
+                    else:
+                        dst.view(-1)[positions] = values.to(dst.dtype)
+        except BaseException:
+            self._held = self._held_in = None  # written in part: the next sync starts from an anchor
+            raise
         self._checksums = sums if anchor else {**self._checksums, **sums}
         self._dtypes = dtypes if anchor else {**self._dtypes, **dtypes}
         self._held, self._held_in = version, _identity(dsts)
@@ -346,10 +352,12 @@ class SnapshotReader:
         if torch.promote_types(held.dtype, dtype) != held.dtype:
             raise WeightsMismatch(f"the worker holds {name} in {held.dtype}, narrower than the published "
                                   f"{dtype}: give the workers the parameter server's --dtype and --worker_dtype")
-        parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val")
+        parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val", "was")
                  if f"{kind}:{name}" in tensors}
         positions = deltas.positions_of(parts, held.numel())
         old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
+        if int(parts["was"]) != deltas.positions_sum(positions, old_bits):
+            raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
         new_bits = deltas.new_bits_of(parts, old_bits)
         got = deltas.updated_checksum(self._checksums[name], positions, old_bits, new_bits)
         if got != expected:

@@ -8,6 +8,7 @@ This file is also the script its subprocesses run:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import start_script, wait_for
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from asyncgrpo.run import RunDir, WorkerPresence, fileops
 from asyncgrpo.weights import WeightsMismatch, deltas, make_subscriber, snapshot
@@ -99,10 +100,10 @@ def test_the_checksum_of_a_tensor_longer_than_one_pass_covers_every_element(monk
 
 
 @pytest.mark.parametrize("changes, step, kinds", [
-    (40_000, 1, {"gap", "dif"}),  # dense, a rounding step each: one byte a position, one a difference
-    (4_000, 1, {"gap", "dif"}),  # some gaps past 255: no-op positions between
-    (3, 1, {"idx", "dif"}),  # so sparse that int32 positions are smaller than the no-op ones
-    (40_000, 300, {"gap", "val"}),  # differences past a byte: the new bits whole
+    (40_000, 1, {"gap", "dif", "was"}),  # dense, a rounding step each: one byte a position, one a difference
+    (4_000, 1, {"gap", "dif", "was"}),  # some gaps past 255: no-op positions between
+    (3, 1, {"idx", "dif", "was"}),  # so sparse that int32 positions are smaller than the no-op ones
+    (40_000, 300, {"gap", "val", "was"}),  # differences past a byte: the new bits whole
 ])
 def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
     torch.manual_seed(0)
@@ -121,6 +122,7 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
     applied = old_bits.clone()
     applied[decoded] = deltas.new_bits_of(parts, old_bits[decoded])
     assert torch.equal(applied, new_bits)
+    assert int(parts["was"]) == deltas.positions_sum(decoded, old_bits[decoded])  # what a reader checks it holds
 
 
 # ---------------------------------------------------------------- publisher and reader
@@ -259,8 +261,31 @@ def test_weights_changed_under_the_reader_are_caught_and_rebuilt_from_the_anchor
         with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
             assert subscriber.sync(worker) == 3 and bits_equal(worker, published(ps))
         [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert re.fullmatch(r"\[weights\] v(2|3)'s delta of proj.weight does not check out against v(1|2): read the "
-                            r"anchor v1 and the deltas after it instead \(now v3\)", line), line
+        assert re.fullmatch(r"\[weights\] the worker's proj.weight is not v(1|2) where v(2|3)'s delta writes: read "
+                            r"the anchor v1 and the deltas after it instead \(now v3\)", line), line
+    subscriber.close()
+
+
+def test_a_delta_of_differences_is_checked_against_the_bits_the_worker_holds(run, caplog):
+    """A delta written as differences (a rounding step or a few, the usual bf16 change) gives the new bits as the
+    held ones plus the file's: the new checksum, updated by the differences alone, would pass whatever the worker
+    holds. The file's sum of the bits before at its positions catches a worker that is not the delta's base there."""
+    ps, worker = small_model(0, torch.bfloat16), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps)) as publisher:
+        publisher.publish(1, 1)
+        assert subscriber.sync(worker) == 1
+        with torch.no_grad():
+            deltas.flat_bits(ps.proj.weight)[:50] += 1  # a rounding step each: written as differences
+        publisher.publish(2, 2)
+        assert "dif:proj.weight" in load_file(snapshot_path(run, 2, anchor=False))
+        with torch.no_grad():
+            deltas.flat_bits(worker.proj.weight)[7] += 3  # where v2 writes, the worker does not hold v1
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
+            assert subscriber.sync(worker) == 2 and bits_equal(worker, published(ps))
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert line == ("[weights] the worker's proj.weight is not v1 where v2's delta writes: read the anchor v1 "
+                        "and the deltas after it instead (now v2)"), line
     subscriber.close()
 
 
@@ -292,7 +317,10 @@ def test_a_worker_in_a_wider_dtype_gets_the_published_values_checked_and_a_narro
     subscriber.close()
 
 
-def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_goes_on(run, monkeypatch):
+@pytest.mark.parametrize("fault", ["deleted", "unreadable"])
+def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_goes_on(run, monkeypatch, fault):
+    """d3 goes (deleted: a newer chain is named now), or cannot be read for a while (EIO): the sync says the
+    version the worker holds, d2, not the one it held before (its results would carry the wrong version)."""
     ps, worker = small_model(0), small_model(1, torch.bfloat16)
     subscriber = make_subscriber(run)
     with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
@@ -306,12 +334,15 @@ def test_a_delta_deleted_midway_leaves_the_versions_applied_and_the_next_sync_go
         def delete_v3_first(path, *args, **kwargs):
             if str(path).endswith("d00000003.safetensors"):
                 monkeypatch.undo()
+                if fault == "unreadable":
+                    raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
                 os.rename(path, f"{path}.away")
             return real_open(path, *args, **kwargs)
 
         monkeypatch.setattr(snapshot, "open", delete_v3_first, raising=False)
         assert subscriber.sync(worker) == 2  # d2 applied, d3 gone: it holds v2
-        os.rename(f"{snapshot_path(run, 3, anchor=False)}.away", snapshot_path(run, 3, anchor=False))
+        if fault == "deleted":
+            os.rename(f"{snapshot_path(run, 3, anchor=False)}.away", snapshot_path(run, 3, anchor=False))
         assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
     subscriber.close()
 
