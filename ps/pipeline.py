@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,7 @@ class JobPipeline:
         self.failure: PipelineError | None = None  # raised by next_batch
         self.informative = deque(maxlen=YIELD_OF_LAST)  # (informative groups, groups judged) of the last results
         self.cache = ResultCache()
+        self.while_waiting: Callable[[], None] | None = None  # called at each "has waited" line
         self.failed = FailedJobs(cfg, queue, self._stop_training)
         self.collector = ResultCollector(cfg, queue, self.cache, self.failed, self._thread_failed)
         self.producer = JobProducer(cfg, queue, dataset, self.progress, self.cache, self._thread_failed)
@@ -237,6 +239,8 @@ class JobPipeline:
                 log.warning("[train] step=%d has waited %.0fs for a result; queue=%s%s%s (what each worker holds: "
                             "queue_tools ls %s)", step + 1, time.monotonic() - started, depth_line(self.queue.counts()),
                             self.failed.summary(), workers_line(self.run, self.cfg.lease_s), self.run.root)
+                if self.while_waiting is not None:
+                    self.while_waiting()
                 continue
             try:
                 if self._accept(result, step):

@@ -102,6 +102,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             # The model's device may not be its training device yet (FSDP moves it when training starts).
             self.publisher = make_publisher(run, self.model, cfg.weight_transport, device=self.accelerator.device,
                                             dtype=cfg.worker_dtype)
+            # Workers of other hosts behind a delta bad on disk wait for an anchor, and the PS waiting for their
+            # results publishes none: its last version goes out again as one (the safetensors transport).
+            self.pipeline.while_waiting = getattr(self.publisher, "anchor_now", None)
         # Where the batches come from (ps/batches.py): ``batches`` stands in for the pipeline in tests.
         self.batches: BatchSource = batches or (
             PipelineBatches(self.pipeline, self.events, broadcast=self.accelerator.num_processes > 1)

@@ -93,6 +93,7 @@ class SnapshotPublisher:
         self.layout = layout_of(model)  # the whole model, or a PEFT model's adapter only (adapter.py)
         self.published_bytes = 0  # the size of the last version's file
         self._version: int | None = None
+        self._step = 0
         self._previous: list[torch.Tensor] | None = None  # the last published version, in the files' dtype
         self._checksums: list[int] = []
         self._chain: list[int] = []  # versions from the newest anchor to the last published one
@@ -143,18 +144,40 @@ class SnapshotPublisher:
                         deltas.flat_bits(previous)[written[0]] = written[1]
             self._checksums = [checksum for _, _, checksum in changes]
             self._chain = [version] if anchor else [*self._chain, version]
-        fileops.write_json(version_path(self.run), {
-            "version": version, "step": step, "transport": self.transport, "publisher_id": self.publisher_id,
-            "pid": os.getpid(), "host": self.host, "host_id": HOST_ID, "written_at": time.time(), "buffer": None,
-            "closed": False, "layout_file": layout_path(self.run, self.publisher_id).name, "path": str(path),
-            "chain": self._chain, "file_bytes": self.published_bytes,
-            "total_bytes": self.layout.total_bytes, "num_tensors": len(self.layout.entries)})
-        self._version = version
-        self._written.append((version, path, self._chain[0]))
-        self._prune()
+        self._version, self._step = version, step
+        self._name(path)
         log.debug("[weights] published v%d step %d %s %d bytes write_ms=%.1f", version, step,
                   "anchor" if anchor else "delta", self.published_bytes, (time.perf_counter() - t0) * 1e3)
         return True
+
+    def anchor_now(self) -> None:
+        """The last version again, as an anchor, when it was a delta. The PS calls it while it waits long for
+        results: workers on other hosts may all hold an earlier version behind a delta bad on disk, waiting for an
+        anchor that the PS, waiting for them, would never publish."""
+        if self._previous is None or len(self._chain) <= 1:
+            return
+        path = snapshot_path(self.run, self._version, anchor=True)
+        parts = {e.name: t.cpu() for e, t in zip(self.layout.entries, self._previous, strict=True)}
+        checksums = {e.name: f"{checksum:08x}" for e, checksum in zip(self.layout.entries, self._checksums,
+                                                                     strict=True)}
+        self.published_bytes = self._write(path, parts, {"publisher_id": self.publisher_id, "version": str(
+            self._version), "base": "", "checksums": json.dumps(checksums)})
+        self._chain = [self._version]
+        self._name(path)
+        log.info("[weights] v%d published again as an anchor (the parameter server waits for results: a worker "
+                 "behind a bad delta reads it)", self._version)
+
+    def _name(self, path) -> None:
+        """The version file names the newest file and its chain; older chains' files go."""
+        fileops.write_json(version_path(self.run), {
+            "version": self._version, "step": self._step, "transport": self.transport,
+            "publisher_id": self.publisher_id, "pid": os.getpid(), "host": self.host, "host_id": HOST_ID,
+            "written_at": time.time(), "buffer": None, "closed": False,
+            "layout_file": layout_path(self.run, self.publisher_id).name, "path": str(path), "chain": self._chain,
+            "file_bytes": self.published_bytes, "total_bytes": self.layout.total_bytes,
+            "num_tensors": len(self.layout.entries)})
+        self._written.append((self._version, path, self._chain[0]))
+        self._prune()
 
     def _change(self, i: int, t: torch.Tensor) -> tuple[dict | None, tuple | None, int]:
         """Tensor ``i`` against the last version: its delta's parts (empty: unchanged; None: it goes whole), the

@@ -107,9 +107,11 @@ def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines
                                                                                          caplog):
     monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_REPORT_S", 0.05)
     pipeline = start(until_pending=2, max_pending=2)
+    waits = []
+    pipeline.while_waiting = lambda: waits.append(1)  # (the trainer's: its last version again as an anchor)
     with caplog.at_level("WARNING", logger="asyncgrpo.ps"):
         thread, outcome = next_batch_in_thread(pipeline, step=0)
-        wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records), "a waiting line")
+        wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records) and waits, "a waiting line")
         work_one(pipeline.queue, version=0)
         thread.join(WAIT_S)
     assert not thread.is_alive() and "result" in outcome, outcome

@@ -244,6 +244,33 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
     subscriber.close()
 
 
+def test_a_worker_behind_a_bad_delta_catches_up_when_the_waiting_ps_publishes_its_last_version_as_an_anchor(run):
+    """Every worker of another host behind a delta bad on disk holds an older version; past --max_staleness it can
+    take no job, and the PS, waiting for results, trains no step: no anchor would come. The PS waiting long publishes
+    its last version again as an anchor."""
+    ps, worker = small_model(0), small_model(1, torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+        for version in (1, 2):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        assert subscriber.sync(worker) == 2
+        for version in (3, 4):
+            train_step(ps, version)
+            publisher.publish(version, version)
+        corrupt(snapshot_path(run, 3, anchor=False))
+        assert subscriber.sync(worker) is None  # kept at v2
+        publisher.anchor_now()
+        assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
+        before = files(run)
+        publisher.anchor_now()  # v4 is an anchor now: nothing written again
+        assert files(run) == before and snapshot_path(run, 4, anchor=True).name in before
+        train_step(ps, 5)
+        publisher.publish(5, 5)  # a delta against v4 again
+        assert subscriber.sync(worker) == 5 and bits_equal(worker, published(ps))
+    subscriber.close()
+
+
 def test_weights_changed_under_the_reader_are_caught_and_rebuilt_from_the_anchor(run, caplog):
     ps, worker = small_model(0), small_model(1, torch.bfloat16)
     subscriber = make_subscriber(run)
