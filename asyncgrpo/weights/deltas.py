@@ -82,6 +82,19 @@ def positions_sum(positions: torch.Tensor, bits: torch.Tensor) -> int:
     return _mixed_sum(word_positions, words.reshape(-1))
 
 
+def sums_before_and_after(positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor
+                          ) -> tuple[int, int]:
+    """positions_sum of ``old_bits`` and of ``new_bits`` (the weights computed once): a reader's check of what it
+    holds, and the checksum after, old - the first + the second."""
+    if positions.numel() == 0:
+        return 0, 0
+    old_words, word_positions = _words(old_bits, positions)
+    new_words, _ = _words(new_bits, positions)
+    weights = word_positions.to(torch.int32).mul(_TWO_K).add_(_K)
+    return (_weighted_sum(old_words.reshape(-1), weights) & MASK32,
+            _weighted_sum(new_words.reshape(-1), weights) & MASK32)
+
+
 def updated_checksum(old: int, positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
     """The checksum after the elements at ``positions`` changed from ``old_bits`` to ``new_bits``: a sum, so
     the old one plus the weighted differences of their words."""

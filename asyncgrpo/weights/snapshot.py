@@ -379,11 +379,11 @@ class SnapshotReader:
                  if f"{kind}:{name}" in tensors}
         positions = deltas.positions_of(parts, held.numel())
         old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
-        if int(parts["was"]) != deltas.positions_sum(positions, old_bits):
-            raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
         new_bits = deltas.new_bits_of(parts, old_bits)
-        got = deltas.updated_checksum(self._checksums[name], positions, old_bits, new_bits)
-        if got != expected:
+        before, after = deltas.sums_before_and_after(positions, old_bits, new_bits)
+        if int(parts["was"]) != before:
+            raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
+        if (self._checksums[name] - before + after) & deltas.MASK32 != expected:
             raise BadDelta(version, f"v{version}'s delta of {name} does not check out against v{self._held}")
         return positions, new_bits.view(dtype)
 
