@@ -351,8 +351,11 @@ class SnapshotReader:
             raise
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise BadDelta(version, f"v{version}'s file lacks or garbles a tensor ({err})") from err
-        writes = [(targets, None if positions is None else positions.to(targets[0].device),
-                   values.to(targets[0].device)) for targets, positions, values in writes]  # (before any write)
+        # A delta's positions and values on the device before any write (whole tensors go one by one: on a GPU,
+        # all of an anchor's at once would be a second copy of the model).
+        writes = [(targets, None, values) if positions is None else
+                  (targets, positions.to(targets[0].device), values.to(targets[0].device))
+                  for targets, positions, values in writes]
         try:
             for targets, positions, values in writes:
                 for dst in targets:
