@@ -52,14 +52,6 @@ def _weighted_sum(words: torch.Tensor, weights: torch.Tensor) -> int:
     return int((words * weights).sum(dtype=torch.int32).item())
 
 
-def _mixed_sum(positions: torch.Tensor, words: torch.Tensor) -> int:
-    """sum(words * (2 * position + 1) * K) modulo 2**32 over the given words."""
-    if positions.numel() == 0:
-        return 0
-    weights = positions.to(torch.int32).mul(_TWO_K).add_(_K)  # (2 * position + 1) * K, wrapping
-    return _weighted_sum(words.reshape(-1), weights) & MASK32
-
-
 def checksum(t: torch.Tensor) -> int:
     """The checksum of a whole tensor (module docstring). Chunk by chunk against one table of weights:
     the weight of word s + i is the table's i-th plus 2 * s * K."""
@@ -76,31 +68,21 @@ def checksum(t: torch.Tensor) -> int:
     return total & MASK32
 
 
-def positions_sum(positions: torch.Tensor, bits: torch.Tensor) -> int:
-    """The checksum's sum over ``bits``, the elements at ``positions`` only."""
-    words, word_positions = _words(bits, positions)
-    return _mixed_sum(word_positions, words.reshape(-1))
-
-
-def sums_before_and_after(positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor
-                          ) -> tuple[int, int]:
-    """positions_sum of ``old_bits`` and of ``new_bits`` (the weights computed once): a reader's check of what it
-    holds, and the checksum after, old - the first + the second."""
+def position_sums(positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> tuple[int, int]:
+    """The checksum's sums over the elements at ``positions`` only, of ``old_bits`` and of ``new_bits`` (their
+    weights computed once): the checksum after is the one before minus the first plus the second (``updated``),
+    and the first is what a reader checks the bits it holds against (``was``)."""
     if positions.numel() == 0:
         return 0, 0
     old_words, word_positions = _words(old_bits, positions)
     new_words, _ = _words(new_bits, positions)
-    weights = word_positions.to(torch.int32).mul(_TWO_K).add_(_K)
+    weights = word_positions.to(torch.int32).mul(_TWO_K).add_(_K)  # (2 * position + 1) * K, wrapping
     return (_weighted_sum(old_words.reshape(-1), weights) & MASK32,
             _weighted_sum(new_words.reshape(-1), weights) & MASK32)
 
 
-def updated_checksum(old: int, positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
-    """The checksum after the elements at ``positions`` changed from ``old_bits`` to ``new_bits``: a sum, so
-    the old one plus the weighted differences of their words."""
-    old_words, word_positions = _words(old_bits, positions)
-    new_words, _ = _words(new_bits, positions)
-    return (old + _mixed_sum(word_positions, new_words.reshape(-1) - old_words.reshape(-1))) & MASK32
+def updated(checksum: int, before: int, after: int) -> int:
+    return (checksum - before + after) & MASK32
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -131,10 +113,11 @@ def _with_fillers(positions: torch.Tensor) -> torch.Tensor:
     return merged
 
 
-def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor
-           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``, and ``was``), and the
-    positions it writes (no-op positions included), the bits there before and the bits it writes."""
+def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch.Tensor, checksum: int
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
+    """A tensor's delta: its parts by kind (``gap`` or ``idx``, then ``dif`` or ``val``, and ``was``), the
+    positions it writes (no-op positions included), the bits it writes, and the tensor's checksum after
+    (``checksum``: before)."""
     parts = {}
     filled = _with_fillers(positions)
     if filled.numel() < positions.numel() * index_dtype(new_bits.numel()).itemsize:
@@ -143,14 +126,15 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     else:
         parts["idx"] = positions.to(index_dtype(new_bits.numel()))
     old, values = previous_bits[positions], new_bits[positions]
-    parts["was"] = torch.tensor([positions_sum(positions, old)], dtype=torch.int64)
+    before, after = position_sums(positions, old, values)
+    parts["was"] = torch.tensor([before], dtype=torch.int64)
     if new_bits.element_size() < 8:  # (4-byte bits may wrap: old + difference wraps back the same way)
         difference = values.to(torch.int32) - old.to(torch.int32)
         if int(difference.min()) >= -128 and int(difference.max()) < 128:
             parts["dif"] = difference.to(torch.int8)
     if "dif" not in parts:
         parts["val"] = values
-    return parts, positions, old, values
+    return parts, positions, values, updated(checksum, before, after)
 
 
 def positions_of(parts: dict[str, torch.Tensor], numel: int) -> torch.Tensor:

@@ -189,10 +189,10 @@ class SnapshotPublisher:
             return {}, None, self._checksums[i]
         if deltas.mostly_changed(t.numel(), changed):
             return None, None, deltas.checksum(t)
-        parts, positions, old, values = deltas.encode(previous, bits, differs.nonzero().reshape(-1))
+        parts, positions, values, checksum = deltas.encode(previous, bits, differs.nonzero().reshape(-1),
+                                                           self._checksums[i])
         if deltas.nbytes(parts) >= t.numel() * t.element_size():
             return None, None, deltas.checksum(t)
-        checksum = deltas.updated_checksum(self._checksums[i], positions, old, values)
         return parts, (positions, values), checksum
 
     def _write(self, path, parts: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
@@ -383,10 +383,10 @@ class SnapshotReader:
         positions = deltas.positions_of(parts, held.numel())
         old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
         new_bits = deltas.new_bits_of(parts, old_bits)
-        before, after = deltas.sums_before_and_after(positions, old_bits, new_bits)
+        before, after = deltas.position_sums(positions, old_bits, new_bits)
         if int(parts["was"]) != before:
             raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
-        if (self._checksums[name] - before + after) & deltas.MASK32 != expected:
+        if deltas.updated(self._checksums[name], before, after) != expected:
             raise BadDelta(version, f"v{version}'s delta of {name} does not check out against v{self._held}")
         return positions, new_bits.view(dtype)
 

@@ -78,8 +78,8 @@ def test_a_checksum_updated_from_the_changed_elements_is_the_whole_tensors(dtype
     flat[positions] = flat[positions] + 1
     changed = changed_positions(old, new)
     assert sorted(changed.tolist()) == sorted(positions.tolist())
-    updated = deltas.updated_checksum(deltas.checksum(old), changed, deltas.flat_bits(old)[changed],
-                                      deltas.flat_bits(new)[changed])
+    updated = deltas.updated(deltas.checksum(old), *deltas.position_sums(changed, deltas.flat_bits(old)[changed],
+                                                                         deltas.flat_bits(new)[changed]))
     assert updated == deltas.checksum(new) != deltas.checksum(old)
     swapped = new.clone()
     swapped.view(-1)[[0, 1]] = new.view(-1)[[1, 0]]
@@ -95,8 +95,8 @@ def test_the_checksum_of_a_tensor_longer_than_one_pass_covers_every_element(monk
         u = t.clone()
         u[i] += 1
         assert deltas.checksum(u) != whole
-        assert deltas.updated_checksum(whole, torch.tensor([i]), deltas.flat_bits(t)[[i]],
-                                       deltas.flat_bits(u)[[i]]) == deltas.checksum(u)
+        assert deltas.updated(whole, *deltas.position_sums(torch.tensor([i]), deltas.flat_bits(t)[[i]],
+                                                            deltas.flat_bits(u)[[i]])) == deltas.checksum(u)
 
 
 @pytest.mark.parametrize("changes, step, kinds", [
@@ -112,17 +112,19 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
     old_bits = deltas.flat_bits(old)
     new_bits = old_bits.clone()
     new_bits[positions] += step
-    parts, written, before, values = deltas.encode(old_bits, new_bits, positions)
+    parts, written, values, checksum = deltas.encode(old_bits, new_bits, positions, deltas.checksum(old))
+    assert checksum == deltas.checksum(new_bits)
     assert set(parts) == kinds
     assert deltas.nbytes(parts) < old.numel() * old.element_size()
     decoded = deltas.positions_of(parts, old.numel())
     assert decoded.tolist() == written.tolist() and set(positions.tolist()) <= set(decoded.tolist())
     assert torch.equal(deltas.new_bits_of(parts, old_bits[decoded]), new_bits[decoded]) and torch.equal(
-        values, new_bits[decoded]) and torch.equal(before, old_bits[decoded])
+        values, new_bits[decoded])
     applied = old_bits.clone()
     applied[decoded] = deltas.new_bits_of(parts, old_bits[decoded])
     assert torch.equal(applied, new_bits)
-    assert int(parts["was"]) == deltas.positions_sum(decoded, old_bits[decoded])  # what a reader checks it holds
+    # What a reader checks the bits it holds against.
+    assert int(parts["was"]) == deltas.position_sums(decoded, old_bits[decoded], new_bits[decoded])[0]
 
 
 # ---------------------------------------------------------------- publisher and reader
@@ -217,7 +219,12 @@ def corrupt(path: Path) -> str:
     return name.split(":", 1)[1]
 
 
-def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_the_worker_back(run, caplog):
+@pytest.mark.parametrize("anchor_from", ["schedule", "waiting_ps"])
+def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_the_worker_back(run, caplog,
+                                                                                               anchor_from):
+    """The next anchor comes every ANCHOR_EVERY versions, or sooner from a PS that waits long for results
+    (``anchor_now``: its last version again): workers of other hosts all behind the bad delta would take no job past
+    --max_staleness, and the PS, waiting for them, train no step to the next scheduled anchor."""
     ps, worker = small_model(0), small_model(1, torch.bfloat16)
     subscriber = make_subscriber(run)
     with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
@@ -237,37 +244,17 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
         [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert line == (f"[weights] v3's delta of {name} does not check out against v2, also after reading the "
                         "anchor v1: keeping v2 until the parameter server publishes a newer anchor"), line
-        for version in range(5, ANCHOR_EVERY + 2):
+        if anchor_from == "waiting_ps":
+            publisher.anchor_now()
+            assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
+            before = files(run)
+            publisher.anchor_now()  # v4 is an anchor now: nothing written again
+            assert files(run) == before and snapshot_path(run, 4, anchor=True).name in before
+        last = 5 if anchor_from == "waiting_ps" else ANCHOR_EVERY + 1  # (after anchor_now, v5 a delta against v4)
+        for version in range(5, last + 1):
             train_step(ps, version)
             publisher.publish(version, version)
-        assert subscriber.sync(worker) == ANCHOR_EVERY + 1 and bits_equal(worker, published(ps))
-    subscriber.close()
-
-
-def test_a_worker_behind_a_bad_delta_catches_up_when_the_waiting_ps_publishes_its_last_version_as_an_anchor(run):
-    """Every worker of another host behind a delta bad on disk holds an older version; past --max_staleness it can
-    take no job, and the PS, waiting for results, trains no step: no anchor would come. The PS waiting long publishes
-    its last version again as an anchor."""
-    ps, worker = small_model(0), small_model(1, torch.bfloat16)
-    subscriber = make_subscriber(run)
-    with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
-        for version in (1, 2):
-            train_step(ps, version)
-            publisher.publish(version, version)
-        assert subscriber.sync(worker) == 2
-        for version in (3, 4):
-            train_step(ps, version)
-            publisher.publish(version, version)
-        corrupt(snapshot_path(run, 3, anchor=False))
-        assert subscriber.sync(worker) is None  # kept at v2
-        publisher.anchor_now()
-        assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
-        before = files(run)
-        publisher.anchor_now()  # v4 is an anchor now: nothing written again
-        assert files(run) == before and snapshot_path(run, 4, anchor=True).name in before
-        train_step(ps, 5)
-        publisher.publish(5, 5)  # a delta against v4 again
-        assert subscriber.sync(worker) == 5 and bits_equal(worker, published(ps))
+        assert subscriber.sync(worker) == last and bits_equal(worker, published(ps))
     subscriber.close()
 
 
