@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.weights.memcopy import take
+
 MASK32 = (1 << 32) - 1
 _CHUNK = 1 << 22  # words per pass of a whole tensor's checksum (bounded temporaries)
 _K = -1640531535  # an odd 32-bit constant (0x9E3779B1) as int32: torch's integer arithmetic wraps
@@ -125,7 +127,7 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
         parts["gap"] = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.uint8)
     else:
         parts["idx"] = positions.to(index_dtype(new_bits.numel()))
-    old, values = previous_bits[positions], new_bits[positions]
+    old, values = take(previous_bits, positions), take(new_bits, positions)
     before, after = position_sums(positions, old, values)
     parts["was"] = torch.tensor([before], dtype=torch.int64)
     if new_bits.element_size() < 8:  # (4-byte bits may wrap: old + difference wraps back the same way)
@@ -137,11 +139,11 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     return parts, positions, values, updated(checksum, before, after)
 
 
-def positions_of(parts: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
-    """The positions a delta's parts write into a tensor of ``numel`` elements (int32 where they fit)."""
+def positions_of(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions a delta's parts write, as int64 (what torch's indexing takes without a copy)."""
     if "gap" in parts:
-        return torch.cumsum(parts["gap"], 0, dtype=index_dtype(numel)) - 1
-    return parts["idx"]
+        return torch.cumsum(parts["gap"], 0, dtype=torch.int64) - 1
+    return parts["idx"].to(torch.int64)
 
 
 def new_bits_of(parts: dict[str, torch.Tensor], old_bits: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from asyncgrpo.weights.base import (
     version_path,
 )
 from asyncgrpo.weights.layout import WeightsMismatch
+from asyncgrpo.weights.memcopy import put, take
 
 ANCHOR_EVERY = 20  # versions per chain: a reader that fell behind reads an anchor and at most this many deltas
 KEEP = 2  # the newest files are kept whatever else: a reader that read the version file just before a publish
@@ -141,7 +142,7 @@ class SnapshotPublisher:
                     if delta is None:
                         previous.copy_(t)
                     elif written is not None:
-                        deltas.flat_bits(previous)[written[0]] = written[1]
+                        put(deltas.flat_bits(previous), *written)
             self._checksums = [checksum for _, _, checksum in changes]
             self._chain = [version] if anchor else [*self._chain, version]
         self._version, self._step = version, step
@@ -362,7 +363,7 @@ class SnapshotReader:
                     if positions is None:
                         dst.copy_(values)
                     else:
-                        dst.view(-1)[positions] = values.to(dst.dtype)
+                        put(dst.view(-1), positions, values.to(dst.dtype))
         except BaseException:
             self._held = self._held_in = None  # written in part: the next sync starts from an anchor
             raise
@@ -380,8 +381,8 @@ class SnapshotReader:
                                   f"{dtype}: give the workers the parameter server's --dtype and --worker_dtype")
         parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val", "was")
                  if f"{kind}:{name}" in tensors}
-        positions = deltas.positions_of(parts, held.numel())
-        old_bits = deltas.flat_bits(held.reshape(-1)[positions.to(held.device)].to(dtype)).cpu()
+        positions = deltas.positions_of(parts)
+        old_bits = deltas.flat_bits(take(held.reshape(-1), positions.to(held.device)).to(dtype)).cpu()
         new_bits = deltas.new_bits_of(parts, old_bits)
         before, after = deltas.position_sums(positions, old_bits, new_bits)
         if int(parts["was"]) != before:

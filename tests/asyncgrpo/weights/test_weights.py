@@ -182,6 +182,28 @@ def test_copy_tensors_memmove_and_fallback_paths():
             torch.set_num_threads(prev)
         assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True))
 
+def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
+    from asyncgrpo.weights import memcopy
+
+    torch.manual_seed(0)
+    flat = torch.randn(2_000_003).to(torch.bfloat16).view(torch.int16)
+    for count in (5, 3 * memcopy._MIN_TAKE + 7):  # one thread's worth; parts on several threads, one longer
+        positions = torch.randperm(flat.numel())[:count].sort().values
+        values = torch.randint(-1000, 1000, (count,), dtype=torch.int16)
+        for threads in (1, 3):
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                taken = memcopy.take(flat, positions)
+                written = flat.clone()
+                memcopy.put(written, positions, values)
+            finally:
+                torch.set_num_threads(prev)
+            assert torch.equal(taken, flat[positions])
+            expected = flat.clone()
+            expected[positions] = values
+            assert torch.equal(written, expected)
+
 
 # ---------------------------------------------------------------- no PS, restarts, crashes
 
