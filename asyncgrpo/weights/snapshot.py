@@ -61,7 +61,7 @@ from asyncgrpo.weights.base import (
     version_path,
 )
 from asyncgrpo.weights.layout import WeightsMismatch
-from asyncgrpo.weights.memcopy import put, take
+from asyncgrpo.weights.memcopy import put
 
 ANCHOR_EVERY = 20  # versions per chain: a reader that fell behind reads an anchor and at most this many deltas
 KEEP = 2  # the newest files are kept whatever else: a reader that read the version file just before a publish
@@ -381,10 +381,7 @@ class SnapshotReader:
                                   f"{dtype}: give the workers the parameter server's --dtype and --worker_dtype")
         parts = {kind: tensors[f"{kind}:{name}"] for kind in ("gap", "idx", "dif", "val", "was")
                  if f"{kind}:{name}" in tensors}
-        positions = deltas.positions_of(parts)
-        old_bits = deltas.flat_bits(take(held.reshape(-1), positions.to(held.device)).to(dtype)).cpu()
-        new_bits = deltas.new_bits_of(parts, old_bits)
-        before, after = deltas.position_sums(positions, old_bits, new_bits)
+        positions, new_bits, before, after = deltas.decode(parts, held.reshape(-1), dtype)
         if int(parts["was"]) != before:
             raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
         if deltas.updated(self._checksums[name], before, after) != expected:

@@ -105,7 +105,7 @@ def test_the_checksum_of_a_tensor_longer_than_one_pass_covers_every_element(monk
     (3, 1, {"idx", "dif", "was"}),  # so sparse that int32 positions are smaller than the no-op ones
     (40_000, 300, {"gap", "val", "was"}),  # differences past a byte: the new bits whole
 ])
-def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
+def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds, monkeypatch):
     torch.manual_seed(0)
     old = torch.randn(1_000_000).to(torch.bfloat16)
     positions = torch.randperm(old.numel())[:changes].sort().values
@@ -116,15 +116,17 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds):
     assert checksum == deltas.checksum(new_bits)
     assert set(parts) == kinds
     assert deltas.nbytes(parts) < old.numel() * old.element_size()
-    decoded = deltas.positions_of(parts)
-    assert decoded.tolist() == written.tolist() and set(positions.tolist()) <= set(decoded.tolist())
-    assert torch.equal(deltas.new_bits_of(parts, old_bits[decoded]), new_bits[decoded]) and torch.equal(
-        values, new_bits[decoded])
-    applied = old_bits.clone()
-    applied[decoded] = deltas.new_bits_of(parts, old_bits[decoded])
-    assert torch.equal(applied, new_bits)
-    # What a reader checks the bits it holds against.
-    assert int(parts["was"]) == deltas.position_sums(decoded, old_bits[decoded], new_bits[decoded])[0]
+    # Decoded in one pass, and in passes of 7 positions (the last one shorter).
+    for chunk in (deltas._DECODE_CHUNK, 7):
+        monkeypatch.setattr(deltas, "_DECODE_CHUNK", chunk)
+        decoded, bits, before, after = deltas.decode(parts, old, old.dtype)
+        assert decoded.tolist() == written.tolist() and set(positions.tolist()) <= set(decoded.tolist())
+        assert torch.equal(bits, new_bits[decoded]) and torch.equal(values, new_bits[decoded])
+        applied = old_bits.clone()
+        applied[decoded] = bits
+        assert torch.equal(applied, new_bits)
+        # What a reader checks the bits it holds against, and the checksum after.
+        assert before == int(parts["was"]) and deltas.updated(deltas.checksum(old), before, after) == checksum
 
 
 # ---------------------------------------------------------------- publisher and reader
