@@ -148,7 +148,8 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
     device; its values read in the files' ``dtype``), and the checksum's sums over the bits held and the bits
     written at those positions (``position_sums``). Chunk by chunk: at a learning rate of 1e-5 a sixth of a
     model's elements change, and each step over all of them at once would pass through main memory."""
-    gaps, indices = parts.get("gap"), parts.get("idx")
+    gaps = parts.get("gap")
+    indices = parts["idx"] if gaps is None else None
     count = (gaps if gaps is not None else indices).numel()
     positions = torch.empty(count, dtype=torch.int64)
     written = torch.empty(count, dtype=_INT_OF_SIZE[dtype.itemsize])
@@ -163,6 +164,9 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
             last = int(at[-1])
         else:
             at.copy_(indices[chunk])
+        lowest, highest = (at[0], at[-1]) if gaps is not None else at.aminmax()
+        if lowest < 0 or highest >= held.numel():  # (on a GPU an index out of range would end the process)
+            raise IndexError(f"a delta's position lies outside the tensor's {held.numel()} elements")
         old = flat_bits(take(held, at.to(held.device)).to(dtype)).cpu()
         new = (old.to(torch.int32) + parts["dif"][chunk]).to(old.dtype) if "dif" in parts else parts["val"][chunk]
         written[chunk] = new

@@ -38,7 +38,8 @@ _pool_lock = threading.Lock()
 def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] != workers:  # after a fork: new threads
+        # New threads after a fork, or more of them; a pool with more than asked for takes fewer tasks as well.
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
             _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="weights-copy"))
         return _pool[2]
 
@@ -87,6 +88,7 @@ _MIN_TAKE = 1 << 14  # positions below which one thread takes them all (a thread
 
 def take(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``flat[positions]`` of a 1-D tensor and int64 positions."""
+    flat = flat.detach()  # (the pool's threads run with autograd on: torch.no_grad is the caller thread's)
     threads = min(max(1, torch.get_num_threads()), positions.numel() // _MIN_TAKE)
     if flat.device.type != "cpu" or threads <= 1:
         return torch.index_select(flat, 0, positions)

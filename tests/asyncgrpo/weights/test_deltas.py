@@ -129,6 +129,19 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds, monkeypa
         assert before == int(parts["was"]) and deltas.updated(deltas.checksum(old), before, after) == checksum
 
 
+def test_a_delta_without_positions_or_with_positions_outside_its_tensor_is_refused_before_a_read():
+    """KeyError and IndexError are what the reader turns into a refused file (BadDelta). Out of range, the positions
+    are refused before the gather: on a GPU an index out of range would end the worker's process."""
+    held = torch.zeros(100, dtype=torch.bfloat16)
+    two = {"dif": torch.zeros(2, dtype=torch.int8), "was": torch.tensor([0])}
+    with pytest.raises(KeyError):  # (a garbled header lost the positions)
+        deltas.decode(two, held, held.dtype)
+    for positions in ({"idx": torch.tensor([5, 100], dtype=torch.int32)}, {"idx": torch.tensor([-1, 5])},
+                      {"gap": torch.tensor([0, 3], dtype=torch.uint8)}):
+        with pytest.raises(IndexError, match="outside the tensor"):
+            deltas.decode({**positions, **two}, held, held.dtype)
+
+
 # ---------------------------------------------------------------- publisher and reader
 
 def test_versions_after_the_first_are_deltas_a_reader_applies_to_bit_identical_weights(run):

@@ -203,6 +203,16 @@ def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
             expected = flat.clone()
             expected[positions] = values
             assert torch.equal(written, expected)
+    # A worker's trainable parameters (an adapter's), read under torch.no_grad, which the pool's threads do not share.
+    weights = torch.nn.Parameter(torch.randn(flat.numel()))
+    positions = torch.randperm(flat.numel())[:3 * memcopy._MIN_TAKE].sort().values
+    prev = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with torch.no_grad():
+            assert torch.equal(memcopy.take(weights, positions), weights[positions])
+    finally:
+        torch.set_num_threads(prev)
 
 
 # ---------------------------------------------------------------- no PS, restarts, crashes
