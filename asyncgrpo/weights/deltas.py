@@ -23,9 +23,11 @@ where the delta writes is caught too. A full anchor's tensors are checked whole.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from asyncgrpo.weights.memcopy import take
+from asyncgrpo.weights.memcopy import spread, take
 
 MASK32 = (1 << 32) - 1
 _CHUNK = 1 << 22  # words per pass of a whole tensor's checksum (bounded temporaries)
@@ -77,10 +79,13 @@ def position_sums(positions: torch.Tensor, old_bits: torch.Tensor, new_bits: tor
     if positions.numel() == 0:
         return 0, 0
     old_words, word_positions = _words(old_bits, positions)
-    new_words, _ = _words(new_bits, positions)
+    return word_sums(word_positions, old_words.reshape(-1), _words(new_bits, positions)[0].reshape(-1))
+
+
+def word_sums(word_positions: torch.Tensor, old_words: torch.Tensor, new_words: torch.Tensor) -> tuple[int, int]:
+    """``position_sums`` of the words (int32) at ``word_positions``."""
     weights = word_positions.to(torch.int32).mul(_TWO_K).add_(_K)  # (2 * position + 1) * K, wrapping
-    return (_weighted_sum(old_words.reshape(-1), weights) & MASK32,
-            _weighted_sum(new_words.reshape(-1), weights) & MASK32)
+    return _weighted_sum(old_words, weights) & MASK32, _weighted_sum(new_words, weights) & MASK32
 
 
 def updated(checksum: int, before: int, after: int) -> int:
@@ -139,40 +144,52 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     return parts, positions, values, updated(checksum, before, after)
 
 
-_DECODE_CHUNK = 1 << 20  # positions a pass of ``decode`` takes: its temporaries stay in the caches
+_DECODE_CHUNK = 1 << 20  # positions a task of ``decode`` takes: its temporaries stay in the caches
 
 
 def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtype
            ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """A delta's positions (int64) and the bits it writes, given the flat tensor it applies to (``held``, on any
-    device; its values read in the files' ``dtype``), and the checksum's sums over the bits held and the bits
-    written at those positions (``position_sums``). Chunk by chunk: at a learning rate of 1e-5 a sixth of a
-    model's elements change, and each step over all of them at once would pass through main memory."""
+    """A delta's positions (int64) and the bits it writes, given the flat tensor it applies to
+    (``held``, on any device; its values read in the files' ``dtype``), and the checksum's sums over the bits held
+    and the bits written at those positions (``position_sums``). Chunk by chunk, the chunks spread over torch's
+    threads on a CPU: at a learning rate of 1e-5 a sixth of a model's elements change, and torch takes a running
+    sum (the positions from their gaps) and a gather on one thread."""
     gaps = parts.get("gap")
     indices = parts["idx"] if gaps is None else None
     count = (gaps if gaps is not None else indices).numel()
+    held = held.detach()
     positions = torch.empty(count, dtype=torch.int64)
     written = torch.empty(count, dtype=_INT_OF_SIZE[dtype.itemsize])
-    before = after = 0
-    last = -1  # the position before the chunk's first
-    for start in range(0, count, _DECODE_CHUNK):
-        chunk = slice(start, start + _DECODE_CHUNK)
-        at = positions[chunk]
+    starts = list(range(0, count, _DECODE_CHUNK))
+    # The position before each chunk's first: the gaps before it, summed.
+    lasts = [-1] * len(starts) if gaps is None else list(itertools.accumulate(
+        (int(gaps[start:start + _DECODE_CHUNK].sum(dtype=torch.int64)) for start in starts[:-1]), initial=-1))
+
+    def chunk(start: int, last: int) -> tuple[int, int]:
+        end = start + _DECODE_CHUNK
+        at = positions[start:end]
         if gaps is not None:
             # (widened first: torch's cumsum of uint8 into int64 is ten times slower than of int64)
-            torch.cumsum(gaps[chunk].to(torch.int64), 0, out=at).add_(last)
-            last = int(at[-1])
+            torch.cumsum(gaps[start:end].to(torch.int64), 0, out=at).add_(last)
+            lowest, highest = at[0], at[-1]
         else:
-            at.copy_(indices[chunk])
-        lowest, highest = (at[0], at[-1]) if gaps is not None else at.aminmax()
+            at.copy_(indices[start:end])
+            lowest, highest = at.aminmax()
         if lowest < 0 or highest >= held.numel():  # (on a GPU an index out of range would end the process)
             raise IndexError(f"a delta's position lies outside the tensor's {held.numel()} elements")
-        old = flat_bits(take(held, at.to(held.device)).to(dtype)).cpu()
-        new = (old.to(torch.int32) + parts["dif"][chunk]).to(old.dtype) if "dif" in parts else parts["val"][chunk]
-        written[chunk] = new
-        sums = position_sums(at, old, new)
-        before, after = before + sums[0], after + sums[1]
-    return positions, written, before & MASK32, after & MASK32
+        old = flat_bits(torch.index_select(held, 0, at.to(held.device)).to(dtype)).cpu()
+        if "dif" not in parts:
+            written[start:end] = parts["val"][start:end]
+            return position_sums(at, old, written[start:end])
+        # (2- and 4-byte elements: their words are their bits as int32)
+        old_words = old.to(torch.int32)
+        new_words = old_words + parts["dif"][start:end]
+        written[start:end] = new_words
+        return word_sums(at, old_words, new_words)
+
+    items = list(zip(starts, lasts, strict=True))
+    sums = spread(chunk, items) if held.device.type == "cpu" else [chunk(*item) for item in items]
+    return positions, written, sum(s[0] for s in sums) & MASK32, sum(s[1] for s in sums) & MASK32
 
 
 def mostly_changed(numel: int, changed: int) -> bool:

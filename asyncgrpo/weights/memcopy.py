@@ -86,21 +86,44 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 _MIN_TAKE = 1 << 14  # positions below which one thread takes them all (a thread's hand-off costs more)
 
 
+def spread(fn, items: list) -> list:
+    """``[fn(*item) for item in items]``, the items spread over torch's threads, the calling thread taking a share.
+    ``fn`` runs with autograd on (``torch.no_grad`` is the caller thread's) and must not call ``spread``: a task
+    that waited for tasks of its own could wait for itself."""
+    threads = min(max(1, torch.get_num_threads()), len(items))
+    if threads <= 1:
+        return [fn(*item) for item in items]
+    shares = [list(range(i, len(items), threads)) for i in range(threads)]
+    futures = [_executor(threads - 1).submit(lambda share: [fn(*items[i]) for i in share], share)
+               for share in shares[1:]]
+    results: list = [None] * len(items)
+    for i, result in zip(shares[0], [fn(*items[i]) for i in shares[0]], strict=True):
+        results[i] = result
+    for share, future in zip(shares[1:], futures, strict=True):
+        for i, result in zip(share, future.result(), strict=True):
+            results[i] = result
+    return results
+
+
 def take(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``flat[positions]`` of a 1-D tensor and int64 positions."""
-    flat = flat.detach()  # (the pool's threads run with autograd on: torch.no_grad is the caller thread's)
+    flat = flat.detach()  # (the pool's threads run with autograd on)
     threads = min(max(1, torch.get_num_threads()), positions.numel() // _MIN_TAKE)
     if flat.device.type != "cpu" or threads <= 1:
         return torch.index_select(flat, 0, positions)
     out = torch.empty(positions.numel(), dtype=flat.dtype)
-    parts = list(zip(positions.tensor_split(threads), out.tensor_split(threads), strict=True))
-    futures = [_executor(threads - 1).submit(torch.index_select, flat, 0, p, out=o) for p, o in parts[1:]]
-    torch.index_select(flat, 0, parts[0][0], out=parts[0][1])
-    for f in futures:
-        f.result()
+    spread(lambda p, o: torch.index_select(flat, 0, p, out=o),
+           list(zip(positions.tensor_split(threads), out.tensor_split(threads), strict=True)))
     return out
 
 
+_PUT_CHUNK = 1 << 22  # positions ``put`` writes at a time
+
+
 def put(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[positions] = values`` of a 1-D tensor, int64 positions (no two the same) and values of its dtype."""
-    flat.index_copy_(0, positions, values)
+    """``flat[positions] = values`` of a 1-D tensor, int64 positions (no two the same) and values of its dtype, on
+    any device. Chunk by chunk: on a GPU, a whole model's positions and values at once (a learning rate of 1e-5
+    changes a sixth of its elements) would weigh more than its largest tensor."""
+    for start in range(0, positions.numel(), _PUT_CHUNK):
+        end = start + _PUT_CHUNK
+        flat.index_copy_(0, positions[start:end].to(flat.device), values[start:end].to(flat.device))

@@ -352,11 +352,8 @@ class SnapshotReader:
             raise
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise BadDelta(version, f"v{version}'s file lacks or garbles a tensor ({err})") from err
-        # A delta's positions and values on the device before any write (whole tensors go one by one: on a GPU,
-        # all of an anchor's at once would be a second copy of the model).
-        writes = [(targets, None, values) if positions is None else
-                  (targets, positions.to(targets[0].device), values.to(targets[0].device))
-                  for targets, positions, values in writes]
+        # Whole tensors go to the device one by one, a delta's positions and values chunk by chunk (``put``): on a
+        # GPU, all of them at once would weigh as much as the model at an anchor, and a sixth of it at 1e-5.
         try:
             for targets, positions, values in writes:
                 for dst in targets:

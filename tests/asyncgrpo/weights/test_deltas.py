@@ -116,10 +116,15 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds, monkeypa
     assert checksum == deltas.checksum(new_bits)
     assert set(parts) == kinds
     assert deltas.nbytes(parts) < old.numel() * old.element_size()
-    # Decoded in one pass, and in passes of 7 positions (the last one shorter).
-    for chunk in (deltas._DECODE_CHUNK, 7):
+    # Decoded in one pass, and in passes of 7 positions (the last one shorter) over three threads.
+    for chunk, threads in ((deltas._DECODE_CHUNK, 1), (7, 3)):
         monkeypatch.setattr(deltas, "_DECODE_CHUNK", chunk)
-        decoded, bits, before, after = deltas.decode(parts, old, old.dtype)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            decoded, bits, before, after = deltas.decode(parts, old, old.dtype)
+        finally:
+            torch.set_num_threads(prev)
         assert decoded.tolist() == written.tolist() and set(positions.tolist()) <= set(decoded.tolist())
         assert torch.equal(bits, new_bits[decoded]) and torch.equal(values, new_bits[decoded])
         applied = old_bits.clone()

@@ -15,6 +15,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -182,7 +183,8 @@ def test_copy_tensors_memmove_and_fallback_paths():
             torch.set_num_threads(prev)
         assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True))
 
-def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
+
+def test_take_and_put_of_scattered_elements_on_one_or_several_threads(monkeypatch):
     from asyncgrpo.weights import memcopy
 
     torch.manual_seed(0)
@@ -190,6 +192,8 @@ def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
     for count in (5, 3 * memcopy._MIN_TAKE + 7):  # one thread's worth; parts on several threads, one longer
         positions = torch.randperm(flat.numel())[:count].sort().values
         values = torch.randint(-1000, 1000, (count,), dtype=torch.int16)
+        expected = flat.clone()
+        expected[positions] = values
         for threads in (1, 3):
             prev = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -200,9 +204,12 @@ def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
             finally:
                 torch.set_num_threads(prev)
             assert torch.equal(taken, flat[positions])
-            expected = flat.clone()
-            expected[positions] = values
             assert torch.equal(written, expected)
+        monkeypatch.setattr(memcopy, "_PUT_CHUNK", 1000)  # written in chunks, the last one shorter
+        written = flat.clone()
+        memcopy.put(written, positions, values)
+        assert torch.equal(written, expected)
+        monkeypatch.undo()
     # A worker's trainable parameters (an adapter's), read under torch.no_grad, which the pool's threads do not share.
     weights = torch.nn.Parameter(torch.randn(flat.numel()))
     positions = torch.randperm(flat.numel())[:3 * memcopy._MIN_TAKE].sort().values
@@ -211,6 +218,34 @@ def test_take_and_put_of_scattered_elements_on_one_or_several_threads():
     try:
         with torch.no_grad():
             assert torch.equal(memcopy.take(weights, positions), weights[positions])
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_spread_returns_each_items_result_in_order_and_raises_what_a_thread_raised():
+    from asyncgrpo.weights import memcopy
+
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            ran_on = set()
+
+            def square(i, ran_on=ran_on):
+                ran_on.add(threading.get_ident())
+                return i * i
+
+            assert memcopy.spread(square, [(i,) for i in range(10)]) == [i * i for i in range(10)]
+            assert len(ran_on) == 1 if threads == 1 else len(ran_on) >= 2  # (the caller's share, and the pool's)
+            assert memcopy.spread(square, []) == []
+
+            def refuse(i):
+                if i == 8:  # (item 8 of 9 is the third thread's share with three)
+                    raise IndexError("item 8")
+                return i
+
+            with pytest.raises(IndexError, match="item 8"):
+                memcopy.spread(refuse, [(i,) for i in range(9)])
     finally:
         torch.set_num_threads(prev)
 
