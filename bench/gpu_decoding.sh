@@ -36,10 +36,15 @@
 # GPU_DECODING_PARTS="engine_gpu long_tail_05b" runs only the parts named (a device's time can take two calls).
 #
 # Parts 1 and 2 (the engine's tests, its long-tail figures against the fixed batch, and the decision for auto) fit
-# in 8 minutes with the installs and warm-ups, if graph's warm-up is still the 131 s of 2026-11-28.
+# in 8 minutes with the installs and warm-ups, if graph's warm-up is still the 131 s of 2026-11-28; a part 2 cut
+# short keeps the rows it measured (OUT/long_tail_05b.json is written after each).
 # Each part has its share of GPU_DECODING_BUDGET_S (default 540 s) and writes what it printed to OUT_DIR/NAME.log
 # (default a /tmp folder) as it goes, so a part cut short still leaves the others' figures. Needs what
-# scripts/gpu_check.sh needs (the wheels of .whl/ are installed the same way, into /tmp/site).
+# scripts/gpu_check.sh needs (the wheels of .whl/ are installed the same way, into /tmp/site). The decoders call
+# transformers' models with the keywords of the transformers `.venv` has (5.24), so bring that one: on a machine with
+# torch, transformers, pyarrow and pandas of its own (the lent H200), fetch the wheels with
+#   GPU_WHEELS_SKIP="pyarrow pandas python-dateutil tzdata xxhash pytest pluggy iniconfig" \
+#   GPU_WHEELS_EXTRA="transformers==5.24.0 tokenizers==0.23.3" bash scripts/fetch_gpu_wheels.sh
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
@@ -77,13 +82,16 @@ MPS_CONFIG=""
 command -v nvidia-cuda-mps-control > /dev/null && MPS_CONFIG=",async2_graph_mps"
 echo "nvidia-cuda-mps-control: $(command -v nvidia-cuda-mps-control || echo 'not on PATH')" | tee -a "$OUT/machine.txt"
 
-part engine_gpu 100 "$PY" -m pytest -v -rs -p no:cacheprovider -m gpu --durations=3 tests/worker/test_continuous.py
+part engine_gpu 150 "$PY" -m pytest -v -rs -p no:cacheprovider -m gpu --durations=3 tests/worker/test_continuous.py
 part long_tail_05b 330 env TORCH_LOGS=recompiles,perf_hints,cudagraphs "$PY" bench/long_tail.py --shapes qwen0.5b --settings continuous,graph \
     --lengths long-tail --jobs 4 --stream 16 --completion 512 --out "$OUT/long_tail_05b.json"
 if [ -s "$OUT/long_tail_05b.json" ]; then
     "$PY" - "$OUT/long_tail_05b.json" <<'EOF' | tee "$OUT/auto_decision.txt"
 import json, sys
 rows = {r["decoding"]: r for r in json.load(open(sys.argv[1]))["results"]}
+missing = [name for name in ("continuous", "graph") if name not in rows]
+if missing:
+    raise SystemExit(f"[gpu_decoding] auto on this GPU: undecided, no {' or '.join(missing)} row (cut short?)")
 engine, graph = rows["continuous"], rows["graph"]
 wins = engine["samples_per_s"] >= graph["samples_per_s"] and engine["latency_p50_s"] <= graph["latency_p50_s"]
 print(f"[gpu_decoding] auto on this GPU: {'continuous' if wins else 'graph'} (long tail at 0.5B: continuous "

@@ -238,6 +238,8 @@ def main() -> None:
                     log(f"{shape} {lengths} {decoding}")
                     rows.append(measure(shape, decoding, lengths, a, Path(tmp)))
                     log(json.dumps(rows[-1]))
+                    if a.out:  # (the rows so far: a run cut short, on a lent GPU's clock, keeps them)
+                        Path(a.out).write_text(json.dumps({"partial": True, "results": rows}, indent=2))
     for row in rows:
         same = [r for r in rows if r["shape"] == row["shape"] and r["lengths"] == row["lengths"]]
         base = next((r for r in same if r["decoding"] == "graph"), same[0])
