@@ -250,6 +250,20 @@ def test_supported_settings_get_the_step(tmp_path, monkeypatch):
     assert isinstance(build_decoder(trainer.args, trainer, 1, Events()), GraphDecoding)
 
 
+def test_a_model_whose_forward_takes_no_cache_keyword_falls_back(tmp_path):
+    """An older transformers names the cache past_key_values: given cache=, its models would swallow the keyword into
+    their **kwargs and decode every step without the tokens before (no error, wrong tokens)."""
+    from worker.decoding.continuous import ContinuousDecoding
+
+    trainer = trainer_for(tmp_path)
+    assert GraphDecoding.unsupported(trainer) is None
+    model = trainer.model
+    model.forward = lambda input_ids=None, past_key_values=None, **kwargs: type(model).forward(  # noqa: E731
+        model, input_ids, past_key_values=past_key_values, **kwargs)
+    for decoder in (GraphDecoding, ContinuousDecoding):
+        assert "takes no cache=" in decoder.unsupported(trainer)
+
+
 def test_auto_picks_the_step_on_cuda_and_continuous_batching_run_eagerly_on_cpu(tmp_path, caplog, monkeypatch):
     """On a CPU the engine, nothing compiled, said in one line; for a model too small for it, or where it does not
     apply, TRL's generate (what auto decoded with before), with the reason."""

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import GenerationConfig
 from trl.trainer.utils import pad
 
@@ -166,6 +167,9 @@ class OwnStep:
         model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))
         if not getattr(model, "_can_compile_fullgraph", False):
             return f"{type(model).__name__} does not declare a static cache that compiles in one graph"
+        if "cache" not in inspect.signature(model.forward).parameters:  # (older transformers: past_key_values)
+            return (f"{type(model).__name__}.forward takes no cache= (transformers {transformers.__version__}: the "
+                    f"steps hand the cache over as transformers 5.24 names it)")
         if getattr(model.config, "is_encoder_decoder", False):
             return "an encoder-decoder model"
         settings = trainer.generation_config.to_diff_dict()
