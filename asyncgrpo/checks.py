@@ -110,9 +110,13 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list
     import itertools
 
     rows = list(itertools.islice(dataset, PROMPTS_MEASURED))
+    source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
+    for i, row in enumerate(rows):
+        if isinstance(row, dict) and not isinstance(row.get("prompt"), (str, list)):  # (a JSON line without one: None)
+            raise ConfigError(f"{source}: row {i + 1} (counting from 1) has no prompt ({row.get('prompt')!r}): every "
+                              f"row needs a prompt, a text or a conversation")
     if any(isinstance(row.get("prompt"), list) for row in rows if isinstance(row, dict)) \
             and not getattr(tokenizer, "chat_template", None):
-        source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
         raise ConfigError(f"{source}: its prompts are conversations (lists of role/content messages), and the "
                           f"tokenizer of {cfg.model_name_or_path} has no chat template to turn them into tokens: give "
                           "a --model_name_or_path whose tokenizer has one (a chat or instruct model), or plain-text "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,11 @@ def _load_dataset(cfg: AsyncGRPOConfig):
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: the dataset is empty (no rows)") from None
     except Exception as err:
         reason = first_line(err, with_type=False)
+        cause = err.__cause__ or err.__context__  # (datasets' "An error occurred while generating the dataset")
+        if cause is not None:
+            reason += f": {first_line(cause, with_type=False)}"
+            if name.endswith(".jsonl"):  # (pyarrow counts a JSON Lines file's rows from 0)
+                reason = re.sub(r"in row (\d+)$", lambda m: f"in line {int(m.group(1)) + 1}", reason)
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {reason}") from None
 
 
