@@ -27,6 +27,7 @@ from asyncgrpo.jobqueue import DEFAULT_MAX_ATTEMPTS, JobQueue, JobState, describ
 from asyncgrpo.jobqueue.names import ArchiveReason, depth_line, done_reason, shown_name
 from asyncgrpo.jobqueue.retention import compact_archive
 from asyncgrpo.run import DEFAULT_LEASE_S, RunDir, RunDirError, fileops, latest_run, list_workers, metrics
+from asyncgrpo.run.checkpoints import newest_complete_checkpoint
 from asyncgrpo.run.liveness import HEARTBEAT_INTERVAL_S, fs_now, pid_alive
 from asyncgrpo.weights.buffer_folders import SHM_ROOT, DeadFolder, remove_dead_folders
 
@@ -160,6 +161,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "failed_since_ps_start": failed_since_ps_start,
         "global_step": global_step,
+        "checkpoint": (folder := newest_complete_checkpoint(run.root)) and folder.name,
         "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
                                        "job_timeout_s": ps.job_timeout_s, "started_at": ps.started_at,
                                        "alive": pid_alive(ps.pid, ps.host),
@@ -201,7 +203,8 @@ def _health(report: dict) -> str:
     if ps is not None and ps["state"] == "training":
         if not ps["alive"]:
             problems.append(f"the parameter server (pid {ps['pid']}) is not running: relaunch on this run directory "
-                            "to resume from its last checkpoint")
+                            + (f"to resume from {report['checkpoint']}" if report["checkpoint"] else
+                               "(no checkpoint saved yet: it starts from the beginning)"))
         elif (ps["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
             problems.append(f"the parameter server (pid {ps['pid']} on {ps['host']}) silent for "
                             f"{ps['heartbeat_age_s']:.0f}s (stopped or swapped out?): the workers wait for it")

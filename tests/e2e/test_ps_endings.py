@@ -35,6 +35,7 @@ from helpers import (
 from asyncgrpo.events import read_events
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
 from asyncgrpo.run import fileops
+from asyncgrpo.run.checkpoints import LEDGER_FILE
 
 TIMEOUT_S = 300
 JOB_STATES = (JobState.PENDING, JobState.PROCESSING)  # a job's file, not a result's
@@ -245,7 +246,13 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
         ps.send_signal(signal.SIGKILL)
         ps.wait(timeout=60)
         health = queue_tools_ls(run_root)["health"]
-        assert health.startswith(f"WARN: the parameter server (pid {ps.pid}) is not running: relaunch"), health
+        gone = f"WARN: the parameter server (pid {ps.pid}) is not running: relaunch on this run directory"
+        assert health.startswith(f"{gone} (no checkpoint saved yet: it starts from the beginning)"), health
+        (run_root / "checkpoint-40").mkdir()
+        (run_root / "checkpoint-40" / LEDGER_FILE).write_text("{}")  # (complete: its ledger is there)
+        (run_root / "checkpoint-60").mkdir()  # (incomplete: a save the PS died in, never resumed from)
+        health = queue_tools_ls(run_root)["health"]
+        assert health.startswith(f"{gone} to resume from checkpoint-40"), health
     finally:
         ps.send_signal(signal.SIGCONT)
         ps.kill()
