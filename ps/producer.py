@@ -81,36 +81,38 @@ class TrainingProgress:
 
 
 class HoldTimes:
-    """How long workers hold jobs, from the producer's scans: since a job is first seen held until it is
-    first seen done. Knows the typical time and which jobs are held far longer (stragglers)."""
+    """How long workers hold jobs, from the producer's scans: since an attempt of a job is first seen held until it
+    is first seen done. Knows the typical time and which jobs are held far longer (stragglers)."""
 
     def __init__(self):
-        self.held_since: dict[str, float] = {}
+        self.held_since: dict[tuple[str, int], float] = {}  # by (job id, attempt)
         self.recent: deque[float] = deque(maxlen=TYPICAL_OF_LAST)
-        self.reported: set[str] = set()  # stragglers already logged
+        self.reported: set[tuple[str, int]] = set()  # stragglers already logged
 
     def observe(self, names: list, now: float) -> None:
-        states = {name.job_id: name.state for name in names}
-        for job_id, state in states.items():
+        states = {(name.job_id, name.attempt): name.state for name in names}
+        in_queue = {name.job_id for name in names}
+        for key, state in states.items():
             if state in HELD:
-                self.held_since.setdefault(job_id, now)
-        for job_id in [j for j in self.held_since if states.get(j) not in HELD]:
-            since = self.held_since.pop(job_id)
-            if states.get(job_id) is not JobState.PENDING:  # given back or recovered: not a generation time
+                self.held_since.setdefault(key, now)
+        for key in [k for k in self.held_since if states.get(k) not in HELD]:
+            since = self.held_since.pop(key)
+            # Given back (pending), or recovered (another attempt of it in the queue: a dead worker's hold, which a
+            # worker that claims it again does not inherit): not a generation time.
+            if states.get(key) is not JobState.PENDING and (key in states or key[0] not in in_queue):
                 self.recent.append(now - since)
-            self.reported.discard(job_id)
-
+            self.reported.discard(key)
     def straggler_after_s(self) -> float | None:
         if len(self.recent) < 3:
             return None
         return max(STRAGGLER_MIN_S, STRAGGLER_FACTOR * statistics.median(self.recent))
 
-    def stragglers(self, now: float) -> dict[str, float]:
-        """Job id -> seconds held, of the jobs held past straggler_after_s."""
+    def stragglers(self, now: float) -> dict[tuple[str, int], float]:
+        """(job id, attempt) -> seconds held, of the attempts held past straggler_after_s."""
         after = self.straggler_after_s()
         if after is None:
             return {}
-        return {job_id: now - since for job_id, since in self.held_since.items() if now - since > after}
+        return {key: now - since for key, since in self.held_since.items() if now - since > after}
 
     def next_straggler_in_s(self, now: float) -> float | None:
         """Seconds until the next held job turns straggler (None: none will without a new scan)."""
@@ -255,19 +257,20 @@ class JobProducer(WatchedThread):
         self._report(stragglers, names)
         return Snapshot(published, frozenset(n.job_id for n in names),
                         frozenset(n.job_id for n in names if n.state is JobState.PENDING), frozenset(cached),
-                        judging, next_take_step, self.progress.expected_yield, frozenset(stragglers))
+                        judging, next_take_step, self.progress.expected_yield,
+                        frozenset(job_id for job_id, _ in stragglers))
 
-    def _report(self, stragglers: dict[str, float], names: list) -> None:
+    def _report(self, stragglers: dict[tuple[str, int], float], names: list) -> None:
         new = stragglers.keys() - self.hold_times.reported
-        holders = {name.job_id: name.device for name in names if name.job_id in new}
-        for job_id in new:
-            self.hold_times.reported.add(job_id)
+        holders = {(name.job_id, name.attempt): name.device for name in names}
+        for key in sorted(new):
+            self.hold_times.reported.add(key)
             log.warning("[queue] job %s: worker dev%s has held it %.1fs (typically %.1fs): a straggler; the other "
                         "workers go on without it (its result is trained if still within max_staleness, else thrown "
-                        "again; a silent worker's job comes back after its lease)", job_id, holders.get(job_id, "?"),
-                        stragglers[job_id], statistics.median(self.hold_times.recent))
-            self.queue.events.emit("job_straggling", job_id=job_id, held_s=round(stragglers[job_id], 3),
-                                   worker=str(holders.get(job_id)))
+                        "again; a silent worker's job comes back after its lease)", key[0], holders.get(key, "?"),
+                        stragglers[key], statistics.median(self.hold_times.recent))
+            self.queue.events.emit("job_straggling", job_id=key[0], held_s=round(stragglers[key], 3),
+                                   worker=str(holders.get(key)))
 
     def generation_batches(self):
         """Generation batches in TRL's order, epoch after epoch (training length is max_steps). The same config

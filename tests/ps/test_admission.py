@@ -77,3 +77,23 @@ def test_the_caps_hold_whatever_the_bound_allows(limits, why):
     two = snapshot(in_queue={"a", "b"}, pending={"a", "b"})
     decision = admit(two, replace(limits, max_staleness=100), {})
     assert not decision.throw and decision.why_not == why
+
+
+def test_a_job_claimed_again_after_its_worker_died_is_timed_from_its_new_claim():
+    """The hold that makes a straggler is an attempt's: a recovered job claimed by another worker is not the dead
+    worker's hold, and the dead one's is no generation time for the typical time either."""
+    from asyncgrpo.jobqueue.names import JobState, QueueName
+    from ps.producer import STRAGGLER_MIN_S, HoldTimes
+
+    times = HoldTimes()
+    for i in range(3):  # three jobs of 0.3 s: a typical time
+        times.observe([QueueName(f"00000{i}_000", 1, JobState.PROCESSING, 1)], now=10.0 * i)
+        times.observe([QueueName(f"00000{i}_000", 1, JobState.COMPLETE, 1)], now=10.0 * i + 0.3)
+    assert list(times.recent) == pytest.approx([0.3] * 3)
+    job = "000035_000"
+    times.observe([QueueName(job, 1, JobState.PROCESSING, 1)], now=100.0)  # dev1 claims it, and dies
+    late = 100.0 + STRAGGLER_MIN_S + 1
+    times.observe([QueueName(job, 2, JobState.PROCESSING, 2)], now=late)  # recovered, claimed by dev2 at once
+    assert times.stragglers(late + 0.05) == {}
+    assert list(times.recent) == pytest.approx([0.3] * 3)  # (the dead worker's hold is not counted)
+    assert times.stragglers(late + STRAGGLER_MIN_S + 1) == {(job, 2): pytest.approx(STRAGGLER_MIN_S + 1)}
