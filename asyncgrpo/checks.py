@@ -113,8 +113,8 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list
     source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
     for i, row in enumerate(rows):
         if isinstance(row, dict) and not isinstance(row.get("prompt"), (str, list)):  # (a JSON line without one: None)
-            raise ConfigError(f"{source}: row {i + 1} (counting from 1) has no prompt ({row.get('prompt')!r}): every "
-                              f"row needs a prompt, a text or a conversation")
+            raise ConfigError(f"{source}: row {i + 1} (counting from 1): its prompt is {row.get('prompt')!r}, not a "
+                              f"text or a conversation (a list of role/content messages)")
     if any(isinstance(row.get("prompt"), list) for row in rows if isinstance(row, dict)) \
             and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{source}: its prompts are conversations (lists of role/content messages), and the "

@@ -10,9 +10,9 @@ folder it was started from), and reward modules import from it, as they would wi
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -139,13 +139,30 @@ def _load_dataset(cfg: AsyncGRPOConfig):
     except StopIteration:  # how datasets' file loaders say a file holds no rows
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: the dataset is empty (no rows)") from None
     except Exception as err:
-        reason = first_line(err, with_type=False)
-        cause = err.__cause__ or err.__context__  # (datasets' "An error occurred while generating the dataset")
-        if cause is not None:
-            reason += f": {first_line(cause, with_type=False)}"
-            if name.endswith(".jsonl"):  # (pyarrow counts a JSON Lines file's rows from 0)
-                reason = re.sub(r"in row (\d+)$", lambda m: f"in line {int(m.group(1)) + 1}", reason)
+        reason = _first_bad_line(name) if name.endswith(".jsonl") else None
+        if reason is None:
+            reason = first_line(err, with_type=False)
+            # (datasets' "An error occurred while generating the dataset" says nothing of its cause)
+            cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+            if cause is not None:
+                reason += f": {first_line(cause, with_type=False)}"
         raise ConfigError(f"--dataset_name {cfg.dataset_name}: cannot load: {reason}") from None
+
+
+def _first_bad_line(path: str) -> str | None:
+    """Where a JSON Lines file is not JSON: its first such line, counted from 1 (pyarrow's reader counts rows within
+    each block it reads, from 0), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as err:
+                        return f"line {number} is not JSON ({err.msg}, at column {err.colno})"
+    except (OSError, UnicodeDecodeError) as err:
+        return first_line(err, with_type=False)
+    return None
 
 
 def streams(cfg: AsyncGRPOConfig) -> bool:

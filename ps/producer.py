@@ -91,15 +91,15 @@ class HoldTimes:
 
     def observe(self, names: list, now: float) -> None:
         states = {(name.job_id, name.attempt): name.state for name in names}
-        in_queue = {name.job_id for name in names}
+        # A job given back (pending) or recovered (pending or held again as its next attempt: a dead worker's hold,
+        # which the worker that claims it again does not inherit). Results carry no attempt in their names.
+        again = {name.job_id for name in names if name.state is JobState.PENDING or name.state in HELD}
         for key, state in states.items():
             if state in HELD:
                 self.held_since.setdefault(key, now)
         for key in [k for k in self.held_since if states.get(k) not in HELD]:
             since = self.held_since.pop(key)
-            # Given back (pending), or recovered (another attempt of it in the queue: a dead worker's hold, which a
-            # worker that claims it again does not inherit): not a generation time.
-            if states.get(key) is not JobState.PENDING and (key in states or key[0] not in in_queue):
+            if key[0] not in again:  # (not a generation time otherwise)
                 self.recent.append(now - since)
             self.reported.discard(key)
     def straggler_after_s(self) -> float | None:

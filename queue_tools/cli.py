@@ -161,7 +161,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "failed_since_ps_start": failed_since_ps_start,
         "global_step": global_step,
-        "checkpoint": (folder := newest_complete_checkpoint(run.root)) and folder.name,
+        "checkpoint": (folder := newest_complete_checkpoint(run.checkpoints)) and folder.name,
         "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
                                        "job_timeout_s": ps.job_timeout_s, "started_at": ps.started_at,
                                        "alive": pid_alive(ps.pid, ps.host),

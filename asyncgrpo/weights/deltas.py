@@ -157,6 +157,11 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
     gaps = parts.get("gap")
     indices = parts["idx"] if gaps is None else None
     count = (gaps if gaps is not None else indices).numel()
+    values = parts["dif"] if "dif" in parts else parts["val"]
+    if values.numel() != count:
+        raise ValueError(f"a delta of {count} positions with {values.numel()} values")
+    if "dif" in parts and (dtype.itemsize == 8 or values.dtype != torch.int8):  # (never written so: ``encode``)
+        raise ValueError(f"one-byte differences of {values.dtype} for {dtype} elements")
     held = held.detach()
     positions = torch.empty(count, dtype=torch.int64)
     written = torch.empty(count, dtype=_INT_OF_SIZE[dtype.itemsize])
@@ -181,10 +186,12 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
         if "dif" not in parts:
             written[start:end] = parts["val"][start:end]
             return position_sums(at, old, written[start:end])
-        # (2- and 4-byte elements: their words are their bits as int32)
+        # (2- and 4-byte elements: their words are their bits as int32; int32 wraps as the writer's difference did)
         old_words = old.to(torch.int32)
         new_words = old_words + parts["dif"][start:end]
         written[start:end] = new_words
+        if dtype.itemsize == 2:  # (what was written: a difference off int16's range, of no file encode writes, wraps)
+            new_words = written[start:end].to(torch.int32)
         return word_sums(at, old_words, new_words)
 
     items = list(zip(starts, lasts, strict=True))

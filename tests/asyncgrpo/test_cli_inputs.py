@@ -30,7 +30,8 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "empty.jsonl").write_text("")
     rows = [json.dumps({"prompt": f"{d}:"}) for d in range(4)]
     (folder / "nullprompt.jsonl").write_text("\n".join([*rows, json.dumps({"other": 1})]) + "\n")
-    (folder / "garbled.jsonl").write_text("\n".join([*rows, '{"prompt": "4:", }']) + "\n")
+    # Past the 320 KB blocks pyarrow reads a file in (it counts rows within a block).
+    (folder / "garbled.jsonl").write_text("\n".join([*rows * 5000, '{"prompt": "4:", }']) + "\n")
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
@@ -48,10 +49,10 @@ USER_FLAGS = ["--model_name_or_path", "mymodel", "--dataset_name", "data", "--re
 BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--dataset_name", "noprompt.jsonl"], "--dataset_name noprompt.jsonl: no 'prompt' column"),
     (["--dataset_name", "empty.jsonl"], "--dataset_name empty.jsonl: the dataset is empty (no rows)"),
-    (["--dataset_name", "nullprompt.jsonl"], "--dataset_name nullprompt.jsonl: row 5 (counting from 1) has no prompt "
-     "(None)"),
-    (["--dataset_name", "garbled.jsonl"], "--dataset_name garbled.jsonl: cannot load: An error occurred while "
-     "generating the dataset: JSON parse error: Missing a name for object member. in line 5"),
+    (["--dataset_name", "nullprompt.jsonl"], "--dataset_name nullprompt.jsonl: row 5 (counting from 1): its prompt is "
+     "None, not a text or a conversation"),
+    (["--dataset_name", "garbled.jsonl"], "--dataset_name garbled.jsonl: cannot load: line 20001 is not JSON "
+     "(Expecting property name enclosed in double quotes, at column 18)"),
     (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),
     (["--model_name_or_path", "corrupt"], "--model_name_or_path corrupt: bad config"),
     (["--model_name_or_path", "unknown_type"], "--model_name_or_path unknown_type: bad config"),

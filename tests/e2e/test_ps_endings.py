@@ -248,9 +248,9 @@ def test_queue_tools_ls_says_when_the_ps_is_silent_or_gone(tmp_path):
         health = queue_tools_ls(run_root)["health"]
         gone = f"WARN: the parameter server (pid {ps.pid}) is not running: relaunch on this run directory"
         assert health.startswith(f"{gone} (no checkpoint saved yet: it starts from the beginning)"), health
-        (run_root / "checkpoint-40").mkdir()
-        (run_root / "checkpoint-40" / LEDGER_FILE).write_text("{}")  # (complete: its ledger is there)
-        (run_root / "checkpoint-60").mkdir()  # (incomplete: a save the PS died in, never resumed from)
+        (run_root / "checkpoints" / "checkpoint-40").mkdir(parents=True)
+        (run_root / "checkpoints" / "checkpoint-40" / LEDGER_FILE).write_text("{}")  # (complete: its ledger is there)
+        (run_root / "checkpoints" / "checkpoint-60").mkdir()  # (incomplete: a save the PS died in, never resumed)
         health = queue_tools_ls(run_root)["health"]
         assert health.startswith(f"{gone} to resume from checkpoint-40"), health
     finally:

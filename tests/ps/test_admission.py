@@ -97,3 +97,8 @@ def test_a_job_claimed_again_after_its_worker_died_is_timed_from_its_new_claim()
     assert times.stragglers(late + 0.05) == {}
     assert list(times.recent) == pytest.approx([0.3] * 3)  # (the dead worker's hold is not counted)
     assert times.stragglers(late + STRAGGLER_MIN_S + 1) == {(job, 2): pytest.approx(STRAGGLER_MIN_S + 1)}
+    times.observe([QueueName(job, 1, JobState.COMPLETE, 2)], now=late + 0.4)  # (a result's name has no attempt)
+    assert list(times.recent) == pytest.approx([0.3] * 3 + [0.4])  # the second attempt's generation time
+    times.observe([QueueName("000036_000", 1, JobState.PROCESSING, 1)], now=200.0)
+    times.observe([QueueName("000036_000", 1, JobState.PENDING)], now=200.5)  # given back: no generation time
+    assert len(times.recent) == 4 and times.held_since == {}

@@ -135,12 +135,21 @@ def test_a_delta_round_trips_in_each_of_its_forms(changes, step, kinds, monkeypa
 
 
 def test_a_delta_without_positions_or_with_positions_outside_its_tensor_is_refused_before_a_read():
-    """KeyError and IndexError are what the reader turns into a refused file (BadDelta). Out of range, the positions
-    are refused before the gather: on a GPU an index out of range would end the worker's process."""
+    """KeyError, IndexError and ValueError are what the reader turns into a refused file (BadDelta). Out of range, the
+    positions are refused before the gather: on a GPU an index out of range would end the worker's process."""
     held = torch.zeros(100, dtype=torch.bfloat16)
     two = {"dif": torch.zeros(2, dtype=torch.int8), "was": torch.tensor([0])}
     with pytest.raises(KeyError):  # (a garbled header lost the positions)
         deltas.decode(two, held, held.dtype)
+    at = {"idx": torch.tensor([5, 7], dtype=torch.int32)}
+    # Parts no writer makes: fewer values than positions (one would be added to every position), differences of
+    # 8-byte elements or wider than a byte.
+    for parts, dtype in (({**at, "dif": torch.zeros(1, dtype=torch.int8)}, torch.bfloat16),
+                         ({**at, "val": torch.zeros(3, dtype=torch.int16)}, torch.bfloat16),
+                         ({**at, "dif": torch.zeros(2, dtype=torch.int8)}, torch.float64),
+                         ({**at, "dif": torch.zeros(2, dtype=torch.int16)}, torch.bfloat16)):
+        with pytest.raises(ValueError):
+            deltas.decode({**parts, "was": torch.tensor([0])}, held.to(dtype), dtype)
     for positions in ({"idx": torch.tensor([5, 100], dtype=torch.int32)}, {"idx": torch.tensor([-1, 5])},
                       {"gap": torch.tensor([0, 3], dtype=torch.uint8)}):
         with pytest.raises(IndexError, match="outside the tensor"):
