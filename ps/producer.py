@@ -102,6 +102,7 @@ class HoldTimes:
             if key[0] not in again:  # (not a generation time otherwise)
                 self.recent.append(now - since)
             self.reported.discard(key)
+
     def straggler_after_s(self) -> float | None:
         if len(self.recent) < 3:
             return None
