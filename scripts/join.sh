@@ -80,13 +80,13 @@ fi
 export ASYNCGRPO_SUPERVISOR_PID=$$
 
 # ---- 3. start the workers -------------------------------------------------------------------
-declare -A WORKER_PID WORKER_LOG
+declare -A WORKER_PID WORKER_LOG WORKER_STARTED WORKER_BEAT
 start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=${GPU_IDS[$(( ($1 - 1) % NGPU ))]}
     WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
     CUDA_VISIBLE_DEVICES=$gpus "$PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
-    WORKER_PID[$1]=$!
+    WORKER_PID[$1]=$! WORKER_STARTED[$1]=$(date +%s.%N) WORKER_BEAT[$1]="$RUN/workers/dev$1.$HOST_ID.json"
 }
 # The PS finished when ps.json says so and is not the file we found at start (a finished run
 # may be relaunched to train further: then its new PS rewrites ps.json).

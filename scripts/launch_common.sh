@@ -127,18 +127,31 @@ kill_now() {  # kill_now PID...
     wait "$@" 2>/dev/null
 }
 
+# Worker N's own pid, as its heartbeat and queue_tools ls show it: a forked worker is not the process launch.sh
+# started (that one is the fork server's client). The heartbeat's, when this start of the worker wrote it (its
+# started_at after the start); else the process started.
+worker_pid() {  # worker_pid N
+    local pid
+    pid=$(awk -v since="${WORKER_STARTED[$1]:-0}" '
+        match($0, /"pid": *[0-9]+/) { pid = substr($0, RSTART, RLENGTH); sub(/.*: */, "", pid) }
+        match($0, /"started_at": *[0-9.]+/) { at = substr($0, RSTART, RLENGTH); sub(/.*: */, "", at) }
+        END { if (pid != "" && at + 0 > since + 0) print pid }' "${WORKER_BEAT[$1]:-/dev/null}" 2>/dev/null)
+    echo "${pid:-${WORKER_PID[$1]}}"
+}
+
 # One pass: a worker that exited is started again (its job returns through recovery), unless it exited 2:
 # bad input (a flag, a reward module it cannot import, a model that is not the PS's) that a restart would
 # only repeat. It is then dropped from WORKER_PID, and WORKER_ERROR keeps its one-line reason.
 restart_dead_workers() {
-    local i status why
+    local i status why pid
     for i in "${!WORKER_PID[@]}"; do
         if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
             wait "${WORKER_PID[$i]}" 2>/dev/null; status=$?  # (not bash's "Killed" line: ours names the worker)
+            pid=$(worker_pid "$i")
             if [ "$status" -eq 2 ]; then
                 WORKER_ERROR=$(grep -a '^worker: error: ' "${WORKER_LOG[$i]}" | tail -n 1)
                 WORKER_ERROR=${WORKER_ERROR:-"worker: error: worker $i exited with status 2 (see ${WORKER_LOG[$i]})"}
-                say "worker $i (pid ${WORKER_PID[$i]}) exited with status 2, bad input: not restarted"
+                say "worker $i (pid $pid) exited with status 2, bad input: not restarted"
                 unset "WORKER_PID[$i]"
                 continue
             fi
@@ -147,7 +160,7 @@ restart_dead_workers() {
             if [ "$status" -eq 4 ]; then  # worker.deadline.EXIT_JOB_DEADLINE
                 why=", a job ran past --job_timeout_s"; jobs="that job failed as its attempt, its others given back"
             fi
-            say "worker $i (pid ${WORKER_PID[$i]}) exited with status $status$why: restarting it ($jobs)"
+            say "worker $i (pid $pid) exited with status $status$why: restarting it ($jobs)"
             start_worker "$i"
         fi
     done
