@@ -86,11 +86,11 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 _MIN_TAKE = 1 << 14  # positions below which one thread takes them all (a thread's hand-off costs more)
 
 
-def spread(fn, items: list) -> list:
-    """``[fn(*item) for item in items]``, the items spread over torch's threads, the calling thread taking a share.
-    ``fn`` runs with autograd on (``torch.no_grad`` is the caller thread's) and must not call ``spread``: a task
-    that waited for tasks of its own could wait for itself."""
-    threads = min(max(1, torch.get_num_threads()), len(items))
+def spread(fn, items: list, most: int | None = None) -> list:
+    """``[fn(*item) for item in items]``, the items spread over torch's threads (at most ``most``), the calling thread
+    taking a share. ``fn`` runs with autograd on (``torch.no_grad`` is the caller thread's) and must not call
+    ``spread``: a task that waited for tasks of its own could wait for itself."""
+    threads = min(max(1, torch.get_num_threads()), len(items), most or len(items))
     if threads <= 1:
         return [fn(*item) for item in items]
     shares = [list(range(i, len(items), threads)) for i in range(threads)]

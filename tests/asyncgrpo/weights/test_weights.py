@@ -237,6 +237,9 @@ def test_spread_returns_each_items_result_in_order_and_raises_what_a_thread_rais
 
             assert memcopy.spread(square, [(i,) for i in range(10)]) == [i * i for i in range(10)]
             assert len(ran_on) == 1 if threads == 1 else len(ran_on) >= 2  # (the caller's share, and the pool's)
+            ran_on.clear()
+            assert memcopy.spread(square, [(i,) for i in range(10)], most=1) == [i * i for i in range(10)]
+            assert ran_on == {threading.get_ident()}
             assert memcopy.spread(square, []) == []
 
             def refuse(i):
