@@ -85,8 +85,9 @@ start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=${GPU_IDS[$(( ($1 - 1) % NGPU ))]}
     WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
+    WORKER_STARTED[$1]=$(date +%s.%N) WORKER_BEAT[$1]="$RUN/workers/dev$1.$HOST_ID.json"  # (launch_common.sh)
     CUDA_VISIBLE_DEVICES=$gpus "$PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
-    WORKER_PID[$1]=$! WORKER_STARTED[$1]=$(date +%s.%N) WORKER_BEAT[$1]="$RUN/workers/dev$1.$HOST_ID.json"
+    WORKER_PID[$1]=$!
 }
 # The PS finished when ps.json says so and is not the file we found at start (a finished run
 # may be relaunched to train further: then its new PS rewrites ps.json).
