@@ -263,7 +263,7 @@ class JobProducer(WatchedThread):
 
     def _report(self, stragglers: dict[tuple[str, int], float], names: list) -> None:
         new = stragglers.keys() - self.hold_times.reported
-        holders = {(name.job_id, name.attempt): name.device for name in names}
+        holders = {(name.job_id, name.attempt): name.device for name in names if (name.job_id, name.attempt) in new}
         for key in sorted(new):
             self.hold_times.reported.add(key)
             log.warning("[queue] job %s: worker dev%s has held it %.1fs (typically %.1fs): a straggler; the other "

@@ -186,13 +186,12 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
         if "dif" not in parts:
             written[start:end] = parts["val"][start:end]
             return position_sums(at, old, written[start:end])
-        # (2- and 4-byte elements: their words are their bits as int32; int32 wraps as the writer's difference did)
+        # (2- and 4-byte elements: their words are their bits as int32; int32 wraps as the writer's difference did.
+        # The new words are those of the bits written, as a difference off int16's range, of no file encode writes,
+        # wraps there.)
         old_words = old.to(torch.int32)
-        new_words = old_words + parts["dif"][start:end]
-        written[start:end] = new_words
-        if dtype.itemsize == 2:  # (what was written: a difference off int16's range, of no file encode writes, wraps)
-            new_words = written[start:end].to(torch.int32)
-        return word_sums(at, old_words, new_words)
+        written[start:end] = old_words + parts["dif"][start:end]
+        return word_sums(at, old_words, written[start:end].to(torch.int32))
 
     items = list(zip(starts, lasts, strict=True))
     # Two threads at most: each runs a chunk's elementwise ops on a team of torch's threads of its own, so more would
