@@ -74,15 +74,21 @@ class PSStatus:
     job_timeout_s: float | None = None  # its --job_timeout_s (None: no deadline): what recovery and ls go by
     lease_s: float | None = None  # its --lease_s and --max_attempts: what queue_tools ls and cleanup go by
     max_attempts: int | None = None
+    # The largest --max_attempts of the run's PSs so far: a job's attempts may have gone up to it under an earlier PS,
+    # so archives in done/ are looked up to it (JobQueue.most_attempts) when --max_attempts was lowered since.
+    most_attempts: int | None = None
 
     @classmethod
     def starting(cls, model: str, resumed_from: str | None, generation: dict, job_timeout_s: float | None = None,
-                 lease_s: float | None = None, max_attempts: int | None = None) -> PSStatus:
-        """This process's status as it starts training."""
+                 lease_s: float | None = None, max_attempts: int | None = None,
+                 previous: PSStatus | None = None) -> PSStatus:
+        """This process's status as it starts training; ``previous``: the run's PS before it, if any."""
+        earlier = (previous.most_attempts, previous.max_attempts) if previous else ()
+        attempts = [a for a in (max_attempts, *earlier) if a]
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
                    started_at=time.time(), resumed_from=resumed_from, generation=generation,
                    mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s, lease_s=lease_s,
-                   max_attempts=max_attempts)
+                   max_attempts=max_attempts, most_attempts=max(attempts, default=None))
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

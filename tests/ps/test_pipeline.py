@@ -21,6 +21,7 @@ import ps.pipeline as pipeline_module
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import ArchiveReason, JobQueue, JobState
 from asyncgrpo.run import fileops
+from asyncgrpo.run.rundir import PSStatus
 from ps.pipeline import PipelineError, StopRequested
 
 WAIT_S = 10.0
@@ -274,11 +275,11 @@ def test_a_lost_journal_never_reuses_an_id_still_in_the_queue(run, start):
 # --------------------------------------------------------------------------- staleness and re-throw
 
 
-def a_result_archived_stale(run, start):
+def a_result_archived_stale(run, start, **flags):
     """A result 2 steps stale (max_staleness 1) taken by next_batch (on a thread), archived stale and its rows thrown
     again: the pipeline, the stale job, and next_batch's thread and outcome (it waits for another result)."""
     pipeline = start(state={"consumed": [f"00000{i}_000" for i in range(3)]}, published_version=3,  # taken 3
-                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1)
+                     until_pending=1, max_pending=1, max_outstanding=1, max_staleness=1, **flags)
     stale = work_one(pipeline.queue, version=1)  # 3 - 1 = 2 steps stale at step 3
     thread, outcome = next_batch_in_thread(pipeline, step=3)
     wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_stale.pt"), "the stale archive")
@@ -348,6 +349,35 @@ def test_a_second_result_of_a_job_archived_stale_is_a_duplicate_not_trained(run,
                                    weights_version=3)
     wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_duplicate_a2.pt"), "the second result archived")
     assert taken_once_done(pipeline, thread, outcome, version=3).job_id != stale.job_id
+
+
+def test_a_late_result_of_a_job_archived_stale_past_a_lowered_max_attempts_is_a_duplicate(run, start):
+    """An earlier PS of the run (--max_attempts 3) threw a job again up to attempt 3 and archived that attempt's
+    result stale; relaunched with --max_attempts 2, the PS gets attempt 2's result late (its worker silent past the
+    lease). The stale archive lies past this PS's attempts, not past the run's (ps/__main__.py sets the queue's
+    most_attempts from PSStatus.most_attempts): trained, its prompts would train twice."""
+    pipeline, stale, thread, outcome = a_result_archived_stale(run, start, max_attempts=2)
+    pipeline.queue.most_attempts = 3
+    os.rename(run.done / f"{stale.job_id}_stale.pt", run.done / f"{stale.job_id}_stale_a3.pt")  # the earlier PS's
+    fileops.write_payload(run.tmp, run.queue / f"{stale.job_id}_pending_a2.pt", stale.payload)
+    late = pipeline.queue.claim(2)
+    assert (late.job_id, late.attempt) == (stale.job_id, 2)
+    assert pipeline.queue.complete(late, {"batch": batch(), "metrics": {}, "rows": late.data["rows"]},
+                                   weights_version=3)
+    wait_for(lambda: os.path.exists(run.done / f"{stale.job_id}_duplicate_a2.pt"), "the late result archived")
+    assert taken_once_done(pipeline, thread, outcome, version=3).job_id != stale.job_id
+
+
+def test_the_runs_most_attempts_outlive_a_lowered_max_attempts(run):
+    """What the queue's most_attempts is set from: each PS's status keeps the largest --max_attempts of the run's
+    PSs, through ps.json, whatever the PSs between them were given."""
+    statuses = [None]
+    for max_attempts in (5, 2, 3, 7):
+        run.write_ps_status(PSStatus.starting("model", None, {}, max_attempts=max_attempts, previous=statuses[-1]))
+        statuses.append(run.read_ps_status())
+    assert [(s.max_attempts, s.most_attempts) for s in statuses[1:]] == [(5, 5), (2, 5), (3, 5), (7, 7)]
+    older = PSStatus(pid=1, host="h", model="m", state="finished", started_at=0.0, max_attempts=4)  # (no most_attempts)
+    assert PSStatus.starting("model", None, {}, max_attempts=2, previous=older).most_attempts == 4
 
 
 def test_a_result_the_checkpoints_ledger_counts_is_a_duplicate_even_when_stale(run, start):
