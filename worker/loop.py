@@ -116,8 +116,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
                                version=lambda: presence.get("weights_version"), stopping=stop.is_set,
                                stopped=presence.stop).start()
         teardown.callback(deadline.stop)
-        for action in queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device):
-            log.info("[queue] dev%s recovered its own leftover: %s", device, action.line())
+        queue.recover(lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, own_device=device)  # (it logs each move)
         try:
             trainer, decoding = _set_up(cfg, run, device, stop, setting_up, watcher, presence, events)
         except _StoppedWhileSettingUp:

@@ -9,6 +9,8 @@ here once with its prefill compiled as on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers.decoding import (
@@ -423,14 +425,16 @@ def test_no_two_inputs_of_a_compiled_step_or_prefill_share_memory(tmp_path, monk
         return result
 
     monkeypatch.setattr(runtime_wrappers, "merge_view_inputs", merge_and_say)
+    # AOTAutograd decides on a synthetic base before any backend sees the graph: its own eager backend shows it
+    # without inductor's code generation (which took 50 s of this test), and keeps nothing in a cache (a graph taken
+    # from one is not merged again).
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     # (one key/value head: shapes of its own, where an engine of the same shapes compiled earlier in the process would
     # lend its graphs, untraced)
     trainer = trainer_for(tmp_path, llama(kv_heads=1), **GREEDY)
     engine = ContinuousDecoding(trainer, 2 * trainer.args.generation_batch_size, job_ids(trainer, 0),
                                 compile_prefill=True)
-    # (traced anew, not taken from torch's caches: a cached graph is not merged again)
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        engine.warm_up(job_ids(trainer, 0))
+    engine.warm_up(job_ids(trainer, 0))
     # Two prefills (a few rows, a job's), the ranges' step, the same-columns step.
     assert engine.warm_up_graphs == 4 and len(merged) == 4, merged
     assert not any(merged), "a compiled graph takes a synthetic base of aliased inputs"
