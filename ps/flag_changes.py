@@ -8,7 +8,7 @@ rows a job) its rows would be regrouped across prompts and its advantages comput
 completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
 ``ps_processes`` cannot change within a run. The other generation flags apply from the relaunch on, to the jobs
 already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
-step on.
+step on; the queue's (attempts, lease, deadline) to every job from the relaunch on.
 
 (``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, which
 ``say_if_the_schedule_changed`` says.)
@@ -29,11 +29,12 @@ TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_gra
                   "num_iterations", "loss_type", "epsilon", "epsilon_high", "max_staleness", "off_policy_correction",
                   "off_policy_cap", "dynamic_sampling")
 INPUT_FLAGS = ("model_name_or_path", "dataset_name", "reward_funcs")  # what the jobs are drawn from and scored by
+QUEUE_FLAGS = ("max_attempts", "lease_s", "job_timeout_s")  # what recovery and a job's failures go by
 
 
 def recorded_flags(cfg: AsyncGRPOConfig) -> dict:
     """What a checkpoint's ledger records of ``cfg``, as JSON values."""
-    names = (*GENERATION_FLAGS, *TRAINING_FLAGS, *INPUT_FLAGS)
+    names = (*GENERATION_FLAGS, *TRAINING_FLAGS, *INPUT_FLAGS, *QUEUE_FLAGS)
     return json.loads(json.dumps({name: getattr(cfg, name, None) for name in names}, default=str))
 
 
@@ -55,6 +56,7 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
     for name in changed if say else ():
         after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS
                  else "applies from the next step on" if name in TRAINING_FLAGS
+                 else "applies to every job's attempts from now on, those already thrown too" if name in QUEUE_FLAGS
                  else "applies to the jobs drawn and scored from now on; the results already scored keep their "
                       "rewards")
         log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,

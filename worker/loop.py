@@ -43,6 +43,7 @@ from asyncgrpo.jobqueue import ClaimedJob, JobQueue, JobState, QueueWatcher
 from asyncgrpo.jobqueue.handoff import JobData
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir, WorkerPresence
+from asyncgrpo.run.liveness import ps_may_run
 from asyncgrpo.run.rundir import WorkerId
 from asyncgrpo.supervisor import watch_supervisor
 from asyncgrpo.user_code import load_rollout_hooks
@@ -282,7 +283,7 @@ def _read_claimed(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, job: Claim
     log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
              queue_wait_ms)
     ps_status = run.read_ps_status()
-    if mismatch := cfg.generation_mismatch(ps_status.generation if ps_status else None):
+    if ps_may_run(ps_status) and (mismatch := cfg.generation_mismatch(ps_status.generation)):
         queue.release(job)  # for a worker started with the PS's flags
         raise ConfigError(mismatch)
     try:
@@ -300,7 +301,7 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
     # A training PS's flags, checked before anything loads (the claim checks them again: a PS may be relaunched).
     ps = run.read_ps_status()
-    if ps is not None and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)):
+    if ps_may_run(ps) and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)):
         raise ConfigError(mismatch)
     model, tokenizer = load_model_and_tokenizer(path, cfg, cfg.worker_dtype)  # as the PS, unless --worker_dtype
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from asyncgrpo.messages import join_or_report, log_once
 from asyncgrpo.run import fileops
 from asyncgrpo.run.hosts import HOST_ID, same_host
-from asyncgrpo.run.rundir import WORKER_ID, RunDir, WorkerId, parse_worker_id
+from asyncgrpo.run.rundir import WORKER_ID, PSStatus, RunDir, WorkerId, parse_worker_id
 
 HEARTBEAT_INTERVAL_S = 1.0  # well under any sensible lease, cheap (one small file replace)
 DEFAULT_LEASE_S = 30.0  # a worker silent this long has its jobs recovered (30 heartbeats missed)
@@ -62,6 +62,13 @@ def pid_alive(pid: object, host: object, host_id: object = None) -> bool:
     except PermissionError:
         return True  # alive, owned by another user
     return not _is_zombie(pid)
+
+
+def ps_may_run(status: PSStatus | None) -> bool:
+    """Whether the PS that wrote ``status`` (ps.json's) may be running: not when there is none, nor when it is certainly
+    dead on this host. An interrupted PS's status still says it trains until a relaunched PS writes its own, once its
+    model and trainer are built: its workers, started beside it, must not take the dead PS's flags for the run's."""
+    return status is not None and pid_alive(status.pid, status.host)
 
 
 def _is_zombie(pid: int) -> bool:

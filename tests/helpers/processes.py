@@ -274,6 +274,13 @@ def stopped_status(proc, run_root, timeout: float = 120) -> int:
                     f"{log.read_text()[-8000:]}")
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone)."""
     try:

@@ -12,15 +12,17 @@ from ps.flag_changes import recorded_flags, say_or_refuse_changes
 
 
 def test_each_changed_flag_is_said_in_one_line(tmp_path, caplog):
-    saved = recorded_flags(demo_config(tmp_path, temperature=1.0, learning_rate=1e-3))
-    cfg = demo_config(tmp_path, temperature=0.7, learning_rate=5e-4)
+    saved = recorded_flags(demo_config(tmp_path, temperature=1.0, learning_rate=1e-3, max_attempts=5))
+    cfg = demo_config(tmp_path, temperature=0.7, learning_rate=5e-4, max_attempts=2)
     with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
         say_or_refuse_changes(saved, cfg, "/run/checkpoints/checkpoint-40")
     assert [r.getMessage() for r in caplog.records] == [
         "[train] resumed with --temperature 0.7 where checkpoint-40 was trained with 1.0: it applies to every job "
         "generated from now on, those already thrown too",
         "[train] resumed with --learning_rate 0.0005 where checkpoint-40 was trained with 0.001: it applies from the "
-        "next step on"]
+        "next step on",
+        "[train] resumed with --max_attempts 2 where checkpoint-40 was trained with 5: it applies to every job's "
+        "attempts from now on, those already thrown too"]
 
 
 @pytest.mark.parametrize(("flag", "before", "after"),

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import backdate
+from helpers import backdate, dead_pid
 
 from asyncgrpo.jobqueue import ArchiveReason, make_job_id
 from asyncgrpo.run import RunDir, WorkerPresence
@@ -359,12 +359,6 @@ def test_ls_shows_the_tool_failure_rate_and_warns_from_half_the_calls_failing(ru
     warning = (f"health: WARN: {rate:.0%} of the tool calls failed at step 40 (the workers' logs name the errors: "
                "their [tools] lines)") if warned else None
     assert (health == warning) if warned else health.startswith("health: OK")
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def finished_ps(run) -> None:

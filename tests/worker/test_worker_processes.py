@@ -2,6 +2,7 @@
 their lease. After recovery every job is consumed exactly once. A real worker (python -m
 worker) whose GPU fails exits with one line and status 3, and its job comes back."""
 
+import dataclasses
 import json
 import os
 import re
@@ -17,8 +18,11 @@ from helpers import (
     TESTS,
     assert_exactly_once,
     backdate,
+    dead_pid,
+    demo_config,
     expect_exit,
     log_tail,
+    read_json,
     run_flags,
     start_script,
     wait_for,
@@ -27,6 +31,8 @@ from helpers import (
 
 from asyncgrpo.jobqueue import JobQueue, make_job_id
 from asyncgrpo.jobqueue.names import done_reason
+from asyncgrpo.run import RunDir
+from asyncgrpo.run.rundir import PSStatus
 from asyncgrpo.tasks.demo import write_demo_model
 
 pytestmark = pytest.mark.process
@@ -274,6 +280,34 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
     assert_exactly_once(root, jobs=2)
     done = os.listdir(root / "done")
     assert not [n for n in done if "_failed" in n or "_retried" in n or "_a2" in n], done
+
+
+def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_flags(tmp_path):
+    """An interrupted PS leaves ps.json saying it trains with its flags, until the relaunched PS writes its own once
+    its model and trainer are built; launch.sh starts the workers beside it. Relaunched with another --temperature,
+    every worker compared itself with the dead PS's flags and exited 2 (bad input, not restarted): the run stopped,
+    and each such relaunch left its own flags in ps.json for the next one to fail against. Here the worker starts
+    first, with the dead PS's status in ps.json, and the PS with the worker's flags after it."""
+    root = tmp_path / "run"
+    flags = ["--run_dir", str(root), *run_flags(2, lease_s=None), "--temperature", "0.7"]
+    write_demo_model(root / "demo_model")
+    interrupted = PSStatus.starting(str(root / "demo_model"), None,
+                                    demo_config(tmp_path, temperature=1.0).generation_settings())
+    RunDir(root).write_ps_status(dataclasses.replace(interrupted, pid=dead_pid()))
+    worker = start_demo_process(tmp_path / "worker.log", ["-m", "worker", "--device", "1", *flags])
+    ps = None
+    try:
+        wait_for(lambda: read_json(root / "workers" / "dev1.json").get("state") == "idle", "the worker set up",
+                 timeout=PROCESS_TIMEOUT_S, procs=[worker], log=tmp_path / "worker.log")
+        ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
+        expect_exit(ps, 0, tmp_path / "ps.log", 600)
+    finally:
+        for proc in (ps, worker):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    assert worker.returncode == 0, log_tail(tmp_path / "worker.log")
+    assert_exactly_once(root, jobs=2)
 
 
 @pytest.mark.parametrize("device", ["1000", "-1"])
