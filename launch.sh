@@ -189,8 +189,15 @@ if [ "$PS_STATUS" -ne 0 ]; then
         143) HOW=" (stopped: SIGTERM)" ;;
         *)   HOW="" ;;
     esac
-    say "the parameter server exited with status $PS_STATUS$HOW; workers stopped. Relaunch with --run-dir $RUN_DIR" \
-        "to resume from its last checkpoint. Its log: $LOGS/log_parameter_server.txt"
+    if [ "$PS_STATUS" -eq 2 ]; then  # bad input: the same flags would be refused again
+        NEXT="Relaunch with --run-dir $RUN_DIR once what it names is fixed"
+    elif compgen -G "$RUN_DIR/checkpoints/checkpoint-*/asyncgrpo_state.json" > /dev/null; then  # (a complete one)
+        NEXT="Relaunch with --run-dir $RUN_DIR to resume from its last checkpoint"
+    else
+        NEXT="No checkpoint was saved: a relaunch with --run-dir $RUN_DIR starts from the beginning"
+    fi
+    say "the parameter server exited with status $PS_STATUS$HOW; workers stopped. $NEXT." \
+        "Its log: $LOGS/log_parameter_server.txt"
     # Its last error, unless it ended with its one-line reason, already shown above (not its last lines: those
     # are often TRL's metric dictionaries).
     if [ "$PS_PROCS" -gt 1 ] && grep -aq 'Root Cause (first observed failure)' "$LOGS/log_parameter_server.txt"; then

@@ -8,7 +8,7 @@ rows a job) its rows would be regrouped across prompts and its advantages comput
 completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
 ``ps_processes`` cannot change within a run. The other generation flags apply from the relaunch on, to the jobs
 already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
-step on; the queue's (attempts, lease, deadline) to every job from the relaunch on.
+step on; the queue's (attempts, lease) to every job from the relaunch on.
 
 (``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, which
 ``say_if_the_schedule_changed`` says.)
@@ -29,7 +29,7 @@ TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_gra
                   "num_iterations", "loss_type", "epsilon", "epsilon_high", "max_staleness", "off_policy_correction",
                   "off_policy_cap", "dynamic_sampling")
 INPUT_FLAGS = ("model_name_or_path", "dataset_name", "reward_funcs")  # what the jobs are drawn from and scored by
-QUEUE_FLAGS = ("max_attempts", "lease_s", "job_timeout_s")  # what recovery and a job's failures go by
+QUEUE_FLAGS = ("max_attempts", "lease_s")  # what recovery and a job's failures go by
 
 
 def recorded_flags(cfg: AsyncGRPOConfig) -> dict:

@@ -297,7 +297,7 @@ def format_report(r: dict) -> str:
     for w in r["workers"]:
         lines.append(f"  dev{w['device']:<3} pid {w['pid'] or '-':<8} {'alive' if w['alive'] else 'dead ':<5} "
                      f"{(w['state'] or '-'):<8} heartbeat {_age(w['heartbeat_age_s'])} ago"
-                     + (f" (on host {w['host']}: dead past the {r['lease_s']:g}s lease)" if w.get("remote") else "")
+                     + (f" (on host {w['host']}: counted dead once {r['lease_s']:g}s old)" if w.get("remote") else "")
                      + (f"  holds {', '.join(f'{job} (for {_age(age)})' for job, age in w['held'])}" if w["held"]
                         else "  holds nothing")
                      + (f"  weights v{w['weights_version']}" if w["weights_version"] is not None else "")

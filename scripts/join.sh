@@ -21,6 +21,9 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch --join] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch-$HOST_ID.txt"; return 0; }
 
 # ---- 1. arguments ------------------------------------------------------------------------
+for arg in "$@"; do  # (anywhere: `--join --help` too)
+    [[ "$arg" =~ ^(-h|--help)$ ]] && { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0; }
+done
 RUN="" WORKERS=1 DEVICE=auto EXIT_WHEN_FINISHED="" PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,7 +33,6 @@ while [ $# -gt 0 ]; do
         --run-dir)   die "--run-dir: with --join the run directory is the one after --join" ;;
         --exit-when-finished) EXIT_WHEN_FINISHED=1; shift ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
-        -h|--help)   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *)           PASS+=("$1"); shift ;;
     esac
 done

@@ -69,7 +69,9 @@ claim_run() {
         say "flock is not installed: a second launch.sh at the same moment on $1 would not be refused"
         return 0
     fi
-    mkdir -p "$1" && exec 9<> "$1/launch.lock" || die "cannot create $1/launch.lock"
+    local why
+    why=$(mkdir -p "$1" 2>&1) || die "--run-dir $1: cannot create it: ${why##*: }"
+    { exec 9<> "$1/launch.lock"; } 2> /dev/null || die "--run-dir $1: not writable (cannot create launch.lock in it)"
     if ! flock -n 9; then
         local holder="" _
         for _ in $(seq 1 20); do  # the holder writes itself right after it takes the lock

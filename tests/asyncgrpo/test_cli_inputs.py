@@ -186,6 +186,14 @@ def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
     assert result.stdout == "" and not (user_folder / "runs").exists()
 
 
+@pytest.mark.process
+def test_launch_refuses_a_run_directory_it_cannot_make_in_one_line(user_folder):
+    (user_folder / "a_file").write_text("x")
+    result = launch_sh(user_folder, "--workers", "1", "--run-dir", "a_file/run", *USER_FLAGS)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["launch.sh: error: --run-dir a_file/run: cannot create it: Not a directory"]
+
+
 @pytest.mark.parametrize("hub, message", [
     ({"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens there: the hub cannot be reached
      "not a local folder, not in the Hugging Face cache, and the hub cannot be reached (ConnectError"),
@@ -237,6 +245,7 @@ def test_join_help_is_whole_and_join_without_a_run_says_what_is_missing(tmp_path
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith("Start and supervise workers only")
     assert result.stdout.rstrip().endswith("it stops as soon as RUN/ps.json says finished."), result.stdout  # whole
+    assert launch_sh(tmp_path, "--join", "--help", timeout=30).stdout == result.stdout  # (not a run named --help)
     alone = subprocess.run(["bash", str(REPO / "scripts" / "join.sh")], cwd=tmp_path, capture_output=True,
                            text=True, timeout=30)
     assert alone.returncode == 2

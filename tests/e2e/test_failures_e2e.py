@@ -88,7 +88,8 @@ def test_a_reward_function_that_always_fails_stops_the_run_naming_it_once(tmp_pa
     [stop] = [line for line in lines if line not in workers]
     assert stop.startswith(f"ps: error: {MAX_FAILED_IN_A_ROW} jobs in a row failed on all {MAX_ATTEMPTS} attempt(s)")
     assert "has waited" not in out
-    assert "the parameter server exited with status 1; workers stopped" in out
+    assert (f"the parameter server exited with status 1; workers stopped. No checkpoint was saved: a relaunch with "
+            f"--run-dir {run_root} starts from the beginning.") in out, out
     # Nothing trained, and a bounded number of files: jobs stop being thrown while the failing ones are
     # retried (they stay in flight), and the run stops at the first MAX_FAILED_IN_A_ROW in a row.
     assert metrics(run_root) == []

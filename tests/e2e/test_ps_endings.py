@@ -85,8 +85,11 @@ def test_a_killed_ps_stops_the_launch_and_its_workers_and_leaves_no_weight_buffe
     finally:
         kill_run(run_root, proc)
     out = proc.stdout.read()
+    saved = any(run_root.glob("checkpoints/checkpoint-*/asyncgrpo_state.json"))  # (complete ones)
+    relaunch = (f"Relaunch with --run-dir {run_root} to resume from its last checkpoint" if saved else
+                f"No checkpoint was saved: a relaunch with --run-dir {run_root} starts from the beginning")
     assert (f"the parameter server exited with status 137 (killed: SIGKILL, by kill -9 or the kernel's "
-            f"out-of-memory killer); workers stopped. Relaunch with --run-dir {run_root} to resume") in out, out
+            f"out-of-memory killer); workers stopped. {relaunch}.") in out, out
     assert "Killed" not in out  # bash's own job line ("launch.sh: line N: PID Killed ...") is not shown
     assert "{'" not in out  # not the log's last lines: TRL's metric dictionaries
     assert f"of weight buffers the parameter server left in {folder}" in out

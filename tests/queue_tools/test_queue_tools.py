@@ -491,6 +491,6 @@ def test_ls_says_a_silent_worker_of_another_host_is_counted_dead_only_past_the_l
     backdate(run.heartbeat_file(3), 12)
     _, out, _ = run_cli(capsys, "ls", run.root)
     [line] = [line for line in out.splitlines() if line.strip().startswith("dev3")]
-    assert "heartbeat 12.0s ago (on host elsewhere: dead past the 30s lease)" in line, line
+    assert "heartbeat 12.0s ago (on host elsewhere: counted dead once 30s old)" in line, line
     assert ("dev3 on host elsewhere silent for 12s (killed, or cut off?): counted dead once its heartbeat is 30s old "
             "(the lease)") in out.splitlines()[-1]
