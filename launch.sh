@@ -189,9 +189,11 @@ if [ "$PS_STATUS" -ne 0 ]; then
         143) HOW=" (stopped: SIGTERM)" ;;
         *)   HOW="" ;;
     esac
-    if [ "$PS_STATUS" -eq 2 ]; then  # bad input: the same flags would be refused again
+    SAVED=""
+    for LEDGER in "$RUN_DIR"/checkpoints/checkpoint-*/asyncgrpo_state.json; do [ -e "$LEDGER" ] && SAVED=1; done
+    if [ "$PS_STATUS" -eq 2 ] || [ "$PS_STATUS" -eq 3 ]; then  # bad input, another PS: a relaunch would stop again
         NEXT="Relaunch with --run-dir $RUN_DIR once what it names is fixed"
-    elif compgen -G "$RUN_DIR/checkpoints/checkpoint-*/asyncgrpo_state.json" > /dev/null; then  # (a complete one)
+    elif [ -n "$SAVED" ]; then  # (a complete checkpoint: its ledger is written last)
         NEXT="Relaunch with --run-dir $RUN_DIR to resume from its last checkpoint"
     else
         NEXT="No checkpoint was saved: a relaunch with --run-dir $RUN_DIR starts from the beginning"

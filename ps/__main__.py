@@ -251,7 +251,6 @@ def train(cfg, run: RunDir) -> int:
             status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None,
                                        lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, previous=previous)
             run.write_ps_status(status)
-            trainer.queue.most_attempts = status.most_attempts
         log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:

@@ -362,7 +362,6 @@ def cmd_cleanup(run: RunDir, args) -> int:
     over = training_is_over(run)
     queue = JobQueue(run)
     ps = run.read_ps_status()
-    queue.most_attempts = (ps and ps.most_attempts) or 0
     actions = queue.recover(lease_s=lease_s, max_attempts=max_attempts, dry_run=args.dry_run,
                             requeue=not over, job_timeout_s=ps and ps.job_timeout_s)
     if over:

@@ -65,12 +65,12 @@ gpu_env() {  # gpu_env I: launch.sh's CUDA_VISIBLE_DEVICES for worker I (0: the 
 # inherit: `9>&-`), and writes its holder into it; the second launch exits 3 naming the holder, having started
 # and written nothing.
 claim_run() {
+    local why
+    why=$(mkdir -p "$1" 2>&1) || die "--run-dir $1: cannot create it: ${why##*: }"
     if ! command -v flock > /dev/null; then  # (util-linux's; the PS's own lock still keeps a second PS off)
         say "flock is not installed: a second launch.sh at the same moment on $1 would not be refused"
         return 0
     fi
-    local why
-    why=$(mkdir -p "$1" 2>&1) || die "--run-dir $1: cannot create it: ${why##*: }"
     { exec 9<> "$1/launch.lock"; } 2> /dev/null || die "--run-dir $1: not writable (cannot create launch.lock in it)"
     if ! flock -n 9; then
         local holder="" _

@@ -121,9 +121,6 @@ class JobQueue:
         self._held: dict[str, ClaimedJob] = {}
         self._held_lock = threading.Lock()
         self._claims_closed = False  # close_claims: a worker about to exit claims no more
-        # The most attempts a job of the run may have had (PSStatus.most_attempts: an earlier PS's --max_attempts may
-        # have been larger than this process's): was_archived looks that far.
-        self.most_attempts = 0
 
     # ---------------------------------------------------------------- scanning
 
@@ -152,9 +149,11 @@ class JobQueue:
 
     def was_archived(self, job_id: str, reasons: tuple[ArchiveReason, ...], attempts: int) -> bool:
         """Whether done/ holds a result of ``job_id`` archived for one of ``reasons``, at any attempt up to
-        ``attempts`` or ``most_attempts`` (a few exact names, never a listing of done/)."""
+        ``attempts`` or the most any PS of the run allowed (a few exact names, never a listing of done/)."""
+        status = self.run.read_ps_status()  # (its most_attempts: an earlier PS's --max_attempts may have been larger)
+        most = max(attempts, status.most_attempts if status and isinstance(status.most_attempts, int) else 0)
         return any(os.path.lexists(self.run.done / done_name(job_id, reason, attempt))
-                   for reason in reasons for attempt in range(1, max(attempts, self.most_attempts) + 1))
+                   for reason in reasons for attempt in range(1, most + 1))
 
     def active_job_ids(self) -> set[str]:
         """The jobs with a file in queue/, in any state: thrown and not yet archived."""

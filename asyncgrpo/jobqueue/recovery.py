@@ -8,7 +8,8 @@ the lease (stopped, hung), when the worker has moved on to another job and the f
 the lease, or when it is older than the job's deadline (``--job_timeout_s``) and the lease together,
 whatever the heartbeat says: a worker acts on its own deadline (worker/deadline.py), and this is the
 backstop for one that cannot. A stale job whose result exists is archived ``processed`` (the result wins): in the
-queue, or taken by the PS, at any attempt up to max_attempts or the job's latest (consumed; archived stale or
+queue, or taken by the PS, at any attempt up to max_attempts, the job's latest or the most any PS of the run allowed
+(ps.json) (consumed; archived stale or
 filtered: a stale result's prompts are thrown again in new jobs, so its job going back to pending would train them
 twice; or a failure report archived failed).
 One whose job is already in the queue as a later attempt (its worker threw it again, then died) is archived

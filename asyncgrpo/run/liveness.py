@@ -64,11 +64,21 @@ def pid_alive(pid: object, host: object, host_id: object = None) -> bool:
     return not _is_zombie(pid)
 
 
-def ps_may_run(status: PSStatus | None) -> bool:
-    """Whether the PS that wrote ``status`` (ps.json's) may be running: not when there is none, nor when it is certainly
-    dead on this host. An interrupted PS's status still says it trains until a relaunched PS writes its own, once its
-    model and trainer are built: its workers, started beside it, must not take the dead PS's flags for the run's."""
-    return status is not None and pid_alive(status.pid, status.host)
+def ps_may_run(run: RunDir, status: PSStatus | None) -> bool:
+    """Whether the PS that wrote ``status`` (ps.json's) may be running: not when there is none, when another PS has
+    taken the run's lock since (it writes itself into RUN/ps.lock at once, its ps.json seconds later: readable from
+    any host), or when it is certainly dead on this host. An interrupted PS's status says it trains until the
+    relaunched PS writes its own: the workers started beside that one must not take the dead PS's flags for the
+    run's."""
+    if status is None:
+        return False
+    try:
+        holder = run.ps_lock_file.read_text(errors="replace").strip()
+    except OSError:
+        holder = ""
+    if holder and holder != f"pid {status.pid} on {status.host}":
+        return False
+    return status.host_id is None or pid_alive(status.pid, status.host, status.host_id)
 
 
 def _is_zombie(pid: int) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncgrpo.run import fileops
+from asyncgrpo.run.hosts import HOST_ID
 
 # Where launch.sh puts runs when no --run-dir is given, and where `queue_tools ls`
 # looks for the most recent one. Outside the source tree on purpose.
@@ -75,8 +76,9 @@ class PSStatus:
     lease_s: float | None = None  # its --lease_s and --max_attempts: what queue_tools ls and cleanup go by
     max_attempts: int | None = None
     # The largest --max_attempts of the run's PSs so far: a job's attempts may have gone up to it under an earlier PS,
-    # so archives in done/ are looked up to it (JobQueue.most_attempts) when --max_attempts was lowered since.
+    # so archives in done/ are looked up to it (JobQueue.was_archived) when --max_attempts was lowered since.
     most_attempts: int | None = None
+    host_id: str | None = None  # where its pid means something (asyncgrpo/run/hosts.py); None from older versions
 
     @classmethod
     def starting(cls, model: str, resumed_from: str | None, generation: dict, job_timeout_s: float | None = None,
@@ -88,7 +90,7 @@ class PSStatus:
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
                    started_at=time.time(), resumed_from=resumed_from, generation=generation,
                    mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s, lease_s=lease_s,
-                   max_attempts=max_attempts, most_attempts=max(attempts, default=None))
+                   max_attempts=max_attempts, most_attempts=max(attempts, default=None), host_id=HOST_ID)
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

@@ -191,7 +191,8 @@ def test_launch_refuses_a_run_directory_it_cannot_make_in_one_line(user_folder):
     (user_folder / "a_file").write_text("x")
     result = launch_sh(user_folder, "--workers", "1", "--run-dir", "a_file/run", *USER_FLAGS)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == ["launch.sh: error: --run-dir a_file/run: cannot create it: Not a directory"]
+    [line] = result.stderr.splitlines()
+    assert line.startswith("launch.sh: error: --run-dir a_file/run: cannot create it: "), line  # (then mkdir's why)
 
 
 @pytest.mark.parametrize("hub, message", [

@@ -354,10 +354,11 @@ def test_a_second_result_of_a_job_archived_stale_is_a_duplicate_not_trained(run,
 def test_a_late_result_of_a_job_archived_stale_past_a_lowered_max_attempts_is_a_duplicate(run, start):
     """An earlier PS of the run (--max_attempts 3) threw a job again up to attempt 3 and archived that attempt's
     result stale; relaunched with --max_attempts 2, the PS gets attempt 2's result late (its worker silent past the
-    lease). The stale archive lies past this PS's attempts, not past the run's (ps/__main__.py sets the queue's
-    most_attempts from PSStatus.most_attempts): trained, its prompts would train twice."""
+    lease). The stale archive lies past this PS's attempts, not past the run's, which ps.json carries: trained, its
+    prompts would train twice."""
+    earlier = PSStatus.starting("model", None, {}, max_attempts=3)
+    run.write_ps_status(PSStatus.starting("model", None, {}, max_attempts=2, previous=earlier))  # (as ps/__main__.py)
     pipeline, stale, thread, outcome = a_result_archived_stale(run, start, max_attempts=2)
-    pipeline.queue.most_attempts = 3
     os.rename(run.done / f"{stale.job_id}_stale.pt", run.done / f"{stale.job_id}_stale_a3.pt")  # the earlier PS's
     fileops.write_payload(run.tmp, run.queue / f"{stale.job_id}_pending_a2.pt", stale.payload)
     late = pipeline.queue.claim(2)

@@ -393,6 +393,20 @@ def test_cleanup_on_a_run_whose_ps_is_still_training_requeues_a_dead_workers_job
     assert code == 0 and out.startswith("requeue 000009_000_processing_by_dev1.pt -> 000009_000_pending_a2.pt")
 
 
+def test_cleanup_finds_the_stale_archive_of_an_attempt_only_an_earlier_ps_allowed(run, queue, capsys):
+    """A PS relaunched with --max_attempts 2 after one with 3, which archived attempt 3's result stale and threw its
+    prompts again: attempt 2, held by a dead worker, must not go back to pending (its prompts would train twice)."""
+    earlier = PSStatus.starting("model", None, {}, max_attempts=3)
+    run.write_ps_status(PSStatus.starting("model", None, {}, max_attempts=2, previous=earlier))  # this process: alive
+    queue.put_job(make_job_id(9, 0), {}, created_step=9)
+    os.rename(run.queue / "000009_000_pending.pt", run.queue / "000009_000_pending_a2.pt")
+    queue.claim(1)
+    (run.done / "000009_000_stale_a3.pt").write_bytes(b"")
+    code, out, _ = run_cli(capsys, "cleanup", run.root)
+    assert code == 0 and out.startswith("archive 000009_000_processing_by_dev1_a2.pt -> "
+                                        "done/000009_000_processed_a2.pt: worker dev1 is dead; its result exists"), out
+
+
 @pytest.mark.process
 def test_ls_names_the_parameter_server_and_its_state(run, capsys):
     _, out, _ = run_cli(capsys, "ls", run.root)

@@ -131,3 +131,35 @@ def test_a_stop_signal_while_the_main_thread_holds_the_watchers_lock_stops_the_w
     done = subprocess.run([sys.executable, "-c", STOP_WHILE_THE_WATCHER_IS_LOCKED, str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and done.stdout.strip() == "stopped", done.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- the PS's flags at a claim
+
+@pytest.mark.process  # (a dead pid: a process started and ended)
+def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_path):
+    """A worker whose generation flags differ from the running PS's gives the job back and stops (ConfigError). An
+    interrupted PS's ps.json says it trains until the relaunched PS writes its own: its jobs, left in the queue, are
+    claimed meanwhile. Its flags are not the run's when its pid is dead, or when another PS has since taken the run's
+    lock (it writes itself into ps.lock at once: readable from any host)."""
+    from helpers import dead_pid, demo_config
+
+    from asyncgrpo.config import ConfigError
+    from asyncgrpo.run.rundir import PSStatus
+
+    mine = demo_config(tmp_path, temperature=0.7)
+    theirs = PSStatus.starting("model", None, demo_config(tmp_path, temperature=1.0).generation_settings())
+    queue.put_job("000001_000", {}, created_step=1)
+
+    def claim():
+        return loop._read_claimed(mine, run, queue, queue.claim(1), 0, EventLog.off())
+
+    run.write_ps_status(theirs)  # (this process: alive)
+    with pytest.raises(ConfigError, match=r"^this worker's flags are not the parameter server's: --temperature 0.7"):
+        claim()
+    assert queue.counts()["pending"] == 1  # given back, no attempt used
+    run.write_ps_status(PSStatus(**{**vars(theirs), "pid": dead_pid()}))
+    assert claim() is None  # (its data is no job's: failed as a bad job fails, not refused)
+    queue.put_job("000002_000", {}, created_step=2)
+    run.write_ps_status(theirs)
+    run.ps_lock_file.write_text("pid 4242 on another-host")  # a relaunched PS, its ps.json not written yet
+    assert claim() is None
