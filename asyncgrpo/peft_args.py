@@ -49,6 +49,20 @@ class PeftArgs:
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Whether to use nested quantization."})
     bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "Quantization storage dtype"})
 
+    def lora_targets_missing(self, model, err: BaseException) -> str | None:
+        """One line for ConfigError when ``err`` is peft finding none of --lora_target_modules in ``model`` (as TRL
+        wraps it), naming the model's linear layers; None for any other error."""
+        from peft import NoMatchingPeftModuleError
+        from torch import nn
+
+        if not self.use_peft or not isinstance(err, NoMatchingPeftModuleError):
+            return None
+        targets = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, nn.Linear)})
+        return (f"--lora_target_modules {' '.join(targets or [])}: no module of the model has that name (its linear "
+                f"layers: {', '.join(linear)}; or all-linear)")
+
     def peft_args_problem(self, device_type: str, mixed_precision: bool = True) -> str | None:
         """What is wrong with these flags, as one line for ConfigError, or None (``mixed_precision``: the run
         computes under bf16 or fp16 autocast, TRL's default on a GPU). Also normalises

@@ -233,9 +233,14 @@ def train(cfg, run: RunDir) -> int:
     # The first rank removes incomplete checkpoints before anything is written (on a full disk they hold the
     # space a relaunch needs); then every rank resumes from the same one.
     resume = checkpoint_to_resume(run.checkpoints) if PartialState().is_main_process else None
-    trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
-                               eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),
-                               stop_at_boundary=STOP_AT_BOUNDARY, interrupted=INTERRUPTED)
+    try:
+        trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                                   eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),
+                                   stop_at_boundary=STOP_AT_BOUNDARY, interrupted=INTERRUPTED)
+    except ValueError as err:  # (before a step: bad input, exit 2)
+        if (missing := cfg.lora_targets_missing(model, err)) is not None:
+            raise ConfigError(missing) from err
+        raise
     try:
         first_rank = trainer.is_queue_client
         previous = run.read_ps_status() if first_rank else None  # the PS before this one, if any
@@ -300,6 +305,8 @@ def resume_line(run: RunDir) -> str:
         saved = read_ledger(checkpoint).global_step if checkpoint is not None else 0
     except (OSError, ValueError):  # (a ledger that cannot be read: the relaunch says which)
         saved = 0
+    if not step:
+        return "no step trained yet: a relaunch with the same --run_dir starts from the beginning"
     if saved >= step:
         return f"trained {step} step(s), all saved: relaunch with the same --run_dir to go on from there"
     if not saved:

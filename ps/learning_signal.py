@@ -10,7 +10,9 @@ that returns None for a row does not apply to it (TRL's semantics, kept). A step
 - its rewards do not spread: every group's completions scored alike (TRL's ``frac_reward_zero_std`` is 1). GRPO's
   advantage is a completion's reward minus its group's mean: all 0, so the loss and its gradient are 0 (but for a
   KL term). Counted (``steps_without_spread``, in a row); from NO_SPREAD_WARN_STEPS in a row on, one WARN line,
-  repeated at most once a minute, and ``queue_tools ls`` warns.
+  repeated at most once a minute, and ``queue_tools ls`` warns. Under ``--dynamic_sampling`` such groups are
+  dropped, and no step comes while every group is: ``FlatGroups`` says so from NO_SPREAD_WARN_STEPS batches' groups
+  dropped in a row on, in the same way.
 
 The counts go by optimizer steps: a logged line covers the steps since the previous one (``--logging_steps``),
 whose metrics TRL averages, so a line says "none of them" only when none of them had a reward (or a spread).
@@ -73,7 +75,32 @@ class LearningSignal:
                       "--dynamic_sampling (trains only on groups whose rewards differ)")
 
     def _say(self, line: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at >= REPEAT_WARNING_S:
-            self._warned_at = now
-            log.warning("[train] %s", line)
+        self._warned_at = say_once_a_minute(line, self._warned_at)
+
+
+class FlatGroups:
+    """Dynamic sampling's groups dropped in a row, none kept (each group's completions scored alike): while it lasts no
+    step trains, and the run would go on without a word. From ``warn_at`` groups on, one WARN line, repeated at most
+    once a minute."""
+
+    def __init__(self, warn_at: int):
+        self.warn_at, self.in_a_row, self._warned_at = warn_at, 0, -math.inf
+
+    def observe(self, kept: int, dropped: int) -> None:
+        """The groups of a result kept for training and dropped."""
+        self.in_a_row = 0 if kept else self.in_a_row + dropped
+        if self.in_a_row >= self.warn_at:
+            self._warned_at = say_once_a_minute(
+                f"--dynamic_sampling dropped the last {self.in_a_row} groups and kept none: each group's completions "
+                "scored alike, so no step can train. Look at the reward (does it tell this model's completions "
+                "apart?), the model (do its completions differ?), or run without --dynamic_sampling",
+                self._warned_at)
+
+
+def say_once_a_minute(line: str, warned_at: float) -> float:
+    """``line`` as a WARN, unless one was said since ``warned_at`` less than a minute ago; when the last was said."""
+    now = time.monotonic()
+    if now - warned_at < REPEAT_WARNING_S:
+        return warned_at
+    log.warning("[train] %s", line)
+    return now

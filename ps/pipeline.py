@@ -49,9 +49,11 @@ from asyncgrpo.jobqueue.handoff import FailureReport, read_result_payload
 from asyncgrpo.jobqueue.names import depth_line
 from asyncgrpo.run import RunDir, list_workers
 from asyncgrpo.run.liveness import fs_now
+from asyncgrpo.run.metrics import NO_SPREAD_WARN_STEPS
 from ps.collector import ResultCache, ResultCollector
 from ps.failures import FailedJobs
 from ps.groups import assemble, group_reward_std, group_rows, merge_logs, slice_logs
+from ps.learning_signal import FlatGroups
 from ps.ledger import GroupsTaken, Ledger
 from ps.producer import JobProducer, TrainingProgress
 
@@ -116,6 +118,7 @@ class JobPipeline:
         self.progress = TrainingProgress()  # what the producer's admission reads
         self.failure: PipelineError | None = None  # raised by next_batch
         self.informative = deque(maxlen=YIELD_OF_LAST)  # (informative groups, groups judged) of the last results
+        self.flat_groups = FlatGroups(NO_SPREAD_WARN_STEPS * cfg.generation_batch_size // cfg.num_generations)
         self.cache = ResultCache()
         self.while_waiting: Callable[[], None] | None = None  # called at each "has waited" line
         self.failed = FailedJobs(cfg, queue, self._stop_training)
@@ -297,6 +300,7 @@ class JobPipeline:
             self.ledger.drop(result.job_id, flat)
             self._record_dropped(result, flat, spread)
         self.informative.append((len(todo) - len(flat), len(todo)))
+        self.flat_groups.observe(kept=len(todo) - len(flat), dropped=len(flat))
         kept, judged = (sum(column) for column in zip(*self.informative, strict=True))
         self.progress.expected_yield = max(kept / max(judged, 1), MIN_YIELD)
         return [g for g in todo if g not in flat], len(flat)

@@ -44,7 +44,7 @@ def test_ctrl_c_while_the_workers_compile_stops_them_at_once(tmp_path):
     assert "decoding compiled in" not in text, text[-3000:]
     assert not pid_alive(read_json(run_root / "workers" / "dev1.json")["pid"])
     out = proc.stdout.read()  # the terminal: the PS's own last line (Ctrl-C does not stop what shows it), no more
-    assert "ps WARNING [train] interrupted; trained 0 step(s)" in out and "already stopping" not in out, out
+    assert "ps WARNING [train] interrupted; no step trained yet" in out and "already stopping" not in out, out
 
 
 def test_ctrl_c_before_the_ps_made_the_run_leaves_no_folder_behind(tmp_path):

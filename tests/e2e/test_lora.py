@@ -132,6 +132,18 @@ def test_qlora_on_cpu_stops_the_launch_with_one_line_and_status_2(tmp_path):
     assert not (tmp_path / "run" / "queue").exists()
 
 
+def test_lora_target_modules_the_model_lacks_stop_the_ps_with_one_line_and_status_2(tmp_path):
+    """peft finds no module of the given names when TRL wraps the model: bad input naming the model's linear layers,
+    not a crash (status 1, a traceback's last line) that a relaunch would repeat."""
+    proc = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--device_type", "cpu",
+                           "--max_steps", "1", "--use_peft", "--lora_target_modules", "q_prj"],
+                          cwd=REPO, env=PROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ps: error: --lora_target_modules q_prj: no module of the model has that name (its linear layers: down_proj, "
+        "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or all-linear)")
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("bitsandbytes") is not None,
                     reason="bitsandbytes is installed here")
 def test_qlora_on_a_gpu_without_bitsandbytes_names_the_package():

@@ -5,12 +5,14 @@ across batches is taken once per group also across a restart, and admission thro
 The test is the worker: it completes jobs with the queue's own calls, choosing each completion's reward."""
 
 import functools
+import logging
 
 import helpers
 import pytest
 import torch
 from helpers import pipelines
 
+import ps.pipeline as pipeline_module
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.jobqueue import JobQueue, JobState
 from asyncgrpo.jobqueue.handoff import read_result_payload
@@ -79,6 +81,22 @@ def test_groups_without_reward_spread_are_dropped_and_the_batch_filled_from_the_
         assert (run.done / f"{job}_consumed.pt").exists()
         record = fileops.load_payload(run.done / f"{job}_filtered.pt")["data"]
         assert record["groups"] == [group] and record["reward_std"] == [0.0] and len(record["rows"]) == G
+
+
+def test_groups_dropped_in_a_row_with_none_kept_are_said(run, caplog, monkeypatch):
+    """Every group's completions scored alike: dynamic sampling drops them all and no step comes, and the run went on
+    forever without a word. Said from NO_SPREAD_WARN_STEPS batches' groups dropped in a row (here one batch's)."""
+    monkeypatch.setattr(pipeline_module, "NO_SPREAD_WARN_STEPS", 1)
+    pipeline = started(make_pipeline(run))
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
+            complete_one(pipeline.queue, [FLAT, [0.0, 0.0]])
+            complete_one(pipeline.queue, [SPREAD, SPREAD])
+            pipeline.next_batch(0)
+    finally:
+        pipeline.stop()
+    said = [r.getMessage() for r in caplog.records if "--dynamic_sampling dropped" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("[train] --dynamic_sampling dropped the last 2 groups and kept none:")
 
 
 def test_a_result_without_any_spread_is_archived_filtered_and_never_enters_the_ledger(run):

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from ps import learning_signal
-from ps.learning_signal import NO_REWARD_STOP_STEPS, NO_SPREAD_WARN_STEPS, LearningSignal, finite
+from ps.learning_signal import NO_REWARD_STOP_STEPS, NO_SPREAD_WARN_STEPS, FlatGroups, LearningSignal, finite
 
 
 def warnings(caplog) -> list[str]:
@@ -39,6 +39,28 @@ def test_steps_whose_groups_all_scored_alike_warn_once_they_last_and_at_most_onc
         assert len(warnings(caplog)) == 2
     signal.observe(24, 0.5, 0.75)  # a group whose rewards differ: the count starts again
     assert signal.steps_without_spread == 0 and signal.stop is None
+
+
+def test_dynamic_samplings_groups_dropped_in_a_row_warn_once_they_last_and_at_most_once_a_minute(caplog, clock):
+    flat = FlatGroups(warn_at=4)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
+        flat.observe(kept=0, dropped=2)
+        assert warnings(caplog) == []
+        flat.observe(kept=0, dropped=2)
+        assert warnings(caplog) == [
+            "[train] --dynamic_sampling dropped the last 4 groups and kept none: each group's completions scored "
+            "alike, so no step can train. Look at the reward (does it tell this model's completions apart?), the "
+            "model (do its completions differ?), or run without --dynamic_sampling"]
+        clock[0] += 59
+        flat.observe(kept=0, dropped=2)
+        assert len(warnings(caplog)) == 1
+        clock[0] += 1
+        flat.observe(kept=0, dropped=2)
+        assert "dropped the last 8 groups" in warnings(caplog)[-1]
+        flat.observe(kept=1, dropped=1)  # a group kept: the count starts again
+        clock[0] += 60
+        flat.observe(kept=0, dropped=2)
+        assert flat.in_a_row == 2 and len(warnings(caplog)) == 2
 
 
 def test_logged_lines_count_the_steps_they_cover():

@@ -68,7 +68,7 @@ def test_an_interrupted_ps_says_which_steps_a_relaunch_trains_again(run):
     from asyncgrpo.run.checkpoints import write_ledger
     from ps.__main__ import resume_line
 
-    assert resume_line(run) == "trained 0 step(s), all saved: relaunch with the same --run_dir to go on from there"
+    assert resume_line(run) == "no step trained yet: a relaunch with the same --run_dir starts from the beginning"
     run.write_global_step(137)
     assert resume_line(run).startswith("trained 137 step(s), no checkpoint saved yet: a relaunch with the same "
                                        "--run_dir starts from the beginning")
