@@ -34,7 +34,7 @@ def _flag_names(argv: list[str]) -> set[str]:
 
 
 def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | None, parser) -> None:
-    """ConfigError naming the first flag (or key of the ``--config`` file) the parser does not know, with the
+    """ConfigError naming the first flag (or every key of the ``--config`` file) the parser does not know, with the
     flags it could be a typo or an abbreviation of."""
     known = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} | {"--config"}
     flag_check.record(known)  # for the next launch's check before the heavy imports
@@ -42,10 +42,10 @@ def _refuse_unknown_flags(argv: list[str], from_yaml: dict, config_path: str | N
         raise ConfigError(line)
     # The names TrlParser matches a YAML key against, and its env: section (variables it sets).
     fields = {action.dest for action in parser._actions} | {"env"}
-    for key in from_yaml:
-        if key not in fields:
-            raise ConfigError(f"--config {config_path}: {key}: not a config key"
-                              + flag_check.could_mean(str(key).replace("-", "_"), sorted(fields)))
+    unknown = [f"{key}: not a config key" + flag_check.could_mean(str(key).replace("-", "_"), sorted(fields))
+               for key in from_yaml if key not in fields]
+    if unknown:  # (all of them: a file is edited once for all)
+        raise ConfigError(f"--config {config_path}: " + " ".join(unknown))
 
 
 def parse_config(argv: list[str] | None = None, prog: str | None = None, description: str | None = None

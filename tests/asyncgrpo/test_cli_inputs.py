@@ -34,6 +34,7 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "garbled.jsonl").write_text("\n".join([*rows * 5000, '{"prompt": "4:", }']) + "\n")
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
+    (folder / "typos.yaml").write_text("temprature: 0.7\nmax_step: 5\n")
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
@@ -89,6 +90,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
      "prompts; a prompt that with --max_completion_length would not fit the model's positions is refused before the "
      "run starts (docs/options.md)"),
     (["--config", "typo.yaml"], "--config typo.yaml: max_step: not a config key; did you mean max_steps?"),
+    (["--config", "typos.yaml"], "--config typos.yaml: temprature: not a config key; did you mean temperature? "
+                                 "max_step: not a config key; did you mean max_steps?"),
 ]
 # Without --reward_funcs an environment must score the rollouts itself.
 BAD_INPUTS_WITHOUT_REWARDS = [
