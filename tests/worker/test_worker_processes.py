@@ -185,6 +185,14 @@ def start_demo_process(log_path, argv):
                                 stderr=subprocess.STDOUT)
 
 
+def stop(*procs) -> None:
+    """SIGTERM to each of ``procs`` (None: not started) still running, its exit awaited."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
 def test_worker_whose_gpu_fails_exits_3_with_one_line_and_its_job_is_retried(tmp_path):
     root = tmp_path / "run"
     flags = ["--run_dir", str(root), *run_flags(2)]
@@ -273,10 +281,7 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
         healthy = start_demo_process(tmp_path / "healthy.log", ["-m", "worker", "--device", "1", *flags])
         expect_exit(ps, 0, tmp_path / "ps.log", 600)
     finally:
-        for proc in (ps, healthy):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=120)
+        stop(ps, healthy)
     assert_exactly_once(root, jobs=2)
     done = os.listdir(root / "done")
     assert not [n for n in done if "_failed" in n or "_retried" in n or "_a2" in n], done
@@ -302,10 +307,7 @@ def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_
         ps = start_demo_process(tmp_path / "ps.log", ["-m", "ps", *flags])
         expect_exit(ps, 0, tmp_path / "ps.log", 600)
     finally:
-        for proc in (ps, worker):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=120)
+        stop(ps, worker)
     assert worker.returncode == 0, log_tail(tmp_path / "worker.log")
     assert_exactly_once(root, jobs=2)
 
