@@ -56,7 +56,7 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
     for name in changed if say else ():
         after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS
                  else "applies from the next step on" if name in TRAINING_FLAGS
-                 else "applies to every job's attempts from now on, those already thrown too" if name in QUEUE_FLAGS
+                 else "applies from now on, to the jobs already thrown too" if name in QUEUE_FLAGS
                  else "applies to the jobs drawn and scored from now on; the results already scored keep their "
                       "rewards")
         log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,

@@ -21,8 +21,8 @@ def test_each_changed_flag_is_said_in_one_line(tmp_path, caplog):
         "generated from now on, those already thrown too",
         "[train] resumed with --learning_rate 0.0005 where checkpoint-40 was trained with 0.001: it applies from the "
         "next step on",
-        "[train] resumed with --max_attempts 2 where checkpoint-40 was trained with 5: it applies to every job's "
-        "attempts from now on, those already thrown too"]
+        "[train] resumed with --max_attempts 2 where checkpoint-40 was trained with 5: it applies from now on, to the "
+        "jobs already thrown too"]
 
 
 @pytest.mark.parametrize(("flag", "before", "after"),
