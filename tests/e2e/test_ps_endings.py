@@ -64,6 +64,13 @@ def relaunch_to_the_end(run_root: Path, flags: list[str]) -> None:
     assert relaunch.returncode == 0, out[-3000:]
 
 
+def relaunch_hint(run_root: Path) -> str:
+    """What launch.sh says a relaunch does after its PS died, by whether the PS left a complete checkpoint."""
+    if any(run_root.glob("checkpoints/checkpoint-*/asyncgrpo_state.json")):  # (its ledger written last)
+        return f"Relaunch with --run-dir {run_root} to resume from its last checkpoint"
+    return f"No checkpoint was saved: a relaunch with --run-dir {run_root} starts from the beginning"
+
+
 def wait_for_training(run_root: Path, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while len(metrics(run_root)) < 3 or not buffers_of(run_root):
@@ -85,11 +92,8 @@ def test_a_killed_ps_stops_the_launch_and_its_workers_and_leaves_no_weight_buffe
     finally:
         kill_run(run_root, proc)
     out = proc.stdout.read()
-    saved = any(run_root.glob("checkpoints/checkpoint-*/asyncgrpo_state.json"))  # (complete ones)
-    relaunch = (f"Relaunch with --run-dir {run_root} to resume from its last checkpoint" if saved else
-                f"No checkpoint was saved: a relaunch with --run-dir {run_root} starts from the beginning")
     assert (f"the parameter server exited with status 137 (killed: SIGKILL, by kill -9 or the kernel's "
-            f"out-of-memory killer); workers stopped. {relaunch}.") in out, out
+            f"out-of-memory killer); workers stopped. {relaunch_hint(run_root)}.") in out, out
     assert "Killed" not in out  # bash's own job line ("launch.sh: line N: PID Killed ...") is not shown
     assert "{'" not in out  # not the log's last lines: TRL's metric dictionaries
     assert f"of weight buffers the parameter server left in {folder}" in out
@@ -218,7 +222,7 @@ def test_a_killed_fork_server_ends_the_run_as_a_killed_ps_does(tmp_path):
         kill_run(run_root, proc)
     assert proc.returncode == 137, out[-3000:]
     assert "the parameter server exited with status 137 (killed: SIGKILL" in out
-    assert f"Relaunch with --run-dir {run_root} to resume" in out
+    assert f"workers stopped. {relaunch_hint(run_root)}." in out, out
     assert "forked_python: the fork server died while it ran ps: its process killed" in \
         (run_root / "logs" / "log_parameter_server.txt").read_text()
     assert not [pid for pid in pids if pid_alive(pid)] and not run_processes(run_root)
