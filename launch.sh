@@ -189,12 +189,13 @@ if [ "$PS_STATUS" -ne 0 ]; then
         143) HOW=" (stopped: SIGTERM)" ;;
         *)   HOW="" ;;
     esac
-    SAVED=""
-    for LEDGER in "$RUN_DIR"/checkpoints/checkpoint-*/asyncgrpo_state.json; do [ -e "$LEDGER" ] && SAVED=1; done
+    # (a new interpreter, not the fork server's client: the server may be what died)
+    SAVED=$("$VENV_PY" -c 'import sys; from asyncgrpo.run.checkpoints import newest_complete_checkpoint as newest
+saved = newest(sys.argv[1]); print(saved.name if saved else "")' "$RUN_DIR/checkpoints" 2>/dev/null)
     if [ "$PS_STATUS" -eq 2 ] || [ "$PS_STATUS" -eq 3 ]; then  # bad input, another PS: a relaunch would stop again
         NEXT="Relaunch with --run-dir $RUN_DIR once what it names is fixed"
-    elif [ -n "$SAVED" ]; then  # (a complete checkpoint: its ledger is written last)
-        NEXT="Relaunch with --run-dir $RUN_DIR to resume from its last checkpoint"
+    elif [ -n "$SAVED" ]; then
+        NEXT="Relaunch with --run-dir $RUN_DIR to resume from $SAVED"
     else
         NEXT="No checkpoint was saved: a relaunch with --run-dir $RUN_DIR starts from the beginning"
     fi

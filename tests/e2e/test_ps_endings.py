@@ -35,7 +35,7 @@ from helpers import (
 from asyncgrpo.events import read_events
 from asyncgrpo.jobqueue.names import JobState, parse_queue_name
 from asyncgrpo.run import fileops
-from asyncgrpo.run.checkpoints import LEDGER_FILE
+from asyncgrpo.run.checkpoints import LEDGER_FILE, newest_complete_checkpoint
 
 TIMEOUT_S = 300
 JOB_STATES = (JobState.PENDING, JobState.PROCESSING)  # a job's file, not a result's
@@ -65,9 +65,9 @@ def relaunch_to_the_end(run_root: Path, flags: list[str]) -> None:
 
 
 def relaunch_hint(run_root: Path) -> str:
-    """What launch.sh says a relaunch does after its PS died, by whether the PS left a complete checkpoint."""
-    if any(run_root.glob("checkpoints/checkpoint-*/asyncgrpo_state.json")):  # (its ledger written last)
-        return f"Relaunch with --run-dir {run_root} to resume from its last checkpoint"
+    """What launch.sh says a relaunch does after its PS died, by the complete checkpoint the PS left, if any."""
+    if (saved := newest_complete_checkpoint(run_root / "checkpoints")) is not None:
+        return f"Relaunch with --run-dir {run_root} to resume from {saved.name}"
     return f"No checkpoint was saved: a relaunch with --run-dir {run_root} starts from the beginning"
 
 
