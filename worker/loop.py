@@ -283,7 +283,7 @@ def _read_claimed(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, job: Claim
     log.info("[queue] dev%s claimed job=%s attempt=%d queue_wait_ms=%.0f", device, job.job_id, job.attempt,
              queue_wait_ms)
     ps_status = run.read_ps_status()
-    if ps_may_run(run, ps_status) and (mismatch := cfg.generation_mismatch(ps_status.generation)):
+    if ps_status and (mismatch := cfg.generation_mismatch(ps_status.generation)) and ps_may_run(run, ps_status):
         queue.release(job)  # for a worker started with the PS's flags
         raise ConfigError(mismatch)
     try:
@@ -301,7 +301,7 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
         watcher.wait(IDLE_WAIT_S)  # the PS writes the demo model (and ps.json) before anything else
     # A training PS's flags, checked before anything loads (the claim checks them again: a PS may be relaunched).
     ps = run.read_ps_status()
-    if ps_may_run(run, ps) and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)):
+    if ps and ps.state == "training" and (mismatch := cfg.generation_mismatch(ps.generation)) and ps_may_run(run, ps):
         raise ConfigError(mismatch)
     model, tokenizer = load_model_and_tokenizer(path, cfg, cfg.worker_dtype)  # as the PS, unless --worker_dtype
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output

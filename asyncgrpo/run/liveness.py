@@ -67,11 +67,16 @@ def pid_alive(pid: object, host: object, host_id: object = None) -> bool:
 def ps_may_run(run: RunDir, status: PSStatus | None) -> bool:
     """Whether the PS that wrote ``status`` (ps.json's) may be running: not when there is none, when another PS has
     taken the run's lock since (it writes itself into RUN/ps.lock at once, its ps.json seconds later: readable from
-    any host), or when it is certainly dead on this host. An interrupted PS's status says it trains until the
-    relaunched PS writes its own: the workers started beside that one must not take the dead PS's flags for the
-    run's."""
+    any host), when it is certainly dead on this host, or, on another host, when its heartbeat does not move (which
+    takes up to ``PS_BEAT_WAIT_S`` to see: ask after a cheaper question). An interrupted PS's status says it trains
+    until the relaunched PS writes its own: the workers started beside that one, here or on a joined host, must not
+    take the dead PS's flags for the run's."""
     if status is None:
         return False
+    elsewhere = status.host_id is not None and not same_host({"host_id": status.host_id})
+    if elsewhere and not ps_heartbeat_moves(run):
+        return False
+    # (after the heartbeat: one that moves may be a relaunched PS's, which has written ps.lock before it beats)
     try:
         holder = run.ps_lock_file.read_text(errors="replace").strip()
     except OSError:
@@ -79,6 +84,26 @@ def ps_may_run(run: RunDir, status: PSStatus | None) -> bool:
     if holder and holder != f"pid {status.pid} on {status.host}":
         return False
     return status.host_id is None or pid_alive(status.pid, status.host, status.host_id)
+
+
+PS_BEAT_WAIT_S = 3 * HEARTBEAT_INTERVAL_S  # (a filesystem may keep mtimes to the second)
+
+
+def ps_heartbeat_moves(run: RunDir, wait_s: float = PS_BEAT_WAIT_S) -> bool:
+    """Whether RUN/ps.heartbeat is touched within ``wait_s``: the PS's pid means nothing on another host, and a
+    heartbeat's age alone cannot tell a PS that died a second ago from one that beats."""
+    def mtime() -> int | None:
+        try:
+            return os.stat(run.ps_heartbeat_file).st_mtime_ns
+        except OSError:
+            return None
+
+    first, deadline = mtime(), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(HEARTBEAT_INTERVAL_S / 4)
+        if mtime() != first:
+            return True
+    return False
 
 
 def _is_zombie(pid: int) -> bool:

@@ -163,3 +163,34 @@ def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_p
     run.write_ps_status(theirs)
     run.ps_lock_file.write_text("pid 4242 on another-host")  # a relaunched PS, its ps.json not written yet
     assert claim() is None
+
+
+@pytest.mark.process  # (waits out a heartbeat that does not move)
+def test_a_claim_goes_by_the_heartbeat_of_a_ps_on_another_host(run, queue, tmp_path):
+    """A PS on another host: its pid means nothing here, and an interrupted one's status still names it in ps.lock
+    until the relaunched PS takes the lock (a Slurm job's nodes start together). Its flags are the run's while its
+    heartbeat moves, not once it stands still."""
+    from helpers import demo_config
+
+    from asyncgrpo.config import ConfigError
+    from asyncgrpo.run.liveness import PSHeartbeat
+    from asyncgrpo.run.rundir import PSStatus
+
+    mine = demo_config(tmp_path, temperature=0.7)
+    theirs = PSStatus(**{**vars(PSStatus.starting("model", None,
+                                                  demo_config(tmp_path, temperature=1.0).generation_settings())),
+                         "pid": 4242, "host": "another-host", "host_id": "another-host/0000/0000"})
+    run.write_ps_status(theirs)
+    run.ps_lock_file.write_text("pid 4242 on another-host")
+    run.ps_heartbeat_file.touch()  # its last beat
+    queue.put_job("000001_000", {}, created_step=1)
+    queue.put_job("000002_000", {}, created_step=2)
+
+    def claim():
+        return loop._read_claimed(mine, run, queue, queue.claim(1), 0, EventLog.off())
+
+    with PSHeartbeat(run, interval_s=0.2):
+        with pytest.raises(ConfigError, match=r"^this worker's flags are not the parameter server's"):
+            claim()
+    assert queue.counts()["pending"] == 2  # given back
+    assert claim() is None  # its heartbeat stands still: the job's (bad) data decides, as for a dead PS here

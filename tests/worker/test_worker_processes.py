@@ -287,18 +287,22 @@ def test_a_worker_started_with_other_generation_flags_than_the_ps_gives_its_job_
     assert not [n for n in done if "_failed" in n or "_retried" in n or "_a2" in n], done
 
 
-def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_flags(tmp_path):
+@pytest.mark.parametrize("where", ["this host", "another host"])
+def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_flags(tmp_path, where):
     """An interrupted PS leaves ps.json saying it trains with its flags, until the relaunched PS writes its own once
     its model and trainer are built; launch.sh starts the workers beside it. Relaunched with another --temperature,
     every worker compared itself with the dead PS's flags and exited 2 (bad input, not restarted): the run stopped,
     and each such relaunch left its own flags in ps.json for the next one to fail against. Here the worker starts
-    first, with the dead PS's status in ps.json, and the PS with the worker's flags after it."""
+    first, with the dead PS's status in ps.json (its pid dead here, or on another host, whose pid means nothing
+    here, its heartbeat standing still), and the PS with the worker's flags after it."""
     root = tmp_path / "run"
     flags = ["--run_dir", str(root), *run_flags(2, lease_s=None), "--temperature", "0.7"]
     write_demo_model(root / "demo_model")
     interrupted = PSStatus.starting(str(root / "demo_model"), None,
                                     demo_config(tmp_path, temperature=1.0).generation_settings())
-    RunDir(root).write_ps_status(dataclasses.replace(interrupted, pid=dead_pid()))
+    elsewhere = {"host": "another-host", "host_id": "another-host/0000/0000"} if where == "another host" else {}
+    RunDir(root).write_ps_status(dataclasses.replace(interrupted, pid=dead_pid(), **elsewhere))
+    RunDir(root).ps_heartbeat_file.touch()
     worker = start_demo_process(tmp_path / "worker.log", ["-m", "worker", "--device", "1", *flags])
     ps = None
     try:
