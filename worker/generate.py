@@ -41,6 +41,7 @@ import inspect
 import logging
 import math
 import numbers
+import random
 import reprlib
 import statistics
 import threading
@@ -312,7 +313,8 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
     captured during generation (see the module's docstring).
 
     Sampling is seeded with ``seed`` (see job_seed): every worker's trainer was seeded alike
-    at start-up, and without this their samples would run in lockstep. Emits
+    at start-up, and without this their samples would run in lockstep; so is the scoring (torch, Python's
+    ``random`` and numpy's global generator, which reward functions and tools draw from). Emits
     generate_start/end and score_start/end events carrying ``job_fields`` (job_id, ...).
 
     ``ps_step`` is the PS's step when the job was thrown: reward functions see it as
@@ -328,7 +330,11 @@ def generate_and_score(trainer: GRPOTrainer, rows: list[dict], events: EventLog,
         job = JobInput(rows, seed, ps_step, job_fields)
         shares, _ = _generate_together(trainer, [job], events, EagerDecoding(trainer), in_flight) or ([None], None)
         pregenerated = shares[0]
+    # TRL's set_seed gave every worker's generators the same start (each is its own rank 0): reward functions and
+    # tools drawing from Python's or numpy's would run in lockstep on every worker and start over at each restart.
     torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     trainer.state.global_step = ps_step
     metrics_of = getattr(trainer, METRICS)["train"]
     metrics_of.clear()  # metrics of this job only, not cumulative

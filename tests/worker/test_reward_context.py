@@ -6,7 +6,7 @@ from helpers import demo_config
 from asyncgrpo.events import EventLog
 from asyncgrpo.messages import RepeatedFailureLog
 from asyncgrpo.tasks.demo import build_dataset, build_model, build_tokenizer
-from worker.generate import build_trainer, generate_and_score
+from worker.generate import build_trainer, generate_and_score, job_seed
 
 
 def test_a_reward_function_sees_the_ps_step_the_job_was_thrown_at(tmp_path):
@@ -25,6 +25,36 @@ def test_a_reward_function_sees_the_ps_step_the_job_was_thrown_at(tmp_path):
     for ps_step in (7, 12):
         generate_and_score(trainer, rows, EventLog.off(), seed=0, ps_step=ps_step)
     assert seen == [7, 12]
+
+
+def test_a_reward_function_drawing_random_numbers_draws_by_job_not_in_lockstep_across_workers(tmp_path):
+    """TRL's set_seed gives every worker's trainer the same generators: two workers' rewards drew the same numbers
+    from Python's ``random`` and numpy's, in the same order, and a restarted worker drew them again. They are seeded
+    by the job now, as its sampling is: another job draws others, the same job the same on any worker."""
+    import random
+
+    import numpy as np
+
+    drawn = []
+
+    def reward_drawing(prompts, **kwargs):
+        drawn.append((random.random(), float(np.random.random())))
+        return [0.0] * len(prompts)
+
+    cfg = demo_config(tmp_path)
+    tokenizer = build_tokenizer()
+    dataset = build_dataset(n=40)
+    rows = [dataset[i // cfg.num_generations] for i in range(cfg.generation_batch_size)]
+
+    def a_worker():  # (its trainer built as a worker's is: TRL seeds it)
+        return build_trainer(cfg, build_model(seed=0, tokenizer=tokenizer), tokenizer, [reward_drawing], dataset)
+
+    first, second = a_worker(), a_worker()
+    generate_and_score(first, rows, EventLog.off(), seed=job_seed(cfg.seed, "000001_000"))
+    generate_and_score(second, rows, EventLog.off(), seed=job_seed(cfg.seed, "000001_001"))
+    generate_and_score(second, rows, EventLog.off(), seed=job_seed(cfg.seed, "000001_000"))
+    assert drawn[0] != drawn[1] and drawn[0][0] != drawn[1][0] and drawn[0][1] != drawn[1][1]
+    assert drawn[2] == drawn[0]
 
 
 def test_a_reward_function_that_has_not_returned_after_a_while_is_named_in_a_jobs_line(tmp_path, monkeypatch, caplog):
