@@ -259,9 +259,10 @@ def train(cfg, run: RunDir) -> int:
         log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:
-            if saved is not None and saved.global_step >= cfg.max_steps:
+            if saved is not None and saved.global_step >= (last := last_step(trainer, cfg)):
                 # transformers checks max_steps only after a step: resuming there would train one more
-                log.info("[train] %s already reached max_steps=%d: nothing to train", resume, cfg.max_steps)
+                log.info("[train] %s already reached %s: nothing to train", resume,
+                         f"max_steps={last}" if cfg.max_steps > 0 else f"step {last}, the end of its epochs")
                 trainer.state.global_step = saved.global_step
                 trainer._load_from_checkpoint(resume)  # the final save saves the checkpoint's weights (or adapter)
             else:
@@ -293,6 +294,13 @@ def train(cfg, run: RunDir) -> int:
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
     return 0
+
+
+def last_step(trainer, cfg) -> int:
+    """The run's last step: --max_steps, or where it is -1, what transformers makes of --num_train_epochs."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return trainer.set_initial_training_values(cfg, trainer.get_train_dataloader())[-1]
 
 
 def resume_line(run: RunDir) -> str:

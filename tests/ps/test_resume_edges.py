@@ -44,6 +44,37 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
     assert all(torch.equal(final_after[name], final_before[name]) for name in final_before)
 
 
+@pytest.mark.process
+@pytest.mark.parametrize("newest", ["checkpoint-6", "checkpoint-8"])
+def test_a_run_by_epochs_resumes_to_its_last_epoch(finished_demo_run, tmp_path, newest):
+    """With --max_steps -1 the run ends after --num_train_epochs: its relaunch took any checkpoint for the end of
+    the run ("already reached max_steps=-1: nothing to train") and saved it as the final model. The demo's 1000
+    prompts are 250 steps an epoch: 0.03 of an epoch is 8 steps, from checkpoint-6 two more, from checkpoint-8
+    none."""
+    run_root = tmp_path / "run"
+    left_out = ["report"] if newest == "checkpoint-8" else ["report", "checkpoint-8"]
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns(*left_out))
+    steps_before = (run_root / "metrics.jsonl").read_text()
+    flags = [*run_flags(None, save_steps=3), "--max_steps", "-1", "--num_train_epochs", "0.03"]
+    ps = start_process(run_root, tmp_path / "ps.log", "ps", *flags)
+    worker = start_process(run_root, tmp_path / "worker.log", "worker", "--device", "1", *flags)
+    try:
+        expect_exit(ps, 0, tmp_path / "ps.log", 600)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=120)
+    log = (tmp_path / "ps.log").read_text()
+    assert "resuming from " + str(run_root / "checkpoints" / newest) in log
+    assert ("already reached step 8, the end of its epochs: nothing to train" in log) == (newest == "checkpoint-8")
+    steps = [json.loads(line)["step"] for line in (run_root / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    if newest == "checkpoint-8":
+        assert (run_root / "metrics.jsonl").read_text() == steps_before
+    state = json.loads((run_root / "ps.json").read_text())
+    assert (state["state"], state["global_step"]) == ("finished", 8)
+    assert_exactly_once(run_root, jobs=8)
+
+
 def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog):
     # A PS killed while appending a step's line leaves it cut short, without its newline.
     from ps.trainer import AsyncGRPOTrainer
