@@ -331,6 +331,16 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             # not from the weights it synced: results would claim weights they were not generated with.
             raise ConfigError("--use_vllm: asyncgrpo's workers generate with their own decoding engine "
                               "(--worker_decoding: graph, or continuous batching), not vLLM")
+        if self.resume_from_checkpoint:
+            raise ConfigError(f"--resume_from_checkpoint {self.resume_from_checkpoint}: a run resumes from its own "
+                              "newest checkpoint when relaunched with the same --run_dir; to start a new run from a "
+                              "checkpoint's weights, give its folder as --model_name_or_path")
+        if self.sync_ref_model:
+            # TRL's callback would mix the PS's reference model, which nothing reads: the workers score --beta's KL
+            # against their own copy of the initial model.
+            raise ConfigError("--sync_ref_model: not with asyncgrpo: the workers compute the reference log-probs "
+                              "with their own copy of the initial model, which the parameter server's updates of "
+                              "the reference would not reach")
         if self.worker_dtype is not None and self.use_peft and self.worker_dtype != self.dtype:
             raise ConfigError(f"--worker_dtype {self.worker_dtype} with --use_peft: the workers' base model is the "
                               "parameter server's, loaded in --dtype; give --dtype instead")

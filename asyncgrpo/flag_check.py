@@ -52,6 +52,8 @@ REMOVED = {
     "max_prompt_length": "this TRL has no such flag and does not cut prompts; a prompt that with "
                          "--max_completion_length would not fit the model's positions is refused before the run "
                          "starts (docs/options.md)",
+    "warmup_ratio": "transformers 5 has no such flag: --warmup_steps takes a fraction of the run's steps as well (a "
+                    "value below 1, e.g. --warmup_steps 0.1)",
 }
 
 

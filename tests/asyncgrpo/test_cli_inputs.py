@@ -76,6 +76,14 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
     (["--use_vllm", "true"], "--use_vllm: asyncgrpo's workers generate with their own decoding engine"),
+    (["--resume_from_checkpoint", "runs/old/checkpoints/checkpoint-12"],
+     "--resume_from_checkpoint runs/old/checkpoints/checkpoint-12: a run resumes from its own newest checkpoint when "
+     "relaunched with the same --run_dir; to start a new run from a checkpoint's weights, give its folder as "
+     "--model_name_or_path"),
+    (["--sync_ref_model", "true", "--beta", "0.04"], "--sync_ref_model: not with asyncgrpo: the workers compute the "
+     "reference log-probs with their own copy of the initial model"),
+    (["--warmup_ratio", "0.1"], "--warmup_ratio: not a flag: transformers 5 has no such flag: --warmup_steps takes a "
+     "fraction of the run's steps as well (a value below 1, e.g. --warmup_steps 0.1)"),
     (["--use_peft", "--worker_dtype", "bfloat16"], "--worker_dtype bfloat16 with --use_peft: the workers' base model "
      "is the parameter server's, loaded in --dtype; give --dtype instead"),
     (["--worker_decoding", "paged"],
