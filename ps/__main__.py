@@ -251,15 +251,17 @@ def train(cfg, run: RunDir) -> int:
         saved = read_ledger(resume) if resume else None
         if saved is not None:  # (every rank: a refusal stops them all)
             say_or_refuse_changes(saved.pipeline_state.get("flags"), cfg, resume, say=first_rank)
+        last = last_step(trainer, cfg)
         if first_rank:
             # Workers match its generation; recovery and ls go by its deadline, lease and attempts.
             status = PSStatus.starting(path, resume, cfg.generation_settings(), cfg.job_timeout_s or None,
-                                       lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, previous=previous)
+                                       lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, previous=previous,
+                                       max_steps=last)
             run.write_ps_status(status)
         log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:
-            if saved is not None and saved.global_step >= (last := last_step(trainer, cfg)):
+            if saved is not None and saved.global_step >= last:
                 # transformers checks max_steps only after a step: resuming there would train one more
                 log.info("[train] %s already reached %s: nothing to train", resume,
                          f"max_steps={last}" if cfg.max_steps > 0 else f"step {last}, the end of its epochs")

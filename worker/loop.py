@@ -305,8 +305,14 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
         raise ConfigError(mismatch)
     model, tokenizer = load_model_and_tokenizer(path, cfg, cfg.worker_dtype)  # as the PS, unless --worker_dtype
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
-    return build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
-                         hooks=load_rollout_hooks(cfg))
+    trainer = build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
+                            hooks=load_rollout_hooks(cfg))
+    # What a reward reads of the run in TRL's trainer_state, beside the job's step (worker/generate.py): a worker
+    # never trains, so transformers never sets them (max_steps 0: a schedule by global_step / max_steps divides by 0).
+    if last := (ps.max_steps if ps else None) or max(cfg.max_steps, 0):
+        trainer.state.max_steps = last
+        trainer.state.compute_steps(trainer.args, last)
+    return trainer
 
 
 def _device_label(cfg: AsyncGRPOConfig) -> str:

@@ -79,18 +79,20 @@ class PSStatus:
     # so archives in done/ are looked up to it (JobQueue.was_archived) when --max_attempts was lowered since.
     most_attempts: int | None = None
     host_id: str | None = None  # where its pid means something (asyncgrpo/run/hosts.py); None from older versions
+    max_steps: int | None = None  # the run's last step (--max_steps, or its epochs'): what rewards see on a worker
 
     @classmethod
     def starting(cls, model: str, resumed_from: str | None, generation: dict, job_timeout_s: float | None = None,
                  lease_s: float | None = None, max_attempts: int | None = None,
-                 previous: PSStatus | None = None) -> PSStatus:
+                 previous: PSStatus | None = None, max_steps: int | None = None) -> PSStatus:
         """This process's status as it starts training; ``previous``: the run's PS before it, if any."""
         earlier = (previous.most_attempts, previous.max_attempts) if previous else ()
         attempts = [a for a in (max_attempts, *earlier) if a]
         return cls(pid=os.getpid(), host=socket.gethostname(), model=model, state="training",
                    started_at=time.time(), resumed_from=resumed_from, generation=generation,
                    mps=os.environ.get(MPS_ENV) or None, job_timeout_s=job_timeout_s, lease_s=lease_s,
-                   max_attempts=max_attempts, most_attempts=max(attempts, default=None), host_id=HOST_ID)
+                   max_attempts=max_attempts, most_attempts=max(attempts, default=None), host_id=HOST_ID,
+                   max_steps=max_steps)
 
     def finished(self, global_step: int, final_model: str) -> PSStatus:
         return dataclasses.replace(self, state="finished", finished_at=time.time(), global_step=global_step,

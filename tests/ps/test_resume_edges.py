@@ -71,7 +71,7 @@ def test_a_run_by_epochs_resumes_to_its_last_epoch(finished_demo_run, tmp_path, 
     if newest == "checkpoint-8":
         assert (run_root / "metrics.jsonl").read_text() == steps_before
     state = json.loads((run_root / "ps.json").read_text())
-    assert (state["state"], state["global_step"]) == ("finished", 8)
+    assert (state["state"], state["global_step"], state["max_steps"]) == ("finished", 8, 8)  # (what workers read)
     assert_exactly_once(run_root, jobs=8)
 
 

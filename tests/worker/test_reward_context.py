@@ -135,3 +135,22 @@ def test_a_reward_that_is_not_a_finite_number_is_named_and_counts_as_not_scored(
     rewards = batch["rewards"]
     assert rewards.tolist() == [0.5] * len(odd) + [1.5] * (cfg.generation_batch_size - len(odd))
     assert torch.isfinite(batch["advantages"]).all()
+
+
+def test_a_worker_s_trainer_state_holds_the_run_s_last_step_for_rewards_that_schedule_by_it(tmp_path):
+    """A reward reads TRL's trainer_state; a worker never trains, so transformers left its max_steps at 0 (a schedule
+    by global_step / max_steps divided by 0). The PS writes the run's last step in ps.json, its epochs' count where
+    --max_steps is -1; the worker's state takes it, and the logging, eval and save steps it makes of their fractions."""
+    import threading
+
+    from asyncgrpo.run import RunDir
+    from asyncgrpo.run.rundir import PSStatus
+    from asyncgrpo.tasks.demo import write_demo_model
+    from worker import loop
+
+    run = RunDir.create(tmp_path / "run")
+    write_demo_model(run.root / "demo_model")
+    cfg = demo_config(tmp_path, max_steps=-1, num_train_epochs=0.16, logging_steps=0.25)
+    run.write_ps_status(PSStatus.starting(str(run.root / "demo_model"), None, cfg.generation_settings(), max_steps=40))
+    trainer = loop._wait_and_build_trainer(cfg, run, threading.Event(), None, loop.Waiting(1))
+    assert (trainer.state.max_steps, trainer.state.logging_steps) == (40, 10)
