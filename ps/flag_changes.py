@@ -8,14 +8,15 @@ rows a job) its rows would be regrouped across prompts and its advantages comput
 completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
 ``ps_processes`` cannot change within a run. The other generation flags apply from the relaunch on, to the jobs
 already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
-step on; the queue's (attempts, lease) to every job from the relaunch on.
+step on; the queue's (attempts, lease) to every job from the relaunch on; any other flag from now on.
 
 (``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, which
-``say_if_the_schedule_changed`` says.)
+``say_if_the_schedule_changed`` says. Nor are credentials, which no file of the run keeps, nor where the run is.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,11 +31,13 @@ TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_gra
                   "off_policy_cap", "dynamic_sampling")
 INPUT_FLAGS = ("model_name_or_path", "dataset_name", "reward_funcs")  # what the jobs are drawn from and scored by
 QUEUE_FLAGS = ("max_attempts", "lease_s")  # what recovery and a job's failures go by
+# Where the run is, not how it trains (a run folder may move; output_dir is the PS's RUN/checkpoints), and max_steps.
+NOT_RECORDED = ("run_dir", "output_dir", "max_steps")
 
 
 def recorded_flags(cfg: AsyncGRPOConfig) -> dict:
-    """What a checkpoint's ledger records of ``cfg``, as JSON values."""
-    names = (*GENERATION_FLAGS, *TRAINING_FLAGS, *INPUT_FLAGS, *QUEUE_FLAGS)
+    """What a checkpoint's ledger records of ``cfg``: every flag, as JSON values."""
+    names = [f.name for f in dataclasses.fields(cfg) if f.name not in NOT_RECORDED and "token" not in f.name]
     return json.loads(json.dumps({name: getattr(cfg, name, None) for name in names}, default=str))
 
 
@@ -58,7 +61,8 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
                  else "applies from the next step on" if name in TRAINING_FLAGS
                  else "applies from now on, to the jobs already thrown too" if name in QUEUE_FLAGS
                  else "applies to the jobs drawn and scored from now on; the results already scored keep their "
-                      "rewards")
+                      "rewards" if name in INPUT_FLAGS
+                 else "applies from now on")
         log.info("[train] resumed with --%s %r where %s was trained with %r: it %s", name, now[name], where,
                  saved[name], after)
 

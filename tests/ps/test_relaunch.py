@@ -2,6 +2,7 @@
 in one line, from and to, and a change of the jobs' row layout refused, naming the values to relaunch with; after
 Ctrl-C, the PS says which steps a relaunch trains again."""
 
+import json
 import logging
 
 import pytest
@@ -12,17 +13,32 @@ from ps.flag_changes import recorded_flags, say_or_refuse_changes
 
 
 def test_each_changed_flag_is_said_in_one_line(tmp_path, caplog):
-    saved = recorded_flags(demo_config(tmp_path, temperature=1.0, learning_rate=1e-3, max_attempts=5))
-    cfg = demo_config(tmp_path, temperature=0.7, learning_rate=5e-4, max_attempts=2)
+    saved = recorded_flags(demo_config(tmp_path, temperature=1.0, learning_rate=1e-3, max_attempts=5,
+                                       top_entropy_quantile=1.0))
+    cfg = demo_config(tmp_path, temperature=0.7, learning_rate=5e-4, max_attempts=2, top_entropy_quantile=0.2)
     with caplog.at_level(logging.INFO, logger="asyncgrpo.ps"):
         say_or_refuse_changes(saved, cfg, "/run/checkpoints/checkpoint-40")
-    assert [r.getMessage() for r in caplog.records] == [
+    assert sorted(r.getMessage() for r in caplog.records) == sorted([
         "[train] resumed with --temperature 0.7 where checkpoint-40 was trained with 1.0: it applies to every job "
         "generated from now on, those already thrown too",
         "[train] resumed with --learning_rate 0.0005 where checkpoint-40 was trained with 0.001: it applies from the "
         "next step on",
+        "[train] resumed with --top_entropy_quantile 0.2 where checkpoint-40 was trained with 1.0: it applies from "
+        "now on",
         "[train] resumed with --max_attempts 2 where checkpoint-40 was trained with 5: it applies from now on, to the "
-        "jobs already thrown too"]
+        "jobs already thrown too"])
+
+
+def test_every_flag_is_recorded_but_credentials():
+    import dataclasses
+
+    from asyncgrpo.config import AsyncGRPOConfig
+
+    recorded = recorded_flags(demo_config("/tmp/x", hub_token="hf_secret"))
+    assert "hf_secret" not in json.dumps(recorded)
+    names = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert "hub_token" in names and "gradient_checkpointing" in recorded
+    assert set(recorded) == names - {"max_steps", "run_dir", "output_dir"} - {name for name in names if "token" in name}
 
 
 @pytest.mark.parametrize(("flag", "before", "after"),

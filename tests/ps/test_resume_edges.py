@@ -33,6 +33,7 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
                         env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert ps.returncode == 0, ps.stderr[-3000:]
     assert "already reached max_steps=8: nothing to train" in ps.stderr
+    assert "resumed with" not in ps.stderr  # the same flags: every one is recorded, none said
     assert (run_root / "metrics.jsonl").read_text() == steps_before
     assert sorted(p.name for p in (run_root / "checkpoints").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     state = json.loads((run_root / "ps.json").read_text())
