@@ -12,7 +12,9 @@ that returns None for a row does not apply to it (TRL's semantics, kept). A step
   KL term). Counted (``steps_without_spread``, in a row); from NO_SPREAD_WARN_STEPS in a row on, one WARN line,
   repeated at most once a minute, and ``queue_tools ls`` warns. Under ``--dynamic_sampling`` such groups are
   dropped, and no step comes while every group is: ``FlatGroups`` says so from NO_SPREAD_WARN_STEPS batches' groups
-  dropped in a row on, in the same way.
+  dropped in a row on, in the same way;
+- every completion was cut at ``--max_completion_length`` under ``--mask_truncated_completions``: TRL masks them all
+  out of the loss. Said in one line, at most once a minute.
 
 The counts go by optimizer steps: a logged line covers the steps since the previous one (``--logging_steps``),
 whose metrics TRL averages, so a line says "none of them" only when none of them had a reward (or a spread).
@@ -52,9 +54,11 @@ class LearningSignal:
         return cls(steps_without_reward=int(line.get("steps_without_reward") or 0),
                    steps_without_spread=int(line.get("steps_without_spread") or 0), _last_step=step)
 
-    def observe(self, step: int, reward: float | None, frac_reward_zero_std: float | None) -> None:
+    def observe(self, step: int, reward: float | None, frac_reward_zero_std: float | None,
+                all_masked: bool = False) -> None:
         """A logged step (TRL's averages since the previous one): counts and says; sets ``stop`` once the run must
-        stop (the caller stops it, after the step's line is written)."""
+        stop (the caller stops it, after the step's line is written). ``all_masked``: every completion was cut and
+        masked out of the loss."""
         steps, self._last_step = max(step - self._last_step, 1), step
         self.steps_without_reward = self.steps_without_reward + steps if reward is None else 0
         alike = reward is None or (frac_reward_zero_std is not None and frac_reward_zero_std >= 1.0)
@@ -67,6 +71,10 @@ class LearningSignal:
         elif reward is None:
             self._say(f"step={step}: no reward: every reward function returned None (or NaN) for every completion "
                       f"({self.steps_without_reward} step(s) in a row; the run stops at {NO_REWARD_STOP_STEPS})")
+        elif all_masked:
+            self._say(f"step={step}: every completion reached --max_completion_length and --mask_truncated_completions "
+                      "masked them all out of the loss: nothing is learned. Give a larger --max_completion_length, "
+                      "or run without --mask_truncated_completions")
         elif self.steps_without_spread >= NO_SPREAD_WARN_STEPS:
             self._say(f"step={step}: for {self.steps_without_spread} steps every group's completions scored alike "
                       "(frac_reward_zero_std 1): the advantages are all 0 and nothing is learned. If reward "

@@ -341,7 +341,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not is_step_log or not self.is_queue_client:
             return
         # (reward NaN: every reward function returned None or NaN for every row)
-        self.signal.observe(self.state.global_step, finite(logs.get("reward")), logs.get("frac_reward_zero_std"))
+        all_masked = self.args.mask_truncated_completions and (logs.get("completions/clipped_ratio") or 0) >= 1.0
+        self.signal.observe(self.state.global_step, finite(logs.get("reward")), logs.get("frac_reward_zero_std"),
+                            all_masked)
         line = self.step_record.line(self.state.global_step, logs, self.signal,
                                      self.pipeline.producer.prompts_skipped, self.queue.counts())
         metrics.append(self.run.metrics_file, line)

@@ -295,7 +295,9 @@ def test_generate_and_score_returns_the_batch_the_ps_trains_on_in_the_jobs_row_o
         assert batch["completion_mask"][i, :width].all(), f"row {i}: the completion is not right-padded"
     torch.testing.assert_close(batch["advantages"].view(PROMPTS, G).sum(dim=1), torch.zeros(PROMPTS), atol=1e-4,
                                rtol=0)
-    assert {"reward", "reward_std"} <= set(trainer._metrics["train"]), sorted(trainer._metrics["train"])
+    # (and the PS's warnings read these: ps/learning_signal.py)
+    assert {"reward", "reward_std", "frac_reward_zero_std", "completions/clipped_ratio"} <= set(
+        trainer._metrics["train"]), sorted(trainer._metrics["train"])
 
 
 def test_trl_brings_old_logps_only_when_generation_and_optimizer_steps_misalign(trainer):

@@ -41,6 +41,25 @@ def test_steps_whose_groups_all_scored_alike_warn_once_they_last_and_at_most_onc
     assert signal.steps_without_spread == 0 and signal.stop is None
 
 
+def test_a_step_whose_completions_were_all_cut_and_masked_says_so_at_most_once_a_minute(caplog, clock):
+    """--mask_truncated_completions leaves out of the loss every completion cut at --max_completion_length: when all
+    were, loss and gradient are 0 whatever the rewards, and TRL says nothing."""
+    signal = LearningSignal()
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
+        signal.observe(1, 0.5, 0.0, all_masked=False)
+        assert warnings(caplog) == []
+        signal.observe(2, 0.5, 0.0, all_masked=True)
+        signal.observe(3, 0.5, 0.0, all_masked=True)
+        assert warnings(caplog) == [
+            "[train] step=2: every completion reached --max_completion_length and --mask_truncated_completions masked "
+            "them all out of the loss: nothing is learned. Give a larger --max_completion_length, or run without "
+            "--mask_truncated_completions"]
+        clock[0] += 60
+        signal.observe(4, 0.5, 0.0, all_masked=True)
+        assert len(warnings(caplog)) == 2
+    assert signal.stop is None
+
+
 def test_dynamic_samplings_groups_dropped_in_a_row_warn_once_they_last_and_at_most_once_a_minute(caplog, clock):
     flat = FlatGroups(warn_at=4)
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.ps"):
