@@ -74,6 +74,12 @@ def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list) -> str | None:
     name = os.path.expanduser(cfg.model_name_or_path)
     if not os.path.exists(name) and looks_like_a_path(name):
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no such folder")
+    if os.path.isfile(name):
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: a file, not a model's folder: give the "
+                          "folder that holds its config.json, weights and tokenizer" + (
+                              " (a GGUF file: load it once with transformers' from_pretrained(folder, gguf_file=...) "
+                              "and save the model and its tokenizer with save_pretrained)" if name.endswith(".gguf")
+                              else ""))
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no config.json in that folder")

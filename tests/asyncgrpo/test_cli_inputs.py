@@ -68,6 +68,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--reward_funcs", "rewards:nope"], "--reward_funcs 'rewards:nope': rewards has no function nope"),
     (["--run_dir", str(REPO / "runs" / "x")], f"--run_dir {REPO / 'runs' / 'x'}: inside the source tree"),
     (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path /nonexistent/model: no such folder"),
+    (["--model_name_or_path", "data/train.jsonl"], "--model_name_or_path data/train.jsonl: a file, not a model's "
+     "folder: give the folder that holds its config.json, weights and tokenizer"),
     (["--reward_funcs", "no_such_module:fn"], "--reward_funcs 'no_such_module:fn': cannot import no_such_module"),
     (["--tools", "agent:Env", "no_such_module:fn"], "--tools 'no_such_module:fn': cannot import no_such_module"),
     (["--tools", "agent:lookup"], "--tools 'agent:lookup': agent has no function lookup"),
