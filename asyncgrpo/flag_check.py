@@ -72,7 +72,10 @@ def could_mean(typed: str, among: list[str]) -> str:
     removed, what it does instead)."""
     if (instead := REMOVED.get(typed.removeprefix("--"))) is not None:
         return f": {instead}"
-    candidates = [o for o in among if o.startswith(typed)] or difflib.get_close_matches(typed, among, n=3, cutoff=0.75)
+    # (an abbreviation, or the end of a longer name: --decoding for --worker_decoding)
+    suffix = "_" + typed.removeprefix("--")
+    candidates = ([o for o in among if o.startswith(typed) or o.endswith(suffix)]
+                  or difflib.get_close_matches(typed, among, n=3, cutoff=0.75))
     return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
 
 

@@ -96,6 +96,7 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--num_gen=4"], "--num_gen: not a flag; did you mean --num_generations or --num_generations_eval?"),
     (["--lerning_rate", "1e-5"], "--lerning_rate: not a flag; did you mean --learning_rate?"),
     (["--no_such_flag", "1"], "--no_such_flag: not a flag (--help lists them)"),
+    (["--decoding", "eager"], "--decoding: not a flag; did you mean --decoding_slots or --worker_decoding?"),
     (["--max-prompt-length", "256"], "--max-prompt-length: not a flag: this TRL has no such flag and does not cut "
      "prompts; a prompt that with --max_completion_length would not fit the model's positions is refused before the "
      "run starts (docs/options.md)"),
