@@ -193,6 +193,16 @@ def unlink_second_name(path: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(os.fspath(path)))
 
 
+def _load_failure(err: Exception) -> str:
+    """What torch.load found wrong, without its advice: of a file its safe loader refuses, torch's first line says to
+    load it again with weights_only=False, which runs whatever code the file holds."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n", 1)[0].strip()
+        return f"torch's safe loader refused it ({detail})" if detail else "torch's safe loader refused it"
+    return (first_line(err, with_type=False) or type(err).__name__)[:200]
+
+
 def load_payload(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
     """Loads a plain-data payload; refuses symlinks, non-regular files, pickled code and, before reading it, a file
     larger than ``max_bytes``."""
@@ -205,19 +215,26 @@ def load_payload(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
         if err.errno == errno.ELOOP:
             raise PayloadLoadError(f"{os.fspath(path)} is a symlink") from err
         raise
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:  # (checked on the descriptor: Python's file object of a directory's is an error naming the descriptor)
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise PayloadLoadError(f"{os.fspath(path)} is not a regular file")
+            raise PayloadLoadError(f"{os.fspath(path)} is " + (
+                "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"))
         if max_bytes is not None and st.st_size > max_bytes:
             raise PayloadLoadError(f"{os.fspath(path)} is {st.st_size / 1e6:,.1f} MB, over the "
                                    f"{max_bytes / 1e6:,.1f} MB cap on a job or result file (--max_payload_mb)")
+        if st.st_size == 0:
+            raise PayloadLoadError(f"{os.fspath(path)} is empty")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
         data = f.read()
     try:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as err:  # torch raises several types for truncated/hostile input
-        reason = first_line(err, with_type=False)
-        raise PayloadLoadError(f"{os.fspath(path)} is not a plain-data torch payload: {reason[:200]}") from err
+        raise PayloadLoadError(f"{os.fspath(path)} is not a plain-data torch payload: {_load_failure(err)}") from err
     if not isinstance(payload, dict):
         raise PayloadLoadError(f"{os.fspath(path)} holds a {type(payload).__name__}, not a dict")
     return payload

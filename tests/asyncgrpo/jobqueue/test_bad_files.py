@@ -291,6 +291,37 @@ def test_bad_result_is_archived_failed_load_and_good_result_still_collected(case
     assert entries(q.run.queue) == set()
 
 
+@pytest.mark.parametrize(("case", "reason"), [
+    ("random_bytes", "is not a plain-data torch payload: "),
+    ("truncated", "is not a plain-data torch payload: "),
+    ("empty", "is empty"),
+    ("directory", "is a directory"),
+    ("symlink", "is a symlink"),
+])
+def test_a_bad_result_is_rejected_in_one_line_of_what_is_wrong(case, reason, tmp_path, caplog):
+    """Not torch's advice to load the file again unsafely (its safe loader's first line), nor a descriptor's number
+    for a name ("[Errno 21] Is a directory: 17")."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    q = JobQueue(RunDir.create(tmp_path / "run"))
+    BAD_RESULTS[case](q, q.run.queue / complete_name(BAD), tmp_path)
+    assert q.collect() == []
+    [line] = [m for m in queue_logs(caplog) if "rejected" in m]
+    assert line.startswith(f"[queue] result {complete_name(BAD)} rejected: ") and reason in line, line
+    assert "weights_only" not in line and "Errno" not in line and "\n" not in line, line
+
+
+def test_a_payload_torch_s_safe_loader_refuses_is_named_without_its_advice(tmp_path):
+    from asyncgrpo.run.fileops import PayloadLoadError, load_payload
+
+    path = tmp_path / "code.pt"
+    path.write_bytes(save(RunsCode(tmp_path / "sentinel")))
+    with pytest.raises(PayloadLoadError) as refused:
+        load_payload(path)
+    assert str(refused.value).startswith(f"{path} is not a plain-data torch payload: torch's safe loader refused it (")
+    assert "weights_only" not in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "sentinel").exists()
+
+
 def test_hostile_pickle_result_never_runs_code(tmp_path, caplog):
     q = JobQueue(RunDir.create(tmp_path / "run"))
     real_result(q, GOOD, text="good")
