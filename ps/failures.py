@@ -105,5 +105,6 @@ class FailedJobs:
         self.prompts += self.prompts_per_job
         self.queue.events.emit("job_dropped", job_id=job_id, attempt=attempts, prompts=self.prompts_per_job,
                                error=error and error[:500])
-        log.warning("[queue] job %s %s: its %d prompt(s) are not trained on; %d job(s), %d prompt(s) dropped so far",
+        # ([jobs], as the workers' failures: launch.sh shows these on the terminal)
+        log.warning("[jobs] job %s %s: its %d prompt(s) are not trained on; %d job(s), %d prompt(s) dropped so far",
                     job_id, why, self.prompts_per_job, self.jobs, self.prompts)

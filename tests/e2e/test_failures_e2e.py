@@ -190,6 +190,7 @@ def test_the_ps_log_says_how_many_prompts_were_dropped(flaky_run):
     drops = [i for i, line in enumerate(log) if "are not trained on" in line]
     n = len(failed_job_ids(flaky_run))
     assert len(drops) == n
+    assert all(" WARNING [jobs] job " in log[i] for i in drops)  # (what launch.sh shows on the terminal)
     assert log[drops[-1]].endswith(f"(reward function 'raises_on_digit_0' raised ValueError: cannot score the prompt "
                                    f"'0:'): its 4 prompt(s) are not trained on; {n} job(s), {4 * n} prompt(s) "
                                    "dropped so far")
