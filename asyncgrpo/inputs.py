@@ -305,7 +305,7 @@ def half_dtype_note(dtype, device_type: str) -> tuple[str | None, object]:
     if name not in HALF_DTYPES:
         return None, dtype
     if device_type == "cpu":
-        return (f"the model is {name} on CPU: loaded and trained in {name} as asked (mixed precision, --bf16/--fp16, "
+        return (f"the model is {name} on CPU: it runs in {name} as asked (mixed precision, --bf16/--fp16, "
                 "is off on CPU)"), dtype
     if name == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return "this GPU has no bfloat16: the model is loaded in float32 instead", "float32"

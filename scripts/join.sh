@@ -128,6 +128,7 @@ while ! ps_finished; do
     fi
     restart_dead_workers
     if [ "${#WORKER_PID[@]}" -eq 0 ]; then  # every worker exited with bad input
+        say "no worker left (each exited with bad input): this host stops; the run goes on with the others"
         echo "$WORKER_ERROR" >&3
         exit 2
     fi

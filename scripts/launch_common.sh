@@ -157,7 +157,7 @@ restart_dead_workers() {
                 unset "WORKER_PID[$i]"
                 continue
             fi
-            why=""; jobs="its job returns through recovery"
+            why=""; jobs="any job it held returns through recovery"
             [ "$status" -eq 3 ] && why=", its GPU failed"  # worker.loop.EXIT_DEVICE_BROKEN
             if [ "$status" -eq 4 ]; then  # worker.deadline.EXIT_JOB_DEADLINE
                 why=", a job ran past --job_timeout_s"; jobs="that job failed as its attempt, its others given back"

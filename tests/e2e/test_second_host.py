@@ -205,4 +205,6 @@ def test_a_second_hosts_join_against_a_ps_on_mmap_says_why_and_exits_2(tmp_path)
             "host can read: workers on other hosts need the PS started with --weight_transport safetensors")
     assert line.format(os.uname().nodename) in out, out
     assert "exited with status 2, bad input: not restarted" in out
+    assert ("[launch --join] no worker left (each exited with bad input): this host stops; the run goes on with the "
+            "others") in out
     assert not [n for n in os.listdir(root / "queue") if "_by_dev1." in n]  # it claimed nothing
