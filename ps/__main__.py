@@ -162,8 +162,14 @@ def _interrupt(signum, frame):
     for later in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(later) is not signal.SIG_IGN:  # (SIGHUP under nohup)
             signal.signal(later, _already_stopping)
+    global _first_signal_at
+    _first_signal_at = time.monotonic()
     INTERRUPTED.set()
     _raise_interrupt(signum, frame)
+
+
+_first_signal_at = 0.0
+ONE_STOP_S = 2.0  # a terminal's Ctrl-C and launch.sh's SIGTERM that follows it: one request to stop, said once
 
 
 # Set by the first SIGINT, SIGTERM or SIGHUP. Its KeyboardInterrupt unwinds training at once; while training goes on
@@ -205,8 +211,9 @@ def _save_and_stop(signum, _frame):
 def _already_stopping(signum, frame):
     if _put_off is not None:  # the first signal's interrupt was put off: raise it here, unless this is no better
         _raise_interrupt(_put_off, frame)
-    log.warning("[ps] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log "
-                "where each thread is", signum)
+    log.log(logging.INFO if time.monotonic() - _first_signal_at < ONE_STOP_S else logging.WARNING,
+            "[ps] signal %d: already stopping (freeing the weight buffers); SIGKILL to force, SIGUSR1 to log where "
+            "each thread is", signum)
 
 
 def train(cfg, run: RunDir) -> int:

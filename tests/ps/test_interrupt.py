@@ -109,3 +109,16 @@ def test_training_that_goes_on_after_the_interrupt_stops_at_the_next_batch(run, 
         assert isinstance(next_batch_within(pipeline, WAIT_S).get("error"), KeyboardInterrupt)
     finally:
         pipeline.stop()
+
+
+def test_the_signal_that_follows_a_ctrl_c_at_once_is_not_warned_of(interrupt_handlers, caplog, monkeypatch):
+    """A terminal's Ctrl-C reaches the PS, then launch.sh's SIGTERM: one request to stop, not a second one to warn
+    of ("already stopping ... SIGKILL to force"). A signal seconds later is one, and says so."""
+    with caplog.at_level("INFO", logger="asyncgrpo.ps"), pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    with caplog.at_level("INFO", logger="asyncgrpo.ps"):
+        signal.raise_signal(signal.SIGTERM)
+        monkeypatch.setattr(ps_main, "_first_signal_at", time.monotonic() - ps_main.ONE_STOP_S)
+        signal.raise_signal(signal.SIGTERM)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "already stopping" in r.getMessage()]
+    assert [level for level, _ in said] == ["INFO", "WARNING"], said
