@@ -8,6 +8,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 
 _said: set[str] = set()
@@ -90,3 +91,9 @@ def join_or_report(thread: threading.Thread, what: str, logger: logging.Logger) 
         logger.warning("%s did not stop within %g s: left running (a daemon thread); every thread's stack follows",
                        what, STOP_JOIN_S)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+def quiet_library_deprecations() -> None:
+    """Warnings one library gives of another's use of it, which no user can act on: off in the PS and the workers."""
+    # TRL reads transformers' is_gradient_checkpointing, deprecated in transformers 5: at every worker's generation.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -37,7 +37,7 @@ from asyncgrpo.inputs import (
     model_path,
     write_demo_model_once,
 )
-from asyncgrpo.messages import first_line
+from asyncgrpo.messages import first_line, quiet_library_deprecations
 from asyncgrpo.run import RunDir, runs_dir
 from asyncgrpo.run.liveness import PSAlreadyRunning, PSHeartbeat, PSRunLock
 from asyncgrpo.run.rundir import PSStatus
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     joining = "--joining" in argv  # with --check_only: for workers joining the run (launch.sh --join)
     argv = [a for a in argv if a not in ("--check_only", "--joining")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ps %(levelname)s %(message)s")
+    quiet_library_deprecations()
     if check_only:
         _quiet_libraries()
     try:

@@ -22,6 +22,7 @@ import sys
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.config_parser import parse_config
+from asyncgrpo.messages import quiet_library_deprecations
 from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
 from asyncgrpo.run.fileops import set_file_modes
 from asyncgrpo.run.hosts import HOST_ID
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     if parse_worker_id(str(device)) is None:  # its files would be outside the grammar, and archived as junk
         _bad_input(f"--device {args.device}: must be a number from 0 to 999 (it names the worker's files: devN)")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{device} %(levelname)s %(message)s")
+    quiet_library_deprecations()
     try:
         cfg = parse_config(rest)
         if cfg.run_dir is None:

@@ -313,6 +313,7 @@ def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_
     finally:
         stop(ps, worker)
     assert worker.returncode == 0, log_tail(tmp_path / "worker.log")
+    assert "Warning" not in (tmp_path / "worker.log").read_text()  # (none a user could act on: a library's of another)
     assert_exactly_once(root, jobs=2)
 
 
