@@ -59,6 +59,9 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     argv = list(sys.argv[1:] if argv is None else argv)
     given = _flag_names(argv)
     from_yaml, config_path = {}, None
+    if argv.count("--config") > 1 or any(a.startswith("--config=") for a in argv):
+        raise ConfigError("--config: give one YAML file, as --config FILE (put every setting in it, or give the "
+                          "others as flags: a flag wins over the file)")
     if "--config" in argv:
         try:
             config_path = argv[argv.index("--config") + 1]
