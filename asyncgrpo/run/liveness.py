@@ -179,8 +179,7 @@ class WorkerPresence:
                         "timed on the filesystem's clock, only the times in logs and events are off", self.device,
                         abs(skew), "behind" if skew > 0 else "ahead of")
         self._lock_fd = fd
-        self.update(state="idle")
-        self.beat()
+        self.beat()  # ("starting" until the worker has set up: the PS's waiting line says which workers load)
         self._thread = threading.Thread(target=self._beat_forever, name=f"heartbeat-dev{self.device}", daemon=True)
         self._thread.start()
         return self

@@ -14,16 +14,17 @@ from ps.pipeline import workers_line
 
 def test_the_waiting_line_says_what_the_workers_are_doing(run):
     assert workers_line(run, 30.0) == ""
-    compiling, busy = WorkerPresence(run, 1).start(), WorkerPresence(run, 2).start()
+    compiling, busy, loading = (WorkerPresence(run, i).start() for i in (1, 2, 3))
     try:
         compiling.update(state="compiling")
         busy.update(state="busy")
         for presence in (compiling, busy):
             presence.beat()
-        assert workers_line(run, 30.0) == "; workers: 1 busy, 1 compiling"
+        # (a worker just started loads its model: not idle, as the line said before it had claimed anything)
+        assert workers_line(run, 30.0) == "; workers: 1 busy, 1 compiling, 1 starting"
     finally:
-        compiling.stop()
-        busy.stop()
+        for presence in (compiling, busy, loading):
+            presence.stop()
 
 
 @pytest.mark.process
