@@ -54,6 +54,33 @@ STOPPING = threading.Event()  # set by the worker's stop request: tool calls in 
 STOP_POLL_S = 0.1
 
 
+class AbandonedCalls:
+    """Sync tool calls cut by --tool_timeout_s whose threads still run: each holds a thread (and whatever it holds)
+    until its call returns, which one that hangs for good never does. Said in a [tools] line as their number reaches
+    each power of two from ``first_said`` on: the tool is what must change."""
+
+    def __init__(self, first_said: int = 8):
+        self.running, self._said_at, self._lock = 0, first_said, threading.Lock()
+
+    def left(self, name: str) -> None:
+        with self._lock:
+            self.running += 1
+            running, say = self.running, self.running >= self._said_at
+            if say:
+                self._said_at *= 2
+        if say:
+            log.warning("[tools] %d tool calls cut by --tool_timeout_s still run in this worker's threads (the last: "
+                        "%s); a Python thread cannot be stopped: a tool that never returns leaks one a call, until the "
+                        "worker restarts", running, name)
+
+    def returned(self) -> None:
+        with self._lock:
+            self.running -= 1
+
+
+ABANDONED = AbandonedCalls()
+
+
 def call_within(timeout_s: float, name: str, function, *args, **kwargs):
     """``function(*args, **kwargs)``, or ToolTimeout once ``timeout_s`` have passed (0: no bound), or WorkerStopping
     once STOPPING is set. The call is left running in a daemon thread: a Python thread cannot be killed."""
@@ -67,14 +94,17 @@ def _call_within(timeout_s: float, name: str, function, *args, **kwargs):
     if not timeout_s:
         return function(*args, **kwargs)
     outcome: dict = {}
-    done = threading.Event()
+    done, lock = threading.Event(), threading.Lock()
 
     def call():
         try:
             outcome["value"] = function(*args, **kwargs)
         except BaseException as err:  # re-raised in the caller's thread
             outcome["error"] = err
-        done.set()
+        with lock:
+            done.set()
+            if outcome.get("abandoned"):
+                ABANDONED.returned()
 
     threading.Thread(target=call, name=f"tool-{name}", daemon=True).start()
     deadline = time.monotonic() + timeout_s
@@ -82,7 +112,11 @@ def _call_within(timeout_s: float, name: str, function, *args, **kwargs):
         if STOPPING.is_set():
             raise WorkerStopping(f"{name}: cut, the worker is stopping")
         if time.monotonic() >= deadline:
-            raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
+            with lock:
+                abandoned = outcome["abandoned"] = not done.is_set()
+            if abandoned:
+                ABANDONED.left(name)
+                raise ToolTimeout(f"{name}: no result within {timeout_s:g} s (--tool_timeout_s)")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]

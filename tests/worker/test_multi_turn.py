@@ -8,6 +8,7 @@ calls, runs the environment's tool, appends its result and generates again. Noth
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -326,3 +327,27 @@ def test_a_stop_request_cuts_a_running_tool_call_and_refuses_the_next(monkeypatc
             call()
     finally:
         never.set()
+
+
+def test_sync_tool_calls_cut_by_the_bound_are_counted_while_their_threads_run_and_said_as_they_grow(
+        monkeypatch, caplog):
+    """A Python thread cannot be stopped: a sync call past --tool_timeout_s goes on in its thread. A tool that never
+    returns leaked one a call in silence (a worker held 40 threads after 100 s); they are counted until they return,
+    and said in a [tools] line as their number doubles."""
+    abandoned = worker_tools.AbandonedCalls(first_said=2)
+    monkeypatch.setattr(worker_tools, "ABANDONED", abandoned)
+    release = threading.Event()
+    with caplog.at_level("WARNING", logger="asyncgrpo.worker"):
+        for _ in range(3):
+            with pytest.raises(worker_tools.ToolTimeout):
+                worker_tools.call_within(0.05, "lookup", release.wait)
+        assert worker_tools.call_within(5, "quick", lambda: 7) == 7
+    assert abandoned.running == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "[tools] 2 tool calls cut by --tool_timeout_s still run in this worker's threads (the last: lookup); a Python "
+        "thread cannot be stopped: a tool that never returns leaks one a call, until the worker restarts"]
+    release.set()
+    deadline = time.monotonic() + 10
+    while abandoned.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert abandoned.running == 0
