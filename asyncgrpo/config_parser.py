@@ -57,11 +57,12 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     flag (under ``prog`` and ``description``) and exits 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
     given = _flag_names(argv)
     from_yaml, config_path = {}, None
-    if argv.count("--config") > 1 or any(a.startswith("--config=") for a in argv):
-        raise ConfigError("--config: give one YAML file, as --config FILE (put every setting in it, or give the "
-                          "others as flags: a flag wins over the file)")
+    if argv.count("--config") > 1:
+        raise ConfigError("--config: give one YAML file (put every setting in it, or give the others as flags: a "
+                          "flag wins over the file)")
     if "--config" in argv:
         try:
             config_path = argv[argv.index("--config") + 1]

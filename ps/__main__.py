@@ -266,7 +266,7 @@ def train(cfg, run: RunDir) -> int:
                                        lease_s=cfg.lease_s, max_attempts=cfg.max_attempts, previous=previous,
                                        max_steps=last)
             run.write_ps_status(status)
-        log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, cfg.max_steps,
+        log.info("[train] run %s: model %s, %s, max_steps=%d%s%s", run.root, path, cfg.device_type, last,
                  lora_words(cfg), f", resuming from {resume}" if resume else "")
         try:
             if saved is not None and saved.global_step >= last:

@@ -31,14 +31,18 @@ TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_gra
                   "off_policy_cap", "dynamic_sampling")
 INPUT_FLAGS = ("model_name_or_path", "dataset_name", "reward_funcs")  # what the jobs are drawn from and scored by
 QUEUE_FLAGS = ("max_attempts", "lease_s")  # what recovery and a job's failures go by
-# Where the run is, not how it trains (a run folder may move; output_dir is the PS's RUN/checkpoints), and max_steps.
-NOT_RECORDED = ("run_dir", "output_dir", "max_steps")
+# Where the run is, not how it trains (a run folder may move; output_dir is the PS's RUN/checkpoints, final_model_dir
+# a copy of the --output_dir given), max_steps, and credentials.
+NOT_RECORDED = ("run_dir", "output_dir", "final_model_dir", "max_steps", "hub_token")
+CREDENTIAL_KEYS = ("token", "hub_token", "use_auth_token")  # in a flag's mapping (--model_init_kwargs '{"token": ...}')
 
 
 def recorded_flags(cfg: AsyncGRPOConfig) -> dict:
     """What a checkpoint's ledger records of ``cfg``: every flag, as JSON values."""
-    names = [f.name for f in dataclasses.fields(cfg) if f.name not in NOT_RECORDED and "token" not in f.name]
-    return json.loads(json.dumps({name: getattr(cfg, name, None) for name in names}, default=str))
+    flags = {f.name: getattr(cfg, f.name, None) for f in dataclasses.fields(cfg) if f.name not in NOT_RECORDED}
+    flags = {name: {k: v for k, v in value.items() if k not in CREDENTIAL_KEYS} if isinstance(value, dict) else value
+             for name, value in flags.items()}
+    return json.loads(json.dumps(flags, default=str))
 
 
 def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: str, say: bool = True) -> None:

@@ -236,7 +236,8 @@ def _serve(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, generation: Batch
                 job = queue.claim(device)  # only jobs already pending: a job in hand never waits for another
                 if job is None:
                     break
-                if (claimed := _read_claimed(cfg, run, queue, job, generation.version, events)) is not None:
+                if (claimed := _read_claimed(cfg, run, queue, job, generation.version, events,
+                                             generation.trainer)) is not None:
                     generation.submit(*claimed)
             if stop.is_set():
                 generation.give_back()  # the jobs not started yet, for a worker that goes on
@@ -272,7 +273,7 @@ def _generation(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, trainer, dec
 
 
 def _read_claimed(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, job: ClaimedJob, version: int,
-                  events: EventLog) -> tuple[ClaimedJob, int] | None:
+                  events: EventLog, trainer=None) -> tuple[ClaimedJob, int] | None:
     """A claimed job, said and checked: the running PS's flags must be this worker's (ConfigError, the job given
     back: a PS relaunched with other flags also trains the jobs it left in the queue), and its data readable
     (asyncgrpo/jobqueue/handoff.py; else it fails as a job whose generation raised would). The job, with its
@@ -286,6 +287,8 @@ def _read_claimed(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, job: Claim
     if ps_status and (mismatch := cfg.generation_mismatch(ps_status.generation)) and ps_may_run(run, ps_status):
         queue.release(job)  # for a worker started with the PS's flags
         raise ConfigError(mismatch)
+    if trainer is not None:  # (a PS relaunched for a run of another length)
+        _set_run_length(trainer, cfg, ps_status)
     try:
         job.job_data = JobData.from_dict(job.data)
     except ValueError as err:
@@ -307,12 +310,18 @@ def _wait_and_build_trainer(cfg, run, stop, watcher, waiting):
     cfg.output_dir = str(run.logs)  # a worker saves nothing, but TRL would create ./trainer_output
     trainer = build_trainer(cfg, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                             hooks=load_rollout_hooks(cfg))
-    # What a reward reads of the run in TRL's trainer_state, beside the job's step (worker/generate.py): a worker
-    # never trains, so transformers never sets them (max_steps 0: a schedule by global_step / max_steps divides by 0).
-    if last := (ps.max_steps if ps else None) or max(cfg.max_steps, 0):
+    _set_run_length(trainer, cfg, ps)
+    return trainer
+
+
+def _set_run_length(trainer, cfg: AsyncGRPOConfig, ps) -> None:
+    """What a reward reads of the run in TRL's trainer_state beside the job's step (worker/generate.py), which
+    transformers sets only when it trains (max_steps 0: a schedule by global_step / max_steps divided by 0): the
+    run's --max_steps, or where it is -1 (a run by epochs) the training PS's count of its steps (ps.json's)."""
+    last = cfg.max_steps if cfg.max_steps > 0 else ps.max_steps if ps and ps.state == "training" else None
+    if last and last != trainer.state.max_steps:
         trainer.state.max_steps = last
         trainer.state.compute_steps(trainer.args, last)
-    return trainer
 
 
 def _device_label(cfg: AsyncGRPOConfig) -> str:

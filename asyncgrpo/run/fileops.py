@@ -225,11 +225,10 @@ def load_payload(path: str | os.PathLike, max_bytes: int | None = None) -> dict:
                                    f"{max_bytes / 1e6:,.1f} MB cap on a job or result file (--max_payload_mb)")
         if st.st_size == 0:
             raise PayloadLoadError(f"{os.fspath(path)} is empty")
-        f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
-    with f:
+    with os.fdopen(fd, "rb") as f:  # (it owns the descriptor from here: closed by it, however it fails)
         data = f.read()
     try:
         payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

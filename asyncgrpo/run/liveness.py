@@ -71,35 +71,47 @@ def ps_may_run(run: RunDir, status: PSStatus | None) -> bool:
     takes up to ``PS_BEAT_WAIT_S`` to see: ask after a cheaper question). An interrupted PS's status says it trains
     until the relaunched PS writes its own: the workers started beside that one, here or on a joined host, must not
     take the dead PS's flags for the run's."""
-    if status is None:
+    if status is None or not _holds_the_lock(run, status):
         return False
-    elsewhere = status.host_id is not None and not same_host({"host_id": status.host_id})
-    if elsewhere and not ps_heartbeat_moves(run):
-        return False
-    # (after the heartbeat: one that moves may be a relaunched PS's, which has written ps.lock before it beats)
-    try:
-        holder = run.ps_lock_file.read_text(errors="replace").strip()
-    except OSError:
-        holder = ""
-    if holder and holder != f"pid {status.pid} on {status.host}":
-        return False
+    if status.host_id is not None and not same_host({"host_id": status.host_id}):
+        # (the lock read again after: a heartbeat that moves may be a relaunched PS's, which takes the lock first)
+        return ps_heartbeat_moves(run) and _holds_the_lock(run, status)
     return status.host_id is None or pid_alive(status.pid, status.host, status.host_id)
 
 
-PS_BEAT_WAIT_S = 3 * HEARTBEAT_INTERVAL_S  # (a filesystem may keep mtimes to the second)
+def _holds_the_lock(run: RunDir, status: PSStatus) -> bool:
+    """Whether RUN/ps.lock names the PS that wrote ``status`` (or none: a PS of an older version wrote no name)."""
+    try:
+        holder = run.ps_lock_file.read_text(errors="replace").splitlines()
+    except OSError:
+        holder = []
+    if not holder:
+        return True
+    if holder[0].strip() != f"pid {status.pid} on {status.host}":
+        return False
+    # (a PS relaunched in a new container may have the pid and hostname of the one before: not its host id)
+    return len(holder) < 2 or status.host_id is None or holder[1].strip() == f"host id {status.host_id}"
 
 
-def ps_heartbeat_moves(run: RunDir, wait_s: float = PS_BEAT_WAIT_S) -> bool:
-    """Whether RUN/ps.heartbeat is touched within ``wait_s``: the PS's pid means nothing on another host, and a
-    heartbeat's age alone cannot tell a PS that died a second ago from one that beats."""
-    def mtime() -> int | None:
+PS_SILENT_S = 10 * HEARTBEAT_INTERVAL_S  # a PS whose heartbeat is this old is not running
+
+
+def ps_heartbeat_moves(run: RunDir, silent_s: float = PS_SILENT_S) -> bool:
+    """Whether the PS's heartbeat (RUN/ps.heartbeat, touched every second) moves before it is ``silent_s`` old on the
+    filesystem's clock, which takes up to ``silent_s`` to see: the pid of a PS on another host means nothing here,
+    and an age alone cannot tell a PS that died a second ago from one that beats. Read through an open: on NFS a
+    stat alone may return the attributes it cached seconds ago."""
+    def mtime() -> float | None:
         try:
-            return os.stat(run.ps_heartbeat_file).st_mtime_ns
+            with open(run.ps_heartbeat_file, "rb") as f:
+                return os.fstat(f.fileno()).st_mtime
         except OSError:
             return None
 
-    first, deadline = mtime(), time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+    first, deadline = mtime(), time.monotonic() + silent_s
+    if first is None:
+        return False
+    while fs_now(run) - first < silent_s and time.monotonic() < deadline:
         time.sleep(HEARTBEAT_INTERVAL_S / 4)
         if mtime() != first:
             return True
@@ -265,7 +277,7 @@ class PSRunLock:
         if record:
             try:
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\nhost id {HOST_ID}".encode(), 0)
             except OSError:  # a full disk: the lock is held all the same, and the disk check says what is wrong
                 pass
         self._fd: int | None = fd
@@ -287,7 +299,7 @@ def ps_lock_holder(run: RunDir) -> str:
     for _ in range(20):
         holder = run.ps_lock_file.read_text(errors="replace").strip()
         if holder:
-            return holder
+            return holder.splitlines()[0]  # (the second line, its host id, is for ps_may_run)
         time.sleep(0.05)
     other = run.read_ps_status()  # a PS of an older version wrote itself only there
     return f"pid {other.pid} on {other.host}" if other else "its pid not written yet"

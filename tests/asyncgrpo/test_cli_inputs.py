@@ -101,8 +101,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
      "prompts; a prompt that with --max_completion_length would not fit the model's positions is refused before the "
      "run starts (docs/options.md)"),
     (["--config", "typo.yaml"], "--config typo.yaml: max_step: not a config key; did you mean max_steps?"),
-    (["--config", "typo.yaml", "--config", "typos.yaml"], "--config: give one YAML file, as --config FILE"),
-    (["--config=typo.yaml"], "--config: give one YAML file, as --config FILE"),
+    (["--config", "typo.yaml", "--config", "typos.yaml"], "--config: give one YAML file"),
+    (["--config=typo.yaml"], "--config typo.yaml: max_step: not a config key; did you mean max_steps?"),
     (["--config", "typos.yaml"], "--config typos.yaml: temprature: not a config key; did you mean temperature? "
                                  "max_step: not a config key; did you mean max_steps?"),
 ]

@@ -29,16 +29,18 @@ def test_each_changed_flag_is_said_in_one_line(tmp_path, caplog):
         "jobs already thrown too"])
 
 
-def test_every_flag_is_recorded_but_credentials():
+def test_every_flag_is_recorded_but_credentials_and_where_the_run_is():
     import dataclasses
 
     from asyncgrpo.config import AsyncGRPOConfig
 
-    recorded = recorded_flags(demo_config("/tmp/x", hub_token="hf_secret"))
-    assert "hf_secret" not in json.dumps(recorded)
+    cfg = demo_config("/tmp/x", hub_token="hf_secret", model_init_kwargs={"token": "hf_secret2", "revision": "main"})
+    recorded = recorded_flags(cfg)
+    assert "hf_secret" not in json.dumps(recorded)  # (the second too)
+    assert recorded["model_init_kwargs"] == {"revision": "main"}
     names = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
-    assert "hub_token" in names and "gradient_checkpointing" in recorded
-    assert set(recorded) == names - {"max_steps", "run_dir", "output_dir"} - {name for name in names if "token" in name}
+    assert {"average_tokens_across_devices", "gradient_checkpointing"} <= set(recorded)
+    assert set(recorded) == names - {"max_steps", "run_dir", "output_dir", "final_model_dir", "hub_token"}
 
 
 @pytest.mark.parametrize(("flag", "before", "after"),

@@ -26,6 +26,7 @@ class FailingGeneration:
     def __init__(self, stop: threading.Event, calls: int):
         self.stop, self.calls = stop, calls
         self.version, self.waiting, self.decoding = 3, Waiting(1), SimpleNamespace(recompiles=lambda: 0)
+        self.trainer = None
         self.jobs, self.outcomes, self.submitted, self.failed = [], [], [], []
 
     def __enter__(self):
@@ -74,7 +75,7 @@ def test_after_each_failed_job_the_next_claim_waits_longer_whatever_the_generati
     stop = threading.Event()
     generation = FailingGeneration(stop, calls=5)
     queue = SimpleNamespace(claim=lambda device: SimpleNamespace(job_id=f"{len(generation.submitted):06d}_000"))
-    monkeypatch.setattr(loop, "_read_claimed", lambda cfg, run, queue, job, version, events: (job, 0))
+    monkeypatch.setattr(loop, "_read_claimed", lambda cfg, run, queue, job, version, events, trainer: (job, 0))
     presence = SimpleNamespace(device=1, update=lambda **fields: None)
     watcher = SimpleNamespace(wait=lambda timeout=None: None)
     _serve(None, None, queue, generation, watcher, presence, stop, EventLog.off())
@@ -136,7 +137,7 @@ def test_a_stop_signal_while_the_main_thread_holds_the_watchers_lock_stops_the_w
 # --------------------------------------------------------------------------- the PS's flags at a claim
 
 @pytest.mark.process  # (a dead pid: a process started and ended)
-def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_path):
+def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_path, monkeypatch):
     """A worker whose generation flags differ from the running PS's gives the job back and stops (ConfigError). An
     interrupted PS's ps.json says it trains until the relaunched PS writes its own: its jobs, left in the queue, are
     claimed meanwhile. Its flags are not the run's when its pid is dead, or when another PS has since taken the run's
@@ -144,6 +145,7 @@ def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_p
     from helpers import dead_pid, demo_config
 
     from asyncgrpo.config import ConfigError
+    from asyncgrpo.run import liveness
     from asyncgrpo.run.rundir import PSStatus
 
     mine = demo_config(tmp_path, temperature=0.7)
@@ -163,6 +165,11 @@ def test_a_claim_is_refused_for_the_flags_of_a_running_ps_only(run, queue, tmp_p
     run.write_ps_status(theirs)
     run.ps_lock_file.write_text("pid 4242 on another-host")  # a relaunched PS, its ps.json not written yet
     assert claim() is None
+    queue.put_job("000003_000", {}, created_step=3)
+    # One relaunched in a new container: the pid and hostname of the one before (this process's), not its host id.
+    monkeypatch.setattr(liveness, "HOST_ID", "a-new-container")
+    liveness.PSRunLock(run).release()
+    assert claim() is None
 
 
 @pytest.mark.process  # (waits out a heartbeat that does not move)
@@ -173,7 +180,7 @@ def test_a_claim_goes_by_the_heartbeat_of_a_ps_on_another_host(run, queue, tmp_p
     from helpers import demo_config
 
     from asyncgrpo.config import ConfigError
-    from asyncgrpo.run.liveness import PSHeartbeat
+    from asyncgrpo.run.liveness import PS_SILENT_S, PSHeartbeat
     from asyncgrpo.run.rundir import PSStatus
 
     mine = demo_config(tmp_path, temperature=0.7)
@@ -181,8 +188,8 @@ def test_a_claim_goes_by_the_heartbeat_of_a_ps_on_another_host(run, queue, tmp_p
                                                   demo_config(tmp_path, temperature=1.0).generation_settings())),
                          "pid": 4242, "host": "another-host", "host_id": "another-host/0000/0000"})
     run.write_ps_status(theirs)
-    run.ps_lock_file.write_text("pid 4242 on another-host")
-    run.ps_heartbeat_file.touch()  # its last beat
+    run.ps_lock_file.write_text("pid 4242 on another-host\nhost id another-host/0000/0000")
+    run.ps_heartbeat_file.touch()
     queue.put_job("000001_000", {}, created_step=1)
     queue.put_job("000002_000", {}, created_step=2)
 
@@ -193,4 +200,21 @@ def test_a_claim_goes_by_the_heartbeat_of_a_ps_on_another_host(run, queue, tmp_p
         with pytest.raises(ConfigError, match=r"^this worker's flags are not the parameter server's"):
             claim()
     assert queue.counts()["pending"] == 2  # given back
-    assert claim() is None  # its heartbeat stands still: the job's (bad) data decides, as for a dead PS here
+    last_beat = time.time() - PS_SILENT_S
+    os.utime(run.ps_heartbeat_file, (last_beat, last_beat))  # an interrupted PS's last beat, 10 s ago
+    assert claim() is None  # the job's (bad) data decides, as for a dead PS here
+
+
+def test_a_heartbeat_that_stands_still_is_a_ps_that_stopped_once_it_is_old(run):
+    """A heartbeat that does not move is the PS's only once it is PS_SILENT_S old: a PS that died a second ago has a
+    young one, and a PS whose heartbeat lags for a second (a slow write, a filesystem's cached attributes) is not
+    taken for a stopped one."""
+    from asyncgrpo.run.liveness import PSHeartbeat, ps_heartbeat_moves
+
+    assert not ps_heartbeat_moves(run, silent_s=0.5)  # never beat
+    run.ps_heartbeat_file.touch()
+    started = time.monotonic()
+    assert not ps_heartbeat_moves(run, silent_s=0.5)
+    assert time.monotonic() - started >= 0.4  # (waited for it to age, not judged by one look)
+    with PSHeartbeat(run, interval_s=0.1):
+        assert ps_heartbeat_moves(run, silent_s=5)

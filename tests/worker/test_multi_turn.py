@@ -163,6 +163,8 @@ def test_a_tool_that_raises_hangs_or_is_not_there_gives_its_error_as_the_result_
         tmp_path, tool_model, environment, expected, logged, monkeypatch, caplog):
     errors = RepeatedFailureLog(worker_tools.log, "tools", every_s=3600)
     monkeypatch.setattr(worker_tools, "TOOL_ERRORS", errors)
+    abandoned = worker_tools.AbandonedCalls(first_said=1000)  # (said apart: the test below)
+    monkeypatch.setattr(worker_tools, "ABANDONED", abandoned)
     trainer = make_worker(tmp_path, tool_model, environment, tool_timeout_s=0.2, max_tool_calling_iterations=1,
                           max_completion_length=128)
     events = RecordedEvents()

@@ -141,8 +141,10 @@ def test_a_worker_s_trainer_state_holds_the_run_s_last_step_for_rewards_that_sch
     """A reward reads TRL's trainer_state; a worker never trains, so transformers left its max_steps at 0 (a schedule
     by global_step / max_steps divided by 0). The PS writes the run's last step in ps.json, its epochs' count where
     --max_steps is -1; the worker's state takes it, and the logging, eval and save steps it makes of their fractions."""
+    import dataclasses
     import threading
 
+    from asyncgrpo.jobqueue import JobQueue
     from asyncgrpo.run import RunDir
     from asyncgrpo.run.rundir import PSStatus
     from asyncgrpo.tasks.demo import write_demo_model
@@ -151,6 +153,17 @@ def test_a_worker_s_trainer_state_holds_the_run_s_last_step_for_rewards_that_sch
     run = RunDir.create(tmp_path / "run")
     write_demo_model(run.root / "demo_model")
     cfg = demo_config(tmp_path, max_steps=-1, num_train_epochs=0.16, logging_steps=0.25)
-    run.write_ps_status(PSStatus.starting(str(run.root / "demo_model"), None, cfg.generation_settings(), max_steps=40))
+    status = PSStatus.starting(str(run.root / "demo_model"), None, cfg.generation_settings(), max_steps=40)
+    run.write_ps_status(status)
     trainer = loop._wait_and_build_trainer(cfg, run, threading.Event(), None, loop.Waiting(1))
     assert (trainer.state.max_steps, trainer.state.logging_steps) == (40, 10)
+    # A PS relaunched for more epochs: the worker's next claim reads its status.
+    run.write_ps_status(dataclasses.replace(status, max_steps=80))
+    queue = JobQueue(run)
+    queue.put_job("000001_000", {}, created_step=1)
+    loop._read_claimed(cfg, run, queue, queue.claim(1), 0, EventLog.off(), trainer)
+    assert (trainer.state.max_steps, trainer.state.logging_steps) == (80, 20)
+    # --max_steps given: the run's length, whatever an older PS's status says.
+    trainer = loop._wait_and_build_trainer(demo_config(tmp_path, max_steps=16), run, threading.Event(), None,
+                                           loop.Waiting(1))
+    assert trainer.state.max_steps == 16

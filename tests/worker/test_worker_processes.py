@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections import Counter
 
 import pytest
@@ -302,7 +303,9 @@ def test_a_worker_beside_a_relaunched_ps_is_not_refused_by_the_interrupted_ones_
                                     demo_config(tmp_path, temperature=1.0).generation_settings())
     elsewhere = {"host": "another-host", "host_id": "another-host/0000/0000"} if where == "another host" else {}
     RunDir(root).write_ps_status(dataclasses.replace(interrupted, pid=dead_pid(), **elsewhere))
+    last_beat = time.time() - 60
     RunDir(root).ps_heartbeat_file.touch()
+    os.utime(RunDir(root).ps_heartbeat_file, (last_beat, last_beat))  # (it was interrupted a minute ago)
     worker = start_demo_process(tmp_path / "worker.log", ["-m", "worker", "--device", "1", *flags])
     ps = None
     try:
