@@ -270,9 +270,9 @@ def diagnose(training: dict, workers: dict | None, stale_fraction: float | None 
 
 
 def _bottleneck(training: dict, workers: dict | None) -> str:
-    idle = training["trainer_idle_fraction_steady"]
+    idle, when = training["trainer_idle_fraction_steady"], " after the first step"  # (as the trainer idle line)
     if idle is None:
-        idle = training["trainer_idle_fraction"]
+        idle, when = training["trainer_idle_fraction"], ""
     if idle is None:
         return "no completed train steps: nothing to diagnose yet"
     evaluating = training.get("eval_fraction") or 0.0
@@ -281,21 +281,21 @@ def _bottleneck(training: dict, workers: dict | None) -> str:
                 f"often, --eval_steps, or on fewer prompts); training {pct(max(0.0, 1 - idle - evaluating))}, "
                 f"waiting for results {pct(idle)}")
     if not workers:
-        return f"trainer idle {pct(idle)}: no worker events recorded; are the workers running?"
+        return f"trainer idle {pct(idle)}{when}: no worker events recorded; are the workers running?"
     w_busy, w_sync, w_idle = workers["busy_fraction"], workers["syncing_fraction"], workers["idle_fraction"]
     if idle < IDLE_LOW:
-        return f"trainer busy {pct(1 - idle)}: training is the bottleneck; workers idle {pct(w_idle)}"
+        return f"trainer busy {pct(1 - idle)}{when}: training is the bottleneck; workers idle {pct(w_idle)}"
     if idle >= IDLE_HIGH:
         if w_sync >= SYNC_HIGH:
-            return (f"trainer idle {pct(idle)}: workers wait for weights {pct(w_sync)} of the time; weight sync is "
-                    "the bottleneck (raise max_staleness or use a faster weight transport)")
+            return (f"trainer idle {pct(idle)}{when}: workers wait for weights {pct(w_sync)} of the time; weight sync "
+                    "is the bottleneck (raise max_staleness or use a faster weight transport)")
         if w_busy >= BUSY_HIGH:
-            return (f"trainer idle {pct(idle)}: generation is the bottleneck (workers busy {pct(w_busy)}); "
+            return (f"trainer idle {pct(idle)}{when}: generation is the bottleneck (workers busy {pct(w_busy)}); "
                     "add workers or lower num_generations")
-        return (f"trainer idle {pct(idle)} while workers idle {pct(w_idle)}: jobs reach the workers too slowly; "
-                "raise max_pending / max_outstanding / max_staleness")
+        return (f"trainer idle {pct(idle)}{when} while workers idle {pct(w_idle)}: jobs reach the workers too "
+                "slowly; raise max_pending / max_outstanding / max_staleness")
     extra = f"; workers wait for weights {pct(w_sync)} of the time" if w_sync >= SYNC_HIGH else ""
-    return (f"balanced: trainer idle {pct(idle)}, workers busy {pct(w_busy)}, syncing {pct(w_sync)}, "
+    return (f"balanced: trainer idle {pct(idle)}{when}, workers busy {pct(w_busy)}, syncing {pct(w_sync)}, "
             f"idle {pct(w_idle)}{extra}")
 
 

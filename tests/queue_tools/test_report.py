@@ -272,8 +272,8 @@ def test_the_time_between_two_ps_lives_is_downtime_outside_every_figure(tmp_path
     assert w["busy_s"] == pytest.approx(5 * 0.7 + (12.8 - 12.5) + (72.2 - 72.0))
     assert w["idle_s"] == pytest.approx(w["life_s"] - w["busy_s"])
     # Counted over the whole 64.8 s, the trainer would be "busy 98%, the bottleneck".
-    assert r["diagnosis"] == ("balanced: trainer idle 20%, workers busy 63%, syncing 0%, idle 37%; the PS was down "
-                              "59.2 s over 1 restart(s), not counted above")
+    assert r["diagnosis"] == ("balanced: trainer idle 20% after the first step, workers busy 63%, syncing 0%, idle "
+                              "37%; the PS was down 59.2 s over 1 restart(s), not counted above")
     assert call_main(["report", run.root]) == 0
     assert ("downtime: 59.2 s between 2 PS lives, left out of the figures here (59.2 s after step 3)"
             in capsys.readouterr().out)
@@ -300,15 +300,16 @@ def test_a_sync_inside_a_job_counts_as_syncing_not_busy(tmp_path):
 
 @pytest.mark.parametrize("idle, workers, expected", [
     (0.03, {"busy_fraction": 0.4, "syncing_fraction": 0.0, "idle_fraction": 0.6},
-     "trainer busy 97%: training is the bottleneck; workers idle 60%"),
+     "trainer busy 97% after the first step: training is the bottleneck; workers idle 60%"),
     (0.41, {"busy_fraction": 0.9, "syncing_fraction": 0.05, "idle_fraction": 0.05},
-     "trainer idle 41%: generation is the bottleneck (workers busy 90%); add workers or lower num_generations"),
+     "trainer idle 41% after the first step: generation is the bottleneck (workers busy 90%); add workers or lower "
+     "num_generations"),
     (0.30, {"busy_fraction": 0.5, "syncing_fraction": 0.3, "idle_fraction": 0.2},
-     "trainer idle 30%: workers wait for weights 30% of the time"),
+     "trainer idle 30% after the first step: workers wait for weights 30% of the time"),
     (0.50, {"busy_fraction": 0.3, "syncing_fraction": 0.05, "idle_fraction": 0.65},
-     "trainer idle 50% while workers idle 65%"),
+     "trainer idle 50% after the first step while workers idle 65%"),
     (0.15, {"busy_fraction": 0.7, "syncing_fraction": 0.1, "idle_fraction": 0.2},
-     "balanced: trainer idle 15%, workers busy 70%, syncing 10%, idle 20%"),
+     "balanced: trainer idle 15% after the first step, workers busy 70%, syncing 10%, idle 20%"),
 ])
 def test_diagnosis_names_the_bottleneck_from_the_numbers(idle, workers, expected):
     from queue_tools.report import diagnose
@@ -320,7 +321,8 @@ def test_diagnosis_says_when_many_results_were_too_stale():
     from queue_tools.report import diagnose
     training = {"trainer_idle_fraction": 0.2, "trainer_idle_fraction_steady": 0.03}
     workers = {"busy_fraction": 0.8, "syncing_fraction": 0.0, "idle_fraction": 0.2}
-    assert diagnose(training, workers, 0.05) == "trainer busy 97%: training is the bottleneck; workers idle 20%"
+    assert diagnose(training, workers, 0.05) == ("trainer busy 97% after the first step: training is the bottleneck; "
+                                                 "workers idle 20%")
     assert diagnose(training, workers, 0.16).endswith(
         "; 16% of the results were too stale to train on and were generated again (raise max_staleness)")
 
@@ -628,4 +630,4 @@ def test_evaluation_is_its_own_span_and_named_when_it_takes_the_trainer_s_time()
     workers = {"busy_fraction": 0.5, "syncing_fraction": 0.0, "idle_fraction": 0.5}
     assert diagnose(training, workers).startswith("evaluation takes 80% of the trainer's time: it is the bottleneck")
     without = training_numbers([[e for e in life if e["event"] != "eval_end"]])
-    assert diagnose(without, workers).startswith("trainer busy 100%: training is the bottleneck")
+    assert diagnose(without, workers).startswith("trainer busy 100% after the first step: training is the bottleneck")
