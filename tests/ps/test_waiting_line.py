@@ -31,6 +31,9 @@ def test_the_waiting_line_says_what_the_workers_are_doing(run):
 def test_the_terminal_shows_a_worker_compiling_and_a_job_past_its_deadline():
     pattern = re.search(r"grep --line-buffered -E '([^']+)'", (REPO / "launch.sh").read_text())[1]
     lines = [
+        "2026-11-27 14:30:00,000 worker1 INFO [gen] dev1 decodes with TRL's generate (--worker_decoding auto), not "
+        "continuous batching: a model of 70,976 parameters, whose decoding step on a CPU costs less than the engine's "
+        "own bookkeeping (the engine pays from 1,000,000)",
         "2026-11-27 14:30:01,000 worker1 INFO [gen] dev1 compiling its decoding step (graph, batch 64 rows, cache 48 "
         "tokens) before its first job",
         "2026-11-27 14:30:59,000 worker1 ERROR [jobs] dev1 job=000000_002 attempt 1/3: the job ran past its deadline "
@@ -39,4 +42,4 @@ def test_the_terminal_shows_a_worker_compiling_and_a_job_past_its_deadline():
     ]
     shown = subprocess.run(["grep", "-E", pattern], input="\n".join(lines) + "\n", capture_output=True,
                            text=True).stdout.splitlines()
-    assert shown == lines[:2]
+    assert shown == lines[:3]
