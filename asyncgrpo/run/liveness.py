@@ -68,9 +68,9 @@ def ps_may_run(run: RunDir, status: PSStatus | None) -> bool:
     """Whether the PS that wrote ``status`` (ps.json's) may be running: not when there is none, when another PS has
     taken the run's lock since (it writes itself into RUN/ps.lock at once, its ps.json seconds later: readable from
     any host), when it is certainly dead on this host, or, on another host, when its heartbeat stands still until it
-    is ``PS_SILENT_S`` old (which takes up to that long to see: ask after a cheaper question). An interrupted PS's status says it trains
-    until the relaunched PS writes its own: the workers started beside that one, here or on a joined host, must not
-    take the dead PS's flags for the run's."""
+    is ``PS_SILENT_S`` old (which takes up to that long to see: ask after a cheaper question). An interrupted PS's
+    status says it trains until the relaunched PS writes its own: the workers started beside that one, here or on a
+    joined host, must not take the dead PS's flags for the run's."""
     if status is None or not _holds_the_lock(run, status):
         return False
     if status.host_id is not None and not same_host({"host_id": status.host_id}):
