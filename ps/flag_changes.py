@@ -6,7 +6,7 @@ take is refused before training starts. A job's rows are drawn for the generatio
 each prompt repeated ``num_generations`` times, one group a prompt. Under another group size (or another number of
 rows a job) its rows would be regrouped across prompts and its advantages computed against another prompt's
 completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
-``ps_processes`` cannot change within a run. The other generation flags apply from the relaunch on, to the jobs
+``ps_processes`` cannot change within a run, nor what a LoRA adapter is made of (``ADAPTER_FLAGS``). The other generation flags apply from the relaunch on, to the jobs
 already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
 step on; the queue's (attempts, lease) to every job from the relaunch on; any other flag from now on.
 
@@ -26,6 +26,10 @@ from asyncgrpo.config import GENERATION_FLAGS, AsyncGRPOConfig, ConfigError
 log = logging.getLogger("asyncgrpo.ps")
 
 ROW_LAYOUT_FLAGS = ("num_generations", "per_device_train_batch_size", "steps_per_generation", "ps_processes")
+# What a LoRA adapter is made of: its checkpoints hold one of that shape and scale (another --lora_alpha would scale
+# the trained weights anew, another --lora_r not load).
+ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_parameters",
+                 "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
 TRAINING_FLAGS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "gradient_accumulation_steps",
                   "num_iterations", "loss_type", "epsilon", "epsilon_high", "max_staleness", "off_policy_correction",
                   "off_policy_cap", "dynamic_sampling")
@@ -60,6 +64,13 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
         raise ConfigError(f"{flags}: the jobs this run has thrown hold rows for its group size and batch, which "
                           "cannot change within a run; relaunch with the run's values, or start a new run with "
                           "another --run_dir")
+    if saved.get("use_peft") or now.get("use_peft"):
+        refused = [name for name in changed if name in ADAPTER_FLAGS]
+        if refused:
+            flags = ", ".join(f"--{name} {now[name]!r} ({where} was trained with {saved[name]!r})" for name in refused)
+            raise ConfigError(f"{flags}: the run's checkpoints hold a LoRA adapter of its shape and scale (or the "
+                              "whole model), which cannot change within a run; relaunch with the run's values, or "
+                              "start a new run with another --run_dir")
     for name in changed if say else ():
         after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS
                  else "applies from the next step on" if name in TRAINING_FLAGS

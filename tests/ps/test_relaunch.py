@@ -4,6 +4,7 @@ Ctrl-C, the PS says which steps a relaunch trains again."""
 
 import json
 import logging
+import re
 
 import pytest
 from helpers import PYTHON, demo_config
@@ -50,6 +51,26 @@ def test_a_change_of_the_jobs_rows_is_refused(tmp_path, flag, before, after):
     with pytest.raises(ConfigError, match=rf"^--{flag} {after} \(checkpoint-40 was trained with {before}\): the jobs "
                                           r"this run has thrown hold rows for its group size and batch"):
         say_or_refuse_changes(saved, demo_config(tmp_path, **{flag: after}), "/run/checkpoints/checkpoint-40")
+
+
+@pytest.mark.parametrize(("flags", "before", "after"), [
+    ({"lora_alpha": 16}, {"lora_alpha": 32}, "--lora_alpha 32 (checkpoint-4 was trained with 16)"),
+    ({"lora_r": 8}, {"lora_r": 16}, "--lora_r 16 (checkpoint-4 was trained with 8)"),
+    ({}, {"use_peft": False}, "--use_peft False (checkpoint-4 was trained with True)"),
+    ({"lora_target_modules": ["q_proj", "v_proj"]}, {"lora_target_modules": ["q_proj", "v_proj", "k_proj"]},
+     "--lora_target_modules ['q_proj', 'v_proj', 'k_proj'] (checkpoint-4 was trained with ['q_proj', 'v_proj'])"),
+])
+def test_a_change_of_what_the_lora_adapter_is_made_of_is_refused(tmp_path, flags, before, after):
+    """Another --lora_alpha went on training the adapter at another scale, silently ("applies from now on");
+    another --lora_r or target list, or --use_peft false, failed on loading the checkpoint with an error naming the
+    model or the optimizer, and launch.sh offered the same relaunch again."""
+    lora = {"use_peft": True, **flags}
+    saved = recorded_flags(demo_config(tmp_path, **lora))
+    with pytest.raises(ConfigError, match=r"^" + re.escape(after) + ": the run's checkpoints hold a LoRA adapter"):
+        say_or_refuse_changes(saved, demo_config(tmp_path, **{**lora, **before}), "/run/checkpoints/checkpoint-4")
+    # Without an adapter, its flags are nobody's.
+    say_or_refuse_changes(recorded_flags(demo_config(tmp_path, lora_alpha=16)), demo_config(tmp_path, lora_alpha=8),
+                          "/run/checkpoints/checkpoint-4")
 
 
 def test_the_same_flags_or_a_checkpoint_that_recorded_none_say_nothing(tmp_path, caplog):
