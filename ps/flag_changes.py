@@ -6,9 +6,10 @@ take is refused before training starts. A job's rows are drawn for the generatio
 each prompt repeated ``num_generations`` times, one group a prompt. Under another group size (or another number of
 rows a job) its rows would be regrouped across prompts and its advantages computed against another prompt's
 completions, silently: so ``num_generations``, ``per_device_train_batch_size``, ``steps_per_generation`` and
-``ps_processes`` cannot change within a run, nor what a LoRA adapter is made of (``ADAPTER_FLAGS``). The other generation flags apply from the relaunch on, to the jobs
-already thrown too (a worker generates a job with its own flags, the PS's); the training flags from the next
-step on; the queue's (attempts, lease) to every job from the relaunch on; any other flag from now on.
+``ps_processes`` cannot change within a run, nor what a LoRA adapter is made of (``ADAPTER_FLAGS``). The other
+generation flags apply from the relaunch on, to the jobs already thrown too (a worker generates a job with its own
+flags, the PS's); the training flags from the next step on; the queue's (attempts, lease) to every job from the
+relaunch on; any other flag from now on.
 
 (``max_steps`` is not among them: a longer or shorter run rebuilds the learning-rate schedule, which
 ``say_if_the_schedule_changed`` says. Nor are credentials, which no file of the run keeps, nor where the run is.)
