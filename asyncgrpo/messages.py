@@ -95,5 +95,7 @@ def join_or_report(thread: threading.Thread, what: str, logger: logging.Logger) 
 
 def quiet_library_deprecations() -> None:
     """Warnings one library gives of another's use of it, which no user can act on: off in the PS and the workers."""
-    # TRL reads transformers' is_gradient_checkpointing, deprecated in transformers 5: at every worker's generation.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # TRL reads transformers' is_gradient_checkpointing and turns it off and on around generation (every worker's
+    # job, the PS's evaluation), names transformers 5 deprecated.
+    warnings.filterwarnings("ignore", message="`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` "
+                            "is deprecated", category=FutureWarning)

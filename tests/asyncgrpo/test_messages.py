@@ -28,3 +28,19 @@ def test_a_repeated_failure_log_says_which_failure_was_the_first_of_its_kind():
     # (worker/results.py logs a failed job's traceback with the first of its kind only: tests/worker/test_results.py)
     errors = RepeatedFailureLog(logging.getLogger("asyncgrpo.test"), "jobs")
     assert [errors.failed(kind) for kind in ("a", "a", "b", "a")] == [True, False, True, False]
+
+
+def test_the_deprecations_trl_trips_in_transformers_are_quiet_and_no_others():
+    """TRL turns gradient checkpointing off and on around generation through names transformers 5 deprecated: a
+    FutureWarning in every worker's log and at every evaluation in the PS's, which no user can act on."""
+    import warnings
+
+    from asyncgrpo.messages import quiet_library_deprecations
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_library_deprecations()
+        for name in ("is_gradient_checkpointing", "gradient_checkpointing_enable", "gradient_checkpointing_disable",
+                     "from_pretrained_keras"):
+            warnings.warn(f"`{name}` is deprecated and will be removed in v6.", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["`from_pretrained_keras` is deprecated and will be removed in v6."]
