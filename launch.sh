@@ -36,6 +36,7 @@
 # was started from, with this repository's code first on the path (PYTHONSAFEPATH: a ps.py
 # there does not shadow it); reward modules there import as with `python`.
 set -uo pipefail
+{  # (read whole before it runs: an edit or a git pull while a run goes does not change that run's script)
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # --join RUN: workers only, on another host than the PS's (scripts/join.sh says how).
 for arg in "$@"; do [ "$arg" = --join ] && exec bash "$REPO_ROOT/scripts/join.sh" "$@"; done
@@ -225,3 +226,4 @@ say "training finished. Metrics: $RUN_DIR/metrics.jsonl"
 done
 "$PY" -m queue_tools ls "$RUN_DIR"
 exit 0
+}

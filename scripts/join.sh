@@ -16,6 +16,7 @@
 # further), saying so once a minute; with --exit-when-finished (what a scheduler's job array of
 # workers passes: it must not hold its nodes) it stops as soon as RUN/ps.json says finished.
 set -uo pipefail
+{  # (read whole before it runs: an edit or a git pull while a run goes does not change that run's script)
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch --join] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch-$HOST_ID.txt"; return 0; }
@@ -137,3 +138,4 @@ done 2>/dev/null
 say "the parameter server finished: stopping the workers"
 stop_workers
 exit 0
+}

@@ -38,3 +38,16 @@ def test_a_worker_still_finishing_its_job_after_the_stop_is_said_to_be_waited_fo
     finally:
         if stop.poll() is None:
             stop.kill()
+
+
+@pytest.mark.parametrize("script", ["launch.sh", "scripts/join.sh"])
+def test_the_launch_scripts_are_read_whole_before_they_run(script):
+    """bash reads a script as it runs it: a launch.sh edited or updated by a git pull while a run goes broke that run's
+    ending (a syntax error at its last lines, exit 2, no "training finished"). The script's commands are one brace
+    group, which bash reads to its end before running any."""
+    from helpers import REPO
+
+    lines = (REPO / script).read_text().splitlines()
+    body = lines[lines.index("set -uo pipefail") + 1:]
+    assert body[0].startswith("{  #") and body[-1] == "}", (body[0], body[-1])
+    assert subprocess.run(["bash", "-n", str(REPO / script)]).returncode == 0
