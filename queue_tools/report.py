@@ -146,6 +146,14 @@ def _span(life: list) -> tuple[float, float]:
     return min(e["mono"] for e in steps), max(e["mono"] for e in steps if e["event"] == "train_step_end")
 
 
+def _evaluating_s(life: list) -> float:
+    """The seconds a PS life spent evaluating within its training span: the evaluation after its last step (TRL's
+    final one), or one cut by the PS's end, is not time taken from training."""
+    start, end = _span(life)
+    return sum(max(0.0, min(end, e["mono"]) - max(start, e["mono"] - (num(e, "dur_ms") or 0.0) / 1e3))
+               for e in life if e["event"] == "eval_end")
+
+
 def downtime(lives: list[list]) -> list[dict]:
     """The gaps between consecutive PS lives' training spans:
     {start, end, down_s, after_step, pid_before, pid_after}."""
@@ -190,7 +198,7 @@ def training_numbers(lives: list[list]) -> dict:
     samples = sum(num(e, "samples") or 0 for e in consumed)
     tokens = sum(num(e, "tokens") or 0 for e in consumed)
     waits = [num(e, "wait_ms") or 0.0 for life_ends in ends for e in life_ends]
-    eval_s = sum(num(e, "dur_ms") or 0.0 for life in lives for e in life if e["event"] == "eval_end") / 1e3
+    eval_s = sum(_evaluating_s(life) for life in lives)
     out = {"steps": sum(e["event"] == "train_step_end" for e in kept), "span_s": None, "samples": samples,
            "tokens": tokens, "samples_per_s": None, "tokens_per_s": None, "trainer_wait_s": sum(waits) / 1e3,
            "trainer_idle_fraction": None, "trainer_idle_fraction_steady": None, "between_steps_fraction": None,

@@ -625,6 +625,8 @@ def test_evaluation_is_its_own_span_and_named_when_it_takes_the_trainer_s_time()
     for step in range(1, 11):
         life.append({"event": "train_step_end", "mono": float(step), "step": step, "dur_ms": 100.0, "wait_ms": 0.0})
     life.append({"event": "eval_end", "mono": 9.5, "step": 9, "dur_ms": 8000.0})
+    # The final evaluation, after the last step: not the trainer's time between steps (it made evaluation 111%).
+    life.append({"event": "eval_end", "mono": 14.0, "step": 10, "dur_ms": 3900.0})
     training = training_numbers([life])
     assert training["eval_s"] == 8.0 and abs(training["eval_fraction"] - 0.8) < 1e-9
     workers = {"busy_fraction": 0.5, "syncing_fraction": 0.0, "idle_fraction": 0.5}
