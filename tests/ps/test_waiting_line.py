@@ -36,10 +36,13 @@ def test_the_terminal_shows_a_worker_compiling_and_a_job_past_its_deadline():
         "own bookkeeping (the engine pays from 1,000,000)",
         "2026-11-27 14:30:01,000 worker1 INFO [gen] dev1 compiling its decoding step (graph, batch 64 rows, cache 48 "
         "tokens) before its first job",
+        "2026-11-27 14:30:20,000 worker1 INFO [gen] dev1 decoding compiled in 19.0 s (graph)",
+        "2026-11-27 14:30:20,000 worker2 ERROR [gen] dev2 graph decoding failed to compile (CalledProcessError: ...); "
+        "decoding eagerly",
         "2026-11-27 14:30:59,000 worker1 ERROR [jobs] dev1 job=000000_002 attempt 1/3: the job ran past its deadline "
         "(--job_timeout_s 30: held 30 s), stuck in reward function 'score'; thrown again as attempt 2",
         "2026-11-27 14:31:00,000 worker1 INFO [gen] dev1 job=000000_003 weights_version=3 dur_ms=120 reward=0.5",
     ]
     shown = subprocess.run(["grep", "-E", pattern], input="\n".join(lines) + "\n", capture_output=True,
                            text=True).stdout.splitlines()
-    assert shown == lines[:3]
+    assert shown == lines[:5]

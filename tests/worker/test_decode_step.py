@@ -303,6 +303,19 @@ def test_auto_picks_the_step_on_cuda_and_continuous_batching_run_eagerly_on_cpu(
         assert [r.getMessage() for r in caplog.records] == [
             f"[gen] dev1 decodes with TRL's generate (--worker_decoding auto), not continuous batching: {why}"]
     assert compiles(trainer_for(tmp_path, worker_decoding="continuous").args)
+    # Asked for on a model too small for it: it runs, saying what auto would do (stopped here as it is made: its
+    # compiling is another test's).
+    asked = trainer_for(tmp_path, model=tiny, worker_decoding="continuous")
+    monkeypatch.setattr(ContinuousDecoding, "__init__", lambda *args, **kwargs: (_ for _ in ()).throw(
+        RuntimeError("stop")))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="asyncgrpo.worker"), pytest.raises(RuntimeError, match="stop"):
+        build_decoder(asked.args, asked, 1, Events())
+    assert ("[gen] dev1 decodes with continuous batching as asked, though TRL's generate is faster here "
+            f"(--worker_decoding auto picks it): a model of {tiny.num_parameters():,} parameters, whose decoding step "
+            "on a CPU costs less than the engine's own bookkeeping (the engine pays from 1,000,000)"
+            ) in [r.getMessage() for r in caplog.records]
+    monkeypatch.undo()
     # A CPU's engine holds as many jobs' rows as a call would take: --jobs_per_generate's.
     three = trainer_for(tmp_path, llama("larger"), jobs_per_generate=3)
     assert build_decoder(three.args, three, 1, Events()).slots == 3 * three.args.generation_batch_size

@@ -83,6 +83,9 @@ def build_decoder(cfg: AsyncGRPOConfig, trainer, device: WorkerId, events: Event
     if mode == "continuous" and (why := ContinuousDecoding.unsupported(trainer)) is not None:
         log.info("[gen] dev%s decodes with its decoding graph instead of continuous batching: %s", device, why)
         mode = "graph"
+    elif mode == "continuous" and cfg.device_type == "cpu" and (why := too_small(trainer)) is not None:
+        log.info("[gen] dev%s decodes with continuous batching as asked, though TRL's generate is faster here "
+                 "(--worker_decoding auto picks it): %s", device, why)
     if mode == "graph" and (why := GraphDecoding.unsupported(trainer)) is not None:
         log.info("[gen] dev%s decodes with compiled generate instead of its own decoding graph: %s", device, why)
         mode = "compiled"
