@@ -311,12 +311,15 @@ def analyse(tracks: list[Track]) -> dict:
     every = [e for t in tracks for e in t.events]
     lives = ps_lives(tracks)
     gaps = downtime(lives)
+    # A step a later life trained again, and the results it consumed, once (as throughput and `ls` count them).
+    kept = [e for life in rolled_back_steps_removed(lives) for e in life]
     stats = {}
     for key, _label, event, fld in STATS:
         if key == "token_staleness":
-            stats[key] = token_staleness(every)
+            stats[key] = token_staleness(kept)
             continue
-        values = [(v, e["mono"]) for e in every if e["event"] == event and (v := num(e, fld)) is not None]
+        source = kept if event in ("train_step_end", "result_consumed") else every
+        values = [(v, e["mono"]) for e in source if e["event"] == event and (v := num(e, fld)) is not None]
         if key == "collect_latency_ms":  # a result written before a PS died waits for the next: not latency
             values = [(without_downtime(v, mono, gaps), mono) for v, mono in values]
         if key == "weight_publish_kb":

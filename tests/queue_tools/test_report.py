@@ -279,6 +279,30 @@ def test_the_time_between_two_ps_lives_is_downtime_outside_every_figure(tmp_path
             in capsys.readouterr().out)
 
 
+def test_steps_a_relaunched_ps_trained_again_count_once_in_the_table_too(tmp_path, capsys):
+    """A PS that trained steps 1-3 and died with its checkpoint at step 1: the next trains 2-4 again. Throughput said
+    4 steps while the table's rows of steps and consumed results counted 6 (the docs: they count once)."""
+    run = RunDir.create(tmp_path / "run")
+    lines = []
+    for step, (pid, start) in enumerate([(100, 10.0), (100, 11.0), (100, 12.0)], start=1):
+        lines += make_track_events("ps", [
+            ("train_step_start", start, {"step": step}),
+            ("result_consumed", start + 0.2,
+             {"job_id": f"000000_00{step}", "step": step, "samples": 32, "staleness": 9}),
+            ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 200.0})], pid=pid)
+    for step, start in ((2, 72.0), (3, 73.0), (4, 74.0)):
+        lines += make_track_events("ps", [
+            ("train_step_start", start, {"step": step}),
+            ("result_consumed", start + 0.2,
+             {"job_id": f"000001_00{step}", "step": step, "samples": 32, "staleness": 1}),
+            ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 200.0})], pid=300)
+    (run.logs / "events-ps.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    r = report_json(capsys, run.root)
+    assert r["training"]["steps"] == 4
+    assert [r["stats"][key]["count"] for key in ("train_step_ms", "trainer_wait_ms", "staleness")] == [4, 4, 4]
+    assert r["stats"]["staleness"]["max"] == 9  # step 1's, kept; steps 2-3 of the first life are not
+
+
 def test_a_sync_inside_a_job_counts_as_syncing_not_busy(tmp_path):
     from queue_tools.report import utilisation
     from queue_tools.timeline import Track
