@@ -14,9 +14,7 @@ jobs are thrown when most groups are dropped), and ``oldest_version`` is the low
 job not yet collected can have been generated with. A pending job will sync at least the version
 published when it was last seen pending, so that is its floor (``version_floor``, carried from one
 decision to the next). A straggler's floor leaves the bound (ps/producer.py HoldTimes). Also at most
-``max_pending`` pending and ``max_outstanding`` in flight, and, near the run's end, no more jobs than its steps left
-take: ``in_flight * expected_yield * steps_per_job < last_step - next_take_step`` (a job thrown beyond them is
-generated and archived unused; one dropped or failed makes room for another).
+``max_pending`` pending and ``max_outstanding`` in flight.
 
 ``Snapshot`` is what the producer reads, in the order that makes it safe (JobProducer.snapshot);
 ``admit`` is pure: the same snapshot and floors give the same decision.
@@ -33,7 +31,6 @@ class Limits:
     steps_per_job: int
     max_pending: int
     max_outstanding: int
-    last_step: int | None = None  # the run's last step, once the trainer knows it (None: no end to count to)
 
     @classmethod
     def of(cls, cfg) -> Limits:
@@ -70,9 +67,6 @@ def admit(snapshot: Snapshot, limits: Limits, version_floor: dict[str, int]) -> 
         return Decision(False, floors, f"{len(snapshot.pending)} jobs pending (max_pending {limits.max_pending})")
     if in_flight >= limits.max_outstanding:
         return Decision(False, floors, f"{in_flight} jobs in flight (max_outstanding {limits.max_outstanding})")
-    steps_left = None if limits.last_step is None else limits.last_step - snapshot.next_take_step
-    if steps_left is not None and in_flight * snapshot.expected_yield * limits.steps_per_job >= steps_left:
-        return Decision(False, floors, f"{in_flight} jobs in flight for the run's {max(steps_left, 0)} steps left")
     oldest = min((floor for job_id, floor in floors.items() if job_id not in snapshot.stragglers),
                  default=snapshot.published_version)
     worst = snapshot.next_take_step + in_flight * snapshot.expected_yield * limits.steps_per_job - oldest

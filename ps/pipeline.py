@@ -33,7 +33,6 @@ closest to going stale), then the lowest job id; ``fifo`` takes results in job o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -128,12 +127,10 @@ class JobPipeline:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, state: dict | None, published_version: int, last_step: int | None = None) -> None:
+    def start(self, state: dict | None, published_version: int) -> None:
         """Resumes from a checkpoint's ``state`` (None: a fresh run), re-adopts the results in
-        the run directory, and starts feeding and collecting, no more jobs than the steps left up to ``last_step``
-        take (None: no end to count to)."""
+        the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
-        self.producer.limits = dataclasses.replace(self.producer.limits, last_step=last_step)
         self.progress.published_version = self.progress.next_take_step = published_version
         self.queue.roll_back_consumed(self.ledger.consumed)
         readopted = self.collector.collect_now(readopt=True)

@@ -140,7 +140,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         last = metrics.last_line(self.run.metrics_file)
         self.signal = LearningSignal.resumed(self.state.global_step,
                                              last if last and last.get("step") == self.state.global_step else None)
-        self.pipeline.start(state, published_version=self.state.global_step, last_step=self.state.max_steps)
+        self.pipeline.start(state, published_version=self.state.global_step)
 
     def _forget_metrics_after(self, step: int) -> int:
         """metrics.jsonl keeps each step once: lines of steps after the checkpoint we resume from describe

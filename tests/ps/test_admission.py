@@ -102,17 +102,3 @@ def test_a_job_claimed_again_after_its_worker_died_is_timed_from_its_new_claim()
     times.observe([QueueName("000036_000", 1, JobState.PROCESSING, 1)], now=200.0)
     times.observe([QueueName("000036_000", 1, JobState.PENDING)], now=200.5)  # given back: no generation time
     assert len(times.recent) == 4 and times.held_since == {}
-
-
-def test_near_the_run_s_end_no_more_jobs_are_thrown_than_its_steps_left_take():
-    """A run of 10 steps whose trainer takes its 9th result next: two results in flight train its last two steps, and a
-    third would be generated to be archived unused (5 of 9 jobs of a 4-step run were, each a real model's generation
-    on the workers' cores). One in flight leaves room for the other; a dropped one (fewer in flight) makes room again;
-    with dynamic sampling a result trains fewer steps, and more are thrown."""
-    end = replace(LIMITS, max_staleness=100, last_step=10)
-    two = snapshot(in_queue={"a", "b"}, pending={"a", "b"}, next_take_step=8)
-    decision = admit(two, end, {})
-    assert not decision.throw and decision.why_not == "2 jobs in flight for the run's 2 steps left"
-    assert admit(replace(two, in_queue={"a"}, pending={"a"}), end, {}).throw
-    assert admit(replace(two, expected_yield=0.5), end, {}).throw
-    assert admit(two, replace(end, last_step=None), {}).throw  # (no end known: the other bounds alone)
