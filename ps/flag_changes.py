@@ -59,18 +59,14 @@ def say_or_refuse_changes(saved: dict | None, cfg: AsyncGRPOConfig, checkpoint: 
     now = recorded_flags(cfg)
     changed = [name for name in now if name in saved and now[name] != saved[name]]
     where = checkpoint.rstrip("/").rsplit("/", 1)[-1]
-    refused = [name for name in changed if name in ROW_LAYOUT_FLAGS]
-    if refused:
-        flags = ", ".join(f"--{name} {now[name]!r} ({where} was trained with {saved[name]!r})" for name in refused)
-        raise ConfigError(f"{flags}: the jobs this run has thrown hold rows for its group size and batch, which "
-                          "cannot change within a run; relaunch with the run's values, or start a new run with "
-                          "another --run_dir")
-    if saved.get("use_peft") or now.get("use_peft"):
-        refused = [name for name in changed if name in ADAPTER_FLAGS]
-        if refused:
+    fixed = [(ROW_LAYOUT_FLAGS, "the jobs this run has thrown hold rows for its group size and batch")]
+    if saved.get("use_peft") or now.get("use_peft"):  # (without an adapter, its flags are nobody's)
+        fixed.append((ADAPTER_FLAGS, "the run's checkpoints hold a LoRA adapter of its shape and scale (or the whole "
+                                     "model)"))
+    for names, why in fixed:
+        if refused := [name for name in changed if name in names]:
             flags = ", ".join(f"--{name} {now[name]!r} ({where} was trained with {saved[name]!r})" for name in refused)
-            raise ConfigError(f"{flags}: the run's checkpoints hold a LoRA adapter of its shape and scale (or the "
-                              "whole model), which cannot change within a run; relaunch with the run's values, or "
+            raise ConfigError(f"{flags}: {why}, which cannot change within a run; relaunch with the run's values, or "
                               "start a new run with another --run_dir")
     for name in changed if say else ():
         after = ("applies to every job generated from now on, those already thrown too" if name in GENERATION_FLAGS

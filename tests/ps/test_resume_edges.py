@@ -14,6 +14,7 @@ from helpers import (
     PROCESS_ENV,
     PYTHON,
     REPO,
+    RunProcesses,
     assert_exactly_once,
     expect_exit,
     run_flags,
@@ -56,15 +57,12 @@ def test_a_run_by_epochs_resumes_to_its_last_epoch(finished_demo_run, tmp_path, 
     left_out = ["report"] if newest == "checkpoint-8" else ["report", "checkpoint-8"]
     shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns(*left_out))
     steps_before = (run_root / "metrics.jsonl").read_text()
-    flags = [*run_flags(None, save_steps=3), "--max_steps", "-1", "--num_train_epochs", "0.03"]
-    ps = start_process(run_root, tmp_path / "ps.log", "ps", *flags)
-    worker = start_process(run_root, tmp_path / "worker.log", "worker", "--device", "1", *flags)
-    try:
-        expect_exit(ps, 0, tmp_path / "ps.log", 600)
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=120)
-    log = (tmp_path / "ps.log").read_text()
+    by_epochs = [*run_flags(None, save_steps=3), "--max_steps", "-1", "--num_train_epochs", "0.03"]
+    with RunProcesses(run_root, *by_epochs) as run:
+        run.ps()
+        run.workers(1)
+        run.expect_ps_exit(0)
+    log = run.ps_log.read_text()
     assert "resuming from " + str(run_root / "checkpoints" / newest) in log
     assert ("already reached step 8, the end of its epochs: nothing to train" in log) == (newest == "checkpoint-8")
     steps = [json.loads(line)["step"] for line in (run_root / "metrics.jsonl").read_text().splitlines()]
