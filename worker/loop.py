@@ -150,6 +150,7 @@ def _stop_on_signals(stop: threading.Event, setting_up: threading.Event, watcher
     the lock forever, the worker hung holding its job. So the handler only writes to a pipe, and a thread of its
     own sets the events."""
     read_end, write_end = os.pipe()
+    signals_seen: list[int] = []
 
     def relay_stops():
         while os.read(read_end, 1):
@@ -164,6 +165,9 @@ def _stop_on_signals(stop: threading.Event, setting_up: threading.Event, watcher
         if setting_up.is_set():
             setting_up.clear()  # (a second signal, during the clean-up, only stops)
             raise _StoppedWhileSettingUp
+        if signals_seen:  # (Ctrl-C reaches the worker and launch.sh passes it on: one line)
+            return
+        signals_seen.append(signum)
         log.info("[worker] dev%s got signal %d: finishing the job in hand (giving it back if a tool call is "
                  "running: tool calls are cut now), then exiting", device, signum)
 

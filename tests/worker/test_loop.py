@@ -134,6 +134,38 @@ def test_a_stop_signal_while_the_main_thread_holds_the_watchers_lock_stops_the_w
     assert done.returncode == 0 and done.stdout.strip() == "stopped", done.stderr[-2000:]
 
 
+TWO_SIGNALS = """
+import contextlib, logging, os, signal, sys, threading
+from pathlib import Path
+from asyncgrpo.jobqueue import JobState, QueueWatcher
+from worker.loop import _stop_on_signals
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+watcher = QueueWatcher(Path(sys.argv[1]), {JobState.PENDING}, use_events=False)
+stop, setting_up = threading.Event(), threading.Event()
+with contextlib.ExitStack() as teardown:
+    _stop_on_signals(stop, setting_up, watcher, 1, teardown)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, from the terminal
+    os.kill(os.getpid(), signal.SIGTERM)  # and launch.sh passing it on
+    print("stopped" if stop.wait(10) else "not stopped")
+"""
+
+
+@pytest.mark.process
+def test_ctrl_c_and_launch_sh_passing_it_on_make_one_stop_line(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    done = subprocess.run([sys.executable, "-c", TWO_SIGNALS, str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "stopped", done.stderr[-2000:]
+    assert [line for line in done.stdout.splitlines() if "got signal" in line] == [
+        "[worker] dev1 got signal 2: finishing the job in hand (giving it back if a tool call is running: tool calls "
+        "are cut now), then exiting"], done.stdout
+
+
 # --------------------------------------------------------------------------- the PS's flags at a claim
 
 @pytest.mark.process  # (a dead pid: a process started and ended)
