@@ -18,11 +18,12 @@ version before, compressed with zlib; its bytes and time are printed beside the 
 
 Per version it prints the bytes each writes, the PS's publish time and the reader's read-and-apply time, and
 at the end the medians and ratios per learning rate, and whether the delta reader's weights are bit-identical
-to the PS's published ones after the last version. Both readers read files the PS just wrote, so from the
-page cache: a shared filesystem's reads cost more per byte, which favours the deltas further.
+to the PS's published ones after the last version. By default the readers read files the PS just wrote, so from
+the page cache. With ``--cold`` each file is flushed and dropped from the page cache before it is read (untimed),
+so it comes from the disk, as on a host that did not write it.
 
 Run:  .venv/bin/python bench/weight_deltas.py [--shape 0.5b|tiny] [--lrs 1e-6,1e-5] [--versions 100,30]
-        [--before-every 5]
+        [--before-every 5] [--cold]
 (temp run dirs under /tmp, removed at the end)
 """
 
@@ -44,7 +45,7 @@ from safetensors.torch import load, save_file
 from asyncgrpo.run import RunDir
 from asyncgrpo.weights import deltas, make_subscriber
 from asyncgrpo.weights.adapter import shared_tensors
-from asyncgrpo.weights.snapshot import ANCHOR_EVERY, SnapshotPublisher
+from asyncgrpo.weights.snapshot import ANCHOR_EVERY, SnapshotPublisher, snapshot_dir
 
 SHAPES = {  # Qwen2.5-0.5B, and a small model of its widths for a quick try
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -106,6 +107,17 @@ class FullSnapshots:
                 held[name].copy_(t)
 
 
+def drop_from_cache(paths) -> None:
+    """Writes the files' pages out and drops them from the page cache: the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def published_bits(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: deltas.flat_bits(t.detach().to(dtype)).clone() for n, t in shared_tensors(model).items()}
 
@@ -119,7 +131,7 @@ def xor_compressed(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
 
 
 def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: Path, xor_at: int,
-           before_every: int) -> dict:
+           before_every: int, cold: bool) -> dict:
     model, dtype = build(shape, torch.float32), torch.bfloat16
     worker_deltas, worker_full = build(shape, dtype), build(shape, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -140,17 +152,23 @@ def run_lr(shape: str, lr: float, versions: int, batch: int, tokens: int, root: 
         publisher.publish(version, version)
         publish_delta = time.perf_counter() - t0
         anchor = publisher._chain == [version]
+        if cold:
+            drop_from_cache(snapshot_dir(run).glob("v*.safetensors"))
         t0 = time.perf_counter()
         assert subscriber.sync(worker_deltas) == version
         read_delta = time.perf_counter() - t0
         t0 = time.perf_counter()
         path, full_bytes = full.publish(version)
         publish_full = time.perf_counter() - t0
+        if cold:
+            drop_from_cache([path])
         t0 = time.perf_counter()
         full.read(path, worker_full)
         read_full = time.perf_counter() - t0
         if version % before_every == 0:
             path, _ = before_deltas.publish(version)
+            if cold:
+                drop_from_cache([path])
             t0 = time.perf_counter()
             before_deltas.read(path, worker_full)
             before_read_ms.append((time.perf_counter() - t0) * 1e3)
@@ -198,15 +216,17 @@ def main() -> None:
     parser.add_argument("--xor-at", type=int, default=3, help="the version also written the other way, XOR and zlib")
     parser.add_argument("--before-every", type=int, default=5,
                         help="every how many versions a whole float32 file is also written and read")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop each file from the page cache before it is read: reads come from the disk")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     counts = [int(x) for x in args.versions.split(",")]
     print(f"{args.shape} shape, float32 PS, bfloat16 files, anchor every {ANCHOR_EVERY} versions; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; reads {'from the disk' if args.cold else 'from the page cache'}")
     root = Path(tempfile.mkdtemp(prefix="weight-deltas-"))
     try:
-        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root, args.xor_at, args.before_every)
+        results = [run_lr(args.shape, lr, n, args.batch, args.tokens, root, args.xor_at, args.before_every, args.cold)
                    for lr, n in zip(lrs, counts, strict=True)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
