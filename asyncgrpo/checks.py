@@ -127,11 +127,15 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list
                           f"tokenizer of {cfg.model_name_or_path} has no chat template to turn them into tokens: give "
                           "a --model_name_or_path whose tokenizer has one (a chat or instruct model), or plain-text "
                           "prompts")
+    lengths = [prompt_tokens(cfg, tokenizer, row.get("prompt"), tools) if isinstance(row, dict) else 1 for row in rows]
+    if 0 in lengths:
+        row = lengths.index(0)
+        raise ConfigError(f"{source}: row {row + 1} (counting from 1): its prompt {rows[row].get('prompt')!r:.40} has "
+                          f"no token in {cfg.model_name_or_path}'s tokenizer: nothing to generate from")
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not positions:
         return
-    longest = max((prompt_tokens(cfg, tokenizer, row.get("prompt"), tools) for row in rows
-                   if isinstance(row, dict)), default=0)
+    longest = max(lengths, default=0)
     if longest + cfg.max_completion_length <= positions:
         return None
     beyond = (f"--max_completion_length {cfg.max_completion_length}: prompts of up to {longest} tokens plus "

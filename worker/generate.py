@@ -275,6 +275,9 @@ def prompt_ids_of(trainer: GRPOTrainer, rows: list[dict]) -> list[list[int]] | N
     ids, images, multimodal_fields = getattr(trainer, TOKENIZE_PROMPTS)(copy.deepcopy([row["prompt"] for row in rows]))
     if images is not None or multimodal_fields:
         return None
+    for row, x in enumerate(ids):
+        if len(x) == 0:  # (TRL would pad nothing into a float tensor, and the PS's loss fail on it)
+            raise ValueError(f"row {row}'s prompt {rows[row]['prompt']!r:.40} has no token: nothing to generate from")
     return [list(x) for x in ids]
 
 

@@ -145,6 +145,11 @@ class ResultData:
             shapes = {tuple(batch[key].shape) for key in group}
             if len(shapes) != 1 or next(iter(shapes))[0] != n or len(next(iter(shapes))) != 2:
                 raise ValueError(f"inconsistent shapes for {group}: {[tuple(batch[k].shape) for k in group]}")
+        for key in ("prompt_ids", "completion_ids"):  # (a job of empty prompts only: TRL pads nothing into floats)
+            if batch[key].is_floating_point() or batch[key].is_complex():
+                raise ValueError(f"batch[{key!r}] holds {batch[key].dtype}, not token ids")
+        if n and int(batch["prompt_mask"].sum(dim=1).min()) < 1:
+            raise ValueError("a row has no prompt token (an empty prompt?)")
         _check_rows(data["rows"], "a result")
         versions = data.get("token_versions")
         if versions is not None:

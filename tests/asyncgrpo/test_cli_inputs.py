@@ -30,6 +30,7 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "empty.jsonl").write_text("")
     rows = [json.dumps({"prompt": f"{d}:"}) for d in range(4)]
     (folder / "nullprompt.jsonl").write_text("\n".join([*rows, json.dumps({"other": 1})]) + "\n")
+    (folder / "emptyprompt.jsonl").write_text("\n".join([*rows, json.dumps({"prompt": ""})]) + "\n")
     # Past the 320 KB blocks pyarrow reads a file in (it counts rows within a block).
     (folder / "garbled.jsonl").write_text("\n".join([*rows * 5000, '{"prompt": "4:", }']) + "\n")
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
@@ -52,6 +53,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--dataset_name", "empty.jsonl"], "--dataset_name empty.jsonl: the dataset is empty (no rows)"),
     (["--dataset_name", "nullprompt.jsonl"], "--dataset_name nullprompt.jsonl: row 5 (counting from 1): its prompt is "
      "None, not a text or a conversation"),
+    (["--dataset_name", "emptyprompt.jsonl"], "--dataset_name emptyprompt.jsonl: row 5 (counting from 1): its "
+     "prompt '' has no token in mymodel's tokenizer: nothing to generate from"),
     (["--dataset_name", "garbled.jsonl"], "--dataset_name garbled.jsonl: cannot load: line 20001 is not JSON "
      "(Expecting property name enclosed in double quotes, at column 18)"),
     (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),

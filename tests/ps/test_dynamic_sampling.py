@@ -244,7 +244,8 @@ def test_a_batch_of_several_optimizer_steps_enters_the_ledger_after_its_last(run
 @pytest.mark.parametrize("rewards", [torch.zeros(ROWS + 1), torch.zeros(ROWS, dtype=torch.long), [0.0] * ROWS])
 def test_a_result_whose_rewards_do_not_fit_its_rows_is_refused_when_collected(rewards):
     batch = {"advantages": torch.zeros(ROWS), "prompt_ids": torch.ones(ROWS, 2, dtype=torch.long),
-             "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long), "completion_ids": torch.ones(ROWS, 1),
+             "prompt_mask": torch.ones(ROWS, 2, dtype=torch.long),
+             "completion_ids": torch.ones(ROWS, 1, dtype=torch.long),
              "completion_mask": torch.ones(ROWS, 1), "rewards": rewards}
     payload = {"weights_version": 0, "data": {"batch": batch, "metrics": {}, "rows": [{"prompt": "p"}] * ROWS}}
     with pytest.raises(ValueError, match="batch\\['rewards'\\] must be a float tensor of shape"):

@@ -238,7 +238,8 @@ def test_a_result_whose_oldest_token_is_not_its_weights_version_is_refused():
     """With in-flight updates a result's weights_version is its oldest token's: the staleness bound goes by it."""
     rows = 4
     batch = {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
-             "prompt_mask": torch.ones(rows, 2, dtype=torch.long), "completion_ids": torch.ones(rows, 3),
+             "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+             "completion_ids": torch.ones(rows, 3, dtype=torch.long),
              "completion_mask": torch.ones(rows, 3)}
     # Rows join at different steps: the oldest token is the first of the row that started first.
     versions = [[(0, 6)], [(0, 5), (2, 6)], [(0, 6), (1, 7)], [(0, 7)]]

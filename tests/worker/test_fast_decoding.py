@@ -113,6 +113,14 @@ def test_a_reward_that_raises_on_one_job_fails_that_job_alone(tmp_path):
     assert isinstance(second, ValueError) and "no reward for 45" in str(second)
 
 
+def test_a_job_with_an_empty_prompt_fails_alone_and_says_so(tmp_path):
+    """TRL padded a job of empty prompts into a float tensor: the job was trained, and the PS's loss failed on it."""
+    trainer = make_trainer(tmp_path)
+    first, second = generate_jobs(trainer, [two_jobs(trainer)[0], job(1, ["", "3:"], trainer)], Events())
+    assert not isinstance(first, Exception)
+    assert isinstance(second, ValueError) and "row 0's prompt '' has no token: nothing to generate from" in str(second)
+
+
 def test_a_shared_call_that_raises_is_done_job_by_job(tmp_path, caplog):
     trainer = make_trainer(tmp_path)
     model = generating_model(trainer.accelerator.unwrap_model(trainer.model_wrapped))

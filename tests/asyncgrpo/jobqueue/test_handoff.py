@@ -21,7 +21,8 @@ ROWS = [{"prompt": "3:", "digit": 3}] * 4
 
 def a_result(rows: int = 4, **batch_changes) -> ResultData:
     batch = {"advantages": torch.zeros(rows), "prompt_ids": torch.ones(rows, 2, dtype=torch.long),
-             "prompt_mask": torch.ones(rows, 2, dtype=torch.long), "completion_ids": torch.ones(rows, 3),
+             "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+             "completion_ids": torch.ones(rows, 3, dtype=torch.long),
              "completion_mask": torch.ones(rows, 3), "old_per_token_logps": torch.zeros(rows, 3)}
     batch.update(batch_changes)
     return ResultData(batch, torch.arange(rows, dtype=torch.float32), {"reward": 0.5}, ROWS[:rows])
@@ -76,6 +77,10 @@ def test_a_job_that_a_worker_cannot_read_is_refused_with_its_reason(data, proble
     ({"old_per_token_logps": torch.zeros(4, 2)}, "inconsistent shapes"),
     ({"prompt_ids": [[1, 2]] * 4}, r"batch\['prompt_ids'\] is missing or not a tensor"),
     ({REWARDS_KEY: torch.zeros(4, dtype=torch.long)}, r"batch\['rewards'\] must be a float tensor of shape \(4,\)"),
+    # A job of empty prompts: TRL's padding of no token at all is a float tensor, and the PS's loss failed on it.
+    ({"prompt_ids": torch.zeros(4, 0), "prompt_mask": torch.zeros(4, 0)},
+     r"batch\['prompt_ids'\] holds torch.float32, not token ids"),
+    ({"prompt_mask": torch.tensor([[1, 1]] * 3 + [[0, 0]])}, r"a row has no prompt token \(an empty prompt\?\)"),
 ])
 def test_a_result_that_does_not_fit_its_job_is_refused_with_its_reason(change, problem):
     data = a_result().to_dict()
