@@ -80,6 +80,10 @@ log.setLevel(min(log.getEffectiveLevel(), STEP))
 LOG_HISTORY_KEPT = 1000  # the newest entries of trainer.state.log_history (see log())
 
 
+# What a relaunch's flags set in each of the optimizer's parameter groups (the learning rate goes by the schedule).
+RESTORED_HYPERPARAMETERS = ("weight_decay", "betas", "eps")
+
+
 class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg: AsyncGRPOConfig, run: RunDir, model, tokenizer, reward_funcs, dataset, eval_dataset=None,
                  hooks: RolloutHooks | None = None, stop_at_boundary: threading.Event | None = None,
@@ -125,6 +129,26 @@ class AsyncGRPOTrainer(GRPOTrainer):
         finally:
             if self.is_queue_client:
                 self.pipeline.stop()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer's and the schedule's state from ``checkpoint``, under this launch's hyperparameters:
+        torch's load_state_dict brings back the ones the checkpoint was trained with (its learning rate, weight
+        decay, betas), and a relaunch that said it changed them would have trained on with the old ones. The
+        learning rate of the next step is the schedule's at that step, of the new base rate."""
+        fresh = [{k: group[k] for k in RESTORED_HYPERPARAMETERS if k in group} for group in self.optimizer.param_groups]
+        fresh_base = list(getattr(self.lr_scheduler, "base_lrs", []))
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or len(fresh_base) != len(fresh):
+            return
+        for group, hyper, new, old in zip(self.optimizer.param_groups, fresh, fresh_base, self.lr_scheduler.base_lrs,
+                                          strict=True):
+            group.update(hyper)
+            group["lr"] = group["lr"] * new / old if old else new  # (the schedule's factor at this step, kept)
+            if "initial_lr" in group:
+                group["initial_lr"] = new
+        self.lr_scheduler.base_lrs = fresh_base
+        # What transformers logs as the step's learning rate (torch's step sets it so, from the groups)
+        self.lr_scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""

@@ -93,6 +93,8 @@ SIGNATURES = {
     (GRPOTrainer, "_get_output_dir"): ([("self", REQUIRED), ("trial", REQUIRED)], False),
     # ps/__main__.py: a relaunch with nothing left to train loads the newest checkpoint's weights before the final save
     (GRPOTrainer, "_load_from_checkpoint"): ([("self", REQUIRED), ("resume_from_checkpoint", REQUIRED)], False),
+    # PS override: the hyperparameters of the relaunch's flags put back after super() loads the checkpoint's
+    (GRPOTrainer, "_load_optimizer_and_scheduler"): ([("self", REQUIRED), ("checkpoint", REQUIRED)], False),
     (GRPOTrainer, "add_callback"): ([("self", REQUIRED), ("callback", REQUIRED)], False),
     # ps/trainer.py's _PipelineCallback
     (TrainerCallback, "on_train_begin"): ([("self", REQUIRED), ("args", REQUIRED), ("state", REQUIRED),

@@ -74,6 +74,31 @@ def test_a_run_by_epochs_resumes_to_its_last_epoch(finished_demo_run, tmp_path, 
     assert_exactly_once(run_root, jobs=8)
 
 
+@pytest.mark.process
+def test_a_relaunch_trains_on_with_its_own_learning_rate_and_weight_decay(finished_demo_run, tmp_path):
+    """torch's load_state_dict brought the checkpoint's hyperparameters back: a relaunch with --learning_rate 0.01
+    said "it applies from the next step on" and trained on at the old rate (0.001) along the old schedule."""
+    run_root = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report", "checkpoint-8"))
+    with RunProcesses(run_root, *DEMO_RUN_FLAGS, "--learning_rate", "0.01", "--weight_decay", "0.5") as run:
+        run.ps()
+        run.workers(1)
+        run.expect_ps_exit(0)
+    assert "resumed with --learning_rate 0.01 where checkpoint-6 was trained with 0.001" in run.ps_log.read_text()
+
+    def rates(run_dir):  # the learning rate of each step, from the run's last checkpoint
+        state = json.loads((run_dir / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text())
+        return {entry["step"]: entry["learning_rate"] for entry in state["log_history"] if "learning_rate" in entry}
+
+    before, after = rates(finished_demo_run), rates(run_root)
+    assert after[6] == before[6]  # trained before the relaunch
+    for step in (7, 8):  # the same linear schedule, from ten times the base rate
+        assert after[step] == pytest.approx(10 * before[step], rel=1e-6), (step, before, after)
+    groups = torch.load(run_root / "checkpoints" / "checkpoint-8" / "optimizer.pt", weights_only=True)["param_groups"]
+    assert sorted(group["weight_decay"] for group in groups) == [0.0, 0.5]  # (norms and biases: none, as TRL has it)
+    assert {group["initial_lr"] for group in groups} == {0.01}
+
+
 def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog):
     # A PS killed while appending a step's line leaves it cut short, without its newline.
     from ps.trainer import AsyncGRPOTrainer
