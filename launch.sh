@@ -177,7 +177,10 @@ while kill -0 "$PS_PID" 2>/dev/null; do
     sleep 1
 done 2>/dev/null
 wait "$PS_PID" 2>/dev/null; PS_STATUS=$?
-[ "$PS_STATUS" -ne 0 ] && [ -s "$PS_STATUS_FILE" ] && PS_STATUS=$(cat "$PS_STATUS_FILE")
+PS_REASON=""  # its one-line reason, where it wrote one (ps/__main__.py leave_status_for_the_launcher)
+if [ "$PS_STATUS" -ne 0 ] && [ -s "$PS_STATUS_FILE" ]; then
+    PS_STATUS=$(head -n 1 "$PS_STATUS_FILE"); PS_REASON=$(sed -n 2p "$PS_STATUS_FILE")
+fi
 rm -f "$PS_STATUS_FILE"
 
 # ---- 5. stop the workers; report ------------------------------------------------------------
@@ -212,6 +215,8 @@ saved = newest(sys.argv[1]); print(saved.name if saved else "")' "$RUN_DIR/check
                  sub(/^ +/, ""); sub(/ +$/, ""); gsub(/ +: /, ": "); why = why (why ? "; " : "") $0 }
              /^=+$/ { on = 0 }
              END { if (why) print "torchrun: the first PS rank to fail: " why }' "$LOGS/log_parameter_server.txt" >&2
+    elif [ -n "$PS_REASON" ]; then  # shown above from its log, unless the log could not take it (a full disk)
+        grep -qxF -- "$PS_REASON" "$LOGS/log_parameter_server.txt" 2>/dev/null || echo "$PS_REASON" >&2
     elif ! tail -n 1 "$LOGS/log_parameter_server.txt" | grep -q '^ps: error: '; then
         grep -aE ' ERROR |^[A-Za-z_.]*(Error|Exception|Interrupt)(: |$)' "$LOGS/log_parameter_server.txt" |
             tail -n 1 | cut -c1-500 >&2

@@ -16,6 +16,7 @@ rank trains on its slice of each job (ps/trainer.py).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         run = RunDir.create(run_root, cfg.share_with_group)  # idempotent: every rank may create it
         lock = PSRunLock(run) if first_rank else None
     except ConfigError as err:
-        print(f"ps: error: {err}", file=sys.stderr)
+        say_error(err)
         return 2
     except PSAlreadyRunning as err:
-        print(f"ps: error: {err}", file=sys.stderr)
+        say_error(err)
         return 3
     # Explicit handlers: a process that bash starts in the background inherits SIGINT ignored,
     # and Python keeps it that way. Each signal unwinds training (threads stopped, lock freed);
@@ -123,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         with PSHeartbeat(run):
             return train(cfg, run)
     except ConfigError as err:  # the model did not load after all
-        print(f"ps: error: {err}", file=sys.stderr)
+        say_error(err)
         return 2
     except PipelineError as err:  # its traceback is in the log above; the cause is this line
         log.error("[train] stopped: %s", err)
-        print(f"ps: error: {err}", file=sys.stderr)
+        say_error(err)
         return 1
     except KeyboardInterrupt:
         log.warning("[train] interrupted; %s", resume_line(run))
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     except Exception as err:  # the traceback goes to the log, the first cause to the operator's terminal
         log.error("[train] stopped: %s", first_line(err), exc_info=err)
-        print(f"ps: error: {first_cause(err, run.root)}", file=sys.stderr)
+        say_error(first_cause(err, run.root))
         return 1
     finally:
         if lock is not None:
@@ -336,13 +337,26 @@ def resume_line(run: RunDir) -> str:
             "SIGTERM)")
 
 
+_error_said: list[str] = []  # the one-line reason said last, for launch.sh
+
+
+def say_error(reason) -> None:
+    """The PS's one-line reason for stopping, on stderr (the log launch.sh shows), and kept for
+    ``leave_status_for_the_launcher``: on a full disk the log cannot take it."""
+    line = f"ps: error: {reason}"
+    _error_said[:] = [line]
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr)
+
+
 def leave_status_for_the_launcher(status: int) -> None:
     """torchrun exits 1 whatever status its ranks exit with: the first rank writes its own (2 bad input,
-    3 another PS, ...) to the file launch.sh names, which reports that instead."""
+    3 another PS, ...) to the file launch.sh names, which reports that instead, and the PS's one-line reason
+    (``say_error``) on the next line, which launch.sh shows where the log lacks it (a full disk)."""
     path = os.environ.get("ASYNCGRPO_PS_STATUS_FILE")
     if status and path and os.environ.get("RANK", "0") == "0":
-        with open(path, "w") as f:
-            f.write(f"{status}\n")
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write("".join(f"{line}\n" for line in [str(status), *_error_said]))
 
 
 if __name__ == "__main__":

@@ -206,6 +206,21 @@ def test_launch_refuses_bad_input_with_one_line_and_starts_nothing(user_folder):
 
 
 @pytest.mark.process
+def test_the_ps_leaves_its_reason_for_launch_sh_where_its_log_cannot_take_it(tmp_path):
+    """On a full disk the PS's log (its stderr) took no "ps: error:" line, and launch.sh showed none: the PS also
+    writes it after its status into the file launch.sh names, which is not in the run's folder."""
+    status = tmp_path / "status"
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC
+        ps = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(tmp_path / "run"), "--ps_processes", "2"], cwd=REPO,
+                            env={**PROCESS_ENV, "ASYNCGRPO_PS_STATUS_FILE": str(status)}, stdout=full, stderr=full,
+                            timeout=300)
+    assert ps.returncode == 2
+    assert status.read_text().splitlines() == [
+        "2", "ps: error: --ps_processes 2, but the PS was started as 1 process(es) (start it with torchrun "
+             "--nproc_per_node K, or launch.sh --ps-procs K)"]
+
+
+@pytest.mark.process
 def test_launch_refuses_a_run_directory_it_cannot_make_in_one_line(user_folder):
     (user_folder / "a_file").write_text("x")
     result = launch_sh(user_folder, "--workers", "1", "--run-dir", "a_file/run", *USER_FLAGS)
