@@ -164,9 +164,10 @@ def _reap_temp_files(queue, now: float, lease_s: float, dry_run: bool) -> list[R
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except FileNotFoundError:
             continue  # its writer just published it
-        writer_dead = fileops.temp_writer_is_dead(entry.name)
-        if age <= lease_s and not writer_dead:
-            continue  # possibly still being written: never reap a young temp file of a live writer
+        alive = fileops.temp_writer_alive(entry.name)
+        writer_dead = alive is False
+        if alive or (age <= lease_s and not writer_dead):
+            continue  # possibly still being written: never reap the file of a live writer, nor a young one's
         if not dry_run:
             try:
                 fileops.remove_temp(entry.path)

@@ -346,20 +346,20 @@ def truncate_archived(path: str | os.PathLike, expected: os.stat_result) -> int:
         os.close(fd)
 
 
-def temp_writer_is_dead(name: str) -> bool:
-    """True only for a temp file named by a process of this host (same HOST_ID: same kernel
-    and PID namespace) that no longer exists; such a file can never be finished, whatever
-    its age. Another host's temp files are judged by their age alone."""
+def temp_writer_alive(name: str) -> bool | None:
+    """Whether the process that named a temp file lives: known only for a process of this host (same HOST_ID:
+    same kernel and PID namespace). A dead writer's file can never be finished, whatever its age; a live one's may
+    be being written, whatever its age. Another host's temp files (None) are judged by their age alone."""
     parts = name.split("-")
     if len(parts) != 3 or parts[0] != HOST_ID or not parts[1].isdigit():
-        return False
+        return None
     try:
         os.kill(int(parts[1]), 0)
     except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
         return False
-    return False
+    except (PermissionError, OverflowError):
+        return None
+    return True
 
 
 def remove_temp(path: str | os.PathLike) -> None:

@@ -384,6 +384,15 @@ def test_only_old_temp_files_are_reaped(queue, run):
     assert os.listdir(run.tmp) == ["young.tmp"]
 
 
+def test_the_temp_file_of_a_live_writer_is_never_reaped_whatever_its_age(queue, run):
+    """queue_tools cleanup --stale-after 0 --force reaped the PS's temp file as it wrote it: the PS stopped ("cannot
+    link ... No such file or directory")."""
+    live = fileops.stage_bytes(run.tmp, b"being written by this live process, slowly")
+    backdate(live, 2 * LEASE_S)
+    assert queue.recover(lease_s=0) == []
+    assert os.path.exists(live)
+
+
 @pytest.mark.process
 def test_a_young_temp_file_of_a_dead_writer_is_reaped_at_once(queue, run):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
