@@ -176,10 +176,66 @@ def check_report_to(cfg: AsyncGRPOConfig) -> None:
         if name not in INTEGRATION_TO_CALLBACK:
             raise ConfigError(f"--report_to {name}: not an integration transformers knows (one of "
                               f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none)")
-        pip = Path(sys.executable).with_name("pip")  # this environment's (launch.sh's .venv/bin/pip)
-        how = (f"{pip if pip.exists() else 'pip'} install {name}" if name in REPORT_TO_EXTRAS
-               else f"install the {name} package into {Path(sys.prefix)}")
+        how = _pip_install(name) if name in REPORT_TO_EXTRAS else f"install the {name} package into {Path(sys.prefix)}"
         raise ConfigError(f"--report_to {name}: {name} is not installed: {how}")
+
+
+def _pip_install(package: str) -> str:
+    pip = Path(sys.executable).with_name("pip")  # this environment's (launch.sh's .venv/bin/pip)
+    return f"{pip if pip.exists() else 'pip'} install {package}"
+
+
+def _ignored_vllm_flags(cfg: AsyncGRPOConfig) -> str | None:
+    """TRL's --vllm_* flags, each set off its default: they do nothing here (--use_vllm itself is refused)."""
+    import dataclasses
+
+    ignored = [f"--{f.name}" for f in dataclasses.fields(cfg) if f.name.startswith("vllm_")
+               and f.default is not dataclasses.MISSING and getattr(cfg, f.name) != f.default]
+    if ignored:
+        return (f"{', '.join(ignored)}: ignored: asyncgrpo's workers generate with their own decoding engine "
+                "(--worker_decoding), not vLLM")
+    return None
+
+
+# What TRL's _calculate_rewards passes every reward function besides the dataset's other columns.
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def _check_reward_arguments(cfg: AsyncGRPOConfig, funcs: list, dataset, environment: bool) -> None:
+    """Each reward function takes what TRL passes it: a parameter without a default that names no column of the
+    dataset failed every job (and the run, after --max_failed_in_a_row of them); one without ``**kwargs`` fails on
+    the columns it does not name."""
+    import inspect
+
+    first = next(iter(dataset), None)
+    if not isinstance(first, dict):
+        return
+    columns = [key for key in first if key not in ("prompt", "completion", "completion_ids")]
+    passed = {*REWARD_KEYWORDS, *columns, *(["environments"] if environment else [])}
+    source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
+    from torch import nn
+
+    for func in funcs:
+        if not callable(func) or isinstance(func, nn.Module):  # (a reward model: TRL calls it on token ids)
+            continue
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # (a builtin, a model: nothing to read)
+            continue
+        name = getattr(func, "__name__", type(func).__name__)
+        if any(p.kind is p.VAR_KEYWORD for p in params) or any(p.kind is p.VAR_POSITIONAL for p in params):
+            unnamed = []
+        else:
+            unnamed = sorted(passed - {p.name for p in params})
+        needed = [p.name for p in params if p.default is p.empty and p.name not in passed
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if needed:
+            raise ConfigError(f"--reward_funcs: {name} needs {', '.join(repr(n) for n in needed)}, which TRL passes "
+                              f"only as a column of the dataset, and {source} has none of that name (its columns: "
+                              f"{', '.join(['prompt', *columns])})")
+        if unnamed:
+            raise ConfigError(f"--reward_funcs: {name} takes no **kwargs, and TRL passes every reward function "
+                              f"{', '.join(unnamed)} as well: add **kwargs to its parameters")
 
 
 def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]:
@@ -187,11 +243,20 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     for the user (one line each)."""
     notes = []
     check_report_to(cfg)
+    if cfg.use_liger_kernel:
+        from transformers.utils import is_liger_kernel_available
+
+        if not is_liger_kernel_available():
+            raise ConfigError(f"--use_liger_kernel: the liger-kernel package is not installed: "
+                              f"{_pip_install('liger-kernel')} (its kernels run on a GPU)")
     hooks = load_rollout_hooks(cfg)
-    if not load_reward_funcs(cfg) and not callable(getattr(hooks.environment_factory, "get_reward", None)):
+    reward_funcs = load_reward_funcs(cfg)
+    if not reward_funcs and not callable(getattr(hooks.environment_factory, "get_reward", None)):
         raise ConfigError(f"--environment_factory {cfg.environment_factory}: no get_reward method, and no "
                           "--reward_funcs: nothing would score the rollouts")
     dataset = load_train_dataset(cfg)
+    _check_reward_arguments(cfg, reward_funcs, dataset, hooks.environment_factory is not None)
+    notes.append(_ignored_vllm_flags(cfg))
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg, dataset, hooks.tools))
     else:

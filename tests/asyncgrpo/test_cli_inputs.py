@@ -36,6 +36,8 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "typos.yaml").write_text("temprature: 0.7\nmax_step: 5\n")
+    (folder / "strict.py").write_text("def needs_solution(completions, solution, **kwargs):\n    return [1.0]\n\n"
+                                      "def no_kwargs(prompts, completions):\n    return [1.0]\n")
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
@@ -55,6 +57,10 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
      "None, not a text or a conversation"),
     (["--dataset_name", "emptyprompt.jsonl"], "--dataset_name emptyprompt.jsonl: row 5 (counting from 1): its "
      "prompt '' has no token in mymodel's tokenizer: nothing to generate from"),
+    (["--reward_funcs", "strict:needs_solution"], "--reward_funcs: needs_solution needs 'solution', which TRL passes "
+     "only as a column of the dataset, and --dataset_name data has none of that name (its columns: prompt)"),
+    (["--reward_funcs", "strict:no_kwargs"], "--reward_funcs: no_kwargs takes no **kwargs, and TRL passes every reward "
+     "function completion_ids, log_extra, log_metric, trainer_state as well: add **kwargs to its parameters"),
     (["--dataset_name", "garbled.jsonl"], "--dataset_name garbled.jsonl: cannot load: line 20001 is not JSON "
      "(Expecting property name enclosed in double quotes, at column 18)"),
     (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),
@@ -178,6 +184,24 @@ def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(use
                     "--model_name_or_path for your model")
     cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
     assert not [n for n in check_inputs(cfg, user_folder / "run") if "--model_name_or_path" in n]
+
+
+def test_liger_kernels_that_are_not_installed_are_refused_before_the_run_starts(user_folder, monkeypatch):
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--use_liger_kernel", "true"])
+    with pytest.raises(ConfigError, match=r"^--use_liger_kernel: the liger-kernel package is not installed: \S*pip "
+                                          r"install liger-kernel \(its kernels run on a GPU\)$"):
+        check_inputs(cfg, user_folder / "run")
+
+
+def test_vllm_flags_that_do_nothing_here_are_said(user_folder):
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--vllm_mode", "server", "--vllm_server_host", "1.2.3.4"])
+    assert ("--vllm_mode, --vllm_server_host: ignored: asyncgrpo's workers generate with their own decoding engine "
+            "(--worker_decoding), not vLLM") in check_inputs(cfg, user_folder / "run")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
+    assert not [note for note in check_inputs(cfg, user_folder / "run") if "vllm" in note]
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(user_folder):
