@@ -14,6 +14,7 @@ names and chat-template checks are the workers'.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import os
 import sys
@@ -49,10 +50,14 @@ def import_callable(spec: str, flag: str, what: str = "function") -> Callable:
             module = importlib.import_module(module_name)
         except Exception as err:  # any import-time failure of user code is a bad input
             reason = first_line(err, with_type=False)
+            if module_name.endswith(".py"):  # (a file's name for its module's: rewards.py:correct)
+                reason += f": name the module, not its file: {module_name.removesuffix('.py')}:{attr}"
             raise ConfigError(f"{flag} {spec!r}: cannot import {module_name}: {reason}") from None
     obj = getattr(module, attr, None)
     if obj is None:
-        raise ConfigError(f"{flag} {spec!r}: {module_name} has no {what} {attr}")
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], n=3, cutoff=0.75)
+        maybe = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(f"{flag} {spec!r}: {module_name} has no {what} {attr}{maybe}")
     if not callable(obj):
         raise ConfigError(f"{flag} {spec!r}: {module_name}.{attr} is not callable (a {type(obj).__name__})")
     return obj

@@ -75,6 +75,10 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--model_init_kwargs", "{dtype: bfloat16}"], "--model_init_kwargs '{dtype: bfloat16}': not valid JSON"),
     (["--reward_funcs", "rewards:nope"], "--reward_funcs 'rewards:nope': rewards has no function nope"),
+    (["--reward_funcs", "rewards:one"], "--reward_funcs 'rewards:one': rewards has no function one; did you mean "
+     "ones?"),
+    (["--reward_funcs", "rewards.py:ones"], "--reward_funcs 'rewards.py:ones': cannot import rewards.py: No module "
+     "named 'rewards.py'; 'rewards' is not a package: name the module, not its file: rewards:ones"),
     (["--run_dir", str(REPO / "runs" / "x")], f"--run_dir {REPO / 'runs' / 'x'}: inside the source tree"),
     (["--model_name_or_path", "/nonexistent/model"], "--model_name_or_path /nonexistent/model: no such folder"),
     (["--model_name_or_path", "data/train.jsonl"], "--model_name_or_path data/train.jsonl: a file, not a model's "
