@@ -115,9 +115,12 @@ start_worker() {
 # Ctrl-C from here on stops what started; a second one kills it. (Set before the PS starts: an interrupt in its
 # first seconds leaves no folder behind that only looks like a run.)
 PS_PID="" TAIL_PID=""
+STOP_STATUS=130  # 128 + the signal that stopped the run: SIGINT (Ctrl-C), SIGTERM (a scheduler, kill), SIGHUP
 on_interrupt() {
+    STOP_STATUS=$1
     trap on_second_interrupt INT TERM HUP
-    say "interrupted: stopping the parameter server and the workers (Ctrl-C again: kill them now)"
+    if [ "$1" -eq 130 ]; then say "interrupted: stopping the parameter server and the workers (Ctrl-C again: kill them now)"
+    else say "got $2: stopping the parameter server and the workers (a second signal kills them now)"; fi
     [ -n "$PS_PID" ] && { kill -TERM "$PS_PID"; wait "$PS_PID"; } 2>/dev/null
     stop_workers; [ -n "$TAIL_PID" ] && wait "$TAIL_PID" 2>/dev/null
     after_interrupt
@@ -135,9 +138,11 @@ after_interrupt() {
         if [ -e "$RUN_DIR" ]; then say "the run had not started: its logs and launch.lock removed from $RUN_DIR"
         else say "the run had not started: $RUN_DIR removed"; fi
     fi
-    exit 130
+    exit "$STOP_STATUS"
 }
-trap on_interrupt INT TERM HUP  # HUP: the terminal closed (an ssh session dropped): stop as on Ctrl-C
+trap 'on_interrupt 130 SIGINT' INT
+trap 'on_interrupt 143 SIGTERM' TERM
+trap 'on_interrupt 129 SIGHUP' HUP  # the terminal closed (an ssh session dropped): stop as on Ctrl-C
 say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
 # (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp; --no-python: each

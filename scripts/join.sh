@@ -111,13 +111,16 @@ say "joining $RUN from $(hostname) (host id $HOST_ID, $DEVICE, $WORKERS worker(s
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 JOINED_AT=$SECONDS NEXT_SAY=0
 
-on_interrupt() {
-    trap 'kill_now "${WORKER_PID[@]}"; exit 130' INT TERM HUP
-    say "interrupted: stopping the workers (Ctrl-C again: kill them now)"
+on_interrupt() {  # $1: 128 + the signal (exited with, as launch.sh does), $2: its name
+    trap 'kill_now "${WORKER_PID[@]}"; exit '"$1" INT TERM HUP
+    if [ "$1" -eq 130 ]; then say "interrupted: stopping the workers (Ctrl-C again: kill them now)"
+    else say "got $2: stopping the workers (a second signal kills them now)"; fi
     stop_workers
-    exit 130
+    exit "$1"
 }
-trap on_interrupt INT TERM HUP  # HUP: the terminal closed
+trap 'on_interrupt 130 SIGINT' INT
+trap 'on_interrupt 143 SIGTERM' TERM
+trap 'on_interrupt 129 SIGHUP' HUP  # the terminal closed
 
 # ---- 4. supervise: restart dead workers until the PS finishes -----------------------------------
 exec 3>&2  # as in launch.sh: the loop's stderr is /dev/null (bash's own "Killed" lines), fd 3 the terminal's

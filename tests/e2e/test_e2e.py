@@ -212,10 +212,11 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path):
             wait_for(lambda log=log: "claimed job=" in log.read_text(), f"worker {device} to claim a job", TIMEOUT_S,
                      procs=(proc,), poll_s=0.1)
         os.killpg(proc.pid, signal.SIGHUP)
-        assert stopped_status(proc, run_root) == 130
+        assert stopped_status(proc, run_root) == 128 + signal.SIGHUP
     finally:
         kill_run(run_root, proc)
-    assert "interrupted: stopping" in proc.stdout.read()
+    out = proc.stdout.read()
+    assert "got SIGHUP: stopping the parameter server and the workers (a second signal kills them now)" in out, out
     ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
     assert not any(pid_alive(pid) for pid in [ps_pid, *workers])
     assert "[train] interrupted" in (run_root / "logs" / "log_parameter_server.txt").read_text()
