@@ -276,7 +276,8 @@ def _stuck(report: dict) -> list[str]:
 
 
 def _age(seconds) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}s"
+    # (a heartbeat written since the fs clock was read is a few ms in the future: "-0.0s" read oddly)
+    return "-" if seconds is None else f"{max(seconds, 0.0):.1f}s"
 
 
 def format_report(r: dict) -> str:

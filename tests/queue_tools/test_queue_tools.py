@@ -508,3 +508,10 @@ def test_ls_says_a_silent_worker_of_another_host_is_counted_dead_only_past_the_l
     assert "heartbeat 12.0s ago (on host elsewhere: counted dead once 30s old)" in line, line
     assert ("dev3 on host elsewhere silent for 12s (killed, or cut off?): counted dead once its heartbeat is 30s old "
             "(the lease)") in out.splitlines()[-1]
+
+
+def test_an_age_a_few_ms_in_the_future_reads_as_zero():
+    """A heartbeat written after the fs clock was read is a few ms younger than now: ls showed "-0.0s ago"."""
+    from queue_tools.cli import _age
+
+    assert (_age(-0.004), _age(0.04), _age(12.34), _age(None)) == ("0.0s", "0.0s", "12.3s", "-")
