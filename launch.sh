@@ -155,6 +155,8 @@ CUDA_VISIBLE_DEVICES=$(gpu_env 0) ASYNCGRPO_PS_STATUS_FILE="$PS_STATUS_FILE" "${
     >> "$LOGS/log_parameter_server.txt" 2>&1 9>&- &
 PS_PID=$!
 for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
+[ "$WORKERS" -eq 0 ] && say "no worker on this host (--workers 0): training starts once workers join, from other" \
+    "hosts: bash launch.sh --join $RUN_DIR --workers N (docs/hosts.md)"
 # Progress on the terminal: the PS's [train] and [eval] lines and its one-line reason if it stops on an
 # error ("ps: error: ..."; the same reason logged at ERROR level is not shown twice), how a worker decodes and
 # why (--worker_decoding auto's choice, a fallback), its compiling (a minute on a CPU, while the PS waits) and when
