@@ -52,7 +52,13 @@ def test_a_step_without_a_reward_still_prints_its_train_line(caplog):
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("[train] step=7 reward=- ")]
 
 
-def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog):
+@pytest.mark.parametrize("max_steps, logging_steps, shown", [
+    (1000, 1, [1, *range(25, 1001, 25)]),
+    # Only the steps TRL logs have a line: the shown ones are among them (steps 10, 20, 30 of 5, 10, 15 ... before).
+    (60, 5, [1, *range(5, 61, 5)]),
+    (2000, 10, [1, *range(50, 2001, 50)]),
+])
+def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog, max_steps, logging_steps, shown):
     """A 1000-step run: the first, every 25th and the last at INFO (launch.sh's terminal shows those), the others at
     STEP: in the PS's log, not on the terminal."""
     import logging
@@ -63,9 +69,11 @@ def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog)
 
     trainer = SimpleNamespace(pipeline=SimpleNamespace(failed=SimpleNamespace(prompts=0)),
                               cfg=SimpleNamespace(dynamic_sampling=False, difficulty_filter=0),
-                              callback_handler=SimpleNamespace(callbacks=[]), state=SimpleNamespace(max_steps=1000))
+                              callback_handler=SimpleNamespace(callbacks=[]),
+                              state=SimpleNamespace(max_steps=max_steps, logging_steps=logging_steps))
+    logged = [step for step in range(1, max_steps + 1) if step == 1 or step % logging_steps == 0]
     with caplog.at_level(STEP, logger="asyncgrpo.ps"):
-        for step in range(1, 1001):
+        for step in logged:
             line = StepMetrics(step=step, reward=0.5, reward_std=0.1, loss=0.0, grad_norm=0.0, staleness_mean=1.0,
                                staleness_max=1, token_staleness_mean=1.0, weights_version=step - 1,
                                trainer_wait_s=0.002, groups_dropped=0, groups_dropped_total=0, prompts_skipped=0,
@@ -74,9 +82,8 @@ def test_the_terminal_shows_a_few_dozen_step_lines_and_the_log_every_one(caplog)
                                queue_depth={"pending": 1, "processing": 1, "committing": 0, "complete": 0,
                                             "collected": 0})
             AsyncGRPOTrainer._show_progress(trainer, line)
-    shown = [int(r.getMessage().split()[1][5:]) for r in caplog.records if r.levelno == logging.INFO]
-    assert shown == [1, *range(25, 1001, 25)]
-    assert len([r for r in caplog.records if r.getMessage().startswith("[train] step=")]) == 1000
+    assert [int(r.getMessage().split()[1][5:]) for r in caplog.records if r.levelno == logging.INFO] == shown
+    assert len([r for r in caplog.records if r.getMessage().startswith("[train] step=")]) == len(logged)
 
 
 @pytest.mark.parametrize("logging_steps", [1, 10, 500])
