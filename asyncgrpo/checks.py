@@ -257,6 +257,9 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     dataset = load_train_dataset(cfg)
     _check_reward_arguments(cfg, reward_funcs, dataset, hooks.environment_factory is not None)
     notes.append(_ignored_vllm_flags(cfg))
+    if off := getattr(cfg, "_mixed_precision_off", None):
+        notes.append(f"{' '.join(off)}: mixed precision is off on CPU: the model computes in its --dtype, {cfg.dtype}"
+                     + ("" if "16" in str(cfg.dtype) else " (--dtype bfloat16 runs it in bfloat16)"))
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg, dataset, hooks.tools))
     else:

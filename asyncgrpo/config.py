@@ -296,6 +296,8 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
 
             self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device_type == "cpu":
+            # (what the user turned on, said by check_inputs; not a field: not written with the config)
+            self._mixed_precision_off = [f"--{name}" for name in ("bf16", "fp16") if getattr(self, name)]
             self.use_cpu, self.bf16, self.fp16 = True, False, False  # GRPOConfig's bf16 default needs a GPU
         checks = {
             "device_type": (self.device_type in ("cpu", "cuda"), "must be cpu, cuda or auto"),

@@ -208,6 +208,14 @@ def test_vllm_flags_that_do_nothing_here_are_said(user_folder):
     assert not [note for note in check_inputs(cfg, user_folder / "run") if "vllm" in note]
 
 
+def test_mixed_precision_asked_for_on_cpu_is_said_to_be_off(user_folder):
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--bf16", "true"])
+    assert ("--bf16: mixed precision is off on CPU: the model computes in its --dtype, float32 (--dtype bfloat16 runs "
+            "it in bfloat16)") in check_inputs(cfg, user_folder / "run")
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])  # (GRPOConfig's default bf16: nothing asked)
+    assert not [note for note in check_inputs(cfg, user_folder / "run") if "mixed precision is off" in note]
+
+
 def test_a_run_directory_that_cannot_be_written_is_refused(user_folder):
     (user_folder / "a_file").write_text("x")
     cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
