@@ -128,7 +128,14 @@ def _load_dataset(cfg: AsyncGRPOConfig):
     try:
         if os.path.isfile(name):
             kind = {".parquet": "parquet", ".csv": "csv"}.get(Path(name).suffix, "json")
-            return datasets.load_dataset(kind, data_files=name, streaming=streams(cfg))
+            # (its JSON builder logs pyarrow's error before raising it: the one line below says it, once)
+            json_log = logging.getLogger("datasets.packaged_modules.json.json")
+            level = json_log.level
+            json_log.setLevel(logging.CRITICAL)
+            try:
+                return datasets.load_dataset(kind, data_files=name, streaming=streams(cfg))
+            finally:
+                json_log.setLevel(level)
         if os.path.isdir(name) and any(Path(name, f).exists() for f in ("dataset_dict.json", "state.json")):
             return _streamed_if_asked(cfg, datasets.load_from_disk(name))
         if not os.path.isdir(name) and looks_like_a_path(name):
@@ -157,7 +164,7 @@ def _first_bad_line(path: str) -> str | None:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        json.loads(line)
+                        json.loads(line.rstrip("\r\n"))  # (its column, not the next line's first)
                     except json.JSONDecodeError as err:
                         return f"line {number} is not JSON ({err.msg}, at column {err.colno})"
     except (OSError, UnicodeDecodeError) as err:

@@ -33,6 +33,7 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "emptyprompt.jsonl").write_text("\n".join([*rows, json.dumps({"prompt": ""})]) + "\n")
     # Past the 320 KB blocks pyarrow reads a file in (it counts rows within a block).
     (folder / "garbled.jsonl").write_text("\n".join([*rows * 5000, '{"prompt": "4:", }']) + "\n")
+    (folder / "cut.jsonl").write_text("\n".join([*rows, '{"prompt": "4:"']) + "\n")  # its closing brace lost
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "typos.yaml").write_text("temprature: 0.7\nmax_step: 5\n")
@@ -214,6 +215,16 @@ def test_mixed_precision_asked_for_on_cpu_is_said_to_be_off(user_folder):
             "it in bfloat16)") in check_inputs(cfg, user_folder / "run")
     cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])  # (GRPOConfig's default bf16: nothing asked)
     assert not [note for note in check_inputs(cfg, user_folder / "run") if "mixed precision is off" in note]
+
+
+def test_a_line_that_is_not_json_is_said_once_with_its_column(user_folder, caplog):
+    """datasets' JSON builder logged pyarrow's error (twice on the terminal: its own handler and the PS's) before
+    the one line; the column was the next line's first."""
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--dataset_name", "cut.jsonl"])
+    with pytest.raises(ConfigError, match=r"^--dataset_name cut.jsonl: cannot load: line 5 is not JSON \(Expecting "
+                                          r"',' delimiter, at column 16\)$"):
+        check_inputs(cfg, cfg.run_dir)
+    assert not [r for r in caplog.records if r.name.startswith("datasets")], caplog.records
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(user_folder):
