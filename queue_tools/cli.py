@@ -125,19 +125,24 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
     newest_failed = (0.0, None)  # (ctime, path) of the newest job archived failed
     ps = run.read_ps_status()
     failed_since_ps_start = 0  # (those before: a relaunch's history, a reward function fixed since, say)
+    unreadable_since_ps_start = 0  # files archived failed_load: corrupt, hostile, or emptied by compaction
     for entry in fileops.scan(run.done):
         reason = done_reason(entry.name)
         if reason is None:
             done_other += 1
         else:
             done[reason.value] += 1
-        if reason is ArchiveReason.FAILED:
+        if reason in (ArchiveReason.FAILED, ArchiveReason.FAILED_LOAD):
             try:
                 archived_at = entry.stat(follow_symlinks=False).st_ctime  # (the archiving rename's)
             except FileNotFoundError:
                 continue
+            since_ps_start = ps is None or archived_at >= ps.started_at
+            if reason is ArchiveReason.FAILED_LOAD:
+                unreadable_since_ps_start += since_ps_start
+                continue
             newest_failed = max(newest_failed, (archived_at, entry.path))
-            failed_since_ps_start += ps is None or archived_at >= ps.started_at
+            failed_since_ps_start += since_ps_start
     job_timeout_s = ps and ps.job_timeout_s
     stale = [a for a in queue.recover(lease_s=lease_s, dry_run=True, job_timeout_s=job_timeout_s)
              if a.job_id is not None]
@@ -160,6 +165,7 @@ def inspect_run(run: RunDir, lease_s: float = DEFAULT_LEASE_S) -> dict:
         "done_other": done_other,
         "last_failure": newest_failed[1] and failure_of(newest_failed[1]),
         "failed_since_ps_start": failed_since_ps_start,
+        "unreadable_since_ps_start": unreadable_since_ps_start,
         "global_step": global_step,
         "checkpoint": (folder := newest_complete_checkpoint(run.checkpoints)) and folder.name,
         "ps": None if ps is None else {"pid": ps.pid, "host": ps.host, "state": ps.state, "mps": ps.mps,
@@ -234,6 +240,9 @@ def _health(report: dict) -> str:
     if report["failed_since_ps_start"]:
         problems.append(f"{report['failed_since_ps_start']} job(s) failed on every attempt and were not trained on "
                         f"(last error: {report['last_failure'] or 'not kept'})")
+    if report["unreadable_since_ps_start"]:
+        problems.append(f"{report['unreadable_since_ps_start']} file(s) could not be read and were archived "
+                        "failed_load (corrupt, hostile, or a result emptied by compaction: the PS's log names each)")
     if report["done"]["orphaned"]:
         problems.append(f"{report['done']['orphaned']} job(s) orphaned (their workers died on every attempt) and "
                         "not trained on")

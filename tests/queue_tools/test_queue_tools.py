@@ -131,6 +131,17 @@ def test_jobs_that_failed_before_the_running_ps_started_are_history_not_health(r
     assert out.strip().splitlines()[-1].startswith("health: WARN: 1 job(s) failed on every attempt")
 
 
+def test_ls_warns_about_files_that_could_not_be_read(run, queue, capsys):
+    """Results emptied by compaction and re-adopted, or hostile files, were archived failed_load and never trained
+    on while health said OK."""
+    (run.queue / "000001_000_complete_from_dev1.pt").write_bytes(b"")
+    queue.collect(validate=lambda data: None)
+    _, out, _ = run_cli(capsys, "ls", run.root)
+    assert out.strip().splitlines()[-1] == (
+        "health: WARN: 1 file(s) could not be read and were archived failed_load (corrupt, hostile, or a result "
+        "emptied by compaction: the PS's log names each)"), out
+
+
 def test_ls_warns_about_orphaned_jobs(run, queue, capsys):
     queue.put_job("000001_000", {}, created_step=1)
     queue.claim(1)
