@@ -416,7 +416,8 @@ def format_text(r: dict) -> str:
         lines.append("archived: " + ", ".join(f"{reason} {n}" for reason, n in r["archived"].items())
                      + (f" (stale: {pct(r['stale_fraction'])} of collected results)" if r["stale_fraction"] else ""))
     lines.append(f"diagnosis: {r['diagnosis']}")
-    lines.append(f"trace: {r['trace']} (ui.perfetto.dev -> Open trace file, or chrome://tracing)")
+    if r["trace"]:
+        lines.append(f"trace: {r['trace']} (ui.perfetto.dev -> Open trace file, or chrome://tracing)")
     lines.append(f"plots: {', '.join(r['plots'])}" if r["plots"] else r["plots_note"])
     return "\n".join(lines)
 
@@ -436,14 +437,14 @@ def make_report(run: RunDir) -> dict | None:
     ps = run.read_ps_status()
     report["mps"] = ps.mps if ps is not None else None  # NVIDIA MPS, as launch.sh found it ("on", "off: why")
     out_dir = run.root / "report"
-    out_dir.mkdir(exist_ok=True)
+    report["trace"], report["plots"], report["plots_note"] = None, [], None
     trace = build_trace(tracks)
     tmp = out_dir / ".trace.json.tmp"
-    tmp.write_text(json.dumps(trace, separators=(",", ":")))
-    tmp.replace(out_dir / "trace.json")
-    report["trace"] = str(out_dir / "trace.json")
-    report["plots"], report["plots_note"] = [], None
     try:
+        out_dir.mkdir(exist_ok=True)
+        tmp.write_text(json.dumps(trace, separators=(",", ":")))
+        tmp.replace(out_dir / "trace.json")
+        report["trace"] = str(out_dir / "trace.json")
         from queue_tools import plots
         report["plots"] = [str(p) for p in plots.make_plots(out_dir, run, tracks,
                                                             trace["otherData"]["origin_mono_s"])]
@@ -451,6 +452,9 @@ def make_report(run: RunDir) -> dict | None:
         if not (err.name or "").startswith("matplotlib"):
             raise
         report["plots_note"] = PLOTS_HINT
+    except OSError as err:  # (a full disk: the numbers above need none)
+        tmp.unlink(missing_ok=True)
+        report["plots_note"] = f"trace and plots: cannot write them in {out_dir}: {err.strerror or err}"
     return report
 
 

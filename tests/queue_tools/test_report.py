@@ -447,6 +447,26 @@ def test_plots_are_pngs(tmp_path, capsys):
         assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_on_a_full_disk_the_report_prints_its_numbers_and_says_what_it_could_not_write(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """It printed only "queue_tools: error: [Errno 28] No space left on device": the numbers need no disk."""
+    import errno
+    import os
+
+    syn = synthetic_run(tmp_path / "run")
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    assert call_main(["report", syn["run"].root]) == 0
+    out = capsys.readouterr().out
+    assert "diagnosis: " in out and "trace: " not in out
+    where = syn["run"].root / "report"
+    assert out.splitlines()[-1] == f"trace and plots: cannot write them in {where}: No space left on device"
+    assert list((syn["run"].root / "report").iterdir()) == []  # (no temp file left)
+
+
 @pytest.mark.process
 def test_without_matplotlib_the_report_still_runs_and_says_how_to_get_plots(tmp_path):
     syn = synthetic_run(tmp_path / "run")
