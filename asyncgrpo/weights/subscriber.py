@@ -145,8 +145,8 @@ class Subscriber:
 
     def _give_up(self, info: dict, why: str) -> None:
         if self._failed is None or self._failed[0] != info["publisher_id"]:
-            log.warning("[weights] %s publisher %s: %s; keeping the current weights",
-                        info["transport"], info["publisher_id"][:8], why)
+            log.warning("[weights] %s publisher %s: %s; keeping %s", info["transport"], info["publisher_id"][:8],
+                        why, "the current weights" if self._synced else "the weights it loaded (none synced yet)")
         self._drop_reader()
         self._failed = (info["publisher_id"], time.monotonic() + RETRY_S)
 

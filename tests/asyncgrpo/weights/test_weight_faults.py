@@ -195,7 +195,7 @@ def test_a_ps_dying_mid_rewrite_leaves_nothing_torn_to_read(run):
 # ---------------------------------------------------------------- a SIGKILLed PS's buffers
 
 @pytest.mark.process
-def test_queue_tools_cleanup_frees_the_buffers_of_a_sigkilled_ps_only(run, capsys):
+def test_queue_tools_cleanup_frees_the_buffers_of_a_sigkilled_ps_only(run, capsys, caplog):
     from queue_tools.cli import main as queue_tools
 
     ps = run_script("publish_and_wait", str(run.root), stdin=subprocess.PIPE)
@@ -222,6 +222,10 @@ def test_queue_tools_cleanup_frees_the_buffers_of_a_sigkilled_ps_only(run, capsy
         assert not folder.exists()
         assert queue_tools(["cleanup", str(run.root), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["weight_buffers"] == []
+        # A worker started now finds the version file naming the dead PS's buffers: it has synced nothing to keep.
+        with caplog.at_level(logging.WARNING), closing(make_subscriber(run)) as fresh:
+            assert fresh.sync(mixed_model()) is None
+        assert "cannot open" in caplog.text and "keeping the weights it loaded (none synced yet)" in caplog.text
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # RAM, not disk: never left behind by a failed test
 
