@@ -207,14 +207,14 @@ def _check_reward_arguments(cfg: AsyncGRPOConfig, funcs: list, dataset, environm
     the columns it does not name."""
     import inspect
 
+    from torch import nn
+
     first = next(iter(dataset), None)
     if not isinstance(first, dict):
         return
     columns = [key for key in first if key not in ("prompt", "completion", "completion_ids")]
     passed = {*REWARD_KEYWORDS, *columns, *(["environments"] if environment else [])}
     source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
-    from torch import nn
-
     for func in funcs:
         if not callable(func) or isinstance(func, nn.Module):  # (a reward model: TRL calls it on token ids)
             continue
