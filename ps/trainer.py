@@ -377,8 +377,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _show_progress(self, line: metrics.StepMetrics) -> None:
         dropped = self.pipeline.failed.prompts  # jobs that failed on every attempt: never trained on
-        max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or 0
-        logged = max(1, int(getattr(self.state, "logging_steps", 1) or 1))  # (only the steps logged have a line)
+        state = getattr(self, "state", None)
+        max_steps = getattr(state, "max_steps", 0) or 0
+        logged = max(1, int(getattr(state, "logging_steps", 1) or 1))  # (only the steps logged have a line)
         every = logged * max(1, round(max_steps / (logged * TERMINAL_STEP_LINES)))
         shown = line.step % every == 0 or line.step == 1 or line.step >= max_steps
         # (reward None: every reward function returned None for every row of the step, which TRL allows)
