@@ -225,6 +225,9 @@ def _health(report: dict) -> str:
             # (another host's: no lock or pid to go by, only its heartbeat's age)
             problems.append(f"dev{w['device']} on host {w['host']} silent for {w['heartbeat_age_s']:.0f}s (killed, "
                             f"or cut off?): counted dead once its heartbeat is {report['lease_s']:g}s old (the lease)")
+        elif (w["heartbeat_age_s"] or 0) > report["lease_s"]:  # (alive by its lock, and nothing heard for a lease)
+            problems.append(f"dev{w['device']} silent for {w['heartbeat_age_s']:.0f}s, past the lease (stopped or "
+                            f"swapped out? kill -CONT {w['pid']} resumes a stopped process)")
     if dead:
         problems.append(f"{len(dead)} dead worker(s)")
     if report["junk"]:

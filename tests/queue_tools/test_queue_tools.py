@@ -521,6 +521,20 @@ def test_ls_says_a_silent_worker_of_another_host_is_counted_dead_only_past_the_l
             "(the lease)") in out.splitlines()[-1]
 
 
+def test_ls_warns_about_a_live_worker_silent_past_the_lease(run, capsys):
+    """A worker stopped with kill -STOP, its job taken back after the lease: alive by its lock, silent, and health
+    said OK."""
+    presence = WorkerPresence(run, 1, interval_s=3600).start()  # (its lock held; no beat after the first)
+    try:
+        backdate(run.heartbeat_file(1), LEASE_S + 10)
+        _, out, _ = run_cli(capsys, "ls", run.root)
+    finally:
+        presence.stop()
+    assert out.strip().splitlines()[-1] == (
+        f"health: WARN: dev1 silent for {LEASE_S + 10:.0f}s, past the lease (stopped or swapped out? kill -CONT "
+        f"{os.getpid()} resumes a stopped process)"), out
+
+
 def test_an_age_a_few_ms_in_the_future_reads_as_zero():
     """A heartbeat written after the fs clock was read is a few ms younger than now: ls showed "-0.0s ago"."""
     from queue_tools.cli import _age
