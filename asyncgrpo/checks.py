@@ -202,9 +202,9 @@ REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", 
 
 
 def _check_reward_arguments(cfg: AsyncGRPOConfig, funcs: list, dataset, environment: bool) -> None:
-    """Each reward function takes what TRL passes it: a parameter without a default that names no column of the
-    dataset failed every job (and the run, after --max_failed_in_a_row of them); one without ``**kwargs`` fails on
-    the columns it does not name."""
+    """Each reward function takes what TRL passes it, by keyword: a parameter without a default that names no column
+    of the dataset failed every job (and the run, after --max_failed_in_a_row of them); one without ``**kwargs`` fails
+    on the columns it does not name. (A --rollout_func passes its output's fields too, which only a rollout tells.)"""
     import inspect
 
     from torch import nn
@@ -218,24 +218,26 @@ def _check_reward_arguments(cfg: AsyncGRPOConfig, funcs: list, dataset, environm
     for func in funcs:
         if not callable(func) or isinstance(func, nn.Module):  # (a reward model: TRL calls it on token ids)
             continue
-        try:
-            params = inspect.signature(func).parameters.values()
-        except (TypeError, ValueError):  # (a builtin, a model: nothing to read)
+        try:  # (the signature TRL calls: a decorator's wrapper, not the function it wraps)
+            params = inspect.signature(func, follow_wrapped=False).parameters.values()
+        except (TypeError, ValueError):  # (a builtin: nothing to read)
             continue
         name = getattr(func, "__name__", type(func).__name__)
-        if any(p.kind is p.VAR_KEYWORD for p in params) or any(p.kind is p.VAR_POSITIONAL for p in params):
-            unnamed = []
-        else:
-            unnamed = sorted(passed - {p.name for p in params})
-        needed = [p.name for p in params if p.default is p.empty and p.name not in passed
-                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if needed:
+        required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if positional := [p.name for p in required if p.kind is p.POSITIONAL_ONLY]:
+            raise ConfigError(f"--reward_funcs: {name} takes {', '.join(positional)} by position only, and TRL passes "
+                              "every argument by keyword: drop the '/' from its parameters")
+        needed = [p.name for p in required if p.name not in passed]
+        if needed and not cfg.rollout_func:
+            where = (f"{source} has none of that name (its columns: {', '.join(['prompt', *columns])})"
+                     + ("; TRL passes environments only with --environment_factory" if "environments" in needed
+                        else ""))
             raise ConfigError(f"--reward_funcs: {name} needs {', '.join(repr(n) for n in needed)}, which TRL passes "
-                              f"only as a column of the dataset, and {source} has none of that name (its columns: "
-                              f"{', '.join(['prompt', *columns])})")
-        if unnamed:
-            raise ConfigError(f"--reward_funcs: {name} takes no **kwargs, and TRL passes every reward function "
-                              f"{', '.join(unnamed)} as well: add **kwargs to its parameters")
+                              f"only as a column of the dataset, and {where}")
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            if unnamed := sorted(passed - {p.name for p in params}):
+                raise ConfigError(f"--reward_funcs: {name} takes no **kwargs, and TRL passes every reward function "
+                                  f"{', '.join(unnamed)} as well: add **kwargs to its parameters")
 
 
 def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]:
@@ -257,9 +259,9 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     dataset = load_train_dataset(cfg)
     _check_reward_arguments(cfg, reward_funcs, dataset, hooks.environment_factory is not None)
     notes.append(_ignored_vllm_flags(cfg))
-    if off := getattr(cfg, "_mixed_precision_off", None):
-        notes.append(f"{' '.join(off)}: mixed precision is off on CPU: the model computes in its --dtype, {cfg.dtype}"
-                     + ("" if "16" in str(cfg.dtype) else " (--dtype bfloat16 runs it in bfloat16)"))
+    if (off := getattr(cfg, "_mixed_precision_off", None)) and "16" not in str(cfg.dtype):  # (else: half_dtype_note)
+        notes.append(f"{' '.join(off)}: mixed precision is off on CPU: the model computes in its --dtype, {cfg.dtype} "
+                     "(--dtype bfloat16 runs it in bfloat16)")
     if cfg.model_name_or_path is not None:
         notes.append(_check_model(cfg, dataset, hooks.tools))
     else:

@@ -134,21 +134,27 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """The optimizer's and the schedule's state from ``checkpoint``, under this launch's hyperparameters:
         torch's load_state_dict brings back the ones the checkpoint was trained with (its learning rate, weight
         decay, betas), and a relaunch that said it changed them would have trained on with the old ones. The
-        learning rate of the next step is the schedule's at that step, of the new base rate."""
+        learning rate of the next step is the schedule's at that step, of the new base rate (the schedule transformers
+        rebuilt over this launch's --max_steps)."""
         fresh = [{k: group[k] for k in RESTORED_HYPERPARAMETERS if k in group} for group in self.optimizer.param_groups]
         fresh_base = list(getattr(self.lr_scheduler, "base_lrs", []))
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or len(fresh_base) != len(fresh):
             return
-        for group, hyper, new, old in zip(self.optimizer.param_groups, fresh, fresh_base, self.lr_scheduler.base_lrs,
-                                          strict=True):
+        scheduler = self.lr_scheduler
+        factors = getattr(scheduler, "lr_lambdas", None)  # transformers' schedules, rebuilt for this launch's steps
+        for i, (group, hyper, new, old) in enumerate(zip(self.optimizer.param_groups, fresh, fresh_base,
+                                                         scheduler.base_lrs, strict=True)):
             group.update(hyper)
-            group["lr"] = group["lr"] * new / old if old else new  # (the schedule's factor at this step, kept)
+            if factors:  # (a finished run's old schedule ends at 0: a longer relaunch's goes on from its own)
+                group["lr"] = new * factors[i](scheduler.last_epoch)
+            else:  # the old schedule's factor at this step, of the new base rate
+                group["lr"] = group["lr"] * new / old if old else new
             if "initial_lr" in group:
                 group["initial_lr"] = new
-        self.lr_scheduler.base_lrs = fresh_base
+        scheduler.base_lrs = fresh_base
         # What transformers logs as the step's learning rate (torch's step sets it so, from the groups)
-        self.lr_scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _start_pipeline(self) -> None:
         """Called once model, optimizer and step are restored: adopt the queue, then feed it."""

@@ -20,6 +20,41 @@ from asyncgrpo.checks import check_inputs
 from asyncgrpo.config import ConfigError
 from asyncgrpo.config_parser import parse_config
 
+STRICT_REWARDS = """
+import functools
+
+def needs_solution(completions, solution, **kwargs):
+    return [1.0]
+
+def no_kwargs(prompts, completions):
+    return [1.0]
+
+def positional(prompts, completions, /, **kwargs):
+    return [1.0]
+
+def star_args(*args):
+    return [1.0]
+
+def needs_environments(completions, environments, **kwargs):
+    return [1.0]
+
+def needs_rollout_field(completions, env_reward, **kwargs):  # (a --rollout_func's output field)
+    return env_reward
+
+def passing_what_it_names(function):  # a decorator whose wrapper takes everything TRL passes
+    @functools.wraps(function)
+    def wrapper(**kwargs):
+        return function(**{k: kwargs[k] for k in ("completions",)})
+    return wrapper
+
+@passing_what_it_names
+def decorated(completions):
+    return [1.0]
+
+def rollout(prompts, trainer):
+    return {}
+"""
+
 
 @pytest.fixture
 def user_folder(tmp_path, monkeypatch):
@@ -37,8 +72,7 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "typos.yaml").write_text("temprature: 0.7\nmax_step: 5\n")
-    (folder / "strict.py").write_text("def needs_solution(completions, solution, **kwargs):\n    return [1.0]\n\n"
-                                      "def no_kwargs(prompts, completions):\n    return [1.0]\n")
+    (folder / "strict.py").write_text(STRICT_REWARDS)
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
                       "unknown_type": lambda m: (m / "config.json").write_text('{"model_type": "no-such-model"}'),
@@ -62,6 +96,12 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
      "only as a column of the dataset, and --dataset_name data has none of that name (its columns: prompt)"),
     (["--reward_funcs", "strict:no_kwargs"], "--reward_funcs: no_kwargs takes no **kwargs, and TRL passes every reward "
      "function completion_ids, log_extra, log_metric, trainer_state as well: add **kwargs to its parameters"),
+    (["--reward_funcs", "strict:positional"], "--reward_funcs: positional takes prompts, completions by position "
+     "only, and TRL passes every argument by keyword: drop the '/' from its parameters"),
+    (["--reward_funcs", "strict:star_args"], "--reward_funcs: star_args takes no **kwargs"),
+    (["--reward_funcs", "strict:needs_environments"], "--reward_funcs: needs_environments needs 'environments', which "
+     "TRL passes only as a column of the dataset, and --dataset_name data has none of that name (its columns: prompt); "
+     "TRL passes environments only with --environment_factory"),
     (["--dataset_name", "garbled.jsonl"], "--dataset_name garbled.jsonl: cannot load: line 20001 is not JSON "
      "(Expecting property name enclosed in double quotes, at column 18)"),
     (["--dataset_train_split", "nope"], "--dataset_train_split nope: --dataset_name data has no split 'nope'"),
@@ -189,6 +229,15 @@ def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(use
                     "--model_name_or_path for your model")
     cfg = parse_config(["--device_type", "cpu", *USER_FLAGS])
     assert not [n for n in check_inputs(cfg, user_folder / "run") if "--model_name_or_path" in n]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--reward_funcs", "strict:decorated"],  # (the wrapper TRL calls takes **kwargs; what it wraps does not)
+    ["--reward_funcs", "strict:needs_rollout_field", "--rollout_func", "strict:rollout"],
+], ids=["decorated", "rollout_field"])
+def test_reward_functions_trl_can_call_are_not_refused(user_folder, flags):
+    cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, *flags])
+    check_inputs(cfg, user_folder / "run")
 
 
 def test_liger_kernels_that_are_not_installed_are_refused_before_the_run_starts(user_folder, monkeypatch):

@@ -99,6 +99,23 @@ def test_a_relaunch_trains_on_with_its_own_learning_rate_and_weight_decay(finish
     assert {group["initial_lr"] for group in groups} == {0.01}
 
 
+@pytest.mark.process
+def test_a_longer_relaunch_of_a_finished_run_trains_on_its_own_schedule(finished_demo_run, tmp_path):
+    """A finished run's linear schedule ends at 0: relaunched with --max_steps 10 and --learning_rate 0.01, its step 9
+    trained at the old schedule's 0 (its factor kept), though the PS said the rate went on at 0.002."""
+    run_root = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
+    flags = [*run_flags(10, save_steps=3), "--learning_rate", "0.01"]
+    with RunProcesses(run_root, *flags) as run:
+        run.ps()
+        run.workers(1)
+        run.expect_ps_exit(0)
+    assert "the learning rate goes from 0.000125 (its last step's) to 0.002" in run.ps_log.read_text()
+    state = json.loads((run_root / "checkpoints" / "checkpoint-10" / "trainer_state.json").read_text())
+    rates = {entry["step"]: entry["learning_rate"] for entry in state["log_history"] if "learning_rate" in entry}
+    assert [rates[9], rates[10]] == pytest.approx([0.01 * 2 / 10, 0.01 * 1 / 10], rel=1e-6), rates
+
+
 def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog):
     # A PS killed while appending a step's line leaves it cut short, without its newline.
     from ps.trainer import AsyncGRPOTrainer
