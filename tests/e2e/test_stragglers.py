@@ -65,6 +65,8 @@ def stop_while_holding_a_job(root, worker, device: int, ps) -> list[str]:
     while True:
         wait_for(lambda: held_by(root, device), f"dev{device} to hold a job", worker, ps)
         worker.send_signal(signal.SIGSTOP)
+        # (the signal lands after send_signal returns: a worker looked at before it stopped could still finish the job)
+        helpers.wait_until_stopped(worker, TIMEOUT_S)
         if held := held_by(root, device):
             return held
         worker.send_signal(signal.SIGCONT)  # it finished that job between the look and the stop
@@ -94,7 +96,6 @@ def test_a_slow_worker_and_a_stopped_worker_do_not_stall_the_trainer(tmp_path):
         held = stop_while_holding_a_job(root, workers[2], 2, ps)
         stopped_at, stop_step = time.monotonic(), step(root)
         try:
-            helpers.wait_until_stopped(workers[2], TIMEOUT_S)
             helpers.backdate(root / "workers" / "dev2.json", 7.0)  # its heartbeat, as if stopped 7 s ago
             ls = subprocess.run([sys.executable, "-m", "queue_tools", "ls", str(root), "--json"], cwd=REPO,
                                 env=PROCESS_ENV, capture_output=True, text=True, timeout=60, check=True)
