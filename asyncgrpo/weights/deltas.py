@@ -23,11 +23,9 @@ where the delta writes is caught too. A full anchor's tensors are checked whole.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from asyncgrpo.weights.memcopy import spread, take
+from asyncgrpo.weights.memcopy import take
 
 MASK32 = (1 << 32) - 1
 _CHUNK = 1 << 22  # words per pass of a whole tensor's checksum (bounded temporaries)
@@ -144,16 +142,15 @@ def encode(previous_bits: torch.Tensor, new_bits: torch.Tensor, positions: torch
     return parts, positions, values, updated(checksum, before, after)
 
 
-_DECODE_CHUNK = 1 << 20  # positions a task of ``decode`` takes: its temporaries stay in the caches
+_DECODE_CHUNK = 1 << 20  # positions decoded at a time: the temporaries stay in the caches
 
 
 def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtype
            ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """A delta's positions (int64) and the bits it writes, given the flat tensor it applies to
     (``held``, on any device; its values read in the files' ``dtype``), and the checksum's sums over the bits held
-    and the bits written at those positions (``position_sums``). Chunk by chunk, the chunks spread over torch's
-    threads on a CPU: at a learning rate of 1e-5 a sixth of a model's elements change, and torch takes a running
-    sum (the positions from their gaps) and a gather on one thread."""
+    and the bits written at those positions (``position_sums``). Chunk by chunk: at a learning rate of 1e-5 a sixth
+    of a model's elements change, and each step over all of them at once would pass through main memory."""
     gaps = parts.get("gap")
     indices = parts["idx"] if gaps is None else None
     count = (gaps if gaps is not None else indices).numel()
@@ -162,42 +159,36 @@ def decode(parts: dict[str, torch.Tensor], held: torch.Tensor, dtype: torch.dtyp
         raise ValueError(f"a delta of {count} positions with {values.numel()} values")
     if "dif" in parts and (dtype.itemsize == 8 or values.dtype != torch.int8):  # (never written so: ``encode``)
         raise ValueError(f"one-byte differences of {values.dtype} for {dtype} elements")
+    if "dif" not in parts and values.dtype != _INT_OF_SIZE[dtype.itemsize]:
+        raise ValueError(f"values of {values.dtype} for {dtype} elements")
     held = held.detach()
     positions = torch.empty(count, dtype=torch.int64)
-    written = torch.empty(count, dtype=_INT_OF_SIZE[dtype.itemsize])
-    starts = list(range(0, count, _DECODE_CHUNK))
-    # The position before each chunk's first: the gaps before it, summed.
-    lasts = [-1] * len(starts) if gaps is None else list(itertools.accumulate(
-        (int(gaps[start:start + _DECODE_CHUNK].sum(dtype=torch.int64)) for start in starts[:-1]), initial=-1))
-
-    def chunk(start: int, last: int) -> tuple[int, int]:
+    written = parts["val"] if "dif" not in parts else torch.empty(count, dtype=_INT_OF_SIZE[dtype.itemsize])
+    before = after = 0
+    last = -1  # the position before the chunk's first
+    for start in range(0, count, _DECODE_CHUNK):
         end = start + _DECODE_CHUNK
         at = positions[start:end]
         if gaps is not None:
-            # (widened first: torch's cumsum of uint8 into int64 is ten times slower than of int64)
-            torch.cumsum(gaps[start:end].to(torch.int64), 0, out=at).add_(last)
-            lowest, highest = at[0], at[-1]
+            torch.cumsum(gaps[start:end], 0, out=at).add_(last)
+            lowest, highest = int(at[0]), int(at[-1])
+            last = highest
         else:
             at.copy_(indices[start:end])
-            lowest, highest = at.aminmax()
+            lowest, highest = (int(x) for x in at.aminmax())
         if lowest < 0 or highest >= held.numel():  # (on a GPU an index out of range would end the process)
             raise IndexError(f"a delta's position lies outside the tensor's {held.numel()} elements")
-        old = flat_bits(torch.index_select(held, 0, at.to(held.device)).to(dtype)).cpu()
-        if "dif" not in parts:
-            written[start:end] = parts["val"][start:end]
-            return position_sums(at, old, written[start:end])
-        # (2- and 4-byte elements: their words are their bits as int32; int32 wraps as the writer's difference did.
-        # The new words are those of the bits written, as a difference off int16's range, of no file encode writes,
-        # wraps there.)
-        old_words = old.to(torch.int32)
-        written[start:end] = old_words + parts["dif"][start:end]
-        return word_sums(at, old_words, written[start:end].to(torch.int32))
-
-    items = list(zip(starts, lasts, strict=True))
-    # Two threads at most: each runs a chunk's elementwise ops on a team of torch's threads of its own, so more would
-    # multiply the threads of a many-core host (measured on 2 cores only).
-    sums = spread(chunk, items, most=2) if held.device.type == "cpu" else [chunk(*item) for item in items]
-    return positions, written, sum(s[0] for s in sums) & MASK32, sum(s[1] for s in sums) & MASK32
+        old = flat_bits(take(held, at.to(held.device)).to(dtype)).cpu()
+        new = written[start:end]
+        if "dif" in parts:  # (wrapping as the writer's difference did)
+            torch.add(old, parts["dif"][start:end], out=new)
+        if old.element_size() == 8:
+            sums = position_sums(at, old, new)
+        else:  # ``word_sums``, its weights computed in place and each sum one pass
+            weights = at.to(torch.int32).mul_(_TWO_K).add_(_K)
+            sums = int(torch.dot(weights, old.to(torch.int32))), int(torch.dot(weights, new.to(torch.int32)))
+        before, after = before + sums[0], after + sums[1]
+    return positions, written, before & MASK32, after & MASK32
 
 
 def mostly_changed(numel: int, changed: int) -> bool:

@@ -16,9 +16,11 @@ only run inference with and for the PS's read-only side.
 A delta's elements (deltas.py) are spread over the whole tensor: at 1.6% changed, one in
 every second cache line. Reading them is bound by memory latency, and torch's
 ``index_select`` reads on one thread: ``take`` spreads the positions over the threads too
-(1.6% of a 272 MB bfloat16 matrix: 20 ms on one thread, 10 ms on two, on the 2-vCPU VM), and
-a delta's decode spreads its chunks (``spread``). ``index_copy_`` writes on torch's threads
-already (12 ms there, against 18 ms for an assignment through the positions).
+(1.6% of a 272 MB bfloat16 matrix: 20 ms on one thread, 10 ms on two, on the 2-vCPU VM).
+``index_copy_`` writes on torch's threads already (12 ms there, against 18 ms for an
+assignment through the positions). But most of a model's tensors change in fewer elements
+than torch runs an op over threads for (at 1e-6, a median of 16K positions a tensor at 0.5B),
+so a reader spreads a version's tensors over two threads too (``spread``; snapshot.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -86,21 +88,34 @@ def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 _MIN_TAKE = 1 << 14  # positions below which one thread takes them all (a thread's hand-off costs more)
 
 
+_in_share = threading.local()  # set while a thread runs a share of ``spread``
+
+
 def spread(fn, items: list, most: int | None = None) -> list:
     """``[fn(*item) for item in items]``, the items spread over torch's threads (at most ``most``), the calling thread
-    taking a share. ``fn`` runs with autograd on (``torch.no_grad`` is the caller thread's) and must not call
-    ``spread``: a task that waited for tasks of its own could wait for itself."""
+    taking a share. Called from within a share, it runs the items itself: a share that waited for shares of its own
+    could wait for itself. Returns, or raises what a share raised, once every share has ended (a share still running
+    could write after its caller went on). ``fn`` runs with autograd on (``torch.no_grad`` is the caller thread's)."""
     threads = min(max(1, torch.get_num_threads()), len(items), most or len(items))
-    if threads <= 1:
+    if threads <= 1 or getattr(_in_share, "on", False):
         return [fn(*item) for item in items]
+
+    def run(share: list[int]) -> list:
+        _in_share.on = True
+        try:
+            return [fn(*items[i]) for i in share]
+        finally:
+            _in_share.on = False
+
     shares = [list(range(i, len(items), threads)) for i in range(threads)]
-    futures = [_executor(threads - 1).submit(lambda share: [fn(*items[i]) for i in share], share)
-               for share in shares[1:]]
+    futures = [_executor(threads - 1).submit(run, share) for share in shares[1:]]
+    try:
+        mine = run(shares[0])
+    finally:
+        wait(futures)
     results: list = [None] * len(items)
-    for i, result in zip(shares[0], [fn(*items[i]) for i in shares[0]], strict=True):
-        results[i] = result
-    for share, future in zip(shares[1:], futures, strict=True):
-        for i, result in zip(share, future.result(), strict=True):
+    for share, share_results in zip(shares, [mine, *(f.result() for f in futures)], strict=True):
+        for i, result in zip(share, share_results, strict=True):
             results[i] = result
     return results
 

@@ -61,7 +61,7 @@ from asyncgrpo.weights.base import (
     version_path,
 )
 from asyncgrpo.weights.layout import WeightsMismatch
-from asyncgrpo.weights.memcopy import put
+from asyncgrpo.weights.memcopy import put, spread
 
 ANCHOR_EVERY = 20  # versions per chain: a reader that fell behind reads an anchor and at most this many deltas
 KEEP = 2  # the newest files are kept whatever else: a reader that read the version file just before a publish
@@ -325,11 +325,14 @@ class SnapshotReader:
 
     def _apply(self, version: int, tensors: dict, checksums: dict, dsts: list[torch.Tensor], idx: list[int],
                anchor: bool) -> None:
-        """Checks every tensor of the file against its checksum, then writes them (nothing written if one fails)."""
+        """Checks every tensor of the file against its checksum, then writes them (nothing written if one fails).
+        On a CPU, the deltas of the tensors are decoded and written spread over two threads: most tensors change in
+        fewer elements than torch runs an op over threads for (``memcopy.spread``)."""
         by_entry: dict[int, list[torch.Tensor]] = {}
         for dst, i in zip(dsts, idx, strict=True):
             by_entry.setdefault(i, []).append(dst)
-        writes, sums, dtypes = [], {}, {}
+        writes, changed, sums, dtypes = [], [], {}, {}
+        threads = 2 if all(t.device.type == "cpu" for t in dsts) else 1
         try:
             for i, targets in by_entry.items():
                 name = self.layout.entries[i].name
@@ -345,9 +348,9 @@ class SnapshotReader:
                     writes.append((targets, None, whole))
                     dtypes[name] = whole.dtype
                 else:
-                    positions, values = self._decoded(version, name, tensors, targets[0], expected)
-                    writes.append((targets, positions, values))
+                    changed.append((version, name, tensors, targets, expected))
                 sums[name] = expected
+            writes += spread(self._decoded, changed, most=threads)
         except WeightsMismatch:
             raise
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
@@ -355,12 +358,7 @@ class SnapshotReader:
         # Whole tensors go to the device one by one, a delta's positions and values chunk by chunk (``put``): on a
         # GPU, all of them at once would weigh as much as the model at an anchor, and a sixth of it at 1e-5.
         try:
-            for targets, positions, values in writes:
-                for dst in targets:
-                    if positions is None:
-                        dst.copy_(values)
-                    else:
-                        put(dst.view(-1), positions, values.to(dst.dtype))
+            spread(_write, writes, most=threads)
         except BaseException:
             self._held = self._held_in = None  # written in part: the next sync starts from an anchor
             raise
@@ -368,10 +366,12 @@ class SnapshotReader:
         self._dtypes = dtypes if anchor else {**self._dtypes, **dtypes}
         self._held, self._held_in = version, _identity(dsts)
 
-    def _decoded(self, version: int, name: str, tensors: dict, held: torch.Tensor, expected: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A delta's positions and new values for ``name``, checked against its checksum and the bits held. A
-        worker holding a wider dtype than the files' (their values, widened exactly) is read back in the files'."""
+    def _decoded(self, version: int, name: str, tensors: dict, targets: list[torch.Tensor], expected: int
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``targets`` and the positions and new values of ``name``'s delta, checked against its checksum and the
+        bits the first target holds. A worker holding a wider dtype than the files' (their values, widened exactly) is
+        read back in the files'."""
+        held = targets[0]
         dtype = self._dtypes[name]
         if torch.promote_types(held.dtype, dtype) != held.dtype:
             raise WeightsMismatch(f"the worker holds {name} in {held.dtype}, narrower than the published "
@@ -383,10 +383,20 @@ class SnapshotReader:
             raise BadDelta(version, f"the worker's {name} is not v{self._held} where v{version}'s delta writes")
         if deltas.updated(self._checksums[name], before, after) != expected:
             raise BadDelta(version, f"v{version}'s delta of {name} does not check out against v{self._held}")
-        return positions, new_bits.view(dtype)
+        return targets, positions, new_bits.view(dtype)
 
     def close(self) -> None:
         pass
+
+
+def _write(targets: list[torch.Tensor], positions: torch.Tensor | None, values: torch.Tensor) -> None:
+    """A tensor whole (``positions`` None), or its delta's values at ``positions``, into every target."""
+    with torch.no_grad():  # (a thread of ``spread`` does not share its caller's)
+        for dst in targets:
+            if positions is None:
+                dst.copy_(values)
+            else:
+                put(dst.view(-1), positions, values.to(dst.dtype))
 
 
 def _chain(info: dict) -> list[int]:

@@ -143,11 +143,12 @@ def test_a_delta_without_positions_or_with_positions_outside_its_tensor_is_refus
         deltas.decode(two, held, held.dtype)
     at = {"idx": torch.tensor([5, 7], dtype=torch.int32)}
     # Parts no writer makes: fewer values than positions (one would be added to every position), differences of
-    # 8-byte elements or wider than a byte.
+    # 8-byte elements or wider than a byte, values wider than the elements.
     for parts, dtype in (({**at, "dif": torch.zeros(1, dtype=torch.int8)}, torch.bfloat16),
                          ({**at, "val": torch.zeros(3, dtype=torch.int16)}, torch.bfloat16),
                          ({**at, "dif": torch.zeros(2, dtype=torch.int8)}, torch.float64),
-                         ({**at, "dif": torch.zeros(2, dtype=torch.int16)}, torch.bfloat16)):
+                         ({**at, "dif": torch.zeros(2, dtype=torch.int16)}, torch.bfloat16),
+                         ({**at, "val": torch.zeros(2, dtype=torch.int32)}, torch.bfloat16)):
         with pytest.raises(ValueError):
             deltas.decode({**parts, "was": torch.tensor([0])}, held.to(dtype), dtype)
     for positions in ({"idx": torch.tensor([5, 100], dtype=torch.int32)}, {"idx": torch.tensor([-1, 5])},
@@ -284,6 +285,43 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
             train_step(ps, version)
             publisher.publish(version, version)
         assert subscriber.sync(worker) == last and bits_equal(worker, published(ps))
+    subscriber.close()
+
+
+def test_a_lora_worker_applies_deltas_to_its_adapter_across_threads(run):
+    """A PEFT worker's synced tensors are its adapter's parameters, which require grad; a delta's tensors are
+    written on two threads, and a thread does not share its caller's torch.no_grad."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def lora_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+        return get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+    ps, worker = lora_model(), lora_model()  # (the worker holds float32: the bf16 files' values, widened)
+    adapter = [p for p in ps.parameters() if p.requires_grad]
+    subscriber = make_subscriber(run)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
+            for version in (1, 2):
+                gen = torch.Generator().manual_seed(version)
+                with torch.no_grad():
+                    for p in adapter:
+                        p.add_(torch.randn(p.shape, generator=gen) * (1e-2 if version == 1 else 1e-5))
+                publisher.publish(version, version)
+                assert subscriber.sync(worker) == version
+            assert len([n for n in load_file(snapshot_path(run, 2, anchor=False)) if n.startswith("was:")]) >= 2
+    finally:
+        torch.set_num_threads(prev)
+    held = {n: p for n, p in worker.named_parameters() if p.requires_grad}
+    assert held and all(p.requires_grad for p in held.values())
+    for name, p in ps.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(held[name].detach(), p.detach().to(torch.bfloat16).float())
     subscriber.close()
 
 

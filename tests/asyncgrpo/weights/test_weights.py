@@ -253,6 +253,44 @@ def test_spread_returns_each_items_result_in_order_and_raises_what_a_thread_rais
         torch.set_num_threads(prev)
 
 
+def test_spread_within_a_share_runs_inline_and_an_error_waits_for_every_share():
+    """A share that spreads again (a delta's tensors spread, each one's gather spread) must not wait for the pool it
+    runs on; a share that raises must not leave another still writing after its caller went on."""
+    from asyncgrpo.weights import memcopy
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def inner(i):
+            return (i, threading.get_ident())
+
+        def outer(i):
+            return memcopy.spread(inner, [(i * 10 + j,) for j in range(4)])
+
+        got = []
+        caller = threading.Thread(target=lambda: got.append(memcopy.spread(outer, [(i,) for i in range(4)])),
+                                  daemon=True)
+        caller.start()
+        caller.join(60)  # (a share waiting for the pool it runs on waits forever)
+        assert got, "a spread within a share waits for itself"
+        [results] = got
+        assert [[value for value, _ in r] for r in results] == [[i * 10 + j for j in range(4)] for i in range(4)]
+        assert all(len({thread for _, thread in r}) == 1 for r in results)  # each share's items, on its own thread
+        ended = threading.Event()
+
+        def slow_or_refuse(i):
+            if i == 0:  # (the caller's share)
+                raise IndexError("item 0")
+            time.sleep(0.5)  # (the other share, still running when the first raised)
+            ended.set()
+
+        with pytest.raises(IndexError, match="item 0"):
+            memcopy.spread(slow_or_refuse, [(0,), (1,)])
+        assert ended.is_set()
+    finally:
+        torch.set_num_threads(prev)
+
+
 # ---------------------------------------------------------------- no PS, restarts, crashes
 
 def test_no_ps_yet(run):
