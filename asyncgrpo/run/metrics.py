@@ -42,9 +42,13 @@ def step_words(line: dict, queue: str | None = None, dropped_prompts: int = 0) -
     def number(key: str, spec: str) -> str:
         return "-" if line.get(key) is None else format(line[key], spec)
 
+    loss = line.get("loss")
+    # (GRPO's loss is often a few 1e-5: four decimals would show 0.0000, or -0.0000)
+    loss_text = "-" if loss is None else format(loss + 0.0, ".4f" if loss == 0 or abs(loss) >= 1e-3 else ".2e")
+
     wait = line.get("trainer_wait_s")
     return (f"step={line['step']} reward={number('reward', '.3f')} staleness={number('staleness_mean', '.1f')} "
-            f"wait_ms={'-' if wait is None else format(wait * 1e3, '.0f')} loss={number('loss', '.4f')}"
+            f"wait_ms={'-' if wait is None else format(wait * 1e3, '.0f')} loss={loss_text}"
             + (f" queue={queue}" if queue else "")
             + (f" dropped_prompts={dropped_prompts}" if dropped_prompts else "")
             + (f" groups_dropped={line['groups_dropped']} groups_dropped_total={line['groups_dropped_total']}"

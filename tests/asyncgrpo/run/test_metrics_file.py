@@ -140,3 +140,10 @@ def test_an_evaluation_s_line_is_kept_apart_from_the_steps_lines(tmp_path):
     assert metrics.last_line(path)["step"] == 2 and "kind" not in metrics.last_line(path)
     metrics.truncate_after(path, 1)
     assert len(metrics.read_lines(path)) == 1 and len(metrics.read_lines(path, kind="eval")) == 1
+
+
+@pytest.mark.parametrize("loss, shown", [(0.1, "0.1000"), (-0.0421, "-0.0421"), (0.0, "0.0000"), (-0.0, "0.0000"),
+                                         (-3.2e-6, "-3.20e-06"), (4.56e-5, "4.56e-05"), (None, "-")])
+def test_a_step_line_shows_a_small_loss_with_its_digits(loss, shown):
+    line = dataclasses.asdict(step_metrics(1)) | {"loss": loss}
+    assert metrics.step_words(line).split(" loss=")[1] == shown
