@@ -108,6 +108,7 @@ start_mps "$([ "$DEVICE" = cuda ] && [ $(( WORKERS + PS_PROCS )) -gt "$NGPU" ] &
 declare -A WORKER_PID WORKER_LOG WORKER_STARTED WORKER_BEAT
 start_worker() {
     WORKER_LOG[$1]="$LOGS/log_worker_$1.txt"
+    WORKER_LOG_AT[$1]=$(stat -c %s "${WORKER_LOG[$1]}" 2>/dev/null || echo 0)  # (worker_error reads from here)
     WORKER_STARTED[$1]=$(date +%s.%N) WORKER_BEAT[$1]="$RUN_DIR/workers/dev$1.json"  # (scripts/launch_common.sh)
     CUDA_VISIBLE_DEVICES=$(gpu_env "$1") "$PY" -m worker --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 9>&- &
     WORKER_PID[$1]=$!

@@ -88,6 +88,7 @@ start_worker() {
     local gpus=""
     [ "$NGPU" -gt 0 ] && gpus=${GPU_IDS[$(( ($1 - 1) % NGPU ))]}
     WORKER_LOG[$1]="$LOGS/log_worker_$1.$HOST_ID.txt"
+    WORKER_LOG_AT[$1]=$(stat -c %s "${WORKER_LOG[$1]}" 2>/dev/null || echo 0)  # (worker_error reads from here)
     WORKER_STARTED[$1]=$(date +%s.%N) WORKER_BEAT[$1]="$RUN/workers/dev$1.$HOST_ID.json"  # (launch_common.sh)
     CUDA_VISIBLE_DEVICES=$gpus "$PY" -m worker --join --device "$1" "${ARGS[@]}" >> "${WORKER_LOG[$1]}" 2>&1 &
     WORKER_PID[$1]=$!

@@ -141,18 +141,24 @@ worker_pid() {  # worker_pid N
     echo "${pid:-${WORKER_PID[$1]}}"
 }
 
+# A worker's last "worker: error:" line since it was last started (WORKER_LOG_AT: its log's size then), if any.
+worker_error() {
+    tail -c +"$(( ${WORKER_LOG_AT[$1]:-0} + 1 ))" "${WORKER_LOG[$1]}" 2>/dev/null | grep -a '^worker: error: ' | tail -n 1
+}
+
 # One pass: a worker that exited is started again (its job returns through recovery), unless it exited 2:
 # bad input (a flag, a reward module it cannot import, a model that is not the PS's) that a restart would
-# only repeat. It is then dropped from WORKER_PID, and WORKER_ERROR keeps its one-line reason.
+# only repeat. It is then dropped from WORKER_PID, and WORKER_ERROR keeps its one-line reason (said when the
+# launcher stops); a restarted worker's reason, where it gave one (a full disk), follows the line that says it exited.
 restart_dead_workers() {
-    local i status why pid
+    local i status why pid error
     for i in "${!WORKER_PID[@]}"; do
         if ! kill -0 "${WORKER_PID[$i]}" 2>/dev/null; then
             wait "${WORKER_PID[$i]}" 2>/dev/null; status=$?  # (not bash's "Killed" line: ours names the worker)
             pid=$(worker_pid "$i")
+            error=$(worker_error "$i")
             if [ "$status" -eq 2 ]; then
-                WORKER_ERROR=$(grep -a '^worker: error: ' "${WORKER_LOG[$i]}" | tail -n 1)
-                WORKER_ERROR=${WORKER_ERROR:-"worker: error: worker $i exited with status 2 (see ${WORKER_LOG[$i]})"}
+                WORKER_ERROR=${error:-"worker: error: worker $i exited with status 2 (see ${WORKER_LOG[$i]})"}
                 say "worker $i (pid $pid) exited with status 2, bad input: not restarted"
                 unset "WORKER_PID[$i]"
                 continue
@@ -163,6 +169,7 @@ restart_dead_workers() {
                 why=", a job ran past --job_timeout_s"; jobs="that job failed as its attempt, its others given back"
             fi
             say "worker $i (pid $pid) exited with status $status$why: restarting it ($jobs)"
+            [ -n "$error" ] && say "  $error"
             start_worker "$i"
         fi
     done

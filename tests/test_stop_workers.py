@@ -51,3 +51,37 @@ def test_the_launch_scripts_are_read_whole_before_they_run(script):
     body = lines[lines.index("set -uo pipefail") + 1:]
     assert body[0].startswith("{  #") and body[-1] == "}", (body[0], body[-1])
     assert subprocess.run(["bash", "-n", str(REPO / script)]).returncode == 0
+
+
+RESTART_SCRIPT = """
+say() { echo "[launch] $*"; }
+source "$REPO/scripts/launch_common.sh"
+start_worker() { echo "started $1"; sleep 600 & WORKER_PID[$1]=$!; }
+declare -A WORKER_PID WORKER_LOG=([1]="$LOG" [2]="$LOG2")
+echo "worker: error: an earlier life's reason" > "$LOG"
+WORKER_LOG_AT[1]=$(stat -c %s "$LOG")
+bash -c 'echo "worker: error: no space left on the disk: [Errno 28] No space left on device" >> "$0"; exit 1' "$LOG" &
+WORKER_PID[1]=$!
+WORKER_LOG_AT[2]=$(stat -c %s "$LOG2")
+bash -c 'exit 1' & WORKER_PID[2]=$!
+while kill -0 "${WORKER_PID[1]}" 2>/dev/null || kill -0 "${WORKER_PID[2]}" 2>/dev/null; do sleep 0.05; done
+restart_dead_workers
+kill "${WORKER_PID[@]}"
+"""
+
+
+def test_a_worker_restarted_after_a_failure_has_its_reason_said_after_the_line_that_says_so(tmp_path):
+    """A worker that exits 1 on a full disk is restarted (the disk may have room again), and its one-line reason,
+    given since it was started, follows; a worker that gave none gets the exit line alone."""
+    log, log2 = tmp_path / "log_worker_1.txt", tmp_path / "log_worker_2.txt"
+    log2.write_text("worker: error: an earlier life's reason\n")
+    out = subprocess.run(["bash", "-c", RESTART_SCRIPT], env={"REPO": str(REPO), "LOG": str(log), "LOG2": str(log2),
+                                                            "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=60).stdout.splitlines()
+    one, two = out.index("started 1"), out.index("started 2")
+    assert out[one - 2].startswith("[launch] worker 1 (pid ") and out[one - 2].endswith(
+        "exited with status 1: restarting it (any job it held returns through recovery)")
+    assert out[one - 1] == "[launch]   worker: error: no space left on the disk: [Errno 28] No space left on device"
+    assert out[two - 1].startswith("[launch] worker 2 (pid ") and out[two - 1].endswith("exited with status 1: "
+                                                                                     "restarting it (any job it held "
+                                                                                     "returns through recovery)")

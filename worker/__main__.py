@@ -9,7 +9,8 @@ stopped (SIGTERM, Ctrl-C), 2 bad arguments, a worker already running on that dev
 model that cannot take the PS's weights (another base model under a LoRA adapter, ...) or
 that cannot be built (a library refusing a flag, ...: a restart would fail the same way),
 3 its GPU failed (worker.loop.EXIT_DEVICE_BROKEN), 4 a job ran past --job_timeout_s
-(worker.deadline.EXIT_JOB_DEADLINE: that attempt failed, its other jobs given back), 1 anything else.
+(worker.deadline.EXIT_JOB_DEADLINE: that attempt failed, its other jobs given back), 1 anything else, a full
+disk among it (launch.sh restarts the worker: the disk may have room again).
 
 ``--join`` (what ``launch.sh --join`` passes): the worker's id carries this host's id,
 ``dev{N}.{host id}`` (asyncgrpo/run/hosts.py), so that worker N of every host has names
@@ -17,6 +18,7 @@ of its own; RUN must already be a run directory.
 """
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
         return run_worker(cfg, run, device)
     except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WeightsOutOfReach,
             WorkerSetupError) as err:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # (not bad input: a restart may do)
+            print(f"worker: error: no space left on the disk: {err}", file=sys.stderr)
+            return 1
         print(f"worker: error: {err}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,7 @@ their lease. After recovery every job is consumed exactly once. A real worker (p
 worker) whose GPU fails exits with one line and status 3, and its job comes back."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -331,3 +332,18 @@ def test_a_worker_id_outside_the_file_name_grammar_is_refused_at_start(tmp_path,
     assert capsys.readouterr().err.strip().splitlines() == [
         f"worker: error: --device {device}: must be a number from 0 to 999 (it names the worker's files: devN)"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("code, status", [(errno.ENOSPC, 1), (errno.EDQUOT, 1), (errno.EACCES, 2)])
+def test_a_full_disk_is_not_bad_input_a_restart_would_repeat(tmp_path, monkeypatch, capsys, code, status):
+    """Exit 2 tells launch.sh not to restart the worker: a full disk may have room again (the PS, on the same disk, says
+    so and stops; on another host, the run goes on)."""
+    import worker.__main__ as worker_main
+
+    def full(*args):
+        raise OSError(code, os.strerror(code), str(tmp_path / "run" / "workers" / "dev1.json"))
+
+    monkeypatch.setattr(worker_main, "run_worker", full)
+    assert worker_main.main(["--device", "1", "--run_dir", str(tmp_path / "run")]) == status
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("worker: error: " + ("no space left on the disk: " if status == 1 else "")), line
