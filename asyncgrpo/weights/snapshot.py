@@ -5,7 +5,8 @@ versions and, between anchors, each version as what changed since the one before
 ``d{version:08d}.safetensors`` a delta against the version before it: per tensor, the positions whose bits
 changed and their values (or the tensor whole where most changed), and the checksum of each tensor it changes.
 The PS keeps the last published version to compare against, and writes an anchor at its first publish, every
-ANCHOR_EVERY versions, and whenever a delta would not be smaller. Each file is written to a dot-temp name and
+ANCHOR_EVERY versions, whenever a delta's file would not be smaller, and whenever the deltas after the anchor would
+weigh more than twice it (a reader catching up reads them all). Each file is written to a dot-temp name and
 renamed into place, then the version file names it and the chain of versions from the newest anchor to it: a
 reader that sees a version sees complete, never-again-modified files, so no locks are needed (and none would
 be trustworthy across NFS clients). Each file carries its publisher_id, version and base version in the
@@ -36,6 +37,7 @@ import collections
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import socket
@@ -98,6 +100,8 @@ class SnapshotPublisher:
         self._previous: list[torch.Tensor] | None = None  # the last published version, in the files' dtype
         self._checksums: list[int] = []
         self._chain: list[int] = []  # versions from the newest anchor to the last published one
+        self._anchor_bytes = 0  # the newest anchor's file size, and the deltas' after it
+        self._chain_bytes = 0
         self._written: collections.deque = collections.deque()  # (version, path, its chain's anchor), oldest first
         snapshot_dir(run).mkdir(exist_ok=True)
         # Snapshots and temp files of earlier PS runs: one PS per run directory, so they are dead.
@@ -126,14 +130,21 @@ class SnapshotPublisher:
                 elif delta:
                     parts.update({f"{kind}:{e.name}": part.cpu() for kind, part in delta.items()})
             anchor = anchor or deltas.nbytes(parts) >= sum(t.numel() * t.element_size() for t in new)
+            size = None
+            if not anchor:  # (a file no smaller than the anchor, or a chain a reader catching up would read more than
+                # twice the model in: an anchor instead; the file's header and checksums weigh too)
+                most = min(self._anchor_bytes - 1, 2 * self._anchor_bytes - self._chain_bytes)
+                path = snapshot_path(self.run, version, anchor=False)
+                size = self._write(path, parts, self._metadata(version, changes, anchor=False), most)
+            anchor = size is None
             if anchor:
+                path = snapshot_path(self.run, version, anchor=True)
                 parts = {e.name: t.cpu() for e, t in zip(self.layout.entries, new, strict=True)}  # a state dict
-            touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
-                self.layout.entries, changes, strict=True) if anchor or delta is None or delta}
-            path = snapshot_path(self.run, version, anchor)
-            metadata = {"publisher_id": self.publisher_id, "version": str(version),
-                        "base": "" if anchor else str(self._version), "checksums": json.dumps(touched)}
-            self.published_bytes = self._write(path, parts, metadata)
+                size = self._anchor_bytes = self._write(path, parts, self._metadata(version, changes, anchor=True))
+                self._chain_bytes = 0
+            else:
+                self._chain_bytes += size
+            self.published_bytes = size
             # Published: what the next delta is against.
             if first:
                 self._previous = [t.clone() for t in new]
@@ -161,9 +172,10 @@ class SnapshotPublisher:
         parts = {e.name: t.cpu() for e, t in zip(self.layout.entries, self._previous, strict=True)}
         checksums = {e.name: f"{checksum:08x}" for e, checksum in zip(self.layout.entries, self._checksums,
                                                                      strict=True)}
-        self.published_bytes = self._write(path, parts, {"publisher_id": self.publisher_id, "version": str(
-            self._version), "base": "", "checksums": json.dumps(checksums)})
-        self._chain = [self._version]
+        self.published_bytes = self._anchor_bytes = self._write(path, parts, {
+            "publisher_id": self.publisher_id, "version": str(self._version), "base": "",
+            "checksums": json.dumps(checksums)})
+        self._chain, self._chain_bytes = [self._version], 0
         self._name(path)
         log.info("[weights] v%d published again as an anchor (the parameter server waits for results: a worker "
                  "behind a bad delta reads it)", self._version)
@@ -196,7 +208,16 @@ class SnapshotPublisher:
             return None, None, deltas.checksum(t)
         return parts, (positions, values), checksum
 
-    def _write(self, path, parts: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def _metadata(self, version: int, changes: list, anchor: bool) -> dict[str, str]:
+        touched = {e.name: f"{checksum:08x}" for e, (delta, _, checksum) in zip(
+            self.layout.entries, changes, strict=True) if anchor or delta is None or delta}
+        return {"publisher_id": self.publisher_id, "version": str(version),
+                "base": "" if anchor else str(self._version), "checksums": json.dumps(touched)}
+
+    def _write(self, path, parts: dict[str, torch.Tensor], metadata: dict[str, str], most: float = math.inf
+               ) -> int | None:
+        """``parts`` as a safetensors file at ``path``; its size, or None and nothing written where it would weigh more
+        than ``most`` bytes."""
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             try:
@@ -207,6 +228,9 @@ class SnapshotPublisher:
                     raise
                 raise OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) from err
             size = os.path.getsize(tmp)
+            if size > most:
+                os.unlink(tmp)
+                return None
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

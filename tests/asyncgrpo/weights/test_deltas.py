@@ -288,6 +288,43 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
     subscriber.close()
 
 
+def test_a_delta_that_would_weigh_as_much_as_an_anchor_or_make_its_chain_twice_one_is_an_anchor(run):
+    """What a reader reads is the files: a delta's header and checksums weigh too (a model of many small tensors), and
+    a reader catching up reads the anchor and every delta after it, so a chain of large deltas is cut short."""
+    def changed(model: torch.nn.Module, share: float, step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for p in model.parameters():  # a rounding step each, at random positions: written as differences
+                deltas.flat_bits(p)[torch.rand(p.numel(), generator=gen) < share] += 1
+
+    many = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]).to(torch.bfloat16)
+    subscriber = make_subscriber(run)
+    with closing(SnapshotPublisher(run, many)) as publisher:
+        publisher.publish(1, 1)
+        anchor = publisher.published_bytes
+        for version in (2, 3):
+            changed(many, 0.4, version)  # (the tensors' bytes: 0.8 of the anchor's; their files', more than all)
+            publisher.publish(version, version)
+            assert publisher.published_bytes == anchor and snapshot_path(run, version).exists()
+        assert subscriber.sync(many_copy := torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]).to(
+            torch.bfloat16)) == 3 and bits_equal(many_copy, published(many))
+    for name in files(run):
+        os.unlink(snapshot_dir(run) / name)
+    ps, worker = small_model(0, torch.bfloat16), small_model(1, torch.bfloat16)
+    with closing(SnapshotPublisher(run, ps)) as publisher:
+        publisher.publish(1, 1)
+        anchor, chain, kinds = publisher.published_bytes, 0, []
+        for version in range(2, 12):
+            changed(ps, 0.3, version)
+            publisher.publish(version, version)
+            kinds.append("v" if snapshot_path(run, version).exists() else "d")
+            chain = 0 if kinds[-1] == "v" else chain + publisher.published_bytes
+            assert chain <= 2 * anchor and (kinds[-1] == "v" or publisher.published_bytes < anchor)
+        assert "v" in kinds[:8] and kinds.count("d") >= 4, kinds  # well before ANCHOR_EVERY
+        assert subscriber.sync(worker) == 11 and bits_equal(worker, published(ps))
+    subscriber.close()
+
+
 def test_a_lora_worker_applies_deltas_to_its_adapter_across_threads(run):
     """A PEFT worker's synced tensors are its adapter's parameters, which require grad; a delta's tensors are
     written on two threads, and a thread does not share its caller's torch.no_grad."""
