@@ -165,7 +165,7 @@ for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # workers; a job past its deadline, once). tail ends when the PS does; Ctrl-C does not stop it, so that the PS's last
 # lines (its "interrupted" line) still show.
 { trap '' INT; tail --pid="$PS_PID" -q -n0 -F "$LOGS/log_parameter_server.txt" "${WORKER_LOG[@]}" 2>/dev/null |
-    grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: | (WARNING|ERROR) \[(tools|jobs)\] | INFO \[gen\] dev\S+ (compiling|decodes|decoding compiled) | ERROR \[gen\] dev\S+ \S+ decoding failed '; } 9>&- &
+    grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: | (WARNING|ERROR) \[(tools|jobs)\] | WARNING \[weights\] worker \S+ found | INFO \[gen\] dev\S+ (compiling|decodes|decoding compiled) | ERROR \[gen\] dev\S+ \S+ decoding failed '; } 9>&- &
 TAIL_PID=$!
 
 # ---- 4. supervise: restart dead workers until the PS exits -----------------------------------

@@ -59,6 +59,7 @@ from ps.producer import JobProducer, TrainingProgress
 
 log = logging.getLogger("asyncgrpo.ps")
 TRAINER_WAIT_REPORT_S = 30.0  # how often a trainer waiting for results says so in the log
+TRAINER_WAIT_POLL_S = 2.0  # how often it calls ``while_waiting`` meanwhile
 ZERO_STD = 1e-6  # a spread below this is none (float sums of equal rewards), whatever the threshold
 DROP_REASON = "reward std at most dynamic_sampling_max_std"
 YIELD_OF_LAST = 50  # results the expected yield of informative groups is measured over
@@ -120,7 +121,8 @@ class JobPipeline:
         self.informative = deque(maxlen=YIELD_OF_LAST)  # (informative groups, groups judged) of the last results
         self.flat_groups = FlatGroups(NO_SPREAD_WARN_STEPS * cfg.generation_batch_size // cfg.num_generations)
         self.cache = ResultCache()
-        self.while_waiting: Callable[[], None] | None = None  # called at each "has waited" line
+        # Called every TRAINER_WAIT_POLL_S while the trainer waits for results: True at each "has waited" line.
+        self.while_waiting: Callable[[bool], None] | None = None
         self.failed = FailedJobs(cfg, queue, self._stop_training)
         self.collector = ResultCollector(cfg, queue, self.cache, self.failed, self._thread_failed)
         self.producer = JobProducer(cfg, queue, dataset, self.progress, self.cache, self._thread_failed)
@@ -235,15 +237,20 @@ class JobPipeline:
         ``stoppable`` (no result taken into this batch yet: the state is the last step's), a stop request raises
         StopRequested; a batch half assembled (dynamic sampling) is completed first."""
         pick = self._pick_unless_stopping if stoppable else self.pick
+        report_at = time.monotonic() + TRAINER_WAIT_REPORT_S
         while True:
             self._raise_failure()
-            result = self.cache.take(pick, timeout=TRAINER_WAIT_REPORT_S)
+            result = self.cache.take(pick, timeout=TRAINER_WAIT_POLL_S)
             if result is None:
-                log.warning("[train] step=%d has waited %.0fs for a result; queue=%s%s%s (what each worker holds: "
-                            "queue_tools ls %s)", step + 1, time.monotonic() - started, depth_line(self.queue.counts()),
-                            self.failed.summary(), workers_line(self.run, self.cfg.lease_s), self.run.root)
+                waited_long = time.monotonic() >= report_at
+                if waited_long:
+                    log.warning("[train] step=%d has waited %.0fs for a result; queue=%s%s%s (what each worker holds: "
+                                "queue_tools ls %s)", step + 1, time.monotonic() - started,
+                                depth_line(self.queue.counts()), self.failed.summary(),
+                                workers_line(self.run, self.cfg.lease_s), self.run.root)
+                    report_at = time.monotonic() + TRAINER_WAIT_REPORT_S
                 if self.while_waiting is not None:
-                    self.while_waiting()
+                    self.while_waiting(waited_long)
                 continue
             try:
                 if self._accept(result, step):

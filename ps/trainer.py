@@ -108,7 +108,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                             dtype=cfg.worker_dtype)
             # Workers of other hosts behind a delta bad on disk wait for an anchor, and the PS waiting for their
             # results publishes none: its last version goes out again as one (the safetensors transport).
-            self.pipeline.while_waiting = getattr(self.publisher, "anchor_now", None)
+            self.pipeline.while_waiting = getattr(self.publisher, "while_trainer_waits", None)
         # Where the batches come from (ps/batches.py): ``batches`` stands in for the pipeline in tests.
         self.batches: BatchSource = batches or (
             PipelineBatches(self.pipeline, self.events, broadcast=self.accelerator.num_processes > 1)

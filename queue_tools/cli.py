@@ -218,6 +218,9 @@ def _health(report: dict) -> str:
     if report["stale"]:
         problems.append(f"{len(report['stale'])} stale job(s)")
     for w in alive:
+        if w.get("bad_delta"):
+            problems.append(f"dev{w['device']} found v{w['bad_delta'][1]}'s weights delta bad on disk: it keeps older "
+                            "weights until the next anchor (the parameter server publishes one while it waits)")
         if w["held"] and (w["heartbeat_age_s"] or 0) > SILENT_AFTER_S:
             problems.append(f"dev{w['device']} silent for {w['heartbeat_age_s']:.0f}s holding {len(w['held'])} "
                             f"job(s) (stopped or swapped out? its jobs come back after the lease)")

@@ -124,7 +124,7 @@ def run_worker(cfg: AsyncGRPOConfig, run: RunDir, device: WorkerId) -> int:
             log.info("[worker] dev%s stopped by a signal while loading its model or compiling its decoding step "
                      "(it held no job)", device)
             return 0
-        subscriber = make_subscriber(run, on_read=presence.announce_read)
+        subscriber = make_subscriber(run, on_read=presence.announce_read, on_bad_delta=presence.announce_bad_delta)
         teardown.callback(_close_reader, subscriber, device)
         try:
             generation = _generation(cfg, run, queue, trainer, decoding, subscriber, events, presence, stop)

@@ -15,7 +15,9 @@ Every timestamp recovery compares is the file server's: a heartbeat is stamped w
 worker whose clock is off loses nothing to recovery.
 
 The heartbeat also says which safetensors snapshot the worker is reading, if any
-(``announce_read``): the PS keeps a snapshot a live worker names (weights/snapshot.py).
+(``announce_read``): the PS keeps a snapshot a live worker names (weights/snapshot.py); and the
+delta it found bad on disk, if it waits for a newer anchor past it (``announce_bad_delta``): the PS
+then publishes one without waiting longer.
 
 The PS holds a lock of its own (``PSRunLock``): one PS per run directory.
 
@@ -157,7 +159,8 @@ class WorkerPresence:
                  lease_s: float = DEFAULT_LEASE_S):
         self.run, self.device, self.interval_s, self.lease_s = run, device, interval_s, lease_s
         self._fields = {"device": device, "pid": os.getpid(), "host": socket.gethostname(), "host_id": HOST_ID,
-                        "job_id": None, "job_ids": [], "weights_version": None, "reading": None, "state": "starting",
+                        "job_id": None, "job_ids": [], "weights_version": None, "reading": None, "bad_delta": None,
+                        "state": "starting",
                         "started_at": time.time()}
         self._lock_fd: int | None = None
         self._stop = threading.Event()
@@ -234,6 +237,13 @@ class WorkerPresence:
         (written with the next beat; keeping it a second longer costs nothing)."""
         self.update(reading=None if snapshot is None else list(snapshot))
         if snapshot is not None:
+            self.beat()
+
+    def announce_bad_delta(self, delta: tuple[str, int] | None) -> None:
+        """``(publisher_id, version)``: this worker keeps its weights until an anchor newer than that delta, which it
+        found bad on disk (written at once: the PS waits for results meanwhile). None: it is past it."""
+        if self._fields.get("bad_delta") != (None if delta is None else list(delta)):
+            self.update(bad_delta=None if delta is None else list(delta))
             self.beat()
 
     def _beat_forever(self) -> None:
@@ -315,6 +325,13 @@ class PSHeartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="ps-heartbeat", daemon=True)
 
+    def announce_bad_delta(self, delta: tuple[str, int] | None) -> None:
+        """``(publisher_id, version)``: this worker keeps its weights until an anchor newer than that delta, which it
+        found bad on disk (written at once: the PS waits for results meanwhile). None: it is past it."""
+        if self._fields.get("bad_delta") != (None if delta is None else list(delta)):
+            self.update(bad_delta=None if delta is None else list(delta))
+            self.beat()
+
     def _beat_forever(self) -> None:
         while True:
             try:
@@ -345,6 +362,7 @@ class WorkerStatus:
     heartbeat_age_s: float | None  # None: never beat
     remote: bool = False  # on another host: judged by its heartbeat's age alone
     reading: list | None = None  # [publisher_id, version] of the snapshot it reads, while alive
+    bad_delta: list | None = None  # [publisher_id, version] of a delta bad on disk it waits past, while alive
     job_ids: list[str] = field(default_factory=list)  # every job in its hand (several per generate call)
     recompiles: int = 0  # compiled decoding's graphs made after its warm-up
     supervisor_pid: int | None = None  # the launch.sh or join.sh that started it (asyncgrpo/supervisor.py)
@@ -406,12 +424,13 @@ def worker_status(run: RunDir, device: WorkerId, now: float, lease_s: float) -> 
         alive = age is not None and age <= lease_s and heartbeat.get("state") != "stopped"
     else:
         alive = held
-    reading = heartbeat.get("reading")
+    reading, bad_delta = heartbeat.get("reading"), heartbeat.get("bad_delta")
     return WorkerStatus(device=device, alive=alive, pid=heartbeat.get("pid"), host=heartbeat.get("host"),
                         state=heartbeat.get("state") if alive or heartbeat.get("state") == "stopped" else "dead",
                         job_id=heartbeat.get("job_id") if alive else None,
                         weights_version=heartbeat.get("weights_version"), heartbeat_age_s=age, remote=remote,
                         reading=reading if alive and isinstance(reading, list) and len(reading) == 2 else None,
+                        bad_delta=bad_delta if alive and isinstance(bad_delta, list) and len(bad_delta) == 2 else None,
                         job_ids=[str(j) for j in heartbeat.get("job_ids") or []] if alive else [],
                         recompiles=int(heartbeat.get("recompiles") or 0),
                         supervisor_pid=heartbeat.get("supervisor_pid"))

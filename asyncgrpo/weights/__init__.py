@@ -103,13 +103,15 @@ def make_publisher(run: RunDir, model: torch.nn.Module, transport: str = "auto",
     raise ValueError(f"unknown weights transport {transport!r} (auto, mmap, cuda_ipc, safetensors)")
 
 
-def make_subscriber(run: RunDir, on_read=None) -> WeightSubscriber:
+def make_subscriber(run: RunDir, on_read=None, on_bad_delta=None) -> WeightSubscriber:
     """The transport and layout come from the version file, re-read when the PS restarts.
     ``on_read((publisher_id, version))`` before reading a safetensors snapshot, ``on_read(None)``
-    after (a worker records it in its heartbeat: ``WorkerPresence.announce_read``)."""
+    after (a worker records it in its heartbeat: ``WorkerPresence.announce_read``);
+    ``on_bad_delta((publisher_id, version))`` after each read, while the reader waits for an anchor past a delta bad
+    on disk, ``on_bad_delta(None)`` otherwise (``WorkerPresence.announce_bad_delta``)."""
     from asyncgrpo.weights.subscriber import Subscriber
 
-    return Subscriber(run, on_read)
+    return Subscriber(run, on_read, on_bad_delta)
 
 
 __all__ = ["VERSION_FILE", "Layout", "Subscriber", "TransportUnavailable", "WeightPublisher", "WeightsMismatch",

@@ -162,10 +162,24 @@ class SnapshotPublisher:
                   "anchor" if anchor else "delta", self.published_bytes, (time.perf_counter() - t0) * 1e3)
         return True
 
+    def while_trainer_waits(self, waited_long: bool) -> None:
+        """Called every few seconds while the PS waits for results: workers behind a delta bad on disk wait for an
+        anchor that the PS, waiting for them, would not publish. The last version goes out again as one at once
+        where a live worker's heartbeat names such a delta of the newest chain, and after a long wait in any case
+        (a worker may not have said so yet)."""
+        if self._previous is None or len(self._chain) <= 1:
+            return
+        if not waited_long:
+            asked = [w for w in list_workers(self.run, fs_now(self.run), READER_LEASE_S) if w.bad_delta
+                     and w.bad_delta[0] == self.publisher_id and w.bad_delta[1] in self._chain]
+            if not asked:
+                return
+            log.warning("[weights] worker %s found v%d's delta bad on disk: the parameter server publishes v%d again "
+                        "as an anchor", asked[0].device, asked[0].bad_delta[1], self._version)
+        self.anchor_now()
+
     def anchor_now(self) -> None:
-        """The last version again, as an anchor, when it was a delta. The PS calls it while it waits long for
-        results: workers on other hosts may all hold an earlier version behind a delta bad on disk, waiting for an
-        anchor that the PS, waiting for them, would never publish."""
+        """The last version again, as an anchor, when it was a delta (``while_trainer_waits``)."""
         if self._previous is None or len(self._chain) <= 1:
             return
         path = snapshot_path(self.run, self._version, anchor=True)
@@ -276,6 +290,7 @@ class SnapshotReader:
         self._checksums: dict[str, int] = {}  # of the version held, by entry name
         self._dtypes: dict[str, torch.dtype] = {}  # the files' dtype of each entry (the anchor's)
         self._bad: int | None = None  # a delta that did not check out against a fresh anchor
+        self.waiting_past: int | None = None  # that delta, while the last copy_out kept a version before it
         self.read_bytes = 0  # the files the last copy_out read
 
     def usable(self, info: dict) -> bool:
@@ -288,8 +303,9 @@ class SnapshotReader:
     def copy_out(self, info: dict, dsts: list[torch.Tensor], idx: list[int]) -> int:
         """Brings the destination tensors to ``info``'s version, or as near as the files allow; the version they
         hold. FileNotFoundError: a file was deleted before anything was applied (a newer chain is named now)."""
-        chain, self.read_bytes = _chain(info), 0
+        chain, self.read_bytes, self.waiting_past = _chain(info), 0, None
         if self._bad is not None and self._bad in chain and self._held is not None:
+            self.waiting_past = self._bad
             return self._held  # waiting for an anchor past the bad delta
         failed = None
         if self._held_in == _identity(dsts) and self._held in chain:
@@ -305,6 +321,7 @@ class SnapshotReader:
                 raise TransportUnavailable(str(err)) from err
             log.warning("[weights] %s%s: keeping v%d until the parameter server publishes a newer anchor", err,
                         "" if failed is None else f", also after reading the anchor v{chain[0]}", self._held)
+            self.waiting_past = self._bad
             return self._held
         if failed is not None:
             log.warning("[weights] %s: read the anchor v%d and the deltas after it instead (now v%d)", failed,

@@ -9,7 +9,9 @@ worker on another host than the PS reads only safetensors snapshots (mmap buffer
 IPC handles exist on the PS's host alone): for any other transport it logs one line saying
 so and waits, without weights, never claiming a job.
 ``on_read`` is told which snapshot is about to be read, and when the read is over (the
-worker records it in its heartbeat, so that the PS does not delete it meanwhile).
+worker records it in its heartbeat, so that the PS does not delete it meanwhile); ``on_bad_delta``, after
+each read of snapshots, the delta bad on disk the reader waits past, or None (the PS, told so by the
+heartbeat, publishes an anchor at once).
 See base.py for why a copy is never torn. A copy that fails because this process's own
 GPU is broken is not caught here: it propagates to the worker, which exits.
 
@@ -50,9 +52,11 @@ _READERS = {"mmap": "asyncgrpo.weights.mmap_file:MmapReader",
 
 
 class Subscriber:
-    def __init__(self, run: RunDir, on_read: Callable[[tuple[str, int] | None], None] | None = None):
+    def __init__(self, run: RunDir, on_read: Callable[[tuple[str, int] | None], None] | None = None,
+                 on_bad_delta: Callable[[tuple[str, int] | None], None] | None = None):
         self.run = run
         self._on_read = on_read or (lambda _snapshot: None)
+        self._on_bad_delta = on_bad_delta or (lambda _delta: None)
         self._lock_fds: dict[int, int] = {}
         self._reader = None
         self._reader_id: str | None = None
@@ -94,6 +98,8 @@ class Subscriber:
                             reached = reader.copy_out(info, dsts, idx)  # files: maybe short of info's version
                         finally:
                             self._on_read(None)
+                        bad = reader.waiting_past
+                        self._on_bad_delta(None if bad is None else (info["publisher_id"], bad))
             except FileNotFoundError:
                 continue  # a snapshot was pruned under us: a newer one is named now
             except TransportUnavailable as err:

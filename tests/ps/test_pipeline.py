@@ -106,18 +106,22 @@ def test_a_full_disk_in_the_producer_stops_training_with_that_error(run, start, 
 
 def test_a_trainer_waiting_for_results_says_so_with_the_queue_as_the_train_lines_show_it(run, start, monkeypatch,
                                                                                          caplog):
-    monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_REPORT_S", 0.05)
+    monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_REPORT_S", 0.2)
+    monkeypatch.setattr(pipeline_module, "TRAINER_WAIT_POLL_S", 0.02)
     pipeline = start(until_pending=2, max_pending=2)
     waits = []
-    pipeline.while_waiting = lambda: waits.append(1)  # (the trainer's: its last version again as an anchor)
+    pipeline.while_waiting = waits.append  # (the trainer's: its last version again as an anchor, when asked or long)
     with caplog.at_level("WARNING", logger="asyncgrpo.ps"):
         thread, outcome = next_batch_in_thread(pipeline, step=0)
-        wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records) and waits, "a waiting line")
+        wait_for(lambda: any("has waited" in r.getMessage() for r in caplog.records) and True in waits,
+                 "a waiting line")
         work_one(pipeline.queue, version=0)
         thread.join(WAIT_S)
     assert not thread.is_alive() and "result" in outcome, outcome
     pipeline.stop()
     line = next(r.getMessage() for r in caplog.records if "has waited" in r.getMessage())
+    # Between the lines, the hook is called too (a worker may have asked for an anchor).
+    assert waits.index(True) > 0 and False in waits
     # The step that waits: the first (the trainer has trained none).
     assert line == ("[train] step=1 has waited 0s for a result; queue=pending:2 processing:0 complete:0 (what each "
                     f"worker holds: queue_tools ls {run.root})")

@@ -535,6 +535,18 @@ def test_ls_warns_about_a_live_worker_silent_past_the_lease(run, capsys):
         f"{os.getpid()} resumes a stopped process)"), out
 
 
+def test_ls_warns_about_a_worker_behind_a_delta_bad_on_disk(run, capsys):
+    presence = WorkerPresence(run, 1, interval_s=3600).start()
+    try:
+        presence.announce_bad_delta(("a-publisher", 213))
+        _, out, _ = run_cli(capsys, "ls", run.root)
+    finally:
+        presence.stop()
+    assert out.strip().splitlines()[-1] == (
+        "health: WARN: dev1 found v213's weights delta bad on disk: it keeps older weights until the next anchor (the "
+        "parameter server publishes one while it waits)"), out
+
+
 def test_an_age_a_few_ms_in_the_future_reads_as_zero():
     """A heartbeat written after the fs clock was read is a few ms younger than now: ls showed "-0.0s ago"."""
     from queue_tools.cli import _age

@@ -249,14 +249,16 @@ def corrupt(path: Path) -> str:
     return name.split(":", 1)[1]
 
 
-@pytest.mark.parametrize("anchor_from", ["schedule", "waiting_ps"])
+@pytest.mark.parametrize("anchor_from", ["schedule", "asked", "waited_long"])
 def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_the_worker_back(run, caplog,
                                                                                                anchor_from):
-    """The next anchor comes every ANCHOR_EVERY versions, or sooner from a PS that waits long for results
-    (``anchor_now``: its last version again): workers of other hosts all behind the bad delta would take no job past
-    --max_staleness, and the PS, waiting for them, train no step to the next scheduled anchor."""
+    """The next anchor comes every ANCHOR_EVERY versions, or sooner from a PS that waits for results
+    (``while_trainer_waits``: its last version again): workers of other hosts all behind the bad delta would take no
+    job past --max_staleness, and the PS, waiting for them, train no step to the next scheduled anchor. It publishes
+    one at once where a live worker's heartbeat names the bad delta, else after a long wait."""
     ps, worker = small_model(0), small_model(1, torch.bfloat16)
-    subscriber = make_subscriber(run)
+    presence = WorkerPresence(run, 1, interval_s=3600).start()
+    subscriber = make_subscriber(run, on_bad_delta=presence.announce_bad_delta)
     with closing(SnapshotPublisher(run, ps, dtype=torch.bfloat16)) as publisher:
         for version in (1, 2):
             train_step(ps, version)
@@ -266,6 +268,9 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
         for version in (3, 4):
             train_step(ps, version)
             publisher.publish(version, version)
+        before = files(run)
+        publisher.while_trainer_waits(False)  # no worker asked yet
+        assert files(run) == before
         name = corrupt(snapshot_path(run, 3, anchor=False))
         with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
             assert subscriber.sync(worker) is None  # nothing newer it can trust
@@ -274,17 +279,31 @@ def test_a_delta_corrupted_on_disk_is_never_applied_and_the_next_anchor_brings_t
         [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert line == (f"[weights] v3's delta of {name} does not check out against v2, also after reading the "
                         "anchor v1: keeping v2 until the parameter server publishes a newer anchor"), line
-        if anchor_from == "waiting_ps":
-            publisher.anchor_now()
+        assert presence.get("bad_delta") == [publisher.publisher_id, 3]
+        if anchor_from != "schedule":
+            if anchor_from == "asked":
+                with caplog.at_level(logging.WARNING, logger="asyncgrpo.weights"):
+                    publisher.while_trainer_waits(False)
+                assert caplog.records[-1].getMessage() == (
+                    "[weights] worker 1 found v3's delta bad on disk: the parameter server publishes v4 again as an "
+                    "anchor")
+            else:
+                presence.announce_bad_delta(None)  # (as a worker that has not said so yet)
+                publisher.while_trainer_waits(False)
+                assert files(run) == before
+                publisher.while_trainer_waits(True)
+            assert snapshot_path(run, 4, anchor=True).exists()
             assert subscriber.sync(worker) == 4 and bits_equal(worker, published(ps))
+            assert presence.get("bad_delta") is None  # past it
             before = files(run)
-            publisher.anchor_now()  # v4 is an anchor now: nothing written again
+            publisher.while_trainer_waits(True)  # v4 is an anchor now: nothing written again
             assert files(run) == before and snapshot_path(run, 4, anchor=True).name in before
-        last = 5 if anchor_from == "waiting_ps" else ANCHOR_EVERY + 1  # (after anchor_now, v5 a delta against v4)
+        last = 5 if anchor_from != "schedule" else ANCHOR_EVERY + 1  # (after v4's anchor, v5 a delta against v4)
         for version in range(5, last + 1):
             train_step(ps, version)
             publisher.publish(version, version)
         assert subscriber.sync(worker) == last and bits_equal(worker, published(ps))
+    presence.stop()
     subscriber.close()
 
 
