@@ -240,6 +240,10 @@ def _serve(cfg: AsyncGRPOConfig, run: RunDir, queue: JobQueue, generation: Batch
                 job = queue.claim(device)  # only jobs already pending: a job in hand never waits for another
                 if job is None:
                     break
+                # Said before the hand-over: a long prompt's prefill inside ``submit`` may outlast the lease, and
+                # recovery takes back a job that the heartbeat does not name.
+                held = [*generation.job_ids(), job.job_id]
+                presence.update(state="busy", job_ids=held, job_id=held[0])
                 if (claimed := _read_claimed(cfg, run, queue, job, generation.version, events,
                                              generation.trainer)) is not None:
                     generation.submit(*claimed)

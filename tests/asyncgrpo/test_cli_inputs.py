@@ -66,6 +66,8 @@ def user_folder(tmp_path, monkeypatch):
     rows = [json.dumps({"prompt": f"{d}:"}) for d in range(4)]
     (folder / "nullprompt.jsonl").write_text("\n".join([*rows, json.dumps({"other": 1})]) + "\n")
     (folder / "emptyprompt.jsonl").write_text("\n".join([*rows, json.dumps({"prompt": ""})]) + "\n")
+    talk = [json.dumps({"prompt": [{"role": "user", "content": f"{d}:"}]}) for d in range(5)]
+    (folder / "mixed.jsonl").write_text("\n".join([*talk, json.dumps({"prompt": "5:"})]) + "\n")
     # Past the 320 KB blocks pyarrow reads a file in (it counts rows within a block).
     (folder / "garbled.jsonl").write_text("\n".join([*rows * 5000, '{"prompt": "4:", }']) + "\n")
     (folder / "cut.jsonl").write_text("\n".join([*rows, '{"prompt": "4:"']) + "\n")  # its closing brace lost
@@ -92,6 +94,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
      "None, not a text or a conversation"),
     (["--dataset_name", "emptyprompt.jsonl"], "--dataset_name emptyprompt.jsonl: row 5 (counting from 1): its "
      "prompt '' has no token in mymodel's tokenizer: nothing to generate from"),
+    (["--dataset_name", "mixed.jsonl"], "--dataset_name mixed.jsonl: row 6 (counting from 1): its prompt is a text, "
+     "and row 1's a conversation: TRL takes a dataset's prompts all as texts, or all as conversations"),
     (["--reward_funcs", "strict:needs_solution"], "--reward_funcs: needs_solution needs 'solution', which TRL passes "
      "only as a column of the dataset, and --dataset_name data has none of that name (its columns: prompt)"),
     (["--reward_funcs", "strict:no_kwargs"], "--reward_funcs: no_kwargs takes no **kwargs, and TRL passes every reward "

@@ -85,6 +85,29 @@ def test_after_each_failed_job_the_next_claim_waits_longer_whatever_the_generati
         assert next_claim - failed >= min(FAILURE_BACKOFF_MAX_S, FAILURE_BACKOFF_S * 2 ** (k - 1)) - 1e-3, k
 
 
+def test_the_heartbeat_names_a_claimed_job_before_the_generation_takes_it(monkeypatch):
+    """Continuous batching prefills a job's prompt as it takes it: a long prompt on a CPU took longer than the lease,
+    and recovery took the job back from the worker generating it (its heartbeat named no job, or another)."""
+    stop = threading.Event()
+    generation = FailingGeneration(stop, calls=2)
+    named_at_submit = []
+    presence_fields = {}
+    submit = generation.submit
+
+    def slow_submit(job, floor):  # (a prefill: what the heartbeat names meanwhile)
+        named_at_submit.append(list(presence_fields.get("job_ids") or []))
+        submit(job, floor)
+
+    generation.submit = slow_submit
+    queue = SimpleNamespace(claim=lambda device: SimpleNamespace(job_id=f"{len(generation.submitted):06d}_000"))
+    monkeypatch.setattr(loop, "_read_claimed", lambda cfg, run, queue, job, version, events, trainer: (job, 0))
+    monkeypatch.setattr(loop, "FAILURE_BACKOFF_S", 0.0)
+    presence = SimpleNamespace(device=1, update=lambda **fields: presence_fields.update(fields))
+    _serve(None, None, queue, generation, SimpleNamespace(wait=lambda timeout=None: None), presence, stop,
+           EventLog.off())
+    assert named_at_submit == [["000000_000"], ["000001_000"]]
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("decoding", ["eager", "continuous"])
 def test_synchronous_mode_generates_every_job_with_the_newest_weights_whatever_the_decoder(tmp_path, decoding):
