@@ -121,14 +121,13 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list
         if isinstance(row, dict) and not isinstance(row.get("prompt"), (str, list)):  # (a JSON line without one: None)
             raise ConfigError(f"{source}: row {i + 1} (counting from 1): its prompt is {row.get('prompt')!r}, not a "
                               f"text or a conversation (a list of role/content messages)")
-    kinds = [isinstance(row.get("prompt"), list) for row in rows if isinstance(row, dict)]
-    if kinds and any(kind != kinds[0] for kind in kinds):  # (TRL takes a batch's prompts all one way, from its first)
-        row = next(i for i, kind in enumerate(kinds) if kind != kinds[0])
-        raise ConfigError(f"{source}: row {row + 1} (counting from 1): its prompt is "
-                          f"{'a conversation' if kinds[row] else 'a text'}, and row 1's "
-                          f"{'a conversation' if kinds[0] else 'a text'}: TRL takes a dataset's prompts all as texts, "
-                          "or all as conversations (lists of role/content messages)")
-    if any(kinds) and not getattr(tokenizer, "chat_template", None):
+    talks = [isinstance(row.get("prompt"), list) for row in rows if isinstance(row, dict)]  # (rows are dicts)
+    if (odd := next((i for i, talk in enumerate(talks) if talk != talks[0]), None)) is not None:
+        kind = {True: "a conversation", False: "a text"}  # (TRL takes a batch's prompts all one way, from its first)
+        raise ConfigError(f"{source}: row {odd + 1} (counting from 1): its prompt is {kind[talks[odd]]}, and row 1's "
+                          f"{kind[talks[0]]}: TRL takes a dataset's prompts all as texts, or all as conversations "
+                          "(lists of role/content messages)")
+    if any(talks) and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{source}: its prompts are conversations (lists of role/content messages), and the "
                           f"tokenizer of {cfg.model_name_or_path} has no chat template to turn them into tokens: give "
                           "a --model_name_or_path whose tokenizer has one (a chat or instruct model), or plain-text "

@@ -10,16 +10,15 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.messages import first_line
 from asyncgrpo.run import RunDir
+from asyncgrpo.run.fileops import DISK_FULL
 from asyncgrpo.run.rundir import PSStatus
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 FULL_BELOW_MB = 1.0  # free space under which a crash's disk counts as full
 ADAM_MOMENTS = 2  # the optimizer state a checkpoint holds per trained parameter (AdamW: two float32 moments)
 

@@ -18,7 +18,6 @@ of its own; RUN must already be a run directory.
 """
 
 import argparse
-import errno
 import logging
 import sys
 
@@ -26,7 +25,7 @@ from asyncgrpo.config import ConfigError
 from asyncgrpo.config_parser import parse_config
 from asyncgrpo.messages import quiet_library_deprecations
 from asyncgrpo.run import RunDir, RunDirError, WorkerAlreadyRunning
-from asyncgrpo.run.fileops import set_file_modes
+from asyncgrpo.run.fileops import DISK_FULL, set_file_modes
 from asyncgrpo.run.hosts import HOST_ID
 from asyncgrpo.run.rundir import parse_worker_id, worker_id
 from asyncgrpo.weights.layout import WeightsMismatch, WeightsOutOfReach
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
         return run_worker(cfg, run, device)
     except (ConfigError, OSError, RunDirError, WorkerAlreadyRunning, WeightsMismatch, WeightsOutOfReach,
             WorkerSetupError) as err:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):  # (not bad input: a restart may do)
+        if isinstance(err, OSError) and err.errno in DISK_FULL:  # (not bad input: a restart may do)
             print(f"worker: error: no space left on the disk: {err}", file=sys.stderr)
             return 1
         print(f"worker: error: {err}", file=sys.stderr)

@@ -111,8 +111,11 @@ def stage_bytes(tmp_dir: str | os.PathLike, data: bytes | memoryview, *, fsync: 
     return path
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
+
+
 def _full(err: OSError) -> str:
-    return " (disk full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return " (disk full)" if err.errno in DISK_FULL else ""
 
 
 def serialize(payload: dict) -> memoryview:

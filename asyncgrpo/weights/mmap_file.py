@@ -19,7 +19,6 @@ doesn't.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import shutil
@@ -65,7 +64,7 @@ def _create(path: Path, nbytes: int) -> torch.Tensor:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as err:
-        hint = " (full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        hint = " (full)" if err.errno in fileops.DISK_FULL else ""
         raise OSError(err.errno, f"cannot reserve {nbytes} bytes in {path.parent}{hint}: {err.strerror}") from err
     finally:
         os.close(fd)
