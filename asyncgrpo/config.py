@@ -394,7 +394,11 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
         if not theirs:
             return None
         mine = self.generation_settings()
-        differ = [f"--{name} {mine.get(name)!r} (the parameter server's: {theirs[name]!r})"
+
+        def said(value) -> str:
+            return "not given" if value is None else repr(value)
+
+        differ = [f"--{name} {said(mine.get(name))} (the parameter server's: {said(theirs[name])})"
                   for name in GENERATION_FLAGS if name in theirs and mine.get(name) != theirs[name]]
         if not differ:
             return None

@@ -128,7 +128,9 @@ exec 3>&2  # as in launch.sh: the loop's stderr is /dev/null (bash's own "Killed
 while ! ps_finished; do
     if [ "$SECONDS" -ge "$NEXT_SAY" ]; then
         what=$(waiting_for)
-        [ -n "$what" ] && say "the workers wait for $what (for $(( (SECONDS - JOINED_AT) / 60 )) min)"
+        waited=$(( (SECONDS - JOINED_AT) / 60 ))  # (said first at the join, then once a minute)
+        [ "$waited" -gt 0 ] && waited=" (for $waited min)" || waited=""
+        [ -n "$what" ] && say "the workers wait for $what$waited"
         NEXT_SAY=$(( SECONDS + 60 ))
     fi
     restart_dead_workers

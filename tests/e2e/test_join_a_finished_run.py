@@ -34,6 +34,8 @@ def test_joining_a_finished_run_says_what_it_waits_for(finished_demo_run, tmp_pa
         kill_run(root, join)
     out = "".join(lines) + join.stdout.read()
     assert "interrupted: stopping the workers" in out
+    said = next(line for line in lines if WAITING in line)
+    assert said.rstrip().endswith("Ctrl-C to stop them"), said  # said at the join: no "(for 0 min)"
 
 
 def test_joining_a_run_whose_launch_is_still_starting_its_ps_waits_for_it(finished_demo_run, tmp_path):

@@ -273,3 +273,16 @@ def test_a_heartbeat_that_stands_still_is_a_ps_that_stopped_once_it_is_old(run):
     assert time.monotonic() - started >= 0.4  # (waited for it to age, not judged by one look)
     with PSHeartbeat(run, interval_s=0.1):
         assert ps_heartbeat_moves(run, silent_s=5)
+
+
+def test_a_flag_given_on_one_side_only_is_said_not_given(tmp_path):
+    from helpers import demo_config
+
+    ps = demo_config(tmp_path, worker_dtype="bfloat16").generation_settings()
+    assert demo_config(tmp_path).generation_mismatch(ps) == (
+        "this worker's flags are not the parameter server's: --worker_dtype not given (the parameter server's: "
+        "'bfloat16'); start it with the parameter server's config flags")
+    assert demo_config(tmp_path, worker_dtype="bfloat16").generation_mismatch(
+        demo_config(tmp_path).generation_settings()).startswith(
+        "this worker's flags are not the parameter server's: --worker_dtype 'bfloat16' (the parameter server's: not "
+        "given)")
