@@ -198,13 +198,18 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.publisher.close()
             self.events.close()
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
         """TRL's evaluation (--eval_strategy), on the PS's model, as a span of its own in the timeline: the report
-        counts it apart from training (queue_tools/report.py)."""
+        counts it apart from training (queue_tools/report.py). Said on the terminal as it starts: training stops
+        until it ends, which on a CPU may be minutes."""
         if not self.is_queue_client:
-            return super().evaluate(*args, **kwargs)
+            return super().evaluate(eval_dataset, *args, **kwargs)
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        rows = f" {len(data)} prompts" if hasattr(data, "__len__") and not isinstance(data, (str, dict)) else ""
+        log.info("[eval] step=%d evaluating%s on the parameter server's model: training resumes after it",
+                 self.state.global_step, rows)
         with self.events.span("eval", step=self.state.global_step):
-            return super().evaluate(*args, **kwargs)
+            return super().evaluate(eval_dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ the replaced TRL internals
 

@@ -212,6 +212,10 @@ def test_dtype_applies_on_the_ps_and_the_worker(trl_run):
 def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
     folder, run_root, logs = trl_run
     assert "[eval] step=1 " in logs["log_parameter_server.txt"] and "[eval] step=2 " in logs["log_parameter_server.txt"]
+    # Said as it starts (training waits for it), then its result: both lines reach the terminal (launch.sh's filter).
+    started = logs["log_parameter_server.txt"].index(
+        "INFO [eval] step=1 evaluating 2 prompts on the parameter server's model: training resumes after it")
+    assert started < logs["log_parameter_server.txt"].index("INFO [eval] step=1 reward=")
     callers = set((folder / "reward_calls.txt").read_text().split())
     ps_pid, worker_pid = read_json(run_root / "ps.json")["pid"], read_json(run_root / "workers" / "dev1.json")["pid"]
     assert callers == {str(ps_pid), str(worker_pid)}  # the PS scored its evaluation, the worker its jobs
