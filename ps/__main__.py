@@ -223,7 +223,7 @@ def train(cfg, run: RunDir) -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    from asyncgrpo.run.checkpoints import checkpoint_to_resume, read_ledger
+    from asyncgrpo.run.checkpoints import DamagedCheckpoint, checkpoint_to_resume, read_ledger
     from ps.flag_changes import say_or_refuse_changes
     from ps.pipeline import StopRequested
     from ps.trainer import AsyncGRPOTrainer
@@ -241,7 +241,10 @@ def train(cfg, run: RunDir) -> int:
     model, tokenizer = load_model_and_tokenizer(path, cfg)
     # The first rank removes incomplete checkpoints before anything is written (on a full disk they hold the
     # space a relaunch needs); then every rank resumes from the same one.
-    resume = checkpoint_to_resume(run.checkpoints) if PartialState().is_main_process else None
+    try:
+        resume = checkpoint_to_resume(run.checkpoints) if PartialState().is_main_process else None
+    except DamagedCheckpoint as err:  # (a relaunch would stop here again: bad input, exit 2)
+        raise ConfigError(str(err)) from err
     try:
         trainer = AsyncGRPOTrainer(cfg, run, model, tokenizer, load_reward_funcs(cfg), load_train_dataset(cfg),
                                    eval_dataset=load_eval_dataset(cfg), hooks=load_rollout_hooks(cfg),

@@ -12,9 +12,11 @@ import logging
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncgrpo.messages import first_line
 from asyncgrpo.run import fileops
 
 LEDGER_FILE = "asyncgrpo_state.json"
@@ -93,15 +95,54 @@ def newest_complete_checkpoint(checkpoints: str | os.PathLike) -> Path | None:
     return None
 
 
+class DamagedCheckpoint(ValueError):
+    """The checkpoint a relaunch would resume from has a file that cannot be read; the message says which, and
+    what the operator can do."""
+
+
+def damage(folder: str | os.PathLike) -> str | None:
+    """Why a complete checkpoint cannot be loaded, in a few words naming the file, or None. Reads each file's
+    structure only (safetensors headers and their extent, the zip directories of torch.save files, JSON), not the
+    tensors: a file cut short or overwritten is caught before anything is loaded from the checkpoint."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).iterdir()):
+        try:
+            if not path.is_file():
+                continue
+            if path.name == LEDGER_FILE:
+                read_ledger(folder)
+            elif path.suffix == ".safetensors":
+                with safe_open(path, "pt"):
+                    pass
+            elif path.suffix == ".json":
+                json.loads(path.read_bytes())
+            elif path.suffix in (".pt", ".pth", ".bin"):
+                zipfile.ZipFile(path).close()  # (torch.save's format: its directory is at the file's end)
+        except Exception as err:  # (each library's own error for a bad file)
+            return f"{path.name}: {first_line(err)}"
+    return None
+
+
 def checkpoint_to_resume(checkpoints: str | os.PathLike) -> str | None:
     """The checkpoint the PS resumes from: the newest complete one. Newer folders without a ledger are saves the
-    old PS was killed in: removed, never resumed from (one PS per run, so no save is in progress here)."""
+    old PS was killed in: removed, never resumed from (one PS per run, so no save is in progress here).
+    DamagedCheckpoint where it has a file that cannot be read. It stays where it is, for the operator to move:
+    resuming from an older one unasked would re-adopt results that archive compaction may have emptied
+    (asyncgrpo/jobqueue/retention.py goes by the newest complete checkpoint)."""
     complete = newest_complete_checkpoint(checkpoints)
     for _, folder in checkpoint_folders(checkpoints):
         if folder == complete:
             break
         log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
         shutil.rmtree(folder)
+    if complete is not None and (why := damage(complete)) is not None:
+        older = next((folder for step, folder in checkpoint_folders(checkpoints)
+                      if folder != complete and is_complete(folder) and damage(folder) is None), None)
+        then = (f"to resume from {older.name} (the steps after it are trained again)" if older is not None
+                else "to train from the beginning")
+        raise DamagedCheckpoint(f"{complete} is damaged ({why}): move it aside (mv {complete} "
+                                f"{complete.parent / ('damaged-' + complete.name)}) and relaunch {then}")
     return str(complete) if complete else None
 
 

@@ -47,6 +47,27 @@ def test_a_ps_relaunched_on_a_finished_run_trains_nothing_more(finished_demo_run
 
 
 @pytest.mark.process
+def test_a_ps_relaunched_on_a_damaged_checkpoint_says_which_file_and_what_to_do(finished_demo_run, tmp_path):
+    """The newest checkpoint's weights cut short (a disk that failed, a copy that stopped): one line naming the
+    file and the way on (exit 2: a relaunch would stop again), nothing changed in the run."""
+    run_root = tmp_path / "run"
+    shutil.copytree(finished_demo_run, run_root, ignore=shutil.ignore_patterns("report"))
+    newest = run_root / "checkpoints" / "checkpoint-8"
+    with open(newest / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    ps = subprocess.run([PYTHON, "-m", "ps", "--run_dir", str(run_root), *DEMO_RUN_FLAGS], cwd=REPO,
+                        env=PROCESS_ENV, capture_output=True, text=True, timeout=600)
+    assert ps.returncode == 2, ps.stderr[-3000:]
+    assert ps.stderr.strip().splitlines()[-1] == (
+        f"ps: error: {newest} is damaged (model.safetensors: SafetensorError: Error while deserializing header: "
+        f"invalid header length): move it aside (mv {newest} {newest.parent / 'damaged-checkpoint-8'}) and relaunch "
+        "to resume from checkpoint-6 (the steps after it are trained again)")
+    assert sorted(p.name for p in newest.parent.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert json.loads((run_root / "ps.json").read_text())["state"] == "finished"
+    assert_exactly_once(run_root, jobs=8)
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("newest", ["checkpoint-6", "checkpoint-8"])
 def test_a_run_by_epochs_resumes_to_its_last_epoch(finished_demo_run, tmp_path, newest):
     """With --max_steps -1 the run ends after --num_train_epochs: its relaunch took any checkpoint for the end of

@@ -5,6 +5,8 @@ import json
 import os
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from asyncgrpo.run import checkpoints
 from asyncgrpo.run.checkpoints import LEDGER_FILE, LedgerError, SavedLedger
@@ -17,7 +19,9 @@ def save(run, step: int, *, ledger: bool = True):
     """A checkpoint folder as the PS leaves it: TRL's files, then (unless killed before) its ledger."""
     folder = run.checkpoints / f"checkpoint-{step}"
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(b"m")
+    save_file({"w": torch.zeros(4)}, folder / "model.safetensors")
+    torch.save({"state": {}}, folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     if ledger:
         checkpoints.write_ledger(folder, step, {**PIPELINE_STATE, "consumed": [f"000001_{step:03d}"]})
     return folder
@@ -85,6 +89,35 @@ def test_the_ps_resumes_from_the_newest_complete_checkpoint_and_removes_the_save
         save(run, step, ledger=False)
     assert checkpoints.checkpoint_to_resume(run.checkpoints) == str(run.checkpoints / "checkpoint-4")
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.mark.parametrize("name, cut, said", [
+    ("model.safetensors", 40, "model.safetensors: SafetensorError: Error while deserializing header: "),
+    ("optimizer.pt", 100, "optimizer.pt: BadZipFile: File is not a zip file"),
+    ("trainer_state.json", 5, "trainer_state.json: JSONDecodeError: "),
+    (LEDGER_FILE, 5, f"{LEDGER_FILE}: LedgerError: "),
+])
+def test_a_damaged_newest_checkpoint_stops_the_relaunch_naming_its_file_and_the_one_to_resume_from(
+        run, name, cut, said):
+    """A file cut short in the newest complete checkpoint: the relaunch says which and what to do (move it aside,
+    to resume from the newest one that can be read), and changes nothing; without an older one, from the start."""
+    for step in (2, 4, 6):
+        save(run, step)
+    for step in (4, 6):
+        os.truncate(run.checkpoints / f"checkpoint-{step}" / name, cut)
+    newest = run.checkpoints / "checkpoint-6"
+    with pytest.raises(checkpoints.DamagedCheckpoint) as refused:
+        checkpoints.checkpoint_to_resume(run.checkpoints)
+    assert str(refused.value).startswith(f"{newest} is damaged ({said}"), refused.value
+    assert str(refused.value).endswith(
+        f"): move it aside (mv {newest} {run.checkpoints / 'damaged-checkpoint-6'}) and relaunch to resume from "
+        "checkpoint-2 (the steps after it are trained again)")
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert checkpoints.damage(run.checkpoints / "checkpoint-2") is None
+    newest.rename(run.checkpoints / "damaged-checkpoint-6")
+    (run.checkpoints / "checkpoint-2" / LEDGER_FILE).unlink()  # (incomplete: none older to resume from)
+    with pytest.raises(checkpoints.DamagedCheckpoint, match="and relaunch to train from the beginning$"):
+        checkpoints.checkpoint_to_resume(run.checkpoints)
 
 
 def test_checkpoint_folders_are_newest_first_and_only_checkpoints(run):
