@@ -120,6 +120,8 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     assert 3 <= trained < steps
     log = (run_root / "logs" / "log_parameter_server.txt").read_text()
     assert f"stopped after step {trained} on SIGTERM, its checkpoint saved: {run_root / 'checkpoints'}" in log, log
+    out = proc.stdout.read()  # the terminal's: the line reaches it too (the log follower outlives the SIGTERM)
+    assert f"stopped after step {trained} on SIGTERM, its checkpoint saved: {run_root / 'checkpoints'}" in out, out
     assert [p.name for p in (run_root / "checkpoints").glob("checkpoint-*")] == [f"checkpoint-{trained}"]
     assert not [p.name for p in (run_root / "logs").glob("log_*.txt") if "the fork server died" in p.read_text()]
     assert_exactly_once(run_root, jobs=trained)  # the ledger of the step saved: every result trained, once
