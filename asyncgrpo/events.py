@@ -24,6 +24,8 @@ An event with ``dur_ms`` closes a span that began ``dur_ms`` before its ``mono``
     ps      groups_dropped     job_id, groups, reward_std, reason: dynamic sampling dropped them
     any     result_archived    job_id, reason, attempt: any job or result file moved to done/; record: true for
                                a record of part of a result written into done/ (JobQueue.archive_record)
+    ps      result_rolled_back job_id: a result consumed after the checkpoint a relaunched PS resumes from, out of
+                               done/ and back in the queue, to be trained again (or archived otherwise)
     ps      train_step_start   step
     ps      train_step_end     step, dur_ms, wait_ms, staleness (the step's stalest result) (reward and loss per
                                step: RUN/metrics.jsonl)

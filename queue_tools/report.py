@@ -332,14 +332,18 @@ def analyse(tracks: list[Track]) -> dict:
     if life > 0:
         total = {f"{k}_fraction": sum(w[f"{k}_s"] for w in workers) / life for k in ("busy", "syncing", "idle")}
     archived: dict = defaultdict(int)
-    consumed_jobs = set()  # a result consumed again after a PS restart rolled it back counts once, as in done/
-    for e in every:
+    # As in done/: a result a relaunched PS rolled back (consumed after its checkpoint) left it, and counts where it
+    # ended (consumed again, once; or stale, unused). Logs from before the rolled-back event count it consumed once.
+    consumed_now: dict = {}
+    for e in sorted(every, key=lambda e: e.get("t", 0)):
         if e["event"] == "result_archived" and e.get("reason") == "consumed":
-            consumed_jobs.add(e.get("job_id"))
+            consumed_now[e.get("job_id")] = True
+        elif e["event"] == "result_rolled_back":
+            consumed_now[e.get("job_id")] = False
         elif e["event"] == "result_archived":
             archived[str(e.get("reason"))] += 1
-    if consumed_jobs:
-        archived["consumed"] = len(consumed_jobs)
+    if any(consumed_now.values()):
+        archived["consumed"] = sum(consumed_now.values())
     collected = stats["collect_latency_ms"]["count"]
     stale = archived.get("stale", 0) / collected if collected else None
     dropped = dropped_jobs(every)

@@ -619,10 +619,17 @@ def test_steps_a_resumed_ps_trains_again_and_downtime_in_a_latency_count_once(tm
             ("train_step_end", start + 0.8, {"step": step, "dur_ms": 800.0, "wait_ms": 0.0})], pid=300)
     lines += make_track_events("ps", [("result_collected", 72.5, {"job_id": "000000_009", "latency_ms": 60_700.0})],
                                pid=300)  # written at 11.8, 1.0 s before life 1's last step ended at 12.8
+    # Step 3 of life 1 had a second result, which life 2 rolled back with the first and then found too stale.
+    lines += make_track_events("ps", [("result_archived", 12.4, {"job_id": "000000_007", "reason": "consumed",
+                                                                 "attempt": 1})], pid=100)
+    lines += make_track_events("ps", [("result_rolled_back", 71.5, {"job_id": "000000_003"}),
+                                      ("result_rolled_back", 71.6, {"job_id": "000000_007"}),
+                                      ("result_archived", 72.1, {"job_id": "000000_007", "reason": "stale",
+                                                                 "attempt": 1})], pid=300)
     (run.logs / "events-ps.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     r = report_json(capsys, run.root)
     assert r["training"]["steps"] == 5 and r["training"]["samples"] == 5 * 32  # step 3 once
-    assert r["archived"]["consumed"] == 5  # as done/ and `ls` count them
+    assert r["archived"]["consumed"] == 5 and r["archived"]["stale"] == 1  # as done/ and `ls` count them
     assert r["stats"]["collect_latency_ms"]["max"] == pytest.approx(1000.0 + 500.0)
 
 

@@ -116,7 +116,10 @@ def test_consume_is_at_most_once_per_job_id(queue, run):
     assert sorted(done_reason(n).value for n in done_files(run)) == ["consumed", "duplicate"]
 
 
-def test_results_consumed_after_the_resumed_checkpoint_come_back_to_be_trained_again(queue, run):
+def test_results_consumed_after_the_resumed_checkpoint_come_back_to_be_trained_again(run):
+    from asyncgrpo.events import EventLog, read_events
+
+    queue = JobQueue(run, events=EventLog(run.logs, "ps", "ps", "cpu"))
     for job_id in ("000001_000", "000002_000"):
         fileops.write_payload(run.tmp, run.queue / f"{job_id}_complete_from_dev1.pt", result_payload(job_id, 1))
     for result in queue.collect():
@@ -124,6 +127,8 @@ def test_results_consumed_after_the_resumed_checkpoint_come_back_to_be_trained_a
     # The PS resumes from a checkpoint whose ledger holds only the first: the second's training was lost.
     assert queue.roll_back_consumed({"000001_000"}) == ["000002_000"]
     assert queue_files(run) == ["000002_000_collected.pt"] and done_files(run) == ["000001_000_consumed.pt"]
+    # Said in the timeline: the report counts what done/ holds (queue_tools/report.py)
+    assert [e["job_id"] for e in read_events(run.root, event="result_rolled_back")] == ["000002_000"]
     [result] = queue.collect(readopt=True)
     assert result.job_id == "000002_000" and queue.consume(result)
     assert queue.roll_back_consumed({"000001_000", "000002_000"}) == []
