@@ -44,13 +44,13 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "[launch] $*"; [ -n "${LOGS:-}" ] && echo "$(date '+%F %T') $*" >> "$LOGS/launch.txt"; return 0; }
 
 # ---- 1. arguments ------------------------------------------------------------------------
-WORKERS=3 PS_PROCS=1 RUN_DIR="" DEVICE=auto MPS=auto PASS=()
+WORKERS=3 PS_PROCS=1 RUN_DIR="" RUN_DIR_GIVEN="" DEVICE=auto MPS=auto PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --workers)   [ $# -ge 2 ] || die "--workers needs a value"; WORKERS="$2"; shift 2 ;;
         --ps-procs)  [ $# -ge 2 ] || die "--ps-procs needs a value"; PS_PROCS="$2"; shift 2 ;;
-        --run-dir|--run_dir) [ $# -ge 2 ] || die "$1 needs a value"; RUN_DIR="$2"; shift 2 ;;
-        --run-dir=*|--run_dir=*) RUN_DIR="${1#*=}"; shift ;;
+        --run-dir|--run_dir) [ $# -ge 2 ] || die "$1 needs a value"; RUN_DIR="$2"; RUN_DIR_GIVEN=1; shift 2 ;;
+        --run-dir=*|--run_dir=*) RUN_DIR="${1#*=}"; RUN_DIR_GIVEN=1; shift ;;
         --max-steps) [ $# -ge 2 ] || die "--max-steps needs a value"; PASS+=(--max_steps "$2"); shift 2 ;;
         --device)    [ $# -ge 2 ] || die "--device needs a value"; DEVICE="$2"; shift 2 ;;
         --mps)       [ $# -ge 2 ] || die "--mps needs a value"; MPS="$2"; shift 2 ;;
@@ -62,12 +62,19 @@ done
 [[ "$PS_PROCS" =~ ^[1-9][0-9]*$ ]] || die "--ps-procs needs a positive integer, got '$PS_PROCS'"
 [[ "$DEVICE" =~ ^(auto|cpu|cuda)$ ]] || die "--device must be cpu, cuda or auto, got '$DEVICE'"
 [[ "$MPS" =~ ^(auto|on|off)$ ]] || die "--mps must be auto, on or off, got '$MPS'"
+# (an unset variable, --run-dir "$RUN": not a new run under the default folder, unseen)
+[ -z "$RUN_DIR_GIVEN" ] || [ -n "$RUN_DIR" ] || die "--run-dir is empty: give the run's folder, or leave the flag" \
+    "out for a new run under ${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}"
 
 # ---- 2. environment (created on first use) and input checks, before any process starts -----
 source "$REPO_ROOT/scripts/bootstrap.sh" || die "could not install the environment (see above)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 source "$REPO_ROOT/scripts/launch_common.sh"  # checked_inputs, gpu_env, claim_run, stop_workers, restart_dead_workers
 [ -n "$RUN_DIR" ] || RUN_DIR="${ASYNCGRPO_RUNS:-$HOME/asyncgrpo-runs}/$(date +%Y%m%d-%H%M%S)"
+# What the first line says the folder is: a mistyped --run-dir shows there as a new run.
+if [ -d "$RUN_DIR/queue" ]; then RUN_KIND="an existing run"
+elif [ -n "$(ls -A "$RUN_DIR" 2>/dev/null)" ]; then RUN_KIND="a new run, in a folder holding other files"
+else RUN_KIND="a new run"; fi
 set_file_modes "${PASS[@]}"
 # The run folder is claimed first, before the checks' imports (seconds): a second launch.sh on it is refused at
 # once. Until the checks pass, an exit takes back what the claim made (the folder, its launch.lock).
@@ -144,7 +151,7 @@ after_interrupt() {
 trap 'on_interrupt 130 SIGINT' INT
 trap 'on_interrupt 143 SIGTERM' TERM
 trap 'on_interrupt 129 SIGHUP' HUP  # the terminal closed (an ssh session dropped): stop as on Ctrl-C
-say "run directory $RUN_DIR ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
+say "run directory $RUN_DIR, $RUN_KIND ($DEVICE, $WORKERS worker(s), $PS_PROCS PS process(es)); logs in $LOGS"
 PS_CMD=("$PY" -m ps)  # K > 1: torchrun starts K ranks (gloo on CPU, NCCL on GPU) and stops them together
 # (--log-dir: torchrun's own folder in the run's logs, not a torchelastic_* folder left in /tmp; --no-python: each
 # rank is "$PY" -m ps, as the PS alone is)

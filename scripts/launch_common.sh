@@ -66,6 +66,7 @@ gpu_env() {  # gpu_env I: launch.sh's CUDA_VISIBLE_DEVICES for worker I (0: the 
 # and written nothing.
 claim_run() {
     local why
+    [ -e "$1" ] && [ ! -d "$1" ] && die "--run-dir $1: not a folder (a file of that name is there)"
     why=$(mkdir -p "$1" 2>&1) || die "--run-dir $1: cannot create it: ${why##*: }"
     if ! command -v flock > /dev/null; then  # (util-linux's; the PS's own lock still keeps a second PS off)
         say "flock is not installed: a second launch.sh at the same moment on $1 would not be refused"

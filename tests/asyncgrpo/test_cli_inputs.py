@@ -327,6 +327,15 @@ def test_launch_refuses_a_run_directory_it_cannot_make_in_one_line(user_folder):
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
     assert line.startswith("launch.sh: error: --run-dir a_file/run: cannot create it: "), line  # (then mkdir's why)
+    result = launch_sh(user_folder, "--workers", "1", "--run-dir", "a_file", *USER_FLAGS)
+    assert (result.returncode, result.stderr) == (2, "launch.sh: error: --run-dir a_file: not a folder (a file of "
+                                                     "that name is there)\n")
+    # An unset variable (--run-dir "$RUN"): refused, not a new run in the default folder.
+    result = launch_sh(user_folder, "--workers", "1", "--run-dir", "", *USER_FLAGS,
+                       env={"ASYNCGRPO_RUNS": str(user_folder / "runs")})
+    assert (result.returncode, result.stderr) == (2, "launch.sh: error: --run-dir is empty: give the run's folder, or "
+                                                     f"leave the flag out for a new run under {user_folder / 'runs'}\n")
+    assert not (user_folder / "runs").exists()
 
 
 @pytest.mark.parametrize("hub, message", [

@@ -129,6 +129,11 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
     relaunch_to_the_end(run_root, flags)
     assert f"resuming from {run_root / 'checkpoints' / f'checkpoint-{trained}'}" in \
         (run_root / "logs" / "log_parameter_server.txt").read_text()
+    # launch.sh's first line says which the folder was: a mistyped --run-dir shows as a new run
+    said = [line.split(" ", 2)[2] for line in (run_root / "logs" / "launch.txt").read_text().splitlines()
+            if "run directory" in line]
+    assert [line.split(" (")[0] for line in said] == [f"run directory {run_root}, a new run",
+                                                      f"run directory {run_root}, an existing run"], said
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
 
