@@ -314,6 +314,9 @@ class AsyncGRPOConfig(GRPOConfig, ModelArguments, DatasetArguments, PeftArgs, Da
             "ps_processes": (self.ps_processes >= 1, "must be >= 1"),
             "worker_decoding": (self.worker_decoding in WORKER_DECODING_MODES,
                                 "must be one of " + ", ".join(WORKER_DECODING_MODES)),
+            # (transformers takes any max_steps <= 0 as "train --num_train_epochs": 0 trained one step, -5 three epochs)
+            "max_steps": (self.max_steps >= 1 or self.max_steps == -1,
+                          "must be >= 1 (or -1, TRL's default: --num_train_epochs sets the length)"),
             "jobs_per_generate": (self.jobs_per_generate >= 1, "must be >= 1"),
             "max_pending": (self.max_pending >= 1, "must be >= 1"),
             "max_outstanding": (self.max_outstanding >= 1, "must be >= 1"),

@@ -135,6 +135,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--environment_factory", "agent:Sandbox"], "--environment_factory 'agent:Sandbox': agent has no class Sandbox"),
     (["--rollout_func", "agent"], "--rollout_func 'agent': expected 'module:function' or 'module.function'"),
     (["--tool_timeout_s", "-1"], "--tool_timeout_s -1"),
+    (["--max_steps", "0"], "--max_steps 0: must be >= 1 (or -1, TRL's default: --num_train_epochs sets the length)"),
+    (["--max_steps", "-5"], "--max_steps -5: must be >= 1"),
     (["--use_vllm", "true"], "--use_vllm: asyncgrpo's workers generate with their own decoding engine"),
     (["--resume_from_checkpoint", "runs/old/checkpoints/checkpoint-12"],
      "--resume_from_checkpoint runs/old/checkpoints/checkpoint-12: a run resumes from its own newest checkpoint when "
