@@ -89,6 +89,11 @@ unclaim() {
 }
 claim_run "$RUN_DIR"
 trap 'unclaim; end_fork_server' EXIT
+# A signal during the checks (seconds: its processes end at once) says so; the folders the claim made go (EXIT).
+stopped_early() { say "$1 before the run started (while its inputs were checked): nothing was started"; exit "$2"; }
+trap 'stopped_early interrupted 130' INT
+trap 'stopped_early "stopped by SIGTERM" 143' TERM
+trap 'stopped_early "stopped by SIGHUP" 129' HUP
 # A flag that is not one, refused at once where an earlier launch recorded the flags (asyncgrpo/flag_check.py).
 "$PY" -m asyncgrpo.flag_check "${PASS[@]}" 9>&- || exit $?
 start_fork_server "$DEVICE"  # (the check below is its first fork)

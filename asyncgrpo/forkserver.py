@@ -17,11 +17,13 @@ then). A client that finds no server, or one that died before forking, starts a 
 CUDA cannot be initialised in a process that then forks, and the server never touches it; launch.sh runs it only
 where no GPU is seen (or with --device cpu): each process on a GPU machine is its own interpreter.
 
-Protocol, over a Unix socket, one connection per child: the client sends one JSON line (``request``) with its three
-standard file descriptors (SCM_RIGHTS); the server answers {"pid": N}, then {"status": S} (os.waitpid's) when the
-child has ended, or at once {"exec": WHY} when the client is to start a new interpreter. The connection closed
-while the child runs means the client was killed: so is its child. The server listens from its start and answers
-once the libraries are imported; it ends when the process that started it has, and its children have.
+Protocol, over a Unix socket, one connection per child: the server says ``READY`` once the libraries are imported,
+then the client sends one JSON line (``request``) with its three standard file descriptors (SCM_RIGHTS: sent
+earlier, they would wait in the connection's queue, and a client killed meanwhile would leave its output open
+until the server read them: a shell reading that output would wait for the imports). The server answers
+{"pid": N}, then {"status": S} (os.waitpid's) when the child has ended, or at once {"exec": WHY} when the client is
+to start a new interpreter. The connection closed while the child runs means the client was killed: so is its
+child. The server listens from its start; it ends when the process that started it has, and its children have.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetens
            "filelock", "accelerate")
 NAMESPACES = ("uts", "mnt")  # a client in a container or `unshare` of its own: its child joins them
 POLL_S = 0.02  # how often the server reaps its children when no request comes
+READY = b"ready\n"
+
+
+class ClientGone(ConnectionError):
+    """A client that ended before it sent its request (a Ctrl-C while the server imported): nothing to say."""
 SOCKET_WAIT_S = 5.0
 
 
@@ -81,7 +88,13 @@ def client(argv: list[str]) -> None:
         _new_interpreter(argv)
 
     def forward(signum, _frame):
-        if "pid" not in child:
+        if "pid" not in child and inherited[signum] is not signal.SIG_IGN:
+            # Before its child exists (the server still importing: seconds), a signal ends this process at once, as
+            # it ends an interpreter still importing: a Ctrl-C during launch.sh's input check is not a wait. (The
+            # server kills a child forked for a client gone.)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif "pid" not in child:
             pending.append(signum)
         elif "status" not in child and child["pidfd"] is not None:  # (a pidfd: never a reused pid)
             with contextlib.suppress(ProcessLookupError):  # (it ended; its status is on the way)
@@ -140,6 +153,14 @@ def send_request(conn: socket.socket, target: dict, args: list[str], cwd: str, e
     ignores, as a child it started would)."""
     if ignored is None:
         ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) is signal.SIG_IGN]
+    said = b""
+    while len(said) < len(READY):
+        chunk = conn.recv(len(READY) - len(said))
+        if not chunk:
+            raise ConnectionError("the fork server closed the connection before it was ready")
+        said += chunk
+    if said != READY:
+        raise ConnectionError(f"the fork server said {said!r}, not {READY!r}")
     request = {**target, "args": args, "cwd": cwd, "environ": environ, "ignored": ignored,
                "namespaces": _namespaces(), "pid": os.getpid()}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
@@ -170,7 +191,10 @@ def serve(socket_path: str) -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
     started_with = dict(os.environ)  # (importing the libraries may add to it: inductor names its cache folder)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
+    try:
+        listener.bind(socket_path)
+    except FileNotFoundError:  # its folder gone: the launch that started it ended (a Ctrl-C) before it could serve
+        return
     listener.listen(64)  # clients may connect now; they wait for their answer until the imports are done
     for module in PRELOAD:
         importlib.import_module(module)
@@ -191,6 +215,9 @@ def serve(socket_path: str) -> None:
                 conn, _ = listener.accept()
                 try:
                     pid = _answer(conn, started_with, library_path, listener, children)
+                except ClientGone:
+                    conn.close()
+                    continue
                 except (OSError, ValueError, LookupError, TypeError) as err:  # its client died, or sent no request
                     print(f"forkserver: a request failed: {err!r}", file=sys.stderr)
                     conn.close()
@@ -208,6 +235,10 @@ def serve(socket_path: str) -> None:
 def _answer(conn: socket.socket, started_with: dict, library_path: list[str], listener: socket.socket,
             children: dict) -> int | None:
     """Reads a request and forks its child (its pid), or tells the client to start a new interpreter (None)."""
+    try:
+        conn.sendall(READY)
+    except (BrokenPipeError, ConnectionResetError) as err:
+        raise ClientGone() from err
     request, fds = _read_request(conn)
     try:
         if why := why_not_forked(request["environ"], started_with):
@@ -255,6 +286,8 @@ def _reap(children: dict, clients: dict, selector) -> None:
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     """A request's line and the file descriptors that came with it (the client's standard three)."""
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if not data and not fds:
+        raise ClientGone()
     try:
         while not data.endswith(b"\n"):
             chunk = conn.recv(1 << 20)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -95,6 +97,34 @@ def test_a_client_started_with_its_server_waits_for_its_socket(tmp_path):
     started = time.monotonic()
     forkserver._wait_for_socket(str(tmp_path / "no folder" / "server.sock"))
     assert time.monotonic() - started < 0.1
+
+
+def test_a_client_waiting_for_its_server_to_be_ready_ends_at_a_signal_and_leaves_its_output_to_nobody(tmp_path):
+    """A server still importing the libraries (seconds) is not ready: a Ctrl-C then (launch.sh's input check runs as
+    a client, its output read by the shell) ends the client at once, and nothing else holds its output open, so
+    the shell reading it goes on."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "server.sock"))
+    server.listen(4)
+    server.settimeout(60)
+    env = {**PROCESS_ENV, "ASYNCGRPO_FORK_SERVER": str(tmp_path / "server.sock")}
+    proc = subprocess.Popen([CLIENT, "-c", "pass"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        conn, _ = server.accept()  # (connected: its signal handlers are set) and never told it is ready
+        wait_for(lambda: _state(proc.pid) == "S", "the client to wait for its server", 60)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == -signal.SIGINT
+        assert conn.recv(1, socket.MSG_DONTWAIT) == b""  # it sent nothing: no descriptor of its own in the queue
+        assert select.select([proc.stdout], [], [], 60)[0] and proc.stdout.read() == ""  # closed everywhere
+        conn.close()
+    finally:
+        proc.kill()
+        server.close()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R running, S sleeping: waiting, ...)."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_signal_ignored_by_the_client_is_ignored_by_the_child_as_bash_ignores_sigint_in_background_jobs():

@@ -29,6 +29,7 @@ from helpers import (
     read_json,
     run_flags,
     start_process,
+    wait_for,
     wait_until_stopped,
 )
 
@@ -77,6 +78,25 @@ def wait_for_training(run_root: Path, proc: subprocess.Popen) -> None:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no training steps"
         time.sleep(0.1)
+
+
+def test_a_ctrl_c_while_the_inputs_are_checked_ends_the_launch_at_once_saying_so(tmp_path):
+    """The check waits seconds for the libraries' import (a fork server's, or its own interpreter's): a Ctrl-C then
+    ends launch.sh at once, with one line, and the folder it made goes."""
+    run_root = tmp_path / "run"
+    proc = launch_in_a_terminal(run_root, "--workers", "1", *run_flags(20), env=OWN_SERVER_ENV)
+    try:
+        check = wait_for(lambda: next((pid for pid, argv in run_processes(run_root).items() if "--check_only" in argv),
+                                      None), "the input check to start", TIMEOUT_S, procs=[proc])
+        wait_for(lambda: process_state(check) == "S", "the input check to wait for the libraries", TIMEOUT_S)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=TIMEOUT_S) == 130
+    finally:
+        kill_run(run_root, proc)
+    out = proc.stdout.read()
+    assert out.splitlines()[-1] == (
+        "[launch] interrupted before the run started (while its inputs were checked): nothing was started"), out
+    assert not run_root.exists()
 
 
 def test_a_killed_ps_stops_the_launch_and_its_workers_and_leaves_no_weight_buffers_behind(tmp_path):
@@ -136,6 +156,14 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
                                                       f"run directory {run_root}, an existing run"], said
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter (R running, S sleeping: waiting, ...); "" once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
 
 
 def run_processes(run_root: Path) -> dict[int, str]:
