@@ -57,26 +57,35 @@ REMOVED = {
 }
 
 
+# launch.sh's own flags (it passes the others on): a typo of one reaches the parse as a flag of its own.
+LAUNCH_SH_FLAGS = ("--workers", "--ps-procs", "--run-dir", "--max-steps", "--device", "--mps")
+
+
 def unknown_flag(argv: list[str], known: set[str]) -> str | None:
     """The full parse's line for the first flag of ``argv`` not among ``known``; None when all are."""
     spelled = sorted({"--" + o[2:].replace("-", "_") for o in known})  # (each flag also has a --dashed-form)
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
-            return f"{flag}: not a flag" + could_mean("--" + flag[2:].replace("-", "_"), spelled)
+            return f"{flag}: not a flag" + could_mean("--" + flag[2:].replace("-", "_"), spelled, LAUNCH_SH_FLAGS)
     return None
 
 
-def could_mean(typed: str, among: list[str]) -> str:
+def could_mean(typed: str, among: list[str], launch_sh: tuple[str, ...] = ()) -> str:
     """What ``typed`` could be a typo or an abbreviation of, as the end of a refusal's line (for a flag TRL
-    removed, what it does instead)."""
+    removed, what it does instead); ``launch_sh``: launch.sh's own flags, named as its."""
     if (instead := REMOVED.get(typed.removeprefix("--"))) is not None:
         return f": {instead}"
-    # (an abbreviation, or the end of a longer name: --decoding for --worker_decoding)
-    suffix = "_" + typed.removeprefix("--")
-    candidates = ([o for o in among if o.startswith(typed) or o.endswith(suffix)]
-                  or difflib.get_close_matches(typed, among, n=3, cutoff=0.75))
-    return f"; did you mean {' or '.join(candidates[:5])}?" if candidates else " (--help lists them)"
+
+    def close_to(names: list[str]) -> list[str]:  # (an abbreviation, or the end of a longer name: --decoding)
+        suffix = "_" + typed.removeprefix("--")
+        return ([o for o in names if o.startswith(typed) or o.endswith(suffix)]
+                or difflib.get_close_matches(typed, names, n=3, cutoff=0.75))
+
+    candidates = close_to(among)[:5]
+    launcher = {f"--{flag[2:].replace('-', '_')}": flag for flag in launch_sh}
+    candidates += [f"launch.sh's {launcher[o]}" for o in close_to(sorted(launcher)) if o not in candidates]
+    return f"; did you mean {' or '.join(candidates)}?" if candidates else " (--help lists them)"
 
 
 def check(argv: list[str]) -> str | None:

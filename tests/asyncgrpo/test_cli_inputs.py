@@ -155,6 +155,8 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--learning_rat", "1e-5"], "--learning_rat: not a flag; did you mean --learning_rate?"),  # not abbreviated
     (["--num_gen=4"], "--num_gen: not a flag; did you mean --num_generations or --num_generations_eval?"),
     (["--lerning_rate", "1e-5"], "--lerning_rate: not a flag; did you mean --learning_rate?"),
+    (["--worker", "2"], "--worker: not a flag; did you mean --worker_decoding or --worker_dtype or launch.sh's "
+     "--workers?"),  # (launch.sh's own flags it takes: a typo of one reaches the parameter server's parse)
     (["--no_such_flag", "1"], "--no_such_flag: not a flag (--help lists them)"),
     (["--decoding", "eager"], "--decoding: not a flag; did you mean --decoding_slots or --worker_decoding?"),
     (["--max-prompt-length", "256"], "--max-prompt-length: not a flag: this TRL has no such flag and does not cut "
