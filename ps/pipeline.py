@@ -134,7 +134,9 @@ class JobPipeline:
         the run directory, and starts feeding and collecting."""
         self.load_state_dict(state or {})
         self.progress.published_version = self.progress.next_take_step = published_version
-        self.queue.roll_back_consumed(self.ledger.consumed)
+        if rolled_back := self.queue.roll_back_consumed(self.ledger.consumed):
+            log.info("[queue] %d result(s) consumed after the checkpoint back in the queue, to be trained again",
+                     len(rolled_back))
         readopted = self.collector.collect_now(readopt=True)
         if readopted:
             log.info("[queue] re-adopted %d result(s) from the run directory", readopted)

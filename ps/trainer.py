@@ -179,8 +179,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         truncated = metrics.truncate_after(self.run.metrics_file, step)
         torn = truncated.unreadable  # a line cut short by a crash (or written over by hand)
         if truncated.removed or torn:
-            log.info("[train] metrics.jsonl: %d line(s) of steps after %d removed (they are trained again)%s",
-                     truncated.removed, step, f", {torn} unreadable line(s) removed" if torn else "")
+            log.info("[train] metrics.jsonl: %d line(s) of steps %s removed (they are trained again)%s",
+                     truncated.removed, f"after {step}" if step else "of a run without a checkpoint",
+                     f", {torn} unreadable line(s) removed" if torn else "")
         return sum(line.get("groups_dropped") or 0 for line in truncated.kept)
 
     def finish(self) -> None:

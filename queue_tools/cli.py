@@ -399,7 +399,7 @@ def cmd_cleanup(run: RunDir, args) -> int:
         print(retention.line())
     for line in _freed_lines(freed, "would free" if args.dry_run else "freed"):
         print(line)
-    done = len(actions) + len(freed)
+    done = len(actions) + len(freed) + (len(retention.compacted) if retention is not None else 0)
     summary = f"cleanup: {done} action(s)" if done else "cleanup: nothing to do"
     print(summary + (" (dry run: nothing changed)" if args.dry_run and done else ""))
     return 0

@@ -400,11 +400,11 @@ class JobQueue:
             try:
                 fileops.move_to_other_dir(entry.path, collected, fsync=self.fsync)
                 self.events.emit("result_rolled_back", job_id=job_id)
-                log.info("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
+                log.debug("[queue] %s was consumed after the checkpoint: back in the queue", job_id)
             except FileExistsError:
                 fileops.unlink_second_name(entry.path)  # an earlier PS died inside consume()'s link + unlink
                 self.events.emit("result_rolled_back", job_id=job_id)
-                log.info("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
+                log.debug("[queue] %s: its archiving as consumed was cut short; back in the queue", job_id)
             back.append(job_id)
         return back
 

@@ -148,6 +148,9 @@ def test_a_torn_metrics_line_is_removed_on_resume_and_the_rest_kept(run, caplog)
     AsyncGRPOTrainer._forget_metrics_after(SimpleNamespace(run=run), 3)
     assert path.read_text() == "".join(f"{line}\n" for line in lines[:3])
     assert "1 line(s) of steps after 3 removed (they are trained again), 1 unreadable line(s) removed" in caplog.text
+    # A run resumed without a checkpoint trains every step again: no "steps after 0".
+    AsyncGRPOTrainer._forget_metrics_after(SimpleNamespace(run=run), 0)
+    assert path.read_text() == "" and "3 line(s) of steps of a run without a checkpoint removed" in caplog.text
 
 
 @pytest.mark.process

@@ -262,7 +262,9 @@ def test_queue_tools_cleanup_keep_files(run, capsys):
     tick()
     save_checkpoint(run, 10, [consumed_id(p) for p in files])
     assert main(["cleanup", str(run.root), "--keep-files", "4", "--dry-run"]) == 0
-    assert "would compact 2 file(s)" in capsys.readouterr().out and done_bytes(run) == 6000
+    out = capsys.readouterr().out
+    assert "would compact 2 file(s)" in out and done_bytes(run) == 6000
+    assert out.splitlines()[-1] == "cleanup: 2 action(s) (dry run: nothing changed)"  # (not "nothing to do")
     assert main(["cleanup", str(run.root), "--keep-files", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["retention"]["compacted"] == 2 and done_bytes(run) == 4000
