@@ -12,7 +12,6 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from helpers import (
@@ -21,6 +20,7 @@ from helpers import (
     as_other_host,
     other_host_unavailable,
     pid_alive,
+    process_state,
     start_zygote,
     wait_for,
 )
@@ -111,7 +111,7 @@ def test_a_client_waiting_for_its_server_to_be_ready_ends_at_a_signal_and_leaves
     proc = subprocess.Popen([CLIENT, "-c", "pass"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         conn, _ = server.accept()  # (connected: its signal handlers are set) and never told it is ready
-        wait_for(lambda: _state(proc.pid) == "S", "the client to wait for its server", 60)
+        wait_for(lambda: process_state(proc.pid) == "S", "the client to wait for its server", 60)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == -signal.SIGINT
         assert conn.recv(1, socket.MSG_DONTWAIT) == b""  # it sent nothing: no descriptor of its own in the queue
@@ -120,11 +120,6 @@ def test_a_client_waiting_for_its_server_to_be_ready_ends_at_a_signal_and_leaves
     finally:
         proc.kill()
         server.close()
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (R running, S sleeping: waiting, ...)."""
-    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_signal_ignored_by_the_client_is_ignored_by_the_child_as_bash_ignores_sigint_in_background_jobs():

@@ -25,6 +25,7 @@ from helpers import (
     metrics,
     parent_of,
     pid_alive,
+    process_state,
     ps_events,
     read_json,
     run_flags,
@@ -156,14 +157,6 @@ def test_sigterm_with_checkpoint_on_sigterm_saves_the_last_step_and_the_relaunch
                                                       f"run directory {run_root}, an existing run"], said
     assert [m["step"] for m in metrics(run_root)] == list(range(1, steps + 1))
     assert_exactly_once(run_root, jobs=steps)
-
-
-def process_state(pid: int) -> str:
-    """A process's state letter (R running, S sleeping: waiting, ...); "" once it is gone."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
 
 
 def run_processes(run_root: Path) -> dict[int, str]:
