@@ -30,6 +30,7 @@ from helpers import (
     metrics,
     modes_beyond,
     pid_alive,
+    process_state,
     ps_events,
     run_flags,
     start_faulty_ps,
@@ -168,6 +169,18 @@ def test_demo_task_learns_with_two_workers(tmp_path):
     assert best >= 0.8, f"the best 20-step mean reward is {best:.2f}"
 
 
+def frozen_holding_a_job(pid: int, run_root: Path) -> str | None:
+    """Stops ``pid`` (SIGSTOP: nothing moves while it is looked at) and returns the name of a job file it holds,
+    leaving it stopped; None, and it continued, when it holds none."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(pid) == "T", f"pid {pid} to stop", TIMEOUT_S)
+    held = sorted(p.name for p in (run_root / "queue").glob("*_processing_by_dev1*"))
+    if held:
+        return held[0]
+    os.kill(pid, signal.SIGCONT)
+    return None
+
+
 def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     run_root = tmp_path / "run"
     proc = launch_in_group(run_root, "--workers", "2", "--max-steps", "100000", "--lease_s", "4")
@@ -177,9 +190,14 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
         # The weight buffers are the owner's alone, as the rest of the run (checked below, once it ended).
         buffers = list(Path("/dev/shm").glob(f"asyncgrpo-weights-{run_tag(RunDir(run_root.resolve()))}-*"))
         assert len(buffers) == 1 and modes_beyond(buffers[0], 0o700) == []
+        held = wait_for(lambda: frozen_holding_a_job(first, run_root), "worker 1 to hold a job", TIMEOUT_S,
+                        procs=(proc,))
         os.kill(first, signal.SIGKILL)
         # The restarted worker beats with its own pid.
         second = heartbeat_pid(run_root, 1, TIMEOUT_S, not_pid=first, procs=(proc,))
+        logs = [run_root / "logs" / name for name in ("log_worker_1.txt", "log_parameter_server.txt")]
+        wait_for(lambda: any(f"[queue] recover: requeue {held}" in p.read_text() for p in logs),
+                 "the job the killed worker held to be recovered", TIMEOUT_S, procs=(proc,))
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: every process of the group, the PS too
         assert stopped_status(proc, run_root) == 130
     finally:
@@ -187,6 +205,7 @@ def test_launch_restarts_a_dead_worker_and_ctrl_c_stops_everything(tmp_path):
     out = proc.stdout.read()
     # The pid killed, the worker's own (as its heartbeat and queue_tools ls show it), not its fork server client's.
     assert f"worker 1 (pid {first}) exited with status 137: restarting it" in out, out
+    assert f"[queue] recover: requeue {held}" in out, out  # the terminal says where its job went
     assert "interrupted: stopping" in out
     workers = [second, heartbeat_pid(run_root, 2, TIMEOUT_S)]
     ps_pid = json.loads((run_root / "ps.json").read_text())["pid"]
