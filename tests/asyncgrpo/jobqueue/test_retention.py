@@ -10,6 +10,8 @@ import os
 import time
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from asyncgrpo.config import ConfigError
 from asyncgrpo.config_parser import parse_config
@@ -38,7 +40,7 @@ def save_checkpoint(run, step, consumed):
     """What the PS leaves: a checkpoint folder whose ledger, written last, marks it complete."""
     folder = run.checkpoints / f"checkpoint-{step}"
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(b"m")
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
     fileops.write_json(folder / LEDGER_FILE, {"consumed": sorted(consumed), "global_step": step}, fsync=True)
     return folder
 
