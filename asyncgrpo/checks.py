@@ -67,8 +67,9 @@ def _check_tool_calling(cfg: AsyncGRPOConfig, tokenizer, model: str) -> None:
                           "--model_name_or_path whose template can, or use --builtin_task lookup's model")
 
 
-def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list) -> str | None:
-    """Config and tokenizer load, weights are there (not loaded); returns a dtype note for the user or None."""
+def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list, eval_dataset=None) -> str | None:
+    """Config and tokenizer load, weights are there (not loaded), the prompts of both splits fit; returns a note for
+    the user or None."""
     from transformers import AutoConfig, AutoTokenizer
 
     name = os.path.expanduser(cfg.model_name_or_path)
@@ -100,8 +101,16 @@ def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list) -> str | None:
     except Exception as err:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
+    if len(tokenizer) <= 1:  # (transformers makes some models' tokenizer class without files: empty, no error)
+        raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no tokenizer in that folder (its files, "
+                          "tokenizer.json or the vocabulary, are not there): save the tokenizer with the model "
+                          "(tokenizer.save_pretrained)")
     _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
+    # (the evaluation's prompts too: a prompt too long for learned positions fails the first evaluation, mid-run)
     lengths_note = _check_lengths(cfg, config, tokenizer, dataset, tools)
+    if eval_dataset is not None:
+        lengths_note = _check_lengths(cfg, config, tokenizer, eval_dataset, tools,
+                                      split=cfg.dataset_test_split) or lengths_note
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
     return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], lengths_note) if note) or None
 
@@ -109,14 +118,18 @@ def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list) -> str | None:
 PROMPTS_MEASURED = 1024  # the dataset's first rows whose prompts are measured against the model's positions
 
 
-def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list) -> str | None:
+def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list, split: str | None = None
+                   ) -> str | None:
     """A prompt of the dataset's first rows plus ``max_completion_length`` tokens beyond the model's positions
     (``max_position_embeddings``): refused for a model with learned positions (it cannot encode them), a note for
-    one with rotary positions (it decodes positions it was not trained on). Conversations need a chat template."""
+    one with rotary positions (it decodes positions it was not trained on). Conversations need a chat template.
+    ``split``: the evaluation's (named in the lines), not the training's."""
     import itertools
 
     rows = list(itertools.islice(dataset, PROMPTS_MEASURED))
     source = f"--dataset_name {cfg.dataset_name}" if cfg.dataset_name else "the dataset"
+    if split is not None:
+        source += f", its {split!r} split (--dataset_test_split, evaluated)"
     for i, row in enumerate(rows):
         if isinstance(row, dict) and not isinstance(row.get("prompt"), (str, list)):  # (a JSON line without one: None)
             raise ConfigError(f"{source}: row {i + 1} (counting from 1): its prompt is {row.get('prompt')!r}, not a "
@@ -143,7 +156,8 @@ def _check_lengths(cfg: AsyncGRPOConfig, config, tokenizer, dataset, tools: list
     longest = max(lengths, default=0)
     if longest + cfg.max_completion_length <= positions:
         return None
-    beyond = (f"--max_completion_length {cfg.max_completion_length}: prompts of up to {longest} tokens plus "
+    where = f" ({source})" if split is not None else ""
+    beyond = (f"--max_completion_length {cfg.max_completion_length}: prompts of up to {longest} tokens{where} plus "
               f"{cfg.max_completion_length} completion tokens exceed the {positions} positions of "
               f"{cfg.model_name_or_path} (its max_position_embeddings)")
     rotary = any(getattr(config, name, None) for name in ("rope_parameters", "rope_theta", "rope_scaling"))
@@ -267,8 +281,9 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
     if (off := getattr(cfg, "_mixed_precision_off", None)) and "16" not in str(cfg.dtype):  # (else: half_dtype_note)
         notes.append(f"{' '.join(off)}: mixed precision is off on CPU: the model computes in its --dtype, {cfg.dtype} "
                      "(--dtype bfloat16 runs it in bfloat16)")
+    eval_dataset = load_eval_dataset(cfg)
     if cfg.model_name_or_path is not None:
-        notes.append(_check_model(cfg, dataset, hooks.tools))
+        notes.append(_check_model(cfg, dataset, hooks.tools, eval_dataset))
     else:
         from asyncgrpo.tasks import demo, lookup
 
@@ -284,7 +299,6 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
             notes.append(half_dtype_note(cfg.dtype, cfg.device_type)[0])
     if cfg.fsdp_plugin_args and cfg.device_type == "cpu":
         notes.append("--fsdp: accelerate shards a model on GPUs only; on CPU every PS process holds the whole model")
-    load_eval_dataset(cfg)
     root = Path(os.path.abspath(os.path.expanduser(run_root)))
     if (SOURCE_TREE / "pyproject.toml").is_file() and root.is_relative_to(SOURCE_TREE):
         raise ConfigError(f"--run_dir {root}: inside the source tree {SOURCE_TREE}; choose a folder outside it")

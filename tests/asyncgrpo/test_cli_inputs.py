@@ -227,6 +227,33 @@ def test_prompts_and_completions_beyond_the_models_positions_are_refused_or_said
             ) in check_inputs(cfg, user_folder / "run")
     cfg = parse_config(["--device_type", "cpu", *USER_FLAGS, "--max_completion_length", "8"])
     assert not [n for n in check_inputs(cfg, user_folder / "run") if "positions" in n]
+    # The evaluation's prompts too: one too long would end the run at its first evaluation.
+    (user_folder / "evallong").mkdir()
+    (user_folder / "evallong" / "train.jsonl").write_text(json.dumps({"prompt": "1:"}) + "\n")
+    (user_folder / "evallong" / "test.jsonl").write_text((user_folder / "long.jsonl").read_text())
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(parse_config(["--device_type", "cpu", *USER_FLAGS, "--dataset_name", "evallong",
+                                   "--max_completion_length", "8", "--model_name_or_path", "gpt2ish",
+                                   "--eval_strategy", "steps"]), user_folder / "run")
+    assert str(refused.value) == ("--max_completion_length 8: prompts of up to 60 tokens (--dataset_name evallong, "
+                                  "its 'test' split (--dataset_test_split, evaluated)) plus 8 completion tokens exceed "
+                                  "the 64 positions of gpt2ish (its max_position_embeddings): shorten the prompts or "
+                                  "--max_completion_length")
+
+
+def test_a_model_folder_without_its_tokenizer_is_said_so(user_folder):
+    """transformers makes some models' tokenizer class from the config alone, empty: every prompt then looked like
+    the dataset's fault."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=64)).save_pretrained("notokenizer")
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(parse_config(["--device_type", "cpu", *USER_FLAGS, "--model_name_or_path", "notokenizer"]),
+                     user_folder / "run")
+    assert str(refused.value) == (
+        "--model_name_or_path notokenizer: no tokenizer in that folder (its files, tokenizer.json or the vocabulary, "
+        "are not there): save the tokenizer with the model (tokenizer.save_pretrained)")
 
 
 def test_a_users_data_without_a_model_is_told_which_model_and_defaults_train(user_folder):
