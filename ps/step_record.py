@@ -92,7 +92,8 @@ class StepRecord:
             prompts_skipped=prompts_skipped, tool_failure_rate=logs.get("tools/failure_frequency"),
             frac_reward_zero_std=finite(logs.get("frac_reward_zero_std")),
             steps_without_reward=signal.steps_without_reward, steps_without_spread=signal.steps_without_spread,
-            step_time_s=round(now - self._last_line, 4), queue_depth=queue_depth, time=time.time())
+            step_time_s=round(now - self._last_line, 4), queue_depth=queue_depth, time=time.time(),
+            trl={name: value for name, value in logs.items() if name not in mine})
         self._last_line = now
         self._new_span()
         return line

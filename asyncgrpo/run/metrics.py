@@ -98,6 +98,9 @@ class StepMetrics:
     step_time_s: float  # since the previous line
     queue_depth: dict[str, int]  # JobQueue.counts() when the step was logged
     time: float  # wall clock, time.time()
+    # Every metric TRL (and transformers) logged for the step, under its names: rewards/{function}/mean and /std,
+    # kl, entropy, completions/mean_length, learning_rate, ... (asyncgrpo's own are the fields above)
+    trl: dict = dataclasses.field(default_factory=dict)
 
 
 def eval_line(step: int, logs: dict) -> dict:

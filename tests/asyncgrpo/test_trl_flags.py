@@ -224,7 +224,12 @@ def test_evaluation_runs_on_the_ps_with_the_test_split(trl_run):
 
     evals = metrics.read_lines(run_root / "metrics.jsonl", kind="eval")
     assert [e["step"] for e in evals] == [1, 2] and all("eval_loss" in e and "eval_reward" in e for e in evals)
-    assert [line["step"] for line in metrics.read_lines(run_root / "metrics.jsonl")] == [1, 2]
+    steps = metrics.read_lines(run_root / "metrics.jsonl")
+    assert [line["step"] for line in steps] == [1, 2]
+    # Every metric TRL logged for a step is in its line: per reward function, KL, lengths, the learning rate.
+    assert {"rewards/ones/mean", "rewards/ones/std", "completions/mean_length", "learning_rate"} <= \
+        steps[0]["trl"].keys(), steps[0]
+    assert steps[0]["trl"]["rewards/ones/mean"] == steps[0]["reward"] and "staleness/mean" not in steps[0]["trl"]
     assert [e["step"] for e in read_events(run_root, process="ps", event="eval_end")] == [1, 2]
 
 
