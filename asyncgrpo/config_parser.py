@@ -7,6 +7,7 @@ defaults where the user gives no model, dataset or reward function.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 
@@ -84,7 +85,13 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, descrip
     parser.allow_abbrev = False  # argparse would take --learning_rat for --learning_rate, silently
     _refuse_unknown_flags(argv, from_yaml, config_path, parser)
 
+    on_command_line = _flag_names(argv)
+
     def one_line_error(message: str):  # argparse would print its whole usage block and exit
+        # A bad value read from the YAML file (TrlParser hands its keys to argparse as flags): the file is named.
+        flag = re.match(r"argument --(\w+)", message)
+        if config_path is not None and flag and flag[1] in from_yaml and flag[1] not in on_command_line:
+            message = f"--config {config_path}: {flag[1]}: {message.split(': ', 1)[-1]}"
         raise ConfigError(message)
 
     parser.error = one_line_error

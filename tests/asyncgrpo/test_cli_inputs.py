@@ -74,6 +74,7 @@ def user_folder(tmp_path, monkeypatch):
     (folder / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["1"] * 30) + ":"}) + "\n")  # 60 tokens
     (folder / "typo.yaml").write_text("learning_rate: 1.0e-3\nmax_step: 5\nenv:\n  HF_HUB_OFFLINE: '1'\n")
     (folder / "typos.yaml").write_text("temprature: 0.7\nmax_step: 5\n")
+    (folder / "badvalue.yaml").write_text("learning_rate: fast\n")
     (folder / "strict.py").write_text(STRICT_REWARDS)
     (folder / "agent.py").write_text("LIMIT = 3\n\nclass Env:\n    def reset(self, **row):\n        pass\n")
     for name, fix in {"corrupt": lambda m: (m / "config.json").write_text("{not json"),
@@ -165,6 +166,7 @@ BAD_INPUTS = [  # (flags on top of USER_FLAGS, the start of the one line)
     (["--config", "typo.yaml"], "--config typo.yaml: max_step: not a config key; did you mean max_steps?"),
     (["--config", "typo.yaml", "--config", "typos.yaml"], "--config: give one YAML file"),
     (["--config=typo.yaml"], "--config typo.yaml: max_step: not a config key; did you mean max_steps?"),
+    (["--config", "badvalue.yaml"], "--config badvalue.yaml: learning_rate: invalid float value: 'fast'"),
     (["--config", "typos.yaml"], "--config typos.yaml: temprature: not a config key; did you mean temperature? "
                                  "max_step: not a config key; did you mean max_steps?"),
 ]
