@@ -67,7 +67,10 @@ class FailedJobs:
         limit = self.cfg.max_failed_in_a_row
         if limit > 0 and in_a_row >= limit and not self.stopped:
             self.stopped = True
-            where = f" (traceback in {archived})" if archived else ""
+            device = errors[-1].get("worker_device")  # (its worker logged the traceback, a text: first)
+            places = [str(self.queue.run.logs / f"log_worker_{device}.txt")] if device is not None else []
+            places += [str(archived)] if archived else []
+            where = f" (traceback in {' and '.join(places)})" if places else ""
             self.stop(f"{in_a_row} jobs in a row failed on all {report.attempt} attempt(s), none produced a "
                       f"result: {self.last_error}{where}")
 

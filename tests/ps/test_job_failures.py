@@ -138,7 +138,8 @@ def test_jobs_failing_in_a_row_stop_the_run_once_naming_the_error(queue):
     failed.record(report_for(queue, "000001_005"))
     [reason] = stopped
     assert reason.startswith("3 jobs in a row failed on all 3 attempt(s), none produced a result: reward function "
-                             "'my_reward' raised ValueError: the server is down (traceback in ")
+                             f"'my_reward' raised ValueError: the server is down (traceback in "
+                             f"{queue.run.logs / 'log_worker_1.txt'} and ")  # (a text first: the file is a pickle)
     assert reason.endswith("000001_001_failed_a3.pt)")
 
 
