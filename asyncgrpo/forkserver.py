@@ -55,12 +55,12 @@ PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetens
            "filelock", "accelerate")
 NAMESPACES = ("uts", "mnt")  # a client in a container or `unshare` of its own: its child joins them
 POLL_S = 0.02  # how often the server reaps its children when no request comes
-READY = b"ready\n"
+READY = b"ready\n"  # the server's first line to a client: the libraries are imported, send the request
+SOCKET_WAIT_S = 5.0
 
 
 class ClientGone(ConnectionError):
     """A client that ended before it sent its request (a Ctrl-C while the server imported): nothing to say."""
-SOCKET_WAIT_S = 5.0
 
 
 # ---------------------------------------------------------------------- the client's side

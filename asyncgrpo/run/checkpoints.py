@@ -137,7 +137,7 @@ def checkpoint_to_resume(checkpoints: str | os.PathLike) -> str | None:
         log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
         shutil.rmtree(folder)
     if complete is not None and (why := damage(complete)) is not None:
-        older = next((folder for step, folder in checkpoint_folders(checkpoints)
+        older = next((folder for _, folder in checkpoint_folders(checkpoints)
                       if folder != complete and is_complete(folder) and damage(folder) is None), None)
         then = (f"to resume from {older.name} (the steps after it are trained again)" if older is not None
                 else "to train from the beginning")
