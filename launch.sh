@@ -175,9 +175,8 @@ for i in $(seq 1 "$WORKERS"); do start_worker "$i"; done
 # why (--worker_decoding auto's choice, a fallback), its compiling (a minute on a CPU, while the PS waits) and when
 # that is done or failed, the workers' failed tool calls and jobs ([tools] and [jobs] lines, rate-limited by the
 # workers; a job past its deadline, once), the jobs recovery takes back from a worker gone or silent past the lease.
-# tail ends when the PS does; neither Ctrl-C nor a SIGTERM to the whole
-# process group (a scheduler's) stops it, so that the PS's last lines (its "interrupted" line, the checkpoint it saved
-# on SIGTERM) still show.
+# tail ends when the PS does; neither Ctrl-C nor a SIGTERM to the whole process group (a scheduler's) stops it, so
+# that the PS's last lines (its "interrupted" line, the checkpoint it saved on SIGTERM) still show.
 { trap '' INT TERM; tail --pid="$PS_PID" -q -n0 -F "$LOGS/log_parameter_server.txt" "${WORKER_LOG[@]}" 2>/dev/null |
     grep --line-buffered -E ' (INFO|WARNING) \[(train|eval)\]|^ps: error: | (WARNING|ERROR) \[(tools|jobs)\] | WARNING \[queue\] recover: | WARNING \[weights\] worker \S+ found | INFO \[gen\] dev\S+ (compiling|decodes|decoding compiled) | ERROR \[gen\] dev\S+ \S+ decoding failed '; } 9>&- &
 TAIL_PID=$!
