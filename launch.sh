@@ -102,6 +102,7 @@ CHECKED=$("$PY" -m ps --check_only "${ARGS[@]}" 9>&-) || exit $?  # it printed t
 checked_inputs "$CHECKED"
 [ "$DEVICE" = cuda ] && [ "$NGPU" -lt "$PS_PROCS" ] && die "--ps-procs $PS_PROCS, but torch sees $NGPU GPU(s)"
 trap end_fork_server EXIT
+trap - INT TERM HUP  # (checked: the handlers of a started run come below, before its PS starts)
 ARGS[1]="$RUN_DIR" ARGS[3]="$DEVICE"
 LOGS="$RUN_DIR/logs"
 mkdir -p "$LOGS" || die "cannot create $LOGS"

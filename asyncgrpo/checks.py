@@ -22,6 +22,8 @@ from asyncgrpo.inputs import (
     model_load_kwargs,
 )
 from asyncgrpo.messages import first_line
+from asyncgrpo.run import RunDir
+from asyncgrpo.run.checkpoints import damaged_newest
 from asyncgrpo.user_code import load_rollout_hooks
 
 HUB_TIMEOUT_S = 10.0
@@ -101,18 +103,21 @@ def _check_model(cfg: AsyncGRPOConfig, dataset, tools: list, eval_dataset=None) 
     except Exception as err:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: cannot load its tokenizer: "
                           f"{first_line(err, with_type=False)}") from None
-    if len(tokenizer) <= 1:  # (transformers makes some models' tokenizer class without files: empty, no error)
+    try:
+        empty = len(tokenizer) <= 1  # (transformers makes some models' tokenizer class without files: empty, no error)
+    except Exception:  # (a remote code tokenizer without a length: not for this check to say)
+        empty = False
+    if empty:
         raise ConfigError(f"--model_name_or_path {cfg.model_name_or_path}: no tokenizer in that folder (its files, "
                           "tokenizer.json or the vocabulary, are not there): save the tokenizer with the model "
                           "(tokenizer.save_pretrained)")
     _check_tool_calling(cfg, tokenizer, cfg.model_name_or_path)
     # (the evaluation's prompts too: a prompt too long for learned positions fails the first evaluation, mid-run)
-    lengths_note = _check_lengths(cfg, config, tokenizer, dataset, tools)
+    lengths_notes = [_check_lengths(cfg, config, tokenizer, dataset, tools)]
     if eval_dataset is not None:
-        lengths_note = _check_lengths(cfg, config, tokenizer, eval_dataset, tools,
-                                      split=cfg.dataset_test_split) or lengths_note
+        lengths_notes.append(_check_lengths(cfg, config, tokenizer, eval_dataset, tools, split=cfg.dataset_test_split))
     dtype = config.dtype if kwargs.get("dtype") == "auto" else kwargs.get("dtype")
-    return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], lengths_note) if note) or None
+    return "; ".join(note for note in (half_dtype_note(dtype, cfg.device_type)[0], *lengths_notes) if note) or None
 
 
 PROMPTS_MEASURED = 1024  # the dataset's first rows whose prompts are measured against the model's positions
@@ -308,4 +313,6 @@ def check_inputs(cfg: AsyncGRPOConfig, run_root: str | os.PathLike) -> list[str]
         probe.close()
     except OSError as err:
         raise ConfigError(f"--run_dir {root}: not writable: {err.strerror or err}") from None
+    if (refusal := damaged_newest(RunDir(root).checkpoints)) is not None:  # (a relaunch: before any process starts)
+        raise ConfigError(refusal)
     return [note for note in notes if note]

@@ -56,6 +56,9 @@ PRELOAD = ("torch", "transformers", "trl", "trl.trainer.grpo_trainer", "safetens
 NAMESPACES = ("uts", "mnt")  # a client in a container or `unshare` of its own: its child joins them
 POLL_S = 0.02  # how often the server reaps its children when no request comes
 READY = b"ready\n"  # the server's first line to a client: the libraries are imported, send the request
+# A server's socket is named for the protocol it speaks: a client (started from the repository after a `git pull`
+# during a run) that finds a server of another protocol starts a new interpreter rather than wait on it forever.
+SOCKET_SUFFIX = ".v2.sock"
 SOCKET_WAIT_S = 5.0
 
 
@@ -88,10 +91,10 @@ def client(argv: list[str]) -> None:
         _new_interpreter(argv)
 
     def forward(signum, _frame):
-        if "pid" not in child and inherited[signum] is not signal.SIG_IGN:
-            # Before its child exists (the server still importing: seconds), a signal ends this process at once, as
-            # it ends an interpreter still importing: a Ctrl-C during launch.sh's input check is not a wait. (The
-            # server kills a child forked for a client gone.)
+        if "sent" not in child and inherited[signum] is not signal.SIG_IGN:
+            # Before its request is sent (the server still importing: seconds), a signal ends this process at once,
+            # as it ends an interpreter still importing: a Ctrl-C during launch.sh's input check is not a wait.
+            # After, the child is milliseconds away and gets it.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         elif "pid" not in child:
@@ -103,11 +106,14 @@ def client(argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     path = os.environ.get(SERVER_ENV, "")
+    if not path.endswith(SOCKET_SUFFIX):  # (no server, or one of another protocol)
+        new_interpreter()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         _wait_for_socket(path)
         conn.connect(path)
         send_request(conn, {what: target}, args, os.getcwd(), dict(os.environ), [0, 1, 2], ignored)
+        child["sent"] = True
         lines = conn.makefile("rb")
         reply = json.loads(lines.readline() or b'{"exec": "the fork server ended"}')
     except OSError:  # no server (not started, or ended)
@@ -285,7 +291,10 @@ def _reap(children: dict, clients: dict, selector) -> None:
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     """A request's line and the file descriptors that came with it (the client's standard three)."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    except ConnectionResetError as err:  # (killed with READY unread)
+        raise ClientGone() from err
     if not data and not fds:
         raise ClientGone()
     try:

@@ -52,8 +52,10 @@ FORKED_PYTHON = REPO / "scripts" / "forked_python"
 def start_fork_server(folder: Path, env: dict) -> tuple[subprocess.Popen, dict]:
     """launch.sh's fork server (asyncgrpo/forkserver.py) with ``env``, done importing; it and the environment of its
     clients."""
+    from asyncgrpo import forkserver
+
     folder.mkdir()
-    socket_path = folder / "server.sock"
+    socket_path = folder / f"server{forkserver.SOCKET_SUFFIX}"
     server = subprocess.Popen([sys.executable, str(REPO / "asyncgrpo" / "forkserver.py"), str(socket_path)], env=env,
                               stdin=subprocess.DEVNULL)
     env = {**env, "ASYNCGRPO_FORK_SERVER": str(socket_path), "ASYNCGRPO_FORK_PYTHON": sys.executable}

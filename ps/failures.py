@@ -68,7 +68,8 @@ class FailedJobs:
         if limit > 0 and in_a_row >= limit and not self.stopped:
             self.stopped = True
             device = errors[-1].get("worker_device")  # (its worker logged the traceback, a text: first)
-            places = [str(self.queue.run.logs / f"log_worker_{device}.txt")] if device is not None else []
+            log_file = self.queue.run.logs / f"log_worker_{device}.txt"  # (launch.sh's and join.sh's name for it)
+            places = [str(log_file)] if device is not None and log_file.is_file() else []
             places += [str(archived)] if archived else []
             where = f" (traceback in {' and '.join(places)})" if places else ""
             self.stop(f"{in_a_row} jobs in a row failed on all {report.attempt} attempt(s), none produced a "

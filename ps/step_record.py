@@ -93,7 +93,8 @@ class StepRecord:
             frac_reward_zero_std=finite(logs.get("frac_reward_zero_std")),
             steps_without_reward=signal.steps_without_reward, steps_without_spread=signal.steps_without_spread,
             step_time_s=round(now - self._last_line, 4), queue_depth=queue_depth, time=time.time(),
-            trl={name: value for name, value in logs.items() if name not in mine})
+            trl={name: value for name, value in logs.items()  # (numbers and words: a line is JSON)
+                 if name not in mine and (value is None or isinstance(value, (int, float, str)))})
         self._last_line = now
         self._new_span()
         return line

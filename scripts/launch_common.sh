@@ -20,9 +20,10 @@ start_fork_server() {
     fi
     local folder
     folder=$(mktemp -d "${TMPDIR:-/tmp}/asyncgrpo-forks.XXXXXX") || return 0
-    "$VENV_PY" "$REPO_ROOT/asyncgrpo/forkserver.py" "$folder/server.sock" < /dev/null 9>&- &
+    # (named for its protocol: forkserver.py's SOCKET_SUFFIX)
+    "$VENV_PY" "$REPO_ROOT/asyncgrpo/forkserver.py" "$folder/server.v2.sock" < /dev/null 9>&- &
     FORK_FOLDER=$folder
-    export ASYNCGRPO_FORK_SERVER="$folder/server.sock" ASYNCGRPO_FORK_PYTHON="$VENV_PY"
+    export ASYNCGRPO_FORK_SERVER="$folder/server.v2.sock" ASYNCGRPO_FORK_PYTHON="$VENV_PY"
     PY="$REPO_ROOT/scripts/forked_python"
 }
 end_fork_server() {  # (at the script's exit: the server's folder, which it removes itself unless it was killed)

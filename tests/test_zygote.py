@@ -104,10 +104,10 @@ def test_a_client_waiting_for_its_server_to_be_ready_ends_at_a_signal_and_leaves
     a client, its output read by the shell) ends the client at once, and nothing else holds its output open, so
     the shell reading it goes on."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(tmp_path / "server.sock"))
+    server.bind(str(tmp_path / f"server{forkserver.SOCKET_SUFFIX}"))
     server.listen(4)
     server.settimeout(60)
-    env = {**PROCESS_ENV, "ASYNCGRPO_FORK_SERVER": str(tmp_path / "server.sock")}
+    env = {**PROCESS_ENV, "ASYNCGRPO_FORK_SERVER": str(tmp_path / f"server{forkserver.SOCKET_SUFFIX}")}
     proc = subprocess.Popen([CLIENT, "-c", "pass"], env=env, stdout=subprocess.PIPE, text=True)
     try:
         conn, _ = server.accept()  # (connected: its signal handlers are set) and never told it is ready
@@ -120,6 +120,22 @@ def test_a_client_waiting_for_its_server_to_be_ready_ends_at_a_signal_and_leaves
     finally:
         proc.kill()
         server.close()
+
+
+def test_a_client_given_a_server_of_another_protocol_starts_a_new_interpreter(tmp_path):
+    """A server started before a `git pull` speaks the protocol before it (the request first, no READY): a client
+    started after would wait on it forever. Its socket's name says so, and the client starts a new interpreter."""
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old.bind(str(tmp_path / "server.sock"))  # (the name before protocols were named)
+    old.listen(4)
+    env = {**PROCESS_ENV, "ASYNCGRPO_FORK_SERVER": str(tmp_path / "server.sock")}
+    proc = subprocess.Popen([CLIENT, "-c", REPORT], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.wait(timeout=60) == 0
+        assert not json.loads(proc.stdout.readline())["forked"]
+    finally:
+        proc.kill()
+        old.close()
 
 
 def test_a_signal_ignored_by_the_client_is_ignored_by_the_child_as_bash_ignores_sigint_in_background_jobs():

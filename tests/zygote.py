@@ -36,7 +36,7 @@ _zygote: dict = {}
 def socket_path() -> str:
     """Where this test session's fork server listens (named before it starts: the launch scripts' environment
     names it)."""
-    return os.path.join(tempfile.gettempdir(), f"asyncgrpo-zygote-{os.getpid()}", "zygote.sock")
+    return os.path.join(tempfile.gettempdir(), f"asyncgrpo-zygote-{os.getpid()}", f"zygote{forkserver.SOCKET_SUFFIX}")
 
 
 def zygote_socket(cwd, env: dict) -> str:

@@ -136,14 +136,24 @@ def checkpoint_to_resume(checkpoints: str | os.PathLike) -> str | None:
             break
         log.warning("[train] %s is incomplete (the PS died while saving it): removed", folder)
         shutil.rmtree(folder)
-    if complete is not None and (why := damage(complete)) is not None:
-        older = next((folder for _, folder in checkpoint_folders(checkpoints)
-                      if folder != complete and is_complete(folder) and damage(folder) is None), None)
-        then = (f"to resume from {older.name} (the steps after it are trained again)" if older is not None
-                else "to train from the beginning")
-        raise DamagedCheckpoint(f"{complete} is damaged ({why}): move it aside (mv {complete} "
-                                f"{complete.parent / ('damaged-' + complete.name)}) and relaunch {then}")
+    if (refusal := damaged_newest(checkpoints)) is not None:
+        raise DamagedCheckpoint(refusal)
     return str(complete) if complete else None
+
+
+def damaged_newest(checkpoints: str | os.PathLike) -> str | None:
+    """The line refusing a relaunch whose newest complete checkpoint has a file that cannot be read (``damage``),
+    with what the operator can do; None where it can be read, or there is none. Read-only: the launch's input check
+    asks too, before any process starts."""
+    complete = newest_complete_checkpoint(checkpoints)
+    if complete is None or (why := damage(complete)) is None:
+        return None
+    older = next((folder for _, folder in checkpoint_folders(checkpoints)
+                  if folder != complete and is_complete(folder) and damage(folder) is None), None)
+    then = (f"to resume from {older.name} (the steps after it are trained again)" if older is not None
+            else "to train from the beginning")
+    return (f"{complete} is damaged ({why}): move it aside (mv {complete} "
+            f"{complete.parent / ('damaged-' + complete.name)}) and relaunch {then}")
 
 
 def name_local_base_in_card(folder: str | os.PathLike, base: str | None) -> None:

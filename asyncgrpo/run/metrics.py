@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from asyncgrpo.run import fileops
 
-# How much of the file's end last_line reads: a line is well under 1 KB, so this holds several.
-TAIL_BYTES = 8192
+# How much of the file's end last_line reads: a step's line is 1-3 KB (TRL's metrics in it grow with the reward
+# functions), an evaluation's as much, so this holds several.
+TAIL_BYTES = 65536
 
 # Steps that teach nothing (ps/learning_signal.py): the PS stops after this many steps in a row without a reward,
 # and warns (as do `queue_tools ls` and `report`) from this many in a row whose groups all scored alike.

@@ -243,6 +243,23 @@ def test_prompts_and_completions_beyond_the_models_positions_are_refused_or_said
                                   "--max_completion_length")
 
 
+def test_a_relaunch_on_a_damaged_checkpoint_is_refused_before_any_process_starts(user_folder):
+    """launch.sh's input check reads the newest checkpoint's files as the PS would resume from them: a damaged one is
+    refused there, before the workers start and the PS loads the model (minutes for a large one)."""
+    from asyncgrpo.run.checkpoints import write_ledger
+
+    checkpoint = user_folder / "run" / "checkpoints" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"\x08")  # cut short
+    write_ledger(checkpoint, 4, {"consumed": []})
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(parse_config(["--device_type", "cpu", *USER_FLAGS]), user_folder / "run")
+    assert str(refused.value).startswith(f"{checkpoint} is damaged (model.safetensors: SafetensorError: "), \
+        refused.value
+    assert str(refused.value).endswith("and relaunch to train from the beginning")
+    assert checkpoint.is_dir()  # (read only)
+
+
 def test_a_model_folder_without_its_tokenizer_is_said_so(user_folder):
     """transformers makes some models' tokenizer class from the config alone, empty: every prompt then looked like
     the dataset's fault."""

@@ -129,6 +129,7 @@ def test_failures_that_bunch_up_in_arrival_order_do_not_stop_the_run(queue):
 def test_jobs_failing_in_a_row_stop_the_run_once_naming_the_error(queue):
     stopped = []
     failed = failed_jobs(queue, stopped, limit=3)
+    (queue.run.logs / "log_worker_1.txt").write_text("Traceback ...\n")  # (launch.sh's log of worker 1)
     failed.result_arrived("000001_000")
     failed.record(report_for(queue, "000001_002"))
     failed.record(report_for(queue, "000001_003"))
