@@ -325,13 +325,6 @@ class PSHeartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat_forever, name="ps-heartbeat", daemon=True)
 
-    def announce_bad_delta(self, delta: tuple[str, int] | None) -> None:
-        """``(publisher_id, version)``: this worker keeps its weights until an anchor newer than that delta, which it
-        found bad on disk (written at once: the PS waits for results meanwhile). None: it is past it."""
-        if self._fields.get("bad_delta") != (None if delta is None else list(delta)):
-            self.update(bad_delta=None if delta is None else list(delta))
-            self.beat()
-
     def _beat_forever(self) -> None:
         while True:
             try:
